@@ -1,0 +1,219 @@
+"""Model and engine configuration.
+
+`ModelConfig` is the only view of a Hugging Face ``config.json`` the engine uses: the fields of
+``text_config`` that the Qwen3.6 text decoder needs (model spec §1), validated once and frozen.
+`EngineConfig` holds the serving knobs (memory, batching, page size).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ACCEPTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+class ConfigError(ValueError):
+    """A config.json that this engine cannot serve; the message is one line naming what was found."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Text-decoder hyper-parameters of Qwen3.5/3.6-MoE (model spec §1).
+
+    Derived sizes are properties so that they can never disagree with the stored fields.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    # gated full attention (spec §6)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    mrope_section: tuple[int, ...]
+    max_position_embeddings: int
+    # Gated DeltaNet (spec §5)
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MoE (spec §7)
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    # MTP head (spec §8)
+    mtp_num_hidden_layers: int
+    # stopping (spec §10.3)
+    eos_token_ids: tuple[int, ...] = (248046, 248044)
+    dtype: str = "bfloat16"
+    tie_word_embeddings: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed config.json (top level ``qwen3_5_moe`` or text ``qwen3_5_moe_text``).
+
+        Raises ConfigError (one line) for any other architecture or an inconsistent config.
+        """
+        model_type = cfg.get("model_type")
+        if model_type not in ACCEPTED_MODEL_TYPES:
+            archs = cfg.get("architectures")
+            raise ConfigError(
+                f"unsupported model: config.json has model_type={model_type!r}"
+                f" architectures={archs!r}; tailored serves only qwen3_5_moe (Qwen3.5/3.6-MoE)"
+            )
+        text = cfg.get("text_config", cfg) if model_type == "qwen3_5_moe" else cfg
+        if model_type == "qwen3_5_moe" and "text_config" not in cfg:
+            raise ConfigError("config.json of model_type 'qwen3_5_moe' has no text_config")
+        if text.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
+            raise ConfigError(
+                f"unsupported text_config.model_type={text.get('model_type')!r}; expected qwen3_5_moe_text"
+            )
+
+        def need(key: str) -> Any:
+            if key not in text:
+                raise ConfigError(f"config.json text_config lacks required field {key!r}")
+            return text[key]
+
+        n_layers = int(need("num_hidden_layers"))
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(n_layers)
+            ]
+        rope = text.get("rope_parameters") or {}
+        # older configs keep rope fields at the text_config top level
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000))
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"unsupported rope_type {rope_type!r}; only 'default' is implemented")
+        eos = text.get("eos_token_id", 248044)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (248046, int(eos))
+        head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
+        mc = cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            num_attention_heads=int(need("num_attention_heads")),
+            num_key_value_heads=int(need("num_key_value_heads")),
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(partial),
+            mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            num_experts=int(need("num_experts")),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
+            eos_token_ids=eos_ids,
+            dtype=str(text.get("dtype", text.get("torch_dtype", "bfloat16"))),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            raw=cfg,
+        )
+        mc.validate()
+        return mc
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"no config.json in {path}")
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        return cls.from_dict(cfg)
+
+    def validate(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        bad = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if bad:
+            raise ConfigError(f"unknown layer types {sorted(bad)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if 2 * sum(self.mrope_section) != self.rotary_dim:
+            raise ConfigError(
+                f"mrope_section {self.mrope_section} does not cover rotary_dim {self.rotary_dim}"
+            )
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError("num_experts_per_tok must be in 1..num_experts")
+
+    def with_num_layers(self, n: int) -> "ModelConfig":
+        """A copy keeping the first `n` layers (for full-width runs with fewer layers)."""
+        from dataclasses import replace
+
+        if not 0 < n <= self.num_hidden_layers:
+            raise ConfigError(f"--num-layers must be in 1..{self.num_hidden_layers}, got {n}")
+        return replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving knobs. Units: tokens, pages, slots, bytes.
+
+    page_size: tokens per KV page of the 10 attention layers.
+    max_num_seqs: most requests running at once (= GDN state slots in use, slot 0 is the pad sink).
+    max_num_batched_tokens: token budget of one engine step (decode + prefill chunks).
+    max_model_len: longest prompt + completion accepted.
+    num_pages: KV pages; None = sized from memory (GPU) or from max_num_seqs*max_model_len (CPU).
+    """
+
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 16384
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.90
+    device: str = "cpu"
+    dtype: str = "bfloat16"

@@ -1,0 +1,164 @@
+"""Typed records passed between the stages of one engine step.
+
+    server --Request--> Engine.add_request
+    Engine.step():  Scheduler.schedule() -> SchedulerOutput
+                    ModelRunner.execute(SchedulerOutput) -> ModelOutput      (the only GPU-touching stage)
+                    Scheduler.update(SchedulerOutput, ModelOutput) -> finished/stopped requests
+                    Detokenizer -> RequestOutput (delta text) --> server
+
+None of these records hold tensors except `ScheduledSeq.sampling` references (plain Python) and
+`ModelOutput.token_ids` (a Python list, copied from the device once per step).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS id, stop token id or stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # client went away / cancelled
+    ERROR = "error"  # the engine could not run the request (message in RequestOutput.error)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages/slot
+    RUNNING = "running"  # holds a state slot and KV pages
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings (OpenAI semantics; vLLM names for the extensions).
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    Penalties follow OpenAI (presence/frequency, additive on logits of generated tokens) and
+    CTRL/vLLM (repetition, divides positive / multiplies negative logits of prompt+output tokens).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_req_counter = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation request inside the engine.
+
+    prompt_ids: token ids of the prompt (no BOS is added for this model).
+    output_ids: generated ids so far.
+    num_computed_tokens: tokens whose KV / GDN state is already in the cache (prompt + output).
+    pages: KV page ids (index 0 never handed out; it is the pad sink).
+    slot: GDN state slot (0 = none / pad sink).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = (248046, 248044)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    slot: int = 0
+    finish_reason: FinishReason | None = None
+    seq_no: int = field(default_factory=lambda: next(_req_counter))
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while prompt tokens remain to be computed."""
+        return self.num_computed_tokens < len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step.
+
+    token_ids: the tokens to run this step (a prompt chunk, or the last sampled token for decode).
+    start_pos: position of token_ids[0] (= tokens already in the cache).
+    slot: GDN state slot; reset_state: zero the slot before running (first chunk of a request).
+    page_ids: KV pages covering positions [0, start_pos + len(token_ids)).
+    sample: whether this step ends at the prompt's last token or is a decode (a token is sampled).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    slot: int
+    reset_state: bool
+    page_ids: tuple[int, ...]
+    sample: bool
+    sampling: SamplingParams
+    # ids used for penalties: prompt ids and output ids so far (only filled when penalties are on)
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+    num_generated: int = 0  # tokens already generated (seeds the per-request RNG stream)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to run this step. Decode sequences come first, then prefill chunks."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    num_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """Sampled token per scheduled sequence with `sample=True` (request_id -> token id)."""
+
+    token_ids: dict[str, int]
+
+
+@dataclass
+class RequestOutput:
+    """What the server sees after each step for one request.
+
+    delta_text: text new since the last RequestOutput (never a broken UTF-8 sequence).
+    delta_token_ids: ids new since the last RequestOutput.
+    finished: True on the last output; finish_reason then says why.
+    """
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None
