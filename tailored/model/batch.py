@@ -1,0 +1,103 @@
+"""What one forward pass needs besides weights: the flattened batch and the hybrid cache.
+
+ForwardBatch lays out B sequences' new tokens back to back (T tokens in all). The cache holds
+(spec §5.8, §6.6):
+  * KV pages for the full-attention layers: k/v [n_attn_layers, num_pages, page_size, Hkv, D];
+    page 0 is the pad sink (never owned by a request);
+  * GDN state slots: conv [n_gdn_layers, num_slots, C, W-1] (model dtype) and recurrent
+    [n_gdn_layers, num_slots, HV, Dk, Dv] (fp32); slot 0 is the pad sink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tailored.config import ModelConfig
+
+
+@dataclass
+class SeqInfo:
+    """One sequence of the batch: rows [q_start, q_start+num_tokens) of the flat token arrays."""
+
+    q_start: int
+    num_tokens: int
+    start_pos: int  # tokens already cached before this step
+    slot: int  # GDN state slot
+    reset_state: bool  # zero the slot before use (first chunk)
+    page_ids: list[int]  # KV pages covering positions [0, start_pos + num_tokens)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass
+class ForwardBatch:
+    """input_ids/positions: [T] int64 on the model device; seqs: per-sequence layout;
+    logits_rows: rows of the flat batch whose logits are needed (one per sampling sequence)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seqs: list[SeqInfo]
+    logits_rows: list[int]
+
+    @classmethod
+    def build(cls, seqs_tokens: list[tuple[list[int], int, int, bool, list[int]]], logits_rows,
+              device) -> "ForwardBatch":
+        """seqs_tokens: per sequence (token_ids, start_pos, slot, reset_state, page_ids)."""
+        ids, pos, seqs = [], [], []
+        for toks, start, slot, reset, pages in seqs_tokens:
+            seqs.append(SeqInfo(len(ids), len(toks), start, slot, reset, list(pages)))
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            seqs=seqs,
+            logits_rows=list(logits_rows),
+        )
+
+
+class HybridCache:
+    """KV pages + GDN state slots for all layers (allocated once; pools hand out indices)."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
+                 dtype: torch.dtype, device):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
+        kv_shape = (n_attn, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
+        W = cfg.linear_conv_kernel_dim
+        self.conv = torch.zeros((n_gdn, num_slots, cfg.conv_dim, W - 1), dtype=dtype, device=device)
+        self.rec = torch.zeros(
+            (n_gdn, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+             cfg.linear_value_head_dim),
+            dtype=torch.float32, device=device,
+        )
+        # layer index -> index inside its cache kind
+        self.attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
+        self.gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layers)}
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        el = torch.tensor([], dtype=dtype).element_size()
+        return 2 * len(cfg.attn_layers) * page_size * cfg.num_key_value_heads * cfg.head_dim * el
+
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        el = torch.tensor([], dtype=dtype).element_size()
+        n = len(cfg.gdn_layers)
+        conv = n * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * el
+        rec = n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        return conv + rec
+
+    def token_index(self, seq: SeqInfo, start: int, end: int) -> torch.Tensor:
+        """Flat KV row indices (page*page_size + offset) of positions [start, end) of `seq`."""
+        pos = torch.arange(start, end)
+        pages = torch.tensor(seq.page_ids, dtype=torch.long)[pos // self.page_size]
+        return (pages * self.page_size + pos % self.page_size).to(self.k.device)

@@ -1,0 +1,167 @@
+"""Checkpoint loading: Hugging Face safetensors (sharded or single) → Qwen36ForCausalLM.
+
+Accepted names (model spec §2): `model.language_model.*` (or `model.*` in text-only exports),
+`lm_head.weight`, `mtp.*`; routed experts either fused 3-D (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`) or per expert (`mlp.experts.E.{gate,up,down}_proj.weight`); vision
+tensors (`model.visual.*`) are skipped. Every text tensor is consumed exactly once and every
+parameter is set exactly once; shapes and dtypes are checked. Anything else is a LoadError that
+names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tailored.model.qwen36 import Qwen36ForCausalLM
+
+log = logging.getLogger("tailored.loader")
+
+ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+class LoadError(RuntimeError):
+    """The checkpoint does not match the model (missing, extra, mis-shaped or mis-typed tensor)."""
+
+
+def checkpoint_files(ckpt_dir: Path) -> dict[str, list[str]]:
+    """Map safetensors file → tensor names, from the index when sharded."""
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(fname, []).append(name)
+        for fname in files:
+            if not (ckpt_dir / fname).is_file():
+                raise LoadError(f"shard {fname} named in {index.name} is missing from {ckpt_dir}")
+        return files
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return {single.name: list(f.keys())}
+    raise LoadError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
+
+
+def param_name(ckpt_name: str) -> str | None:
+    """Checkpoint tensor name → model parameter name (None = not part of the text model)."""
+    if ckpt_name.startswith("model.visual.") or ckpt_name.startswith("visual."):
+        return None
+    if ckpt_name.startswith("model.language_model."):
+        return "model." + ckpt_name[len("model.language_model."):]
+    if ckpt_name.startswith(("model.", "lm_head.", "mtp.")):
+        return ckpt_name
+    return ckpt_name  # unknown → reported as extra by the caller
+
+
+class _Tracker:
+    """Records which parameter pieces were written so that nothing is set twice or missed."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]):
+        self.params = params
+        self.whole: set[str] = set()
+        self.pieces: dict[str, set[tuple[int, str]]] = {}
+
+    def mark(self, pname: str, piece: tuple[int, str] | None, src: str):
+        if pname in self.whole or (piece is None and pname in self.pieces):
+            raise LoadError(f"tensor {src} sets parameter {pname} a second time")
+        if piece is None:
+            self.whole.add(pname)
+            return
+        got = self.pieces.setdefault(pname, set())
+        if piece in got:
+            raise LoadError(f"tensor {src} sets {pname}[expert {piece[0]} {piece[1]}] a second time")
+        got.add(piece)
+
+    def missing(self, num_experts: int) -> list[str]:
+        out = []
+        for name in self.params:
+            if name in self.whole:
+                continue
+            if name in self.pieces:
+                part = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+                want = {(e, p) for e in range(num_experts) for p in part}
+                lack = want - self.pieces[name]
+                if lack:
+                    e, p = min(lack)
+                    out.append(f"{name} (expert {e} {p} and {len(lack) - 1} more pieces)")
+                continue
+            out.append(name)
+        return out
+
+
+def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bool = True,
+                    max_layers: int | None = None) -> None:
+    """Copy every tensor of the checkpoint into `model` (whose params are already allocated).
+
+    max_layers: skip decoder layers >= this index (for reduced-depth runs of a deeper checkpoint).
+    Raises LoadError naming the first offending tensor or the missing parameters.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    params = dict(model.named_parameters())
+    cfg = model.config
+    inter = cfg.moe_intermediate_size
+    tracker = _Tracker(params)
+    files = checkpoint_files(ckpt_dir)
+    total = sum(len(v) for v in files.values())
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
+    for fname, names in sorted(files.items()):
+        with safe_open(str(ckpt_dir / fname), "pt", device="cpu") as f:
+            for name in names:
+                bar.update(1)
+                pname = param_name(name)
+                if pname is None:
+                    continue
+                m = _LAYER.match(pname[len("model."):] if pname.startswith("model.") else "")
+                if max_layers is not None and m and int(m.group(1)) >= max_layers:
+                    continue
+                if model.mtp is None and pname.startswith("mtp."):
+                    continue
+                t = f.get_tensor(name)
+                if t.dtype not in ALLOWED_DTYPES:
+                    raise LoadError(
+                        f"tensor {name} has dtype {t.dtype}; this build loads bf16/fp16/fp32 "
+                        "checkpoints (FP8 is not supported yet)"
+                    )
+                pe = _PER_EXPERT.match(pname)
+                if pe:
+                    prefix, e, kind = pe.group(1), int(pe.group(2)), pe.group(3)
+                    target = prefix + (".down_proj" if kind == "down_proj" else ".gate_up_proj")
+                    if target not in params:
+                        raise LoadError(f"unexpected tensor {name} (no parameter {target})")
+                    p = params[target]
+                    if e >= p.shape[0]:
+                        raise LoadError(f"tensor {name}: expert {e} >= num_experts {p.shape[0]}")
+                    if kind == "gate_proj":
+                        dst, piece = p.data[e, :inter], (e, "gate")
+                    elif kind == "up_proj":
+                        dst, piece = p.data[e, inter:], (e, "up")
+                    else:
+                        dst, piece = p.data[e], (e, "down")
+                    _copy(dst, t, name)
+                    tracker.mark(target, piece, name)
+                    continue
+                if pname not in params:
+                    raise LoadError(f"unexpected tensor {name} in {fname}: the model has no {pname}")
+                _copy(params[pname].data, t, name)
+                tracker.mark(pname, None, name)
+    bar.close()
+    missing = tracker.missing(cfg.num_experts)
+    if missing:
+        raise LoadError(
+            f"checkpoint {ckpt_dir} lacks {len(missing)} tensor(s), first: {missing[0]}"
+        )
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise LoadError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))

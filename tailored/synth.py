@@ -1,0 +1,275 @@
+"""Synthetic Qwen3.6 checkpoints: official layout and names, random values.
+
+`tailored synth OUT --preset {tiny,full}` writes config.json, generation_config.json, tokenizer
+files and sharded safetensors (official names, bf16) shard by shard, so writing `full`
+(34.66 B text parameters + MTP, ≈ 69 GB) never holds more than one shard in host memory.
+`init_dummy_weights` fills an allocated model in place with the same statistics (used by
+`--load-format dummy`, on the GPU).
+
+Statistics (chosen so activations stay finite and non-degenerate over 40 layers): linear
+weights N(0, 1/fan_in); zero-centred norm weights N(0, 0.05²); the GDN gated-norm weight
+1 + N(0, 0.05²); conv taps N(0, 0.5²); A = exp(A_log) ~ U(0.05, 1) and dt_bias ~ N(0, 0.5²)
+so the per-step decay exp(g) lies in ≈ (0.5, 0.97); embeddings N(0, 1); lm_head N(0, 4/H)
+so that next-token distributions are peaked rather than flat.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from copy import deepcopy
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tailored.config import ModelConfig
+
+# Published Qwen3.6-35B-A3B text_config (model spec §1; identical to the baseline kit's config).
+FULL_TEXT_CONFIG = {
+    "model_type": "qwen3_5_moe_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_output_gate": True,
+    "bos_token_id": 248044,
+    "dtype": "bfloat16",
+    "eos_token_id": 248044,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],  # × 10, expanded below
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "mamba_ssm_dtype": "float32",
+    "max_position_embeddings": 262144,
+    "moe_intermediate_size": 512,
+    "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False,
+    "num_attention_heads": 16,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "pad_token_id": None,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
+    },
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 248320,
+}
+
+# Same architecture, small enough for seconds on 2 CPU cores: 2 blocks of 3 GDN + 1 attention,
+# GQA 4:2 with partial RoPE 0.25 of head_dim 32, 8 experts top-2 + shared expert, MTP, real vocab.
+TINY_OVERRIDES = {
+    "hidden_size": 64,
+    "num_hidden_layers": 8,
+    "head_dim": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [2, 1, 1],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
+    },
+}
+
+GENERATION_CONFIG = {
+    "bos_token_id": 248044,
+    "do_sample": True,
+    "eos_token_id": [248046, 248044],
+    "pad_token_id": 248044,
+    "temperature": 1.0,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+SHARD_BYTES = 4 * 1024**3
+
+
+def preset_config(preset: str, num_layers: int | None = None, **overrides) -> dict:
+    """The full config.json dict (top level qwen3_5_moe with text_config) for a preset."""
+    if preset not in ("tiny", "full"):
+        raise ValueError(f"unknown preset {preset!r}; choose tiny or full")
+    text = deepcopy(FULL_TEXT_CONFIG)
+    if preset == "tiny":
+        text.update(deepcopy(TINY_OVERRIDES))
+    text.update(overrides)
+    n = num_layers or text["num_hidden_layers"]
+    text["num_hidden_layers"] = n
+    text["layer_types"] = [
+        "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(n)
+    ]
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+    }
+
+
+def to_checkpoint_name(param: str) -> str:
+    """Model parameter name → official checkpoint name (spec §2)."""
+    if param.startswith("model."):
+        return "model.language_model." + param[len("model."):]
+    return param
+
+
+def init_spec(name: str, shape: tuple[int, ...]):
+    """(kind, a, b) describing the distribution of one tensor; see the module docstring."""
+    last = name.split(".")[-1]
+    if name.endswith("embed_tokens.weight"):
+        return ("normal", 0.0, 1.0)
+    if name == "lm_head.weight":
+        return ("normal", 0.0, 2.0 / math.sqrt(shape[-1]))
+    if name.endswith("linear_attn.norm.weight"):
+        return ("normal", 1.0, 0.05)
+    if last == "weight" and len(shape) == 1:  # zero-centred RMSNorm weights
+        return ("normal", 0.0, 0.05)
+    if name.endswith("conv1d.weight"):
+        return ("normal", 0.0, 0.5)
+    if last == "A_log":
+        return ("log_uniform", 0.05, 1.0)
+    if last == "dt_bias":
+        return ("normal", 0.0, 0.5)
+    fan_in = shape[-1]
+    return ("normal", 0.0, 1.0 / math.sqrt(fan_in))
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def random_tensor(name: str, shape, seed: int, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
+    """Deterministic random tensor for (seed, name): same values for the same seed and device type."""
+    g = torch.Generator(device=device)
+    g.manual_seed(_seed_for(seed, name))
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    fill_random_(out, name, g)
+    return out.to(dtype)
+
+
+def fill_random_(t: torch.Tensor, name: str, g: torch.Generator) -> None:
+    kind, a, b = init_spec(name, tuple(t.shape))
+    if kind == "normal":
+        t.normal_(a, b, generator=g)
+    else:  # log_uniform: log of U(a, b)
+        t.uniform_(a, b, generator=g).log_()
+
+
+def build_empty_model(cfg: ModelConfig, device, dtype, with_mtp: bool = True):
+    """Allocate the model's parameters uninitialised on `device` (no CPU init pass)."""
+    from tailored.model.qwen36 import Qwen36ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen36ForCausalLM(cfg, with_mtp=with_mtp)
+    model = model.to_empty(device=device).to(dtype)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def init_dummy_weights(model, seed: int = 0) -> None:
+    """Fill every parameter in place with the synthetic statistics (on the model's device).
+
+    Values are drawn in chunks along dim 0 to bound the fp32 scratch memory.
+    """
+    for name, p in model.named_parameters():
+        g = torch.Generator(device=p.device)
+        g.manual_seed(_seed_for(seed, to_checkpoint_name(name)))
+        rows = max(1, (1 << 26) // max(1, p[0].numel() if p.dim() else 1))
+        flat = p.data if p.dim() else p.data.view(1)
+        for s in range(0, flat.shape[0], rows):
+            chunk = torch.empty(flat[s:s + rows].shape, dtype=torch.float32, device=p.device)
+            kind, a, b = init_spec(to_checkpoint_name(name), tuple(p.shape))
+            if kind == "normal":
+                chunk.normal_(a, b, generator=g)
+            else:
+                chunk.uniform_(a, b, generator=g).log_()
+            flat[s:s + rows].copy_(chunk)
+
+
+def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(checkpoint name, shape) of every text-model + MTP tensor, in model order."""
+    from tailored.model.qwen36 import Qwen36ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen36ForCausalLM(cfg, with_mtp=True)
+    return [(to_checkpoint_name(n), tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
+                               num_layers: int | None = None, progress: bool = True,
+                               shard_bytes: int = SHARD_BYTES, tokenizer: bool = True) -> Path:
+    """Write a checkpoint directory; returns its path. Deterministic for (preset, seed, num_layers)."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_dict = preset_config(preset, num_layers)
+    cfg = ModelConfig.from_dict(cfg_dict)
+    specs = tensor_specs(cfg)
+    # plan shards first so file names carry the total count, as HF does
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in specs:
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    weight_map, total = {}, 0
+    bar = tqdm(total=len(specs), desc=f"writing {preset} checkpoint", unit="tensor",
+               disable=not progress)
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in shard:
+            tensors[name] = random_tensor(name, shape, seed)
+            weight_map[name] = fname
+            total += tensors[name].numel() * 2
+            bar.update(1)
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+    bar.close()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    if tokenizer:
+        from tailored.tokenizer import write_tokenizer_files
+
+        write_tokenizer_files(out)
+    return out
