@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny synthetic checkpoint (written once per session) and models loaded from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tailored.config import ModelConfig
+from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.model.loader import load_checkpoint
+from tailored.synth import build_empty_model, write_synthetic_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Tiny preset checkpoint directory (weights + config, no tokenizer files)."""
+    d = tmp_path_factory.mktemp("tiny")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, progress=False, tokenizer=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_ckpt):
+    return ModelConfig.from_dir(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_ckpt, tiny_cfg):
+    """Our model in float32 on CPU."""
+    m = build_empty_model(tiny_cfg, "cpu", torch.float32)
+    load_checkpoint(m, tiny_ckpt, progress=False)
+    return m
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_ckpt):
+    """transformers' Qwen3_5MoeForCausalLM (float32, eager attention) with the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    raw = json.loads((tiny_ckpt / "config.json").read_text())["text_config"]
+    hcfg = transformers.Qwen3_5MoeTextConfig(**raw)
+    hcfg._attn_implementation = "eager"
+    hf = transformers.Qwen3_5MoeForCausalLM(hcfg).float().eval()
+    sd = {}
+    for f in tiny_ckpt.glob("*.safetensors"):
+        for k, v in load_file(f).items():
+            if not k.startswith("mtp."):
+                sd[k.replace("model.language_model.", "model.")] = v.float()
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf
+
+
+def new_cache(cfg, num_pages=256, page_size=16, num_slots=8, dtype=torch.float32):
+    return HybridCache(cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots,
+                       dtype=dtype, device="cpu")
+
+
+def run_seq(model, cache, ids, start, slot, pages, logits_rows=None):
+    """Run one sequence's tokens `ids` at `start` through the model; returns logits of the rows."""
+    rows = list(range(len(ids))) if logits_rows is None else logits_rows
+    b = ForwardBatch.build([(list(ids), start, slot, start == 0, pages)], rows, "cpu")
+    h = model(b, cache)
+    return model.compute_logits(h[rows])
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
