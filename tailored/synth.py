@@ -230,15 +230,20 @@ def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
                                num_layers: int | None = None, progress: bool = True,
-                               shard_bytes: int = SHARD_BYTES, tokenizer: bool = True) -> Path:
-    """Write a checkpoint directory; returns its path. Deterministic for (preset, seed, num_layers)."""
+                               shard_bytes: int = SHARD_BYTES, tokenizer: bool = True,
+                               config_only: bool = False) -> Path:
+    """Write a checkpoint directory; returns its path. Deterministic for (preset, seed, num_layers).
+
+    config_only: write config, generation config and tokenizer files but no weights (for
+    `tailored serve --load-format dummy`, e.g. the full preset on a machine without 70 GB of disk).
+    """
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = preset_config(preset, num_layers)
     cfg = ModelConfig.from_dict(cfg_dict)
-    specs = tensor_specs(cfg)
+    specs = [] if config_only else tensor_specs(cfg)
     # plan shards first so file names carry the total count, as HF does
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
@@ -252,7 +257,7 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
     weight_map, total = {}, 0
     bar = tqdm(total=len(specs), desc=f"writing {preset} checkpoint", unit="tensor",
                disable=not progress)
-    for i, shard in enumerate(shards):
+    for i, shard in enumerate(shards if specs else []):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for name, shape in shard:
@@ -263,9 +268,10 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         del tensors
     bar.close()
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
+    if specs:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     if tokenizer:

@@ -1,0 +1,5 @@
+import sys
+
+from tailored.cli import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""`tailored` command line: `serve` (OpenAI-compatible HTTP server) and `synth` (synthetic checkpoints)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "qwen36-35b-a3b"
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API")
+    p.add_argument("checkpoint_dir", nargs="?", default=None,
+                   help="Hugging Face checkpoint directory (default: the embedded tiny model, CPU)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help=f"model name in the API (default {DEFAULT_MODEL_NAME})")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: read only config.json and tokenizer files, draw random weights")
+    p.add_argument("--num-layers", type=int, default=None, help="run only the first N layers")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion limit (default 16384 on cuda, 4096 on cpu)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most concurrent running requests (default 64 on cuda, 16 on cpu)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--log-level", default="info")
+
+
+def _synth_parser(sub) -> None:
+    p = sub.add_parser("synth", help="write a synthetic checkpoint (official layout, random values)")
+    p.add_argument("out_dir")
+    p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="fewer decoder layers (keeps full width), e.g. 4 for a full-width file test")
+    p.add_argument("--config-only", action="store_true",
+                   help="write config and tokenizer files only (for serve --load-format dummy)")
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from tailored.server.app import build_app
+    from tailored.server.async_engine import AsyncEngine
+    from tailored.stack import build_stack, pick_device
+
+    on_gpu = args.checkpoint_dir is not None and pick_device(args.device).type == "cuda"
+    kw = dict(
+        max_model_len=args.max_model_len or (16384 if on_gpu else 4096),
+        max_num_seqs=args.max_num_seqs or (64 if on_gpu else 16),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    stack = build_stack(args.checkpoint_dir, load_format=args.load_format,
+                        num_layers=args.num_layers,
+                        device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,
+                        dtype=args.dtype, seed=args.seed, **kw)
+    gen_cfg = stack.checkpoint_dir / "generation_config.json"
+    defaults = None
+    if gen_cfg.is_file():
+        g = json.loads(gen_cfg.read_text())
+        # OpenAI semantics: an omitted temperature means 1.0; take the model's top_k/top_p like vLLM
+        defaults = {k: g[k] for k in ("temperature", "top_p", "top_k") if k in g}
+    app = build_app(AsyncEngine(stack.engine), stack.tokenizer,
+                    args.served_model_name or DEFAULT_MODEL_NAME,
+                    stack.engine_config.max_model_len, sampling_defaults=defaults)
+    logging.getLogger("tailored").info("serving on http://%s:%d/v1", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False)
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from tailored.synth import write_synthetic_checkpoint
+
+    out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
+                                     num_layers=args.num_layers, config_only=args.config_only)
+    print(f"wrote {args.preset} checkpoint to {Path(out).resolve()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tailored", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _synth_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return {"serve": cmd_serve, "synth": cmd_synth}[args.command](args)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        # config/checkpoint problems are user errors: one line, no traceback
+        print(f"tailored {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""ModelRunner: owns the device — weights, the hybrid cache, and sampling.
+
+`execute(SchedulerOutput) -> ModelOutput` is the only engine stage that touches tensors. The
+runner makes no policy decisions: the scheduler chose tokens, pages and slots; the runner lays
+them out, runs the model, and samples one token per sequence that asked for one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from tailored.config import EngineConfig, ModelConfig
+from tailored.engine.sampler import sample
+from tailored.engine.types import ModelOutput, SchedulerOutput
+from tailored.model.batch import ForwardBatch, HybridCache
+
+log = logging.getLogger("tailored.runner")
+
+CPU_CACHE_BYTES = 512 * 1024**2  # KV + state budget when running on the CPU
+
+
+def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device):
+    """Choose (num_pages, num_slots) for the hybrid cache.
+
+    Slots: max_num_seqs + 1 (slot 0 is the pad sink). Pages: enough for max_num_seqs requests of
+    max_model_len (+1 pad page), limited by memory: on the GPU the free memory after weights
+    times gpu_memory_utilization's share, on the CPU CPU_CACHE_BYTES. Raises RuntimeError when
+    not even one max_model_len request fits.
+    """
+    num_slots = ec.max_num_seqs + 1
+    per_page = HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
+    per_slot = HybridCache.bytes_per_slot(cfg, dtype)
+    want_pages = ec.max_num_seqs * math.ceil(ec.max_model_len / ec.page_size) + 1
+    if ec.num_pages is not None:
+        return ec.num_pages, num_slots
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_elsewhere = total - free
+        budget = int(total * ec.gpu_memory_utilization) - used_elsewhere
+        budget -= 2 * 1024**3  # activations of the largest step (plain PyTorch path, generous)
+    else:
+        budget = CPU_CACHE_BYTES
+    budget -= num_slots * per_slot
+    pages = min(want_pages, budget // per_page)
+    need = math.ceil(ec.max_model_len / ec.page_size) + 1
+    if pages < need:
+        raise RuntimeError(
+            f"not enough memory for the cache: {pages} pages of {ec.page_size} tokens fit, "
+            f"one {ec.max_model_len}-token request needs {need}; lower --max-model-len or --max-num-seqs"
+        )
+    return int(pages), num_slots
+
+
+class ModelRunner:
+    """Runs scheduled steps on one device. Attributes num_pages/num_slots size the engine's pools."""
+
+    def __init__(self, model, cfg: ModelConfig, ec: EngineConfig, device, dtype: torch.dtype):
+        self.model = model
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.page_size = ec.page_size
+        self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device)
+        self.cache = HybridCache(cfg, self.num_pages, ec.page_size, self.num_slots, dtype, self.device)
+        gib = (self.num_pages * HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
+               + self.num_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3
+        log.info("cache: %d KV pages x %d tokens, %d GDN state slots (%.2f GiB)",
+                 self.num_pages, ec.page_size, self.num_slots, gib)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        rows, sampled_seqs, layout = [], [], []
+        q = 0
+        for s in sched.seqs:
+            layout.append((list(s.token_ids), s.start_pos, s.slot, s.reset_state, s.page_ids))
+            q += len(s.token_ids)
+            if s.sample:
+                rows.append(q - 1)
+                sampled_seqs.append(s)
+        batch = ForwardBatch.build(layout, rows, self.device)
+        hidden = self.model(batch, self.cache)
+        if not rows:
+            return ModelOutput(token_ids={})
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = sample(logits, sampled_seqs)
+        return ModelOutput(token_ids={s.request_id: t for s, t in zip(sampled_seqs, tokens)})

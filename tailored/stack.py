@@ -1,0 +1,103 @@
+"""Assemble the serving stack from a checkpoint directory: config → weights → runner → engine.
+
+Used by `tailored serve`, the tests and the GPU scripts, so that they all run the same objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tailored.config import EngineConfig, ModelConfig
+from tailored.engine.engine import Engine
+from tailored.model.loader import load_checkpoint
+from tailored.runner import ModelRunner
+from tailored.synth import build_empty_model, init_dummy_weights, write_synthetic_checkpoint
+from tailored.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("tailored")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class Stack:
+    engine: Engine
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    engine_config: EngineConfig
+    checkpoint_dir: Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TAILORED_CACHE", Path.home() / ".cache" / "tailored"))
+
+
+def embedded_checkpoint() -> Path:
+    """The embedded default: a tiny synthetic checkpoint, generated once into the cache dir."""
+    d = cache_dir() / "tiny-seed0"
+    if not (d / "model.safetensors.index.json").is_file() or not (d / "tokenizer.json").is_file():
+        log.info("generating the embedded tiny synthetic checkpoint in %s (once)", d)
+        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+        write_synthetic_checkpoint(tmp, "tiny", seed=0, progress=False)
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+        tmp.rename(d)
+    return d
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
+                num_layers: int | None = None, device: str | None = None, dtype: str | None = None,
+                seed: int = 0, progress: bool = True, **engine_kwargs) -> Stack:
+    """Build model, runner, engine and tokenizer.
+
+    checkpoint_dir None → the embedded tiny synthetic model on the CPU.
+    load_format: 'auto' reads safetensors; 'dummy' reads only config.json + tokenizer files and
+    draws the weights on the device with the synthetic statistics.
+    engine_kwargs: EngineConfig fields (max_model_len, max_num_seqs, page_size, ...).
+    """
+    if checkpoint_dir is None:
+        checkpoint_dir = embedded_checkpoint()
+        device = device or "cpu"
+        log.info("no checkpoint given: serving the embedded tiny synthetic model (random weights, "
+                 "meaningless text) from %s on the CPU", checkpoint_dir)
+    ckpt = Path(checkpoint_dir)
+    cfg = ModelConfig.from_dir(ckpt)
+    full_layers = cfg.num_hidden_layers
+    if num_layers is not None:
+        cfg = cfg.with_num_layers(num_layers)
+    dev = pick_device(device)
+    dt_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    dt = DTYPES[dt_name]
+    ec = EngineConfig(device=str(dev), dtype=dt_name, **engine_kwargs)
+    if ec.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {ec.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    tok = load_tokenizer(ckpt)
+    t0 = time.monotonic()
+    model = build_empty_model(cfg, dev, dt)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        log.info("dummy weights drawn on %s in %.1f s", dev, time.monotonic() - t0)
+    elif load_format == "auto":
+        load_checkpoint(model, ckpt, progress=progress,
+                        max_layers=cfg.num_hidden_layers if cfg.num_hidden_layers < full_layers else None)
+        log.info("weights loaded from %s in %.1f s", ckpt, time.monotonic() - t0)
+    else:
+        raise ValueError(f"unknown --load-format {load_format!r}; use auto or dummy")
+    runner = ModelRunner(model, cfg, ec, dev, dt)
+    engine = Engine(cfg, ec, runner, tok)
+    return Stack(engine, tok, cfg, ec, ckpt)
