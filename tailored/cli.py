@@ -43,6 +43,7 @@ def _synth_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=None,
                    help="fewer decoder layers (keeps full width), e.g. 4 for a full-width file test")
+    p.add_argument("--device", default="cpu", help="draw the random values on this device (cuda is faster)")
     p.add_argument("--config-only", action="store_true",
                    help="write config and tokenizer files only (for serve --load-format dummy)")
 
@@ -85,7 +86,7 @@ def cmd_synth(args) -> int:
     from tailored.synth import write_synthetic_checkpoint
 
     out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
-                                     num_layers=args.num_layers, config_only=args.config_only)
+                                     num_layers=args.num_layers, config_only=args.config_only, device=args.device)
     print(f"wrote {args.preset} checkpoint to {Path(out).resolve()}")
     return 0
 

@@ -231,11 +231,13 @@ def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
                                num_layers: int | None = None, progress: bool = True,
                                shard_bytes: int = SHARD_BYTES, tokenizer: bool = True,
-                               config_only: bool = False) -> Path:
+                               config_only: bool = False, device: str = "cpu") -> Path:
     """Write a checkpoint directory; returns its path. Deterministic for (preset, seed, num_layers).
 
     config_only: write config, generation config and tokenizer files but no weights (for
     `tailored serve --load-format dummy`, e.g. the full preset on a machine without 70 GB of disk).
+    device: where the random values are drawn ('cuda' is much faster for `full`; values are
+    deterministic per seed and device type).
     """
     from tqdm import tqdm
 
@@ -261,7 +263,7 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for name, shape in shard:
-            tensors[name] = random_tensor(name, shape, seed)
+            tensors[name] = random_tensor(name, shape, seed, device=device).cpu()
             weight_map[name] = fname
             total += tensors[name].numel() * 2
             bar.update(1)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 2 on the H200, one call: install carried wheels, run the GPU tests, serve a full-width
+# 4-layer synthetic checkpoint through the safetensors file path, then the full-size model
+# (40 layers, bf16, --load-format dummy), and send the prompt set through the OpenAI client.
+#
+# Prepare here (once):  bash scripts/fetch_wheels.sh      (writes .whl/, git-ignored)
+# Run there:            device run, carry [".whl"], command: bash scripts/gpu_issue2.sh
+# Output: $OUT/gpu_issue2.log (+ JSON reports); the table is printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/tailored-out}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_issue2.log
+exec > >(tee -a "$LOG") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache
+T0=$(date +%s)
+stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+
+stamp "manifest"
+python3 - <<'PY' | tee "$OUT/manifest.json"
+import json, subprocess, torch, triton, transformers
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+print(json.dumps({"commit": commit or "unknown (tree copied without .git)", "gpu": smi,
+                  "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+                  "transformers": transformers.__version__}, indent=1))
+PY
+
+stamp "GPU tests"
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15
+
+serve_and_check() {  # $1 label, $2.. serve args
+    local label=$1; shift
+    stamp "serve $label: $*"
+    python3 -m tailored serve "$@" --port 8000 > "$OUT/server-$label.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 300); do
+        curl -sf localhost:8000/health > /dev/null && break
+        kill -0 $pid 2>/dev/null || { echo "server $label died"; tail -30 "$OUT/server-$label.log"; return 1; }
+        sleep 1
+    done
+    stamp "server $label ready"
+    python3 scripts/check_prompts.py --base-url http://127.0.0.1:8000/v1 --out "$OUT/prompts-$label.json" \
+        | tee "$OUT/prompts-$label.txt"
+    # bad input must not hurt the server
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"model":"qwen36-35b-a3b","prompt":"x","max_tokens":0}'; echo
+    curl -s localhost:8000/health; echo
+    kill $pid; wait $pid 2>/dev/null
+    tail -5 "$OUT/server-$label.log"
+}
+
+stamp "synth full-width 4-layer checkpoint (file path)"
+python3 -m tailored synth /tmp/full4 --preset full --num-layers 4 --device cuda 2>&1 | tail -2
+du -sh /tmp/full4
+serve_and_check full4-file /tmp/full4
+rm -rf /tmp/full4
+
+stamp "full-size config only"
+python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
+serve_and_check full-dummy /tmp/full --load-format dummy --max-model-len 8192 --max-num-seqs 32
+
+stamp "summary"
+for f in "$OUT"/prompts-*.txt; do echo "== $f"; tail -8 "$f"; done

@@ -1,0 +1,434 @@
+"""OpenAI-compatible HTTP routes over an `AsyncEngine`.
+
+    GET  /health                200 {"status": "ok"} | 503 once the engine loop is dead/stopped
+    GET  /v1/models             OpenAI model list with the one served model (+ max_model_len)
+    GET  /v1/models/{id}        that model, or 404 model_not_found
+    POST /v1/completions        text or token-id prompt (one per request)
+    POST /v1/chat/completions   messages -> tokenizer.apply_chat_template -> encode
+
+Streaming is SSE: `data: {chunk json}\\n\\n` per non-empty delta; the last chunk carries
+finish_reason; with stream_options.include_usage one more chunk with `choices: []` and usage;
+then `data: [DONE]\\n\\n`. Chat streams start with a `{"role": "assistant", "content": ""}` delta.
+
+Chat output: `message.content` is the raw generated text. With thinking on, that includes the
+reasoning and the closing `</think>` (the template's generation prompt already holds `<think>`);
+`reasoning_content` is not filled yet.
+
+Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
+unsupported parameter, 404 unknown model/route, 405 wrong method, 500 engine or server fault,
+503 engine loop dead. A streaming request that fails after the headers were sent gets
+`data: {"error": {...}}` and then `data: [DONE]`.
+
+Usage counts what was returned: prompt_tokens = prompt length, completion_tokens = number of
+token ids in the deltas that were sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tailored.engine.types import FinishReason, RequestOutput
+from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tailored.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    UsageInfo,
+    validation_error_to_openai,
+)
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(err: OpenAIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+
+
+def _sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _finish_reason(out: RequestOutput) -> str:
+    reason = out.finish_reason
+    if reason is None:
+        return FinishReason.STOP.value
+    return reason.value if isinstance(reason, FinishReason) else str(reason)
+
+
+class _Server:
+    """Request handling shared by the routes; one per app."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        sampling_defaults: dict | None,
+        disconnect_poll_s: float,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.disconnect_poll_s = disconnect_poll_s
+        # Tokenizer work runs off the event loop, on one thread so the tokenizer is never used
+        # by two server threads at once (the engine thread may still decode concurrently).
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tailored-tokenize")
+
+    # ---- parsing and validation ----------------------------------------------------------
+    async def parse(self, request: Request, model_cls):
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OpenAIError(f"malformed JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise OpenAIError("request body must be a JSON object")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise validation_error_to_openai(e) from None
+        if req.model is not None and req.model != self.model_name:
+            raise OpenAIError(
+                f"The model `{req.model}` does not exist (this server serves `{self.model_name}`).",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        req.check_supported()
+        return req
+
+    async def _tokenize(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
+
+    async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                text = await self._tokenize(
+                    self.tokenizer.apply_chat_template,
+                    [m.to_template() for m in req.messages],
+                    add_generation_prompt=req.add_generation_prompt,
+                    enable_thinking=req.enable_thinking,
+                    tools=None,
+                )
+            except ValueError as e:
+                raise OpenAIError(f"invalid messages: {e}", param="messages") from None
+            return list(await self._tokenize(self.tokenizer.encode, text))
+        if isinstance(req.prompt, str):
+            return list(await self._tokenize(self.tokenizer.encode, req.prompt))
+        self.check_token_ids(req.prompt, "prompt")
+        return list(req.prompt)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        eos = set(self.tokenizer.eos_token_ids)
+        bad = [i for i in ids if not (0 <= i < vocab or i in eos)]
+        if bad:
+            raise OpenAIError(
+                f"'{param}' holds token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}",
+                param=param,
+            )
+
+    def max_tokens(self, req, prompt_len: int, prompt_param: str) -> int:
+        """Completion budget: the requested max_tokens, or all the context the prompt leaves."""
+        limit, requested, param = self.max_model_len, req.requested_max_tokens, req.max_tokens_param
+        if requested is not None and requested > limit:
+            raise OpenAIError(
+                f"{param} ({requested}) is larger than the maximum context length ({limit})",
+                param=param,
+            )
+        if prompt_len >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{prompt_len} tokens, which leaves no room for the completion.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
+                f"the completion). Reduce the prompt or {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    # ---- one request ---------------------------------------------------------------------
+    async def handle(self, request: Request, chat: bool) -> Response:
+        try:
+            req = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
+            prompt_ids = await self.prompt_ids(req)
+            if req.stop_token_ids:
+                self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+            prompt_param = "messages" if chat else "prompt"
+            max_tokens = self.max_tokens(req, len(prompt_ids), prompt_param)
+            sampling = req.sampling_params(max_tokens, self.sampling_defaults)
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            try:
+                stream = await self.engine.generate(request_id, prompt_ids, sampling)
+            except ValueError as e:  # the engine's verdict on the input (e.g. too long)
+                raise OpenAIError(str(e), param=prompt_param) from None
+            except EngineDeadError as e:
+                raise OpenAIError(
+                    f"engine unavailable: {e}", status=503, type="service_unavailable"
+                ) from None
+            fmt = _Formatter(request_id, self.model_name, chat, len(prompt_ids), req.include_usage)
+            if req.stream:
+                return StreamingResponse(
+                    self.stream_events(stream, fmt),
+                    media_type="text/event-stream",
+                    headers=SSE_HEADERS,
+                    # Runs also when the client left before the body started: frees the engine.
+                    background=BackgroundTask(stream.abort),
+                )
+            return await self.complete(request, stream, fmt)
+        except OpenAIError as e:
+            return error_response(e)
+        except Exception as e:  # one bad request must not take the server down
+            logger.exception("unexpected error while handling %s", request.url.path)
+            return error_response(_internal_error(e))
+
+    async def complete(self, request: Request, stream: RequestStream, fmt: _Formatter):
+        """Non-streaming: aggregate all deltas; abort if the client disconnects meanwhile."""
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, stream))
+        parts: list[str] = []
+        num_tokens, finish = 0, None
+        try:
+            async for out in stream:
+                if out.error is not None:
+                    raise OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
+                parts.append(out.delta_text)
+                num_tokens += len(out.delta_token_ids)
+                if out.finished:
+                    finish = _finish_reason(out)
+        finally:
+            watcher.cancel()
+            stream.abort()  # no-op when finished
+        return JSONResponse(fmt.response("".join(parts), finish, num_tokens).model_dump())
+
+    async def _abort_on_disconnect(self, request: Request, stream: RequestStream) -> None:
+        while not stream.finished:
+            await asyncio.sleep(self.disconnect_poll_s)
+            if await request.is_disconnected():
+                logger.info("client disconnected; aborting %s", stream.request_id)
+                stream.abort()
+                return
+
+    async def stream_events(self, stream: RequestStream, fmt: _Formatter) -> AsyncIterator[str]:
+        """SSE body. Cancellation (client disconnect) lands in `finally` and aborts the request."""
+        num_tokens = 0
+        try:
+            first = fmt.first_chunk()
+            if first is not None:
+                yield first
+            async for out in stream:
+                if out.error is not None:
+                    err = OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
+                    yield _sse(err.to_dict())
+                    yield "data: [DONE]\n\n"
+                    return
+                num_tokens += len(out.delta_token_ids)
+                finish = _finish_reason(out) if out.finished else None
+                if out.delta_text or finish is not None:
+                    yield fmt.chunk(out.delta_text, finish)
+                if out.finished:
+                    break
+            if fmt.include_usage:
+                yield fmt.usage_chunk(num_tokens)
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # headers are sent; report in-band
+            logger.exception("unexpected error while streaming %s", stream.request_id)
+            yield _sse(_internal_error(e).to_dict())
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.abort()  # no-op when finished
+
+
+def _internal_error(e: Exception) -> OpenAIError:
+    return OpenAIError(
+        f"internal server error: {type(e).__name__}: {e}", status=500, type="server_error"
+    )
+
+
+class _Formatter:
+    """Builds the response objects of one request for either API."""
+
+    def __init__(self, request_id, model, chat, prompt_tokens, include_usage) -> None:
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
+        # OpenAI sends "usage": null on every chunk only when include_usage is set.
+        self._exclude = None if include_usage else {"usage"}
+
+    def _envelope(self, choices):
+        cls = ChatCompletionChunk if self.chat else CompletionStreamResponse
+        return cls(id=self.request_id, model=self.model, choices=choices)
+
+    def first_chunk(self) -> str | None:
+        if not self.chat:
+            return None
+        choice = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
+        return _sse(self._envelope([choice]), self._exclude)
+
+    def chunk(self, text: str, finish: str | None) -> str:
+        if self.chat:
+            delta = DeltaMessage(content=text) if text else DeltaMessage()
+            choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+        else:
+            choice = CompletionChoice(text=text, finish_reason=finish)
+        return _sse(self._envelope([choice]), self._exclude)
+
+    def usage_chunk(self, completion_tokens: int) -> str:
+        env = self._envelope([])
+        env.usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
+        return _sse(env)
+
+    def response(self, text: str, finish: str | None, completion_tokens: int) -> BaseModel:
+        usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
+        if self.chat:
+            choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish)
+            return ChatCompletionResponse(
+                id=self.request_id, model=self.model, choices=[choice], usage=usage
+            )
+        choice = CompletionChoice(text=text, finish_reason=finish)
+        return CompletionResponse(
+            id=self.request_id, model=self.model, choices=[choice], usage=usage
+        )
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    tokenizer,
+    served_model_name: str,
+    max_model_len: int,
+    *,
+    sampling_defaults: dict | None = None,
+    disconnect_poll_s: float = 0.5,
+) -> FastAPI:
+    """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
+
+    sampling_defaults: values for omitted sampling fields (temperature, top_p, top_k, min_p,
+    presence/frequency/repetition_penalty, seed), e.g. from the model's generation_config.json.
+    disconnect_poll_s: how often a non-streaming request checks whether its client left.
+    """
+    server = _Server(
+        async_engine,
+        tokenizer,
+        served_model_name,
+        max_model_len,
+        sampling_defaults,
+        disconnect_poll_s,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.shutdown)
+            server.tokenizer_pool.shutdown(wait=False)
+
+    app = FastAPI(title="tailored", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            err = OpenAIError(
+                f"route {request.method} {request.url.path} not found",
+                status=404,
+                type="not_found_error",
+                code="not_found",
+            )
+        elif exc.status_code == 405:
+            err = OpenAIError(
+                f"method {request.method} not allowed for {request.url.path}",
+                status=405,
+                type="invalid_request_error",
+                code="method_not_allowed",
+            )
+        else:
+            err = OpenAIError(str(exc.detail), status=exc.status_code)
+        return error_response(err, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return error_response(OpenAIError(f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(_internal_error(exc))
+
+    @app.get("/health")
+    async def health():
+        if async_engine.healthy:
+            return {"status": "ok"}
+        return JSONResponse(
+            {"status": "error", "message": async_engine.dead_reason or "engine not running"},
+            status_code=503,
+        )
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=served_model_name, max_model_len=max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != served_model_name:
+            return error_response(
+                OpenAIError(
+                    f"The model `{model_id}` does not exist.",
+                    status=404,
+                    param="model",
+                    code="model_not_found",
+                )
+            )
+        return model_card().model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.handle(request, chat=True)
+
+    return app

@@ -1,0 +1,328 @@
+"""asyncio <-> engine bridge: one background thread owns the synchronous `Engine`.
+
+The engine is not thread-safe, so *every* engine call (add_request, abort_request, step,
+has_unfinished, stats) happens on the single engine thread. Request handlers talk to it through a
+thread-safe command queue that the loop drains before each step; results come back through
+per-request `asyncio.Queue`s fed with `loop.call_soon_threadsafe` (one call per event loop per
+step, not per output). When nothing is running the thread sleeps on an Event (no busy-spin).
+
+Usage (both forms work):
+
+    stream = await async_engine.generate(rid, prompt_ids, sampling)   # ValueError raised here
+    async for out in stream: ...                                       # RequestOutputs, last one finished
+
+    async for out in async_engine.generate(rid, prompt_ids, sampling): ...
+
+If the engine loop raises, every pending request receives a final RequestOutput with
+finish_reason=ERROR and `error` set, `healthy` turns False, and later `generate` calls raise
+`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Self
+
+from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, crashed or shut down)."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go. Owned by the engine thread once registered."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """call_soon_threadsafe that tolerates a loop that has already closed (client went away)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    # The awaiting coroutine may have been cancelled meanwhile; setting a done future raises.
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def _final_output(request_id: str, stream: _Stream, reason: FinishReason, error: str | None):
+    return RequestOutput(
+        request_id=request_id,
+        delta_text="",
+        delta_token_ids=[],
+        finished=True,
+        finish_reason=reason,
+        num_prompt_tokens=stream.num_prompt_tokens,
+        num_output_tokens=stream.num_output_tokens,
+        error=error,
+    )
+
+
+class RequestStream:
+    """Async iterator over one request's `RequestOutput`s; stops after the finished one.
+
+    `await stream` (or `await stream.start()`) submits the request and raises the engine's
+    ValueError (bad input) or EngineDeadError before any output is consumed. Iterating an
+    unstarted stream starts it first. `abort()` / `aclose()` cancel the request in the engine if
+    it has not finished; call one of them when the consumer stops early (client disconnect).
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_ids, sampling) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._prompt_ids = list(prompt_ids)
+        self._sampling = sampling
+        self._queue: asyncio.Queue | None = None
+        self._started = False
+        self._finished = False  # the finished output was consumed, or abort() was called
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    async def start(self) -> RequestStream:
+        if self._started:
+            return self
+        self._started = True
+        loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        added = loop.create_future()
+        stream = _Stream(loop, self._queue, num_prompt_tokens=len(self._prompt_ids))
+        try:
+            self._owner._submit(
+                ("add", self.request_id, self._prompt_ids, self._sampling, stream, added)
+            )
+            await added
+        except asyncio.CancelledError:
+            # The add may still go through on the engine thread; the abort is queued behind it.
+            self.abort()
+            raise
+        except BaseException:
+            self._finished = True
+            raise
+        return self
+
+    def __await__(self):
+        return self.start().__await__()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._started:
+            await self.start()
+        if self._finished and self._queue.empty():
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if out.finished:
+            self._finished = True
+        return out
+
+    def abort(self) -> None:
+        """Cancel the request if it is still running; a final ABORT output is queued."""
+        if self._started and not self._finished:
+            self._finished = True
+            self._owner.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in one background thread and fans outputs out to asyncio callers.
+
+    engine: object with add_request(id, prompt_ids, sampling) (ValueError on bad input),
+    abort_request(id), step() -> list[RequestOutput], has_unfinished() -> bool, stats() -> dict.
+    """
+
+    def __init__(self, engine, *, thread_name: str = "tailored-engine") -> None:
+        self.engine = engine
+        self._thread_name = thread_name
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        # _lock orders "is the loop alive?" against "put a command": once _dead is set no new
+        # command can enter the queue, so the dying thread can fail every queued one.
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: str | None = None  # reason the loop is not running any more
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop after the current step; pending requests end with an ERROR output."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine thread is running and has not crashed."""
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._thread is None:
+            return "engine loop not started"
+        return self._dead
+
+    # ---- request API (any thread / event loop) -----------------------------------------
+    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
+        """Submit a request; returns a RequestStream (await it to surface add errors early)."""
+        return RequestStream(self, request_id, prompt_ids, sampling)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op if unknown, finished, or the loop is dead). Thread-safe."""
+        try:
+            self._submit(("abort", request_id))
+        except EngineDeadError:
+            pass
+
+    async def stats(self) -> dict:
+        """engine.stats(), fetched on the engine thread between steps."""
+        fut = asyncio.get_running_loop().create_future()
+        self._submit(("stats", fut))
+        return await fut
+
+    def _submit(self, cmd: tuple) -> None:
+        with self._lock:
+            if self._thread is None:
+                raise EngineDeadError("engine loop not started")
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError(self._dead or "engine is shutting down")
+            self._commands.put(cmd)
+        self._wake.set()
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        reason = "engine is shutting down"
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if self._stopping:
+                    break
+                if not self.engine.has_unfinished():
+                    # Ordering: wait -> clear -> drain. A command put after the drain sets the
+                    # event, so the next wait returns at once; nothing can be missed.
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._dispatch(self.engine.step())
+        except BaseException as exc:  # any crash must fail the pending requests
+            logger.exception("engine loop died")
+            reason = f"engine loop died: {type(exc).__name__}: {exc}"
+        finally:
+            self._fail_everything(reason)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                self._do_add(*cmd[1:])
+            elif kind == "abort":
+                self._do_abort(cmd[1])
+            elif kind == "stats":
+                fut = cmd[1]
+                try:
+                    result, exc = self.engine.stats(), None
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    result, exc = None, e
+                _post(fut.get_loop(), _resolve, fut, result, exc)
+
+    def _do_add(self, request_id, prompt_ids, sampling, stream: _Stream, fut) -> None:
+        exc: BaseException | None = None
+        if request_id in self._streams:
+            exc = ValueError(f"duplicate request id {request_id!r}")
+        else:
+            try:
+                self.engine.add_request(request_id, prompt_ids, sampling)
+            except Exception as e:  # noqa: BLE001 - ValueError = bad input; others -> caller
+                exc = e
+            else:
+                self._streams[request_id] = stream
+        _post(stream.loop, _resolve, fut, None, exc)
+
+    def _do_abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:  # never added, already finished or already aborted
+            return
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # a failed abort must not kill the loop
+            logger.exception("engine.abort_request(%r) failed", request_id)
+        out = _final_output(request_id, stream, FinishReason.ABORT, None)
+        _post(stream.loop, _put_all, [(stream.queue, out)])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted: its consumer is gone
+                continue
+            stream.num_output_tokens = out.num_output_tokens
+            if out.finished:
+                del self._streams[out.request_id]
+            per_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in per_loop.items():
+            _post(loop, _put_all, items)
+
+    def _fail_everything(self, reason: str) -> None:
+        with self._lock:
+            self._dead = reason
+        dead = EngineDeadError(reason)
+        while True:  # commands queued before _dead was set
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _post(cmd[4].loop, _resolve, cmd[5], None, dead)
+            elif cmd[0] == "stats":
+                _post(cmd[1].get_loop(), _resolve, cmd[1], None, dead)
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            out = _final_output(request_id, stream, FinishReason.ERROR, reason)
+            _post(stream.loop, _put_all, [(stream.queue, out)])

@@ -1,0 +1,478 @@
+"""Pydantic schemas of the OpenAI Completions / Chat Completions API (exact OpenAI field names).
+
+Requests: `CompletionRequest`, `ChatCompletionRequest`. Validation happens in two stages:
+1. `Model.model_validate(body)` checks types and ranges; `validation_error_to_openai` turns a
+   pydantic ValidationError into one readable `OpenAIError` naming the field(s).
+2. `request.check_supported()` raises `OpenAIError` for parameters that would change the result
+   but are not implemented (n > 1, logprobs, tools, ...). Other unknown fields are ignored.
+`request.sampling_params(max_tokens, defaults)` then builds the engine's `SamplingParams`.
+
+Responses and stream chunks: `CompletionResponse`, `CompletionStreamResponse`,
+`ChatCompletionResponse`, `ChatCompletionChunk`, `ModelList`, `ErrorResponse`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
+
+from tailored.engine.types import SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+SUPPORTED_TEMPLATE_KWARGS = ("enable_thinking",)
+
+
+class OpenAIError(Exception):
+    """An error returned to the client as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",  # OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = (
+            message,
+            status,
+            type,
+            param,
+            code,
+        )
+
+    def to_dict(self) -> dict:
+        return ErrorResponse(
+            error=ErrorDetail(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        ).model_dump()
+
+
+def _loc_name(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name
+
+
+def validation_error_to_openai(exc: ValidationError) -> OpenAIError:
+    """One message for all errors (at most 3 shown), each naming its field; param = first field."""
+    parts = []
+    errors = exc.errors(include_url=False)
+    for err in errors[:3]:
+        field = _loc_name(err["loc"]) or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            parts.append(f"missing required parameter '{field}'")
+        elif err["type"] == "value_error":  # our own validators: message is complete
+            parts.append(f"invalid '{field}': {msg}")
+        else:
+            got = repr(err.get("input"))
+            got = got if len(got) <= 60 else got[:57] + "..."
+            parts.append(f"invalid '{field}': {msg} (got {got})")
+    if len(errors) > 3:
+        parts.append(f"and {len(errors) - 3} more error(s)")
+    param = _loc_name(errors[0]["loc"]) if errors else None
+    return OpenAIError("; ".join(parts), param=param or None)
+
+
+def _unset(value: Any) -> bool:
+    """True for the values that mean "feature off": None, False, 0, "", [] and {}."""
+    return value is None or value in (False, 0, "", [], {})
+
+
+def _one_or_unset(value: Any) -> bool:
+    return value is None or value == 1
+
+
+# strict: no silent coercions such as true -> 1.0 or "42" -> 42 (ints are still accepted for
+# floats); allow_inf_nan=False: JSON's NaN/Infinity extensions are not valid sampling values.
+REQUEST_CONFIG = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _BaseRequest(BaseModel):
+    """Parameters shared by both APIs. Ranges follow OpenAI (and vLLM for the extensions)."""
+
+    model_config = REQUEST_CONFIG  # unknown fields are kept to be screened, then ignored
+
+    model: str | None = None  # omitted = the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0 = disabled
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None  # ignored when stream is false
+    n: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    # Parameters that would change the result but are not implemented: name -> "is this value
+    # harmless?". They are looked up among the declared fields and the extra fields; any other
+    # unknown field is ignored silently (metadata, store, service_tier, parallel_tool_calls, ...).
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "n": _one_or_unset,
+        "best_of": _one_or_unset,
+        "logprobs": _unset,
+        "top_logprobs": _unset,
+        "echo": _unset,
+        "suffix": _unset,
+        "logit_bias": _unset,
+        "tools": _unset,
+        "tool_choice": lambda v: v is None or v == "none",
+        "functions": _unset,
+        "function_call": lambda v: v is None or v == "none",
+        "response_format": lambda v: v is None or v == {"type": "text"},
+        "continue_final_message": _unset,
+        "guided_json": _unset,
+        "guided_regex": _unset,
+        "guided_choice": _unset,
+        "guided_grammar": _unset,
+        "structured_outputs": _unset,
+        "prompt_logprobs": _unset,
+        "min_tokens": _unset,
+        "use_beam_search": _unset,
+        "truncate_prompt_tokens": _unset,
+        "bad_words": _unset,
+        "allowed_token_ids": _unset,
+        "logits_processors": _unset,
+        "prompt_embeds": _unset,
+    }
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, v: Any) -> list[str]:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("must be a string or a list of strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def check_supported(self) -> None:
+        """Raise OpenAIError(400) naming the first parameter we cannot honour."""
+        extra = self.model_extra or {}
+        for name, harmless in self.UNSUPPORTED.items():
+            value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
+            if not harmless(value):
+                shown = repr(value)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                raise OpenAIError(
+                    f"parameter '{name}' is not supported by this server (got {shown})",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """Engine settings; omitted fields come from `defaults` (e.g. generation_config.json),
+        then from SamplingParams' own defaults."""
+        base = SamplingParams()
+        defaults = defaults or {}
+
+        def pick(name: str):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, getattr(base, name))
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            seed=pick("seed"),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """Name of the field the completion budget came from, for error messages."""
+        return "max_tokens"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+class CompletionRequest(_BaseRequest):
+    """POST /v1/completions. `prompt` is normalised to a non-empty str or list[int]."""
+
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(x, (str, list)) for x in v):
+            raise ValueError(f"only one prompt per request (got a batch of {len(v)})")
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # ["text"] or [[ids]]
+        if not isinstance(v, str) and not _is_token_ids(v):
+            raise ValueError(
+                "must be a string, a list of token ids, or a list holding one of those"
+            )
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class ChatMessage(BaseModel):
+    """One input message; extra fields (name, tool_calls, tool_call_id, ...) pass to the template.
+
+    content: a string, a list of content parts (dicts; the tokenizer rejects kinds it cannot
+    render), or null (only meaningful for assistant messages carrying tool calls)."""
+
+    model_config = REQUEST_CONFIG
+
+    role: str
+    content: Any = None
+    reasoning_content: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            raise ValueError(f"unknown role {v!r}; expected one of {', '.join(CHAT_ROLES)}")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_shape(cls, v: Any) -> Any:
+        ok = v is None or isinstance(v, str)
+        ok = ok or (isinstance(v, list) and all(isinstance(p, dict) for p in v))
+        if not ok:
+            raise ValueError("must be a string, a list of content parts (objects), or null")
+        return v
+
+    def to_template(self) -> dict[str, Any]:
+        """Dict for tokenizer.apply_chat_template. `developer` is OpenAI's new name for
+        `system`; the Qwen template only knows `system`. Null content becomes "" because the
+        template does string operations on it."""
+        d = self.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        d.setdefault("content", "")
+        return d
+
+
+class ChatCompletionRequest(_BaseRequest):
+    """POST /v1/chat/completions. max_completion_tokens wins over max_tokens when both given."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _known_kwargs(cls, v: dict | None) -> dict | None:
+        # Unknown template switches would silently change the prompt, so they are rejected.
+        for key in v or {}:
+            if key not in SUPPORTED_TEMPLATE_KWARGS:
+                raise ValueError(
+                    f"key {key!r} is not supported (supported: {', '.join(SUPPORTED_TEMPLATE_KWARGS)})"
+                )
+        if v and not isinstance(v.get("enable_thinking", True), bool):
+            raise ValueError("enable_thinking must be a boolean")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def enable_thinking(self) -> bool:
+        """Qwen3.6 thinks unless chat_template_kwargs.enable_thinking is false."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking", True)
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    """One SSE chunk of /v1/completions (OpenAI uses the same object name as non-streaming)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """content holds the raw generated text (think tags are not parsed out yet);
+    reasoning_content is omitted while it is None."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_reasoning(self, handler):
+        d = handler(self)
+        if d.get("reasoning_content") is None:
+            d.pop("reasoning_content", None)
+        return d
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """Stream delta; fields that are None are left out (the final delta is `{}`)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tailored"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,775 @@
+"""HTTP server tests against a fake engine and tokenizer (CPU only, no model, a few seconds).
+
+FakeTokenizer: one id per UTF-8 byte (0..255) plus EOS (256); vocab_size 260.
+FakeEngine: echoes a script chosen by the prompt, one token per step per request:
+  "SAY:<text>" anywhere in the prompt -> generates <text> (up to "<|im_end|>" or the end), then EOS;
+  otherwise it echoes the prompt bytes. "FAIL" in the script -> RequestOutput.error on the first
+  step; "CRASH" -> step() raises (the engine loop dies); a prompt ending in "REJECT" ->
+  add_request raises ValueError. Stop strings, stop_token_ids, ignore_eos and max_tokens follow
+  SamplingParams. Every engine call records its thread so tests can check single-threadedness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Self
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
+from tailored.server.app import build_app
+from tailored.server.async_engine import AsyncEngine, EngineDeadError
+
+MODEL = "qwen3.6-test"
+MAX_LEN = 512
+EOS = 256
+
+
+class FakeTokenizer:
+    vocab_size = 260
+    eos_token_ids = (EOS,)
+
+    def __init__(self) -> None:
+        self.template_calls: list[dict] = []
+
+    def encode(self, text: str) -> list[int]:
+        if "BOOM" in text:
+            raise RuntimeError("tokenizer exploded")
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, enable_thinking=True, tools=None
+    ) -> str:
+        self.template_calls.append({"messages": messages, "enable_thinking": enable_thinking})
+        out = []
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise ValueError(f"unsupported content part type {part.get('type')!r}")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n")
+            out.append("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n")
+        return "".join(out)
+
+
+class _Req:
+    def __init__(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        text = bytes(i for i in prompt_ids if i < 256).decode("utf-8", errors="replace")
+        if "SAY:" in text:
+            text = text.split("SAY:")[-1].split("<|im_end|>")[0]
+            self.script = list(text.encode()) + [EOS]
+        else:
+            self.script = list(prompt_ids) + [EOS]
+        self.rid, self.sampling, self.prompt_len = rid, sampling, len(prompt_ids)
+        self.fail = "FAIL" in text
+        self.crash = "CRASH" in text
+        self.out_ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # chars of text already returned
+
+
+class FakeEngine:
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.reqs: dict[str, _Req] = {}
+        self.added: dict[str, SamplingParams] = {}
+        self.prompts: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+        self.threads: set[int] = set()
+        self.idle_checks = 0
+
+    def _mark(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def add_request(self, request_id, prompt_ids, sampling) -> None:
+        self._mark()
+        if bytes(i for i in prompt_ids if i < 256).endswith(b"REJECT"):
+            raise ValueError("prompt rejected by the engine")
+        self.added[request_id] = sampling
+        self.prompts[request_id] = list(prompt_ids)
+        self.reqs[request_id] = _Req(request_id, prompt_ids, sampling)
+
+    def abort_request(self, request_id) -> None:
+        self._mark()
+        self.aborted.append(request_id)
+        self.reqs.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        self._mark()
+        if not self.reqs:
+            self.idle_checks += 1
+        return bool(self.reqs)
+
+    def stats(self) -> dict:
+        self._mark()
+        return {"running": len(self.reqs)}
+
+    def step(self) -> list[RequestOutput]:
+        self._mark()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        outs = []
+        for r in list(self.reqs.values()):
+            if r.crash:
+                raise RuntimeError("fake engine crashed")
+            outs.append(self._advance(r))
+            if outs[-1].finished:
+                del self.reqs[r.rid]
+        return outs
+
+    def _advance(self, r: _Req) -> RequestOutput:
+        sp = r.sampling
+
+        def out(text, ids, reason=None, error=None):
+            return RequestOutput(
+                r.rid, text, ids, reason is not None, reason, r.prompt_len, len(r.out_ids), error
+            )
+
+        if r.fail:
+            return out("", [], FinishReason.ERROR, "fake engine failure")
+        tok = r.script[len(r.out_ids) % len(r.script)]
+        if tok == EOS and sp.ignore_eos:
+            tok = r.script[0]
+        r.out_ids.append(tok)
+        if tok == EOS or tok in sp.stop_token_ids:
+            return out("", [tok], FinishReason.STOP)
+        r.text += bytes([tok]).decode("latin-1")
+        for s in sp.stop:
+            if s in r.text:
+                keep = r.text.index(s) + (len(s) if sp.include_stop_str_in_output else 0)
+                return out(self._emit(r, keep), [tok], FinishReason.STOP)
+        if len(r.out_ids) >= sp.max_tokens:
+            return out(self._emit(r, len(r.text)), [tok], FinishReason.LENGTH)
+        # hold back a tail that could still become a stop string, as a real detokenizer does
+        held = max(
+            (k for s in sp.stop for k in range(1, len(s)) if r.text.endswith(s[:k])), default=0
+        )
+        return out(self._emit(r, len(r.text) - held), [tok])
+
+    @staticmethod
+    def _emit(r: _Req, upto: int) -> str:
+        delta, r.sent = r.text[r.sent : upto], max(r.sent, upto)
+        return delta
+
+
+# ---- fixtures ----------------------------------------------------------------------------
+
+
+def make_app(delay_s: float = 0.0, **kw):
+    engine = FakeEngine(delay_s)
+    tok = FakeTokenizer()
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, tok, MODEL, MAX_LEN, **kw)
+    return app, aengine, engine, tok
+
+
+@pytest.fixture
+def srv():
+    app, aengine, engine, tok = make_app()
+    with TestClient(app) as client:  # runs the lifespan: starts and stops the engine thread
+        yield client, engine, tok
+    assert not aengine.healthy
+
+
+def completion(client, **body):
+    return client.post("/v1/completions", json={"model": MODEL, "max_tokens": 64, **body})
+
+
+def chat(client, content="SAY:hello", **body):
+    msgs = body.pop("messages", [{"role": "user", "content": content}])
+    return client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, **body})
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body into JSON payloads; the terminating [DONE] becomes the string 'DONE'."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        events.append("DONE" if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_openai_error(resp, status: int, *needles: str) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle in err["message"], err
+    return err
+
+
+# ---- basic endpoints ---------------------------------------------------------------------
+
+
+def test_health_and_models(srv):
+    client, _, _ = srv
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == MAX_LEN
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_openai_error(client.get("/v1/models/other"), 404)
+
+
+def test_completion_non_streaming(srv):
+    client, engine, _ = srv
+    r = completion(client, prompt="SAY:hello world")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice == {"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "stop"}
+    # 11 text tokens + EOS, all returned as ids
+    assert body["usage"] == {"prompt_tokens": 15, "completion_tokens": 12, "total_tokens": 27}
+    assert body["id"] in engine.added
+
+
+@pytest.mark.parametrize("prompt", ["SAY:abc", ["SAY:abc"], list(b"SAY:abc"), [list(b"SAY:abc")]])
+def test_completion_prompt_forms(srv, prompt):
+    client, engine, _ = srv
+    r = completion(client, prompt=prompt)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "abc"
+    assert engine.prompts[r.json()["id"]] == list(b"SAY:abc")
+
+
+def test_completion_streaming(srv):
+    client, _, _ = srv
+    r = completion(client, prompt="SAY:stream me", stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "DONE"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "stream me"
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks)
+
+
+def test_chat_non_streaming(srv):
+    client, _, tok = srv
+    r = chat(client, "SAY:hi there")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "hi there"}
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+    prompt = tok.apply_chat_template([{"role": "user", "content": "SAY:hi there"}])
+    assert body["usage"]["prompt_tokens"] == len(prompt.encode())
+    assert body["usage"]["completion_tokens"] == len("hi there") + 1  # + EOS
+
+
+def test_chat_streaming(srv):
+    client, _, _ = srv
+    r = chat(client, "SAY:xyz", stream=True)
+    events = sse_events(r.text)
+    assert events[-1] == "DONE"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == "xyz"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_include_usage(srv, path):
+    client, _, _ = srv
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 5,
+    }
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "SAY:abcdefgh"}]
+    else:
+        body["prompt"] = "SAY:abcdefgh"
+    events = sse_events(client.post(path, json=body).text)
+    assert events[-1] == "DONE"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    usage = usage_chunk["usage"]
+    assert usage["completion_tokens"] == 5
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 5
+    assert all(c["usage"] is None for c in events[:-2])  # OpenAI: null on the other chunks
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_finish_reason_length_and_stop_strings(srv):
+    client, _, _ = srv
+    r = completion(client, prompt="SAY:abcdefgh", max_tokens=3).json()
+    assert r["choices"][0] == {
+        "index": 0,
+        "text": "abc",
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert r["usage"]["completion_tokens"] == 3
+    r = completion(client, prompt="SAY:abcdefgh", stop=["de"]).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("abc", "stop")
+    assert r["usage"]["completion_tokens"] == 5  # a, b, c, d, e were generated and returned as ids
+    r = completion(client, prompt="SAY:abcdefgh", stop="de", include_stop_str_in_output=True)
+    assert r.json()["choices"][0]["text"] == "abcde"
+    r = chat(client, "SAY:abcdefgh", stop_token_ids=[ord("c")]).json()
+    assert (r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]) == (
+        "ab",
+        "stop",
+    )
+
+
+def test_sampling_params_reach_engine(srv):
+    client, engine, tok = srv
+    r = chat(
+        client,
+        "SAY:q",
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        stop=["x"],
+        stop_token_ids=[5],
+        ignore_eos=True,
+        skip_special_tokens=False,
+        max_completion_tokens=9,
+        max_tokens=3,
+        user="u",
+        n=1,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    assert r.status_code == 200, r.text
+    sp = engine.added[r.json()["id"]]
+    assert sp == SamplingParams(
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        stop=["x"],
+        stop_token_ids=[5],
+        ignore_eos=True,
+        skip_special_tokens=False,
+    )
+    assert tok.template_calls[-1]["enable_thinking"] is False
+    assert engine.prompts[r.json()["id"]][-len(b"</think>\n\n") :] == list(b"</think>\n\n")
+    chat(client, "SAY:q")
+    assert tok.template_calls[-1]["enable_thinking"] is True
+
+
+def test_default_max_tokens_fills_context(srv):
+    client, engine, _ = srv
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "SAY:a"})
+    assert engine.added[r.json()["id"]].max_tokens == MAX_LEN - len("SAY:a")
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200  # model may be omitted
+    assert engine.added[r.json()["id"]].max_tokens == MAX_LEN - r.json()["usage"]["prompt_tokens"]
+
+
+def test_sampling_defaults_apply_to_omitted_fields():
+    app, _, engine, _ = make_app(sampling_defaults={"temperature": 0.6, "top_k": 20})
+    with TestClient(app) as client:
+        r = completion(client, prompt="SAY:a", top_k=5)
+        sp = engine.added[r.json()["id"]]
+        assert (sp.temperature, sp.top_k) == (0.6, 5)
+
+
+def test_unknown_extra_fields_are_ignored(srv):
+    client, _, _ = srv
+    r = chat(
+        client,
+        "SAY:ok",
+        metadata={"a": "b"},
+        store=False,
+        service_tier="auto",
+        parallel_tool_calls=True,
+        frobnicate=3,
+        stream_options={"include_usage": True},
+        tool_choice="none",
+        response_format={"type": "text"},
+        logprobs=False,
+        top_logprobs=0,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "ok"
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+MSGS = [{"role": "user", "content": "SAY:x"}]
+BAD_REQUESTS = [
+    # (path, body or raw bytes, status, substrings of the message, param)
+    ("c", b"{not json", 400, ["malformed JSON"], None),
+    ("c", b"[1, 2]", 400, ["JSON object"], None),
+    ("c", {"prompt": "x", "temperature": "hot"}, 400, ["temperature"], "temperature"),
+    ("c", {"prompt": "x", "max_tokens": "ten"}, 400, ["max_tokens"], "max_tokens"),
+    ("c", {"prompt": "x", "max_tokens": 1.5}, 400, ["max_tokens"], "max_tokens"),
+    ("c", {"prompt": "x", "temperature": True}, 400, ["temperature"], "temperature"),
+    ("c", {"prompt": "x", "seed": "42"}, 400, ["seed"], "seed"),
+    ("c", {"prompt": "x", "stream": "yes"}, 400, ["stream"], "stream"),
+    (
+        "c",
+        b'{"prompt": "x", "repetition_penalty": Infinity}',
+        400,
+        ["repetition_penalty"],
+        "repetition_penalty",
+    ),
+    ("c", {"prompt": "x", "model": "gpt-4"}, 404, ["gpt-4"], "model"),
+    ("m", {"messages": MSGS, "model": "gpt-4"}, 404, ["gpt-4"], "model"),
+    ("m", {"messages": []}, 400, ["messages must not be empty"], "messages"),
+    ("m", {}, 400, ["missing required parameter 'messages'"], "messages"),
+    ("m", {"messages": "hi"}, 400, ["messages"], "messages"),
+    ("m", {"messages": [{"role": "wizard", "content": "x"}]}, 400, ["role"], "messages[0].role"),
+    ("m", {"messages": [{"role": "user", "content": 5}]}, 400, ["content"], "messages[0].content"),
+    (
+        "m",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        ["image_url"],
+        "messages",
+    ),
+    ("c", {"prompt": ""}, 400, ["prompt must not be empty"], "prompt"),
+    ("c", {"prompt": []}, 400, ["prompt must not be empty"], "prompt"),
+    ("c", {}, 400, ["missing required parameter 'prompt'"], "prompt"),
+    ("c", {"prompt": ["a", "b"]}, 400, ["only one prompt per request"], "prompt"),
+    ("c", {"prompt": [[1, 2], [3]]}, 400, ["only one prompt per request"], "prompt"),
+    ("c", {"prompt": [1, "a"]}, 400, ["prompt"], "prompt"),
+    ("c", {"prompt": [1, 9999]}, 400, ["outside the vocabulary"], "prompt"),
+    ("c", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),
+    ("c", {"prompt": "x", "max_tokens": -5}, 400, ["max_tokens"], "max_tokens"),
+    (
+        "m",
+        {"messages": MSGS, "max_completion_tokens": 0},
+        400,
+        ["max_completion_tokens"],
+        "max_completion_tokens",
+    ),
+    (
+        "m",
+        {"messages": MSGS, "max_completion_tokens": MAX_LEN},
+        400,
+        ["maximum context length", "max_completion_tokens"],
+        "max_completion_tokens",
+    ),
+    (
+        "c",
+        {"prompt": "x", "max_tokens": MAX_LEN + 1},
+        400,
+        ["larger than the maximum context"],
+        "max_tokens",
+    ),
+    (
+        "c",
+        {"prompt": "x" * 100, "max_tokens": MAX_LEN - 50},
+        400,
+        [f"maximum context length is {MAX_LEN}", "100 in the prompt"],
+        "max_tokens",
+    ),
+    ("c", {"prompt": "x" * MAX_LEN}, 400, [f"prompt has {MAX_LEN} tokens"], "prompt"),
+    ("c", {"prompt": "x", "temperature": 2.5}, 400, ["temperature"], "temperature"),
+    ("c", {"prompt": "x", "temperature": -1}, 400, ["temperature"], "temperature"),
+    ("c", {"prompt": "x", "top_p": 0}, 400, ["top_p"], "top_p"),
+    ("c", {"prompt": "x", "top_p": 1.5}, 400, ["top_p"], "top_p"),
+    ("c", {"prompt": "x", "presence_penalty": 3}, 400, ["presence_penalty"], "presence_penalty"),
+    (
+        "c",
+        {"prompt": "x", "frequency_penalty": -3},
+        400,
+        ["frequency_penalty"],
+        "frequency_penalty",
+    ),
+    (
+        "c",
+        {"prompt": "x", "repetition_penalty": 0},
+        400,
+        ["repetition_penalty"],
+        "repetition_penalty",
+    ),
+    ("c", {"prompt": "x", "top_k": -2}, 400, ["top_k"], "top_k"),
+    ("c", {"prompt": "x", "min_p": 1.5}, 400, ["min_p"], "min_p"),
+    ("c", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, ["at most 4"], "stop"),
+    ("c", {"prompt": "x", "stop": [""]}, 400, ["stop"], "stop"),
+    ("c", {"prompt": "x", "stop": 5}, 400, ["stop"], "stop"),
+    ("c", {"prompt": "x", "stop_token_ids": [100000]}, 400, ["stop_token_ids"], "stop_token_ids"),
+    ("c", {"prompt": "x", "n": 2}, 400, ["'n'"], "n"),
+    ("c", {"prompt": "x", "best_of": 3}, 400, ["best_of"], "best_of"),
+    ("c", {"prompt": "x", "logprobs": 5}, 400, ["logprobs"], "logprobs"),
+    ("c", {"prompt": "x", "echo": True}, 400, ["echo"], "echo"),
+    ("c", {"prompt": "x", "suffix": "end"}, 400, ["suffix"], "suffix"),
+    ("c", {"prompt": "x", "logit_bias": {"1": 5}}, 400, ["logit_bias"], "logit_bias"),
+    ("c", {"prompt": "x", "min_tokens": 4}, 400, ["min_tokens"], "min_tokens"),
+    ("m", {"messages": MSGS, "logprobs": True}, 400, ["logprobs"], "logprobs"),
+    ("m", {"messages": MSGS, "top_logprobs": 3}, 400, ["top_logprobs"], "top_logprobs"),
+    (
+        "m",
+        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        ["tools"],
+        "tools",
+    ),
+    ("m", {"messages": MSGS, "tool_choice": "auto"}, 400, ["tool_choice"], "tool_choice"),
+    (
+        "m",
+        {"messages": MSGS, "response_format": {"type": "json_object"}},
+        400,
+        ["response_format"],
+        "response_format",
+    ),
+    ("m", {"messages": MSGS, "n": 3}, 400, ["'n'"], "n"),
+    (
+        "m",
+        {"messages": MSGS, "chat_template_kwargs": {"custom": 1}},
+        400,
+        ["custom"],
+        "chat_template_kwargs",
+    ),
+    ("c", {"prompt": "SAY:REJECT"}, 400, ["rejected by the engine"], "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,needles,param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(srv, path, body, status, needles, param):
+    client, engine, _ = srv
+    url = "/v1/chat/completions" if path == "m" else "/v1/completions"
+    if isinstance(body, bytes):
+        r = client.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(url, json=body)
+    err = assert_openai_error(r, status, *needles)
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    assert not engine.reqs  # nothing leaked into the engine
+    # the server still answers a good request afterwards
+    ok = completion(client, prompt="SAY:fine")
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
+
+
+def test_unknown_route_and_wrong_method(srv):
+    client, _, _ = srv
+    err = assert_openai_error(client.get("/v1/nope"), 404, "/v1/nope")
+    assert err["code"] == "not_found"
+    err = assert_openai_error(client.get("/v1/completions"), 405, "GET")
+    assert err["code"] == "method_not_allowed"
+    assert completion(client, prompt="SAY:a").status_code == 200
+
+
+def test_unexpected_exception_is_500_and_server_survives(srv):
+    client, _, _ = srv
+    err = assert_openai_error(completion(client, prompt="BOOM"), 500, "tokenizer exploded")
+    assert err["type"] == "server_error"
+    assert completion(client, prompt="SAY:alive").json()["choices"][0]["text"] == "alive"
+
+
+def test_engine_request_error(srv):
+    client, _, _ = srv
+    err = assert_openai_error(completion(client, prompt="SAY:FAIL"), 500, "fake engine failure")
+    assert err["type"] == "server_error"
+    events = sse_events(chat(client, "SAY:FAIL", stream=True).text)
+    assert events[-1] == "DONE"
+    assert "fake engine failure" in events[-2]["error"]["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_engine_death_fails_pending_and_health_503():
+    app, aengine, _, _ = make_app(delay_s=0.01)
+    with TestClient(app) as client:
+        err = assert_openai_error(completion(client, prompt="SAY:CRASH"), 500, "engine loop died")
+        assert err["type"] == "server_error"
+        health = client.get("/health")
+        assert health.status_code == 503 and "fake engine crashed" in health.json()["message"]
+        err = assert_openai_error(completion(client, prompt="SAY:a"), 503, "engine unavailable")
+        assert not aengine.healthy
+
+
+# ---- concurrency and abort ---------------------------------------------------------------
+
+
+def test_concurrent_requests_get_their_own_text():
+    asyncio.run(_concurrent_requests())
+
+
+async def _concurrent_requests():
+    app, aengine, engine, _ = make_app(delay_s=0.001)
+    aengine.start()
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+
+            async def one(i: int):
+                if i % 2:
+                    r = await client.post(
+                        "/v1/chat/completions",
+                        json={
+                            "messages": [{"role": "user", "content": f"SAY:answer-{i}"}],
+                            "stream": i % 4 == 1,
+                        },
+                    )
+                    if i % 4 == 1:
+                        chunks = sse_events(r.text)[:-1]
+                        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+                    return r.json()["choices"][0]["message"]["content"]
+                r = await client.post("/v1/completions", json={"prompt": f"SAY:answer-{i}"})
+                return r.json()["choices"][0]["text"]
+
+            results = await asyncio.gather(*(one(i) for i in range(24)))
+        assert results == [f"answer-{i}" for i in range(24)]
+        assert len(engine.threads) == 1  # every engine call ran on the engine thread
+        assert threading.get_ident() not in engine.threads
+    finally:
+        aengine.shutdown()
+
+
+def test_async_engine_generate_abort_and_errors():
+    asyncio.run(_async_engine_generate_abort_and_errors())
+
+
+async def _async_engine_generate_abort_and_errors():
+    engine = FakeEngine(delay_s=0.002)
+    aengine = AsyncEngine(engine)
+    with pytest.raises(EngineDeadError):
+        await aengine.generate("early", [1], SamplingParams())
+    aengine.start()
+    try:
+        # ValueError from add_request surfaces before any output
+        with pytest.raises(ValueError, match="rejected"):
+            await aengine.generate("bad", list(b"REJECT"), SamplingParams())
+        # closing a stream early aborts the request in the engine
+        sp = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        stream = await aengine.generate("long", list(b"SAY:abc"), sp)
+        got = [await anext(stream) for _ in range(3)]
+        assert "".join(o.delta_text for o in got) == "abc"
+        await stream.aclose()
+        for _ in range(200):
+            if "long" in engine.aborted:
+                break
+            await asyncio.sleep(0.005)
+        assert engine.aborted == ["long"] and not engine.reqs
+        # the one-shot iteration form works too and ends with a finished output
+        outs = [o async for o in aengine.generate("short", list(b"SAY:hi"), SamplingParams())]
+        assert outs[-1].finished and outs[-1].finish_reason == FinishReason.STOP
+        assert "".join(o.delta_text for o in outs) == "hi"
+        assert await aengine.stats() == {"running": 0}
+        # idle: the loop sleeps instead of polling has_unfinished
+        before = engine.idle_checks
+        await asyncio.sleep(0.2)
+        assert engine.idle_checks - before <= 1
+        assert len(engine.threads) == 1
+    finally:
+        aengine.shutdown()
+    assert not aengine.healthy
+
+
+# ---- live uvicorn server -----------------------------------------------------------------
+
+
+class LiveServer:
+    """uvicorn on 127.0.0.1 with a free port, run in a thread; stop() waits for it."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def wait_for(cond, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_openai_client_streaming_chat_live_server():
+    openai = pytest.importorskip("openai")
+    app, _, _, _ = make_app(delay_s=0.001)
+    with LiveServer(app) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "SAY:Hello from tailored"}],
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=100,
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "Hello from tailored"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == len(text) + 1
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.chat.completions.create(model=MODEL, messages=MSGS, temperature=5)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="nope", messages=MSGS)
+
+
+def test_client_disconnect_aborts_live_server():
+    app, _, engine, _ = make_app(delay_s=0.005, disconnect_poll_s=0.02)
+    body = {"prompt": "SAY:abc", "ignore_eos": True, "max_tokens": 400}
+    with LiveServer(app) as live, httpx.Client(base_url=live.url) as client:
+        # streaming: read a few events, then close the connection
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        rid = first["id"]
+        assert wait_for(lambda: rid in engine.aborted), "stream abort did not reach the engine"
+        # non-streaming: the client gives up (timeout) while the server is still generating
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=body, timeout=0.3)
+        assert wait_for(lambda: len(engine.aborted) == 2), "disconnect abort did not reach engine"
+        assert not engine.reqs
+        ok = client.post("/v1/completions", json={"prompt": "SAY:ok"})
+        assert ok.json()["choices"][0]["text"] == "ok"
