@@ -1,0 +1,195 @@
+"""The engine loop: add_request / abort_request / step() = schedule -> execute -> update -> detok.
+
+    python -m pytest -q tests/test_engine.py
+
+Synchronous and not thread-safe: one thread (server/async_engine.py) makes every call. The
+engine never touches tensors; the runner is the only stage that does.
+
+Finish reasons, first match wins (failure-cases §5: stop conditions before max_tokens):
+  1. the sampled token is an EOS id (unless ignore_eos) or a stop_token_id  -> STOP
+     (the token is in delta_token_ids; its text is left out unless include_stop_str_in_output)
+  2. a stop string completes in the text of this token                     -> STOP
+     (even when the token also reached max_tokens; text is cut by the detokenizer)
+  3. max_tokens reached, or prompt + output reached max_model_len           -> LENGTH
+  abort_request -> ABORT (final output on the next step); runner exception -> ERROR for the
+  requests of that batch only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tailored.config import EngineConfig, ModelConfig
+from tailored.engine.detokenizer import IncrementalDetokenizer
+from tailored.engine.scheduler import Scheduler
+from tailored.engine.types import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching engine over one runner.
+
+    runner: has `num_pages`, `num_slots` (pool sizes incl. the reserved index 0) and
+        `execute(SchedulerOutput) -> ModelOutput` (a token for every seq with sample=True).
+    tokenizer: `decode`, `token_bytes`, `is_special`, `eos_token_ids` (used by the detokenizer).
+    """
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, runner, tokenizer):
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(engine_config, runner.num_pages, runner.num_slots)
+        # EOS ids of the tokenizer (generation_config) and of the model config, tokenizer first
+        eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos_token_ids = tuple(dict.fromkeys(eos + tuple(model_config.eos_token_ids)))
+        self._requests: dict[str, Request] = {}  # unfinished, by id
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # aborts, emitted on the next step()
+
+    # ---- API ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request. Raises ValueError (one-line message) if it cannot be served."""
+        prompt_ids = list(prompt_ids)
+        if request_id in self._requests or any(o.request_id == request_id for o in self._pending):
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        lo, hi = min(prompt_ids), max(prompt_ids)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        _check_sampling(sampling)
+        total, limit = len(prompt_ids) + sampling.max_tokens, self.engine_config.max_model_len
+        if total > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total}"
+                f" exceeds max_model_len {limit}"
+            )
+        req = Request(request_id, prompt_ids, sampling, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(req)  # ValueError if it can never fit in the KV pool
+        self._requests[request_id] = req
+        self._detoks[request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            sampling.skip_special_tokens,
+            sampling.stop,
+            sampling.include_stop_str_in_output,
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request now (pages and slot freed at once); its final output (ABORT) comes
+        from the next step(). Unknown or already finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(request_id)
+        self._detoks.pop(request_id, None)
+        self._pending.append(_output(req, "", [], FinishReason.ABORT))
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns outputs for requests that got tokens or finished."""
+        outputs, self._pending = self._pending, []
+        sched_out = self.scheduler.schedule()
+        if sched_out.empty:
+            return outputs
+        try:
+            model_out = self.runner.execute(sched_out)
+            missing = [
+                s.request_id
+                for s in sched_out.seqs
+                if s.sample and s.request_id not in model_out.token_ids
+            ]
+            if missing:
+                raise RuntimeError(f"runner returned no token for {missing}")
+        except Exception as e:  # fail this batch only; the engine stays usable
+            logger.exception("runner failed on a batch of %d sequences", len(sched_out.seqs))
+            return outputs + self._fail_batch(sched_out, f"{type(e).__name__}: {e}")
+        self.scheduler.update(sched_out, model_out)
+        for seq in sched_out.seqs:
+            if seq.sample:
+                outputs.append(self._emit(self._requests[seq.request_id]))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "free_pages": s.pages.num_free,
+            "free_slots": s.slots.num_free,
+            "num_preemptions": s.num_preemptions,
+        }
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _emit(self, req: Request) -> RequestOutput:
+        """Detokenize the token sampled this step and build the request's output."""
+        token = req.output_ids[-1]
+        sp = req.sampling
+        # finish_reason is STOP here only for an EOS / stop token id (scheduler.update)
+        stop_token = req.finish_reason is FinishReason.STOP
+        detok = self._detoks[req.request_id]
+        if stop_token and not sp.include_stop_str_in_output:
+            text, matched = "", None
+        else:
+            text, matched = detok.add([token])
+        if matched is not None:
+            if req.finish_reason is None:
+                self.scheduler.finish(req.request_id, FinishReason.STOP)
+            req.finish_reason = FinishReason.STOP  # a stop string beats max_tokens on this token
+        elif req.finish_reason is not None:
+            text += detok.flush()  # held-back text (partial stop string / UTF-8) is final now
+        if req.finish_reason is not None:
+            del self._requests[req.request_id]
+            del self._detoks[req.request_id]
+        return _output(req, text, [token], req.finish_reason)
+
+    def _fail_batch(self, sched_out: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for seq in sched_out.seqs:
+            req = self._requests.pop(seq.request_id, None)
+            if req is None:
+                continue
+            self.scheduler.finish(seq.request_id, FinishReason.ERROR)
+            self._detoks.pop(seq.request_id, None)
+            outputs.append(_output(req, "", [], FinishReason.ERROR, message))
+        return outputs
+
+
+def _output(
+    req: Request, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None
+) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id,
+        delta_text=text,
+        delta_token_ids=ids,
+        finished=reason is not None,
+        finish_reason=reason,
+        num_prompt_tokens=len(req.prompt_ids),
+        num_output_tokens=len(req.output_ids),
+        error=error,
+    )
+
+
+def _check_sampling(sp: SamplingParams) -> None:
+    """Raise ValueError for settings the sampler cannot honour."""
+    if sp.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {sp.max_tokens}")
+    if sp.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
+    if not 0 <= sp.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {sp.min_p}")
+    if sp.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {sp.repetition_penalty}")

@@ -1,0 +1,158 @@
+"""Batched token sampling from last-position logits.
+
+    python -m pytest -q tests/test_sampler.py
+
+Order of operations per row (each rule's source in brackets):
+  1. repetition penalty over prompt + generated ids: positive logits / r, negative logits * r
+     [CTRL, Keskar et al. 2019; vLLM `apply_penalties`, HF RepetitionPenaltyLogitsProcessor]
+  2. frequency and presence penalties over generated ids only:
+     logit -= frequency_penalty * count + presence_penalty * (count > 0)  [OpenAI API reference]
+  3. greedy rows (temperature == 0): argmax of the penalised logits, ties -> lowest id.
+  4. logits / temperature, then min-p: drop tokens with p < min_p * max(p)  [vLLM v1 order:
+     temperature, min-p, top-k, top-p]
+  5. top-k (keep the k largest; k <= 0 keeps all), then top-p (smallest prefix of the sorted
+     distribution whose mass reaches p; the top token is always kept)  [Holtzman et al. 2019]
+  6. draw with the exponential race: argmax(p / q), q ~ Exp(1), which is an exact sample from p
+     and needs no host sync (nano-vllm, gpt-fast).
+
+Seeded rows draw q from their own torch.Generator seeded from (seed, num_generated), so a seeded
+request gets the same tokens whatever else is in the batch, in whatever row, and after a
+preemption. Unseeded rows share one draw from the global RNG of the logits' device.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from tailored.engine.types import ScheduledSeq
+
+_MASK = float("-inf")
+
+
+def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
+    """Pick one token per row.
+
+    logits: [B, V] float (any float dtype, any device); row i belongs to seqs[i]. Not modified.
+    seqs: the B sampling sequences of the step (their `.sampling`, `.num_generated` and, when
+        penalties are on, `.prompt_ids` / `.output_ids` are read).
+    Returns B token ids (Python ints; one device-to-host copy).
+    """
+    B, V = logits.shape
+    assert len(seqs) == B, f"{B} logits rows for {len(seqs)} sequences"
+    if B == 0:
+        return []
+    device = logits.device
+    logits = logits.to(torch.float32, copy=True)  # [B, V]
+    params = [s.sampling for s in seqs]
+
+    _apply_penalties(logits, seqs)
+
+    greedy_rows = [p.greedy for p in params]
+    if all(greedy_rows):
+        return logits.argmax(dim=-1).tolist()
+
+    # one host->device copy of the per-row knobs: temperature, min_p, top_p, top_k
+    knobs = torch.tensor(
+        [[p.temperature or 1.0, p.min_p, p.top_p, p.top_k if p.top_k > 0 else V] for p in params],
+        dtype=torch.float32,
+    ).to(device)
+    temperature, min_p, top_p, top_k = knobs.unbind(dim=1)  # each [B]
+    greedy_ids = logits.argmax(dim=-1)  # [B]
+
+    logits.div_(temperature.unsqueeze(1))
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits.masked_fill_(probs < threshold, _MASK)
+    if any(0 < p.top_k < V or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, top_k.long(), top_p)
+
+    probs = logits.softmax(dim=-1)  # [B, V]
+    q = torch.empty_like(probs)
+    seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+    if len(seeded) < B:
+        q.exponential_()
+    for i in seeded:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_row_seed(params[i].seed, seqs[i].num_generated))
+        q[i].exponential_(generator=gen)
+    # q == 0 has probability ~2^-24 per entry; clamp so a masked token (p = 0) can never win
+    sampled_ids = probs.div_(q.clamp_min_(1e-20)).argmax(dim=-1)  # [B]
+
+    is_greedy = torch.tensor(greedy_rows, dtype=torch.bool).to(device)
+    return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
+
+
+def _row_seed(seed: int, num_generated: int) -> int:
+    """Mix (seed, step) into one 63-bit seed (splitmix64-style), so streams do not overlap."""
+    x = (seed * 0x9E3779B97F4A7C15 + num_generated + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+    """In place on the rows whose request has a penalty on. logits: [B, V] float32."""
+    rows = [
+        i
+        for i, s in enumerate(seqs)
+        if s.sampling.repetition_penalty != 1.0
+        or s.sampling.presence_penalty != 0.0
+        or s.sampling.frequency_penalty != 0.0
+    ]
+    if not rows:
+        return
+    device, V = logits.device, logits.shape[1]
+    sub = logits[rows]  # [R, V] copy
+    out_counts = _bincount_rows([seqs[i].output_ids for i in rows], V, device)  # [R, V]
+    rep = [seqs[i].sampling.repetition_penalty for i in rows]
+    if any(r != 1.0 for r in rep):
+        seen = _bincount_rows([seqs[i].prompt_ids for i in rows], V, device) + out_counts > 0
+        r = torch.tensor(rep, dtype=torch.float32).to(device).unsqueeze(1)  # [R, 1]
+        penalised = torch.where(sub > 0, sub / r, sub * r)
+        sub = torch.where(seen, penalised, sub)
+    pf = torch.tensor(
+        [[seqs[i].sampling.presence_penalty, seqs[i].sampling.frequency_penalty] for i in rows],
+        dtype=torch.float32,
+    ).to(device)
+    sub -= pf[:, 1:2] * out_counts + pf[:, 0:1] * (out_counts > 0)
+    logits[rows] = sub
+
+
+def _bincount_rows(id_lists: list[tuple[int, ...]], V: int, device) -> torch.Tensor:
+    """[R, V] float32 counts of each id per row.
+
+    One flat host array (numpy.fromiter: ~10x faster than torch.tensor on Python ints) and one
+    scatter on the device. NOTE: the host conversion still costs ~30 ns per id per step (64 rows
+    x 4k-token prompts ~ 9 ms on the H200 host); a device-side token history would remove it.
+    """
+    lens = [len(ids) for ids in id_lists]
+    total = sum(lens)
+    counts = torch.zeros(len(id_lists), V, dtype=torch.float32, device=device)
+    if total == 0:
+        return counts
+    flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=total)
+    ids = torch.from_numpy(flat).to(device)
+    rows = torch.from_numpy(np.repeat(np.arange(len(lens), dtype=np.int64), lens)).to(device)
+    # scatter_add_ on the flat view: plain atomics (index_put_ accumulate sorts first: ~10x slower)
+    counts.view(-1).scatter_add_(0, rows * V + ids, torch.ones(total, device=device))
+    return counts
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits: [B, V] float32; top_k: [B] int64 in 1..V; top_p: [B] float in (0, 1].
+
+    Returns new logits with dropped tokens at -inf. One descending sort serves both filters.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)  # [1, V]
+    sorted_logits.masked_fill_(rank >= top_k.unsqueeze(1), _MASK)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly higher-ranked tokens
+    # NOTE: rows with top_p == 1 are left alone: float cumsum can exceed 1 and drop tail tokens
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_logits.masked_fill_(drop, _MASK)
+    return torch.full_like(logits, _MASK).scatter_(1, order, sorted_logits)

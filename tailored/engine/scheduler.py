@@ -1,0 +1,283 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, admission, preemption, stops.
+
+    python -m pytest -q tests/test_scheduler.py
+
+One rule drives every case: a request has `num_tokens` known tokens (prompt + output) of which
+`num_computed_tokens` are in the cache; each step computes the next chunk
+[num_computed_tokens, num_computed_tokens + n) and samples a token iff the chunk ends at
+`num_tokens`. A plain decode is the 1-token case (the last sampled token is not yet cached);
+a prompt prefill and a recompute after preemption (prompt + outputs) are the long case. So a
+recompute never samples before it has caught up with every known token, and then samples
+exactly the token that was next anyway.
+
+Ordering inside a step (`SchedulerOutput.seqs`): decode rows first (1 token, state already in
+the slot), then prefill chunks of running requests, then newly admitted requests.
+
+Priority is arrival order (`Request.seq_no`): the running list is kept sorted by it; when pages
+run short the *newest* running request not yet scheduled in this step is preempted (it may be
+the one asking). Preempted requests keep their output ids, lose their pages and slot, and go
+back into the waiting queue in arrival order (ahead of every newer request).
+
+    request state         pages / slot        num_computed_tokens
+    WAITING (new)         none / 0            0
+    RUNNING               ceil(cached/page)   0 < n <= num_tokens - 1 after each step
+    WAITING (preempted)   none / 0            0 (output_ids kept -> recomputed)
+    FINISHED              none / 0            (no longer in the scheduler)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from tailored.config import EngineConfig
+from tailored.engine.memory import PagePool, SlotPool
+from tailored.engine.types import (
+    FinishReason,
+    ModelOutput,
+    Request,
+    RequestStatus,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _seq_no(req: Request) -> int:
+    return req.seq_no
+
+
+def _remove(queue: list[Request] | deque[Request], req: Request) -> None:
+    # by identity: dataclass == would compare every field, token lists included
+    del queue[next(i for i, r in enumerate(queue) if r is req)]
+
+
+class Scheduler:
+    """Decides what each engine step runs and owns the page/slot pools.
+
+    num_pages / num_slots: pool sizes including the reserved index 0 (the runner's tensor sizes).
+    At most min(max_num_seqs, num_slots - 1) requests run at once.
+    """
+
+    def __init__(self, engine_config: EngineConfig, num_pages: int, num_slots: int) -> None:
+        self.config = engine_config
+        self.page_size = engine_config.page_size
+        self.pages = PagePool(num_pages)
+        self.slots = SlotPool(num_slots)
+        self.max_running = min(engine_config.max_num_seqs, self.slots.capacity)
+        self.waiting: deque[Request] = deque()  # arrival order
+        self.running: list[Request] = []  # sorted by seq_no (arrival order)
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.num_preemptions = 0  # lifetime counter
+
+    # ---- requests in / out -------------------------------------------------------------------
+    def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Pages a request holds at its longest (the last sampled token is never cached)."""
+        return _cdiv(num_prompt_tokens + max_tokens - 1, self.page_size)
+
+    def add(self, req: Request) -> None:
+        """Queue a new request.
+
+        Raises ValueError if it could never fit in the page pool even running alone (it would
+        be preempted forever); other validation is the engine's job.
+        """
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
+        assert req.status is RequestStatus.WAITING and not req.pages and req.slot == 0
+        need = self.max_pages_needed(len(req.prompt_ids), req.sampling.max_tokens)
+        if need > self.pages.capacity:
+            raise ValueError(
+                f"request {req.request_id!r} needs up to {need} KV pages of {self.page_size} tokens"
+                f" but the pool has {self.pages.capacity}; lower max_tokens or the prompt length"
+            )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request now and free its pages and slot; None if it is not (or no more) here."""
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish a request for `reason` (stop string, abort, error) and free its resources now."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            _remove(self.running, req)
+            self._release(req)
+        else:
+            _remove(self.waiting, req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work within max_num_batched_tokens. Never raises for lack of memory."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        blocked = False  # a running request could not grow this step: admit nobody new
+        preemptions_before = self.num_preemptions
+
+        # 1) decodes, oldest first: they hold a slot and are 1 token each
+        for req in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if not self._grow(req, 1, scheduled):
+                blocked = True
+                continue
+            decodes.append(self._scheduled(req, 1))
+            scheduled.add(req.request_id)
+            budget -= 1
+
+        # 2) prefill chunks of running requests (partial prompt or recompute), oldest first
+        for req in [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, n, scheduled):
+                blocked = True
+                continue
+            prefills.append(self._scheduled(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        # 3) admit waiting requests in FIFO order; the head blocks the rest (no starvation).
+        # NOTE: not after a preemption or a blocked request in this step: pages are short, and a
+        # newcomer would take what older requests need next step.
+        admit = not blocked and self.num_preemptions == preemptions_before
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            n = min(req.num_tokens, budget)
+            if self.slots.num_free == 0 or self.pages.num_free < _cdiv(n, self.page_size):
+                break
+            self.waiting.popleft()
+            req.slot = self.slots.allocate()
+            req.pages = self.pages.allocate(_cdiv(n, self.page_size))
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=_seq_no)
+            prefills.append(self._scheduled(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        seqs = tuple(decodes + prefills)
+        return SchedulerOutput(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs))
+
+    def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[Request]:
+        """Advance the scheduled requests by the step's results; return the ones that finished.
+
+        Stop checks on each sampled token, first match wins: EOS id (unless ignore_eos) or a
+        stop_token_id -> STOP; then max_tokens -> LENGTH; then prompt + output reaching
+        max_model_len -> LENGTH. Finished requests leave the scheduler and free pages + slot.
+        Raises KeyError if a sampling sequence has no token in `model_out`.
+        """
+        finished = []
+        for seq in sched_out.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None:  # finished (abort/stop string) after this step was scheduled
+                continue
+            assert req.num_computed_tokens == seq.start_pos, "step results applied out of order"
+            req.num_computed_tokens += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            token = model_out.token_ids[seq.request_id]
+            req.output_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req.request_id, reason)
+                finished.append(req)
+        return finished
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_ids) >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _grow(self, req: Request, n: int, scheduled: set[str]) -> bool:
+        """Give `req` pages for `n` more tokens, preempting newer requests if needed.
+
+        Returns False when `req` cannot run this step: either it was preempted itself (it was
+        the newest candidate), or it is a prefill that only waits because the remaining
+        candidates already run this step (it keeps its pages and state).
+        """
+        need = _cdiv(req.num_computed_tokens + n, self.page_size) - len(req.pages)
+        while need > self.pages.num_free:
+            victim = next(
+                (r for r in reversed(self.running) if r.request_id not in scheduled), None
+            )
+            if victim is req or victim is None:
+                # NOTE: a decode that cannot grow must give way (else nobody may progress);
+                # a prefill may wait only if another request runs this step and will free pages.
+                if n == 1 or not scheduled:
+                    self._preempt(req)
+                return False
+            self._preempt(victim)
+        if need > 0:
+            req.pages += self.pages.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        _remove(self.running, req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0  # recompute prompt + outputs later
+        # keep the waiting queue in arrival order: a preempted request goes ahead of newer ones
+        i = next(
+            (i for i, w in enumerate(self.waiting) if w.seq_no > req.seq_no), len(self.waiting)
+        )
+        self.waiting.insert(i, req)
+        self.num_preemptions += 1
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.pages.free(req.pages)
+        if req.slot:
+            self.slots.free(req.slot)
+        req.pages = []
+        req.slot = 0
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        end = start + n
+        sp = req.sampling
+        if start < len(req.prompt_ids):
+            tokens = req.prompt_ids[start:end]
+            if end > len(req.prompt_ids):  # recompute crossing into the outputs
+                tokens = tokens + req.output_ids[: end - len(req.prompt_ids)]
+        else:
+            tokens = req.output_ids[start - len(req.prompt_ids) : end - len(req.prompt_ids)]
+        uses_penalties = (
+            sp.repetition_penalty != 1.0
+            or sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0
+        )
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=tuple(tokens),
+            start_pos=start,
+            slot=req.slot,
+            reset_state=start == 0,  # first chunk since this slot was taken (also after preempt)
+            page_ids=tuple(req.pages),
+            sample=end == req.num_tokens,
+            sampling=sp,
+            prompt_ids=tuple(req.prompt_ids) if sp.repetition_penalty != 1.0 else (),
+            output_ids=tuple(req.output_ids) if uses_penalties else (),
+            num_generated=len(req.output_ids),
+        )

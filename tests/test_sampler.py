@@ -1,0 +1,157 @@
+"""Sampler rules on small hand-made logits (CPU; the same code runs on the GPU's logits)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tailored.engine.sampler import _apply_penalties, sample
+from tailored.engine.types import SamplingParams, ScheduledSeq
+
+
+def seq(rid="r", prompt=(), output=(), num_generated=0, **sp) -> ScheduledSeq:
+    return ScheduledSeq(
+        request_id=rid,
+        token_ids=(0,),
+        start_pos=0,
+        slot=1,
+        reset_state=True,
+        page_ids=(1,),
+        sample=True,
+        sampling=SamplingParams(**sp),
+        prompt_ids=tuple(prompt),
+        output_ids=tuple(output),
+        num_generated=num_generated,
+    )
+
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def draws(logits_row: torch.Tensor, n: int, **sp) -> torch.Tensor:
+    """Counts per token of n unseeded draws from one row (batched as n identical rows)."""
+    toks = sample(logits_row.expand(n, -1).contiguous(), [seq(**sp)] * n)
+    return torch.bincount(torch.tensor(toks), minlength=logits_row.numel())
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_greedy_is_argmax_any_dtype():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    want = logits.argmax(-1).tolist()
+    assert sample(logits, [seq(temperature=0.0)] * 6) == want
+    assert (
+        sample(logits.bfloat16(), [seq(temperature=0.0)] * 6)
+        == logits.bfloat16().argmax(-1).tolist()
+    )
+    before = logits.clone()
+    sample(logits, [seq(temperature=1.0, repetition_penalty=2.0, prompt=(1, 2))] * 6)
+    assert torch.equal(logits, before)  # input not modified
+    assert sample(torch.empty(0, 10), []) == []
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    torch.manual_seed(1)
+    logits = torch.randn(32, 500)
+    want = logits.argmax(-1).tolist()
+    assert sample(logits, [seq(temperature=1.5, top_k=1)] * 32) == want
+    assert sample(logits, [seq(temperature=1.5, top_p=1e-6)] * 32) == want
+    assert sample(logits, [seq(temperature=1.0, min_p=1.0)] * 32) == want
+
+
+def test_top_k_top_p_min_p_keep_the_right_tokens():
+    torch.manual_seed(2)
+    assert draws(LOGITS, 4000, top_k=2)[2:].sum() == 0
+    c = draws(LOGITS, 4000, top_p=0.8)  # 0.5 + 0.3 reaches 0.8: tokens 0 and 1 only
+    assert c[2:].sum() == 0 and c[:2].min() > 0
+    c = draws(LOGITS, 4000, top_p=0.81)  # needs token 2 as well
+    assert c[3] == 0 and c[:3].min() > 0
+    c = draws(LOGITS, 4000, min_p=0.2)  # threshold 0.1: only token 3 (0.05) is dropped
+    assert c[3] == 0 and c[:3].min() > 0
+    # renormalised distribution after filtering
+    assert chi2(c, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95) < 25
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0], ids=lambda t: f"T{t}")
+def test_temperature_matches_softmax(temperature):
+    torch.manual_seed(3)
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -2.0])
+    counts = draws(logits, 20000, temperature=temperature)
+    # chi-square with 5 degrees of freedom: P(X > 25) ~ 1.4e-4
+    assert chi2(counts, (logits / temperature).softmax(-1)) < 25
+
+
+def test_seeded_draws_match_softmax():
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -2.0])
+    n = 8000
+    toks = sample(logits.expand(n, -1).contiguous(), [seq(seed=s) for s in range(n)])
+    counts = torch.bincount(torch.tensor(toks), minlength=6)
+    assert chi2(counts, logits.softmax(-1)) < 25
+
+
+def test_seeded_reproducible_regardless_of_batch():
+    torch.manual_seed(4)
+    V = 300
+    row = torch.randn(V)
+    target = seq("t", seed=1234, num_generated=5, temperature=0.9, top_p=0.95)
+    alone = sample(row[None], [target])[0]
+    for trial in range(20):
+        torch.manual_seed(100 + trial)  # global RNG state must not matter
+        B = 1 + trial % 7
+        pos = trial % B
+        batch = torch.randn(B, V)
+        batch[pos] = row
+        others = [seq(f"o{i}", temperature=1.0, seed=(i if trial % 2 else None)) for i in range(B)]
+        others[pos] = target
+        assert sample(batch, others)[pos] == alone
+    # the step number is part of the stream: different steps are different draws
+    flat = torch.zeros(1, V)
+    steps = [sample(flat, [seq(seed=7, num_generated=g)])[0] for g in range(20)]
+    assert len(set(steps)) > 10
+    # and the seed is too
+    assert len({sample(flat, [seq(seed=s)])[0] for s in range(20)}) > 10
+
+
+def test_penalties_on_hand_made_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    s = seq(
+        prompt=(0,),
+        output=(1, 1, 2),
+        repetition_penalty=2.0,
+        frequency_penalty=0.1,
+        presence_penalty=0.5,
+    )
+    _apply_penalties(logits, [s, seq()])
+    # repetition (prompt + output): 2/2, -1*2, 0.5/2; then -0.1*count - 0.5*(count > 0)
+    want = [1.0, -2.0 - 0.2 - 0.5, 0.25 - 0.1 - 0.5, 3.0]
+    assert torch.allclose(logits[0], torch.tensor(want))
+    assert torch.equal(logits[1], torch.tensor([2.0, -1.0, 0.5, 3.0]))  # no penalty row untouched
+
+    only_output = torch.tensor([[1.0, 1.0, 1.0]])
+    _apply_penalties(only_output, [seq(prompt=(0,), output=(2,), presence_penalty=1.0)])
+    assert only_output.tolist() == [[1.0, 1.0, 0.0]]  # presence ignores the prompt (OpenAI)
+
+
+def test_penalty_changes_greedy_choice():
+    logits = torch.tensor([[1.0, 0.9, -5.0]])
+    assert sample(logits, [seq(temperature=0.0)]) == [0]
+    assert sample(logits, [seq(temperature=0.0, output=(0,), frequency_penalty=0.2)]) == [1]
+    assert sample(logits, [seq(temperature=0.0, prompt=(0,), repetition_penalty=1.2)]) == [1]
+
+
+def test_mixed_batch_each_row_follows_its_own_rule():
+    torch.manual_seed(5)
+    logits = torch.randn(4, 50)
+    seqs = [seq(temperature=0.0), seq(top_k=1), seq(seed=3), seq(temperature=0.0, top_k=5)]
+    out = sample(logits, seqs)
+    am = logits.argmax(-1).tolist()
+    assert out[0] == am[0] and out[1] == am[1] and out[3] == am[3]
+    assert 0 <= out[2] < 50 and not math.isnan(out[2])
