@@ -37,7 +37,7 @@ serve_and_check() {  # $1 label, $2.. serve args
     python3 -m tailored serve "$@" --port 8000 > "$OUT/server-$label.log" 2>&1 &
     local pid=$!
     for _ in $(seq 1 300); do
-        curl -sf localhost:8000/health > /dev/null && break
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
         kill -0 $pid 2>/dev/null || { echo "server $label died"; tail -30 "$OUT/server-$label.log"; return 1; }
         sleep 1
     done
@@ -45,8 +45,17 @@ serve_and_check() {  # $1 label, $2.. serve args
     python3 scripts/check_prompts.py --base-url http://127.0.0.1:8000/v1 --out "$OUT/prompts-$label.json" \
         | tee "$OUT/prompts-$label.txt"
     # bad input must not hurt the server
-    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"model":"qwen36-35b-a3b","prompt":"x","max_tokens":0}'; echo
-    curl -s localhost:8000/health; echo
+    python3 - <<'PY'
+import json, urllib.request as u, urllib.error as e
+req = u.Request("http://127.0.0.1:8000/v1/completions", method="POST",
+                data=json.dumps({"model": "qwen36-35b-a3b", "prompt": "x", "max_tokens": 0}).encode(),
+                headers={"Content-Type": "application/json"})
+try:
+    u.urlopen(req)
+except e.HTTPError as err:
+    print("bad input ->", err.code, err.read().decode()[:200])
+print("health after bad input ->", u.urlopen("http://127.0.0.1:8000/health").read().decode())
+PY
     kill $pid; wait $pid 2>/dev/null
     tail -5 "$OUT/server-$label.log"
 }

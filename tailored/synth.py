@@ -193,7 +193,8 @@ def build_empty_model(cfg: ModelConfig, device, dtype, with_mtp: bool = True):
 
     with torch.device("meta"):
         model = Qwen36ForCausalLM(cfg, with_mtp=with_mtp)
-    model = model.to_empty(device=device).to(dtype)
+    # cast on meta first: to_empty allocates in the params' dtype (fp32 would double the memory)
+    model = model.to(dtype).to_empty(device=device)
     model.eval()
     return model
 
