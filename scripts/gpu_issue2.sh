@@ -31,8 +31,8 @@ PY
 stamp "GPU tests"
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15
 
-serve_and_check() {  # $1 label, $2.. serve args
-    local label=$1; shift
+serve_and_check() {  # $1 label, $2 extra client flags, $3.. serve args
+    local label=$1 client_flags=$2; shift 2
     stamp "serve $label: $*"
     python3 -m tailored serve "$@" --port 8000 > "$OUT/server-$label.log" 2>&1 &
     local pid=$!
@@ -42,7 +42,7 @@ serve_and_check() {  # $1 label, $2.. serve args
         sleep 1
     done
     stamp "server $label ready"
-    python3 scripts/check_prompts.py --base-url http://127.0.0.1:8000/v1 --out "$OUT/prompts-$label.json" \
+    python3 scripts/check_prompts.py --base-url http://127.0.0.1:8000/v1 --out "$OUT/prompts-$label.json" $client_flags \
         | tee "$OUT/prompts-$label.txt"
     # bad input must not hurt the server
     python3 - <<'PY'
@@ -63,12 +63,13 @@ PY
 stamp "synth full-width 4-layer checkpoint (file path)"
 python3 -m tailored synth /tmp/full4 --preset full --num-layers 4 --device cuda 2>&1 | tail -2
 du -sh /tmp/full4
-serve_and_check full4-file /tmp/full4
+# fp32 so that batched == sequential greedy text can be required exactly (--strict-batch)
+serve_and_check full4-file-fp32 --strict-batch /tmp/full4 --dtype float32
 rm -rf /tmp/full4
 
 stamp "full-size config only"
 python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
-serve_and_check full-dummy /tmp/full --load-format dummy --max-model-len 8192 --max-num-seqs 32
+serve_and_check full-dummy-bf16 "" /tmp/full --load-format dummy --max-model-len 8192 --max-num-seqs 32
 
 stamp "summary"
 for f in "$OUT"/prompts-*.txt; do echo "== $f"; tail -8 "$f"; done

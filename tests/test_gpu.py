@@ -48,11 +48,30 @@ def test_tiny_cuda_fp32_matches_cpu(tiny_model, T):
     assert rel_err(gpu, cpu) <= 1e-4
 
 
-def test_tiny_cuda_bf16_close_to_fp32(tiny_model):
-    ids = torch.randint(0, 248044, (100,), generator=torch.Generator().manual_seed(5)).tolist()
-    cpu = run_seq(tiny_model, new_cache(tiny_model.config), ids, 0, 1, list(range(1, 9)))
-    gpu = _run(_on(tiny_model, "cuda", torch.bfloat16), ids, "cuda", torch.bfloat16)
-    assert rel_err(gpu, cpu) <= 5e-2
+@pytest.mark.parametrize("layer", [0, 3])
+def test_tiny_cuda_bf16_layer_close_to_fp32(tiny_model, layer):
+    """One GDN layer and one attention layer in bf16 on the GPU vs fp32, same input.
+
+    Whole-model bf16-vs-fp32 error of the random-weight tiny model is dominated by chaotic
+    amplification across layers (transformers' own bf16 path shows the same growth: kb/0001),
+    so precision is checked per layer; exactness is checked end to end in fp32.
+    """
+    from tailored.ops import reference as ref
+
+    T = 100
+    x = torch.randn(T, tiny_model.config.hidden_size, generator=torch.Generator().manual_seed(layer))
+    b = ForwardBatch.build([(list(range(T)), 0, 1, True, list(range(1, 9)))], [], "cpu")
+    cos, sin = ref.rope_cos_sin(b.positions, tiny_model.config.rotary_dim, tiny_model.config.rope_theta,
+                                torch.float32)
+    with torch.no_grad():
+        want = tiny_model.model.layers[layer](x, cos, sin, b, new_cache(tiny_model.config), layer)
+        m16 = _on(tiny_model, "cuda", torch.bfloat16)
+        bg = ForwardBatch.build([(list(range(T)), 0, 1, True, list(range(1, 9)))], [], "cuda")
+        cache = HybridCache(tiny_model.config, 64, 16, 4, torch.bfloat16, "cuda")
+        got = m16.model.layers[layer](x.cuda().bfloat16(), cos.cuda().bfloat16(), sin.cuda().bfloat16(),
+                                      bg, cache, layer)
+    assert torch.isfinite(got).all()
+    assert rel_err(got.cpu(), want) <= 2e-2
 
 
 def test_full_width_4_layers_matches_transformers():
