@@ -130,7 +130,10 @@ def main() -> int:
     conc, conc_s = asyncio.run(run_concurrent(args.base_url, prompts, args.model))
     for r, group in zip(rows, conc):
         texts = [t for t, _ in group]
-        if len(set(texts)) != 1:
+        r["copies_identical"] = len(set(texts)) == 1
+        # copies may be admitted in different steps, i.e. run inside differently composed
+        # batches; in bf16 that may flip a near-tie argmax (kb/0001), so strict mode only
+        if args.strict_batch and not r["copies_identical"]:
             r["errors"].append("identical concurrent requests returned different texts")
         r["batched_equals_sequential"] = texts[0] == r["text"]
         r["batched_common_prefix_chars"] = common_prefix(texts[0], r["text"])
@@ -146,12 +149,13 @@ def main() -> int:
         print(f"--- {r['name']} ({r['finish_reason']}, {r['completion_tokens']} tokens)")
         print(repr(r["text"][:300]))
     print(f"\n{'prompt':<12} {'in':>5} {'out':>5} {'finish':>7} {'TTFT ms':>8} {'tok/s':>7} "
-          f"{'batch=seq':>9}  check")
+          f"{'batch=seq':>9} {'copies=':>7}  check")
     for r in rows:
         ttft = f"{1000 * r['ttft_s']:.0f}" if r["ttft_s"] is not None else "-"
         print(f"{r['name']:<12} {r['prompt_tokens']:>5} {r['completion_tokens']:>5} "
               f"{r['finish_reason']:>7} {ttft:>8} {r['tok_s']:>7.1f} "
-              f"{'yes' if r['batched_equals_sequential'] else str(r['batched_common_prefix_chars']) + 'ch':>9}  "
+              f"{'yes' if r['batched_equals_sequential'] else str(r['batched_common_prefix_chars']) + 'ch':>9} "
+              f"{'yes' if r['copies_identical'] else 'no':>7}  "
               f"{'ok' if not r['errors'] else '; '.join(r['errors'])}")
     print(f"concurrent: {4 * len(prompts)} requests, {conc_tokens} tokens in {conc_s:.2f} s = "
           f"{conc_tokens / conc_s:.1f} output tok/s")

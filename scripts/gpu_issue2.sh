@@ -4,7 +4,8 @@
 # (40 layers, bf16, --load-format dummy), and send the prompt set through the OpenAI client.
 #
 # Prepare here (once):  bash scripts/fetch_wheels.sh      (writes .whl/, git-ignored)
-# Run there:            device run, carry [".whl"], command: bash scripts/gpu_issue2.sh
+# Run there:            device run, carry [".whl"],
+#                       command: TAILORED_COMMIT=<git rev-parse HEAD here> bash scripts/gpu_issue2.sh
 # Output: $OUT/gpu_issue2.log (+ JSON reports); the table is printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/tailored-out}
@@ -22,7 +23,9 @@ python3 - <<'PY' | tee "$OUT/manifest.json"
 import json, subprocess, torch, triton, transformers
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                       "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+import os
+commit = os.environ.get("TAILORED_COMMIT") or subprocess.run(
+    ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 print(json.dumps({"commit": commit or "unknown (tree copied without .git)", "gpu": smi,
                   "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
                   "transformers": transformers.__version__}, indent=1))
