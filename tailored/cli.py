@@ -48,7 +48,37 @@ def _synth_parser(sub) -> None:
                    help="write config and tokenizer files only (for serve --load-format dummy)")
 
 
+def _check_serve_args(args) -> None:
+    """Reject bad flag values in one line before anything slow (weights) happens."""
+    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
+                 "num_layers"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA GPU is available on this machine")
+    # a busy port would only show after the weights are loaded: check it first
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+
+
 def cmd_serve(args) -> int:
+    _check_serve_args(args)
     import uvicorn
 
     from tailored.server.app import build_app
@@ -57,8 +87,8 @@ def cmd_serve(args) -> int:
 
     on_gpu = args.checkpoint_dir is not None and pick_device(args.device).type == "cuda"
     kw = dict(
-        max_model_len=args.max_model_len or (16384 if on_gpu else 4096),
-        max_num_seqs=args.max_num_seqs or (64 if on_gpu else 16),
+        max_model_len=args.max_model_len if args.max_model_len is not None else (16384 if on_gpu else 4096),
+        max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else (64 if on_gpu else 16),
         max_num_batched_tokens=args.max_num_batched_tokens,
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -87,7 +117,8 @@ def cmd_synth(args) -> int:
 
     out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
                                      num_layers=args.num_layers, config_only=args.config_only, device=args.device)
-    print(f"wrote {args.preset} checkpoint to {Path(out).resolve()}")
+    what = "config and tokenizer files of the" if args.config_only else "a"
+    print(f"wrote {what} {args.preset} checkpoint to {Path(out).resolve()}")
     return 0
 
 
@@ -101,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"serve": cmd_serve, "synth": cmd_synth}[args.command](args)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         # config/checkpoint problems are user errors: one line, no traceback
         print(f"tailored {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -90,6 +90,8 @@ class ModelConfig:
 
         Raises ConfigError (one line) for any other architecture or an inconsistent config.
         """
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must hold a JSON object, found {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in ACCEPTED_MODEL_TYPES:
             archs = cfg.get("architectures")
@@ -98,8 +100,8 @@ class ModelConfig:
                 f" architectures={archs!r}; tailored serves only qwen3_5_moe (Qwen3.5/3.6-MoE)"
             )
         text = cfg.get("text_config", cfg) if model_type == "qwen3_5_moe" else cfg
-        if model_type == "qwen3_5_moe" and "text_config" not in cfg:
-            raise ConfigError("config.json of model_type 'qwen3_5_moe' has no text_config")
+        if model_type == "qwen3_5_moe" and not isinstance(cfg.get("text_config"), dict):
+            raise ConfigError("config.json of model_type 'qwen3_5_moe' has no text_config object")
         if text.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
             raise ConfigError(
                 f"unsupported text_config.model_type={text.get('model_type')!r}; expected qwen3_5_moe_text"

@@ -44,7 +44,8 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     else:
         budget = CPU_CACHE_BYTES
     budget -= num_slots * per_slot
-    pages = min(want_pages, budget // per_page)
+    # a model cut to its first 1-3 layers has no attention layer: pages cost nothing
+    pages = want_pages if per_page == 0 else min(want_pages, budget // per_page)
     need = math.ceil(ec.max_model_len / ec.page_size) + 1
     if pages < need:
         raise RuntimeError(

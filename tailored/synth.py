@@ -259,7 +259,7 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
         size += nbytes
     weight_map, total = {}, 0
     bar = tqdm(total=len(specs), desc=f"writing {preset} checkpoint", unit="tensor",
-               disable=not progress)
+               disable=not progress or config_only)
     for i, shard in enumerate(shards if specs else []):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
@@ -269,6 +269,7 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
             total += tensors[name].numel() * 2
             bar.update(1)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        (out / fname).chmod(0o644)  # save_file creates 0600; match the other files
         del tensors
     bar.close()
     if specs:

@@ -46,7 +46,7 @@ def checkpoint_files(ckpt_dir: Path) -> dict[str, list[str]]:
         return files
     single = ckpt_dir / "model.safetensors"
     if single.is_file():
-        with safe_open(str(single), "pt") as f:
+        with _open_shard(single) as f:
             return {single.name: list(f.keys())}
     raise LoadError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
 
@@ -114,7 +114,7 @@ def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bo
     total = sum(len(v) for v in files.values())
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
     for fname, names in sorted(files.items()):
-        with safe_open(str(ckpt_dir / fname), "pt", device="cpu") as f:
+        with _open_shard(ckpt_dir / fname) as f:
             for name in names:
                 bar.update(1)
                 pname = param_name(name)
@@ -125,7 +125,10 @@ def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bo
                     continue
                 if model.mtp is None and pname.startswith("mtp."):
                     continue
-                t = f.get_tensor(name)
+                try:
+                    t = f.get_tensor(name)
+                except Exception as e:
+                    raise LoadError(f"cannot read tensor {name} from {fname}: {e}") from None
                 if t.dtype not in ALLOWED_DTYPES:
                     raise LoadError(
                         f"tensor {name} has dtype {t.dtype}; this build loads bf16/fp16/fp32 "
@@ -159,6 +162,14 @@ def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bo
         raise LoadError(
             f"checkpoint {ckpt_dir} lacks {len(missing)} tensor(s), first: {missing[0]}"
         )
+
+
+def _open_shard(path: Path):
+    """safe_open with a LoadError naming the shard when it is truncated or not safetensors."""
+    try:
+        return safe_open(str(path), "pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError / OSError
+        raise LoadError(f"cannot read shard {path.name} in {path.parent}: {e}") from None
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -1,0 +1,84 @@
+"""`tailored serve` / `tailored synth` refuse bad input with one line (exit 2), before loading weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import pytest
+import torch
+
+from tailored.cli import main
+from tailored.stack import build_stack
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--page-size", "0"], "--page-size must be >= 1"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+    (["--max-num-seqs", "-1"], "--max-num-seqs must be >= 1"),
+    (["--num-layers", "0"], "--num-layers must be >= 1"),
+    (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization must be in"),
+    (["--device", "tpu"], "--device must be"),
+])
+def test_bad_serve_flags(tiny_ckpt, capsys, flags, msg):
+    assert main(["serve", str(tiny_ckpt), "--port", "8197", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_gpu(tiny_ckpt, capsys):
+    assert main(["serve", str(tiny_ckpt), "--device", "cuda", "--port", "8197"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_busy_port_detected_before_loading(tiny_ckpt, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", str(tiny_ckpt), "--port", str(port)]) == 2
+    assert "cannot listen" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["list_config", "llama", "missing_dir", "corrupt_shard"])
+def test_bad_checkpoints(tiny_ckpt, tmp_path, capsys, case):
+    d = tmp_path / "c"
+    if case == "list_config":
+        d.mkdir()
+        (d / "config.json").write_text("[1]")
+    elif case == "llama":
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    elif case == "corrupt_shard":
+        shutil.copytree(tiny_ckpt, d)
+        shard = next(d.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:100_000])
+    assert main(["serve", str(d), "--port", "8197"]) == 2
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    errs = [ln for ln in lines if "tailored serve: error:" in ln]
+    assert len(errs) == 1 and "Traceback" not in "\n".join(lines)
+    err = errs[0]
+    assert {"list_config": "JSON object", "llama": "model_type='llama'", "missing_dir": "no config.json",
+            "corrupt_shard": "cannot read shard"}[case] in err
+
+
+def test_synth_onto_a_file(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert main(["synth", str(f)]) == 2
+    assert "File exists" in capsys.readouterr().err
+
+
+def test_fewer_layers_than_the_first_attention_layer(tiny_ckpt):
+    """--num-layers 3 keeps only GDN layers: no KV pages are needed and serving still works."""
+    from tailored.engine.types import SamplingParams
+
+    stack = build_stack(tiny_ckpt, num_layers=3, progress=False, max_model_len=256, max_num_seqs=2)
+    eng = stack.engine
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].finished and outs[-1].num_output_tokens == 3
