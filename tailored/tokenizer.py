@@ -19,6 +19,10 @@ Public API
         such as ``<|im_start|>`` become their ids.  allow_special=False: the special=True added
         tokens are encoded as plain text (transformers' ``split_special_tokens`` semantics); the
         non-special ones (``<think>``, ``<tool_call>``, ... §10.2) still map to their ids.
+        Text holding a lone UTF-16 surrogate (not valid Unicode) raises ValueError (both
+        backends).  The HF backend encodes long texts with ``encode_batch``, which releases the
+        GIL (a 4 MB text: ~14 s during which no other Python thread ran with ``encode``; with
+        ``encode_batch`` other threads keep running).
     decode(ids, skip_special_tokens=True) -> str     invalid UTF-8 becomes U+FFFD
     token_bytes(id) -> bytes     raw bytes of a regular token; UTF-8 text of an added token;
                                  b"" for an id without a token (e.g. 248077..248319, the padded
@@ -30,7 +34,8 @@ Public API
                         **template_kwargs) -> str
         Renders the ChatML prompt (§10.3) in a sandboxed jinja2 environment (``tojson`` filter,
         ``raise_exception`` helper).  Message content may be a string, None, or a list of
-        ``{"type": "text", "text": ...}`` parts (joined); any other part type raises ValueError.
+        ``{"type": "text", "text": ...}`` parts (joined); any other part type, or a text part
+        whose ``text`` is not a string, raises ValueError.
         A tool call's ``arguments`` given as a JSON string is parsed into an object first.
         Extra keyword arguments (e.g. ``preserve_thinking=True``) go to the template.
         Template errors (``raise_exception``) raise `ChatTemplateError` (a ValueError).
@@ -87,6 +92,10 @@ NON_SPECIAL = frozenset({  # added tokens with special=False (spec §10.2)
     "<think>", "</think>",
 })
 DEFAULT_EOS_TOKEN_IDS = (248046, 248044)  # <|im_end|>, <|endoftext|> (spec §10.3)
+# HF backend: texts at least this long go through encode_batch (releases the GIL; ~50 us more
+# per call, so short texts keep the plain encode).
+_ENCODE_BATCH_MIN_CHARS = 4096
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # --- built-in chat template (spec §10.3) -------------------------------------------------------
 # ChatML with the Qwen3.6 behaviour: thinking on by default, reasoning kept for assistant turns
@@ -238,6 +247,15 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+def _check_text(text: str) -> None:
+    """ValueError if `text` holds a lone UTF-16 surrogate (e.g. from JSON "\\ud800")."""
+    if not text.isascii():
+        m = _SURROGATE.search(text)
+        if m is not None:
+            raise ValueError(f"text contains a lone surrogate (U+{ord(m.group()):04X} at "
+                             f"character {m.start()}); text must be valid Unicode")
+
+
 def _content_to_text(content: Any, role: str) -> str:
     if content is None:
         return ""
@@ -247,7 +265,9 @@ def _content_to_text(content: Any, role: str) -> str:
         out = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"content part 'text' must be a string in a {role!r} message")
+            if kind != "text":
                 raise ValueError(f"unsupported content part type {kind!r} in a {role!r} message "
                                  "(only 'text' parts are supported)")
             out.append(part["text"])
@@ -349,14 +369,15 @@ class Tokenizer:
     # -- encode / decode ------------------------------------------------------------------------
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        _check_text(text)
         if self._hf is not None:
             # encode_special_tokens is tokenizer state: flip it only while holding the lock
             with self._hf_lock:
                 if allow_special:
-                    return self._hf.encode(text, add_special_tokens=False).ids
+                    return self._hf_encode(text)
                 self._hf.encode_special_tokens = True
                 try:
-                    return self._hf.encode(text, add_special_tokens=False).ids
+                    return self._hf_encode(text)
                 finally:
                     self._hf.encode_special_tokens = False
         allow_special = bool(allow_special)
@@ -368,6 +389,11 @@ class Tokenizer:
                            for i, p in enumerate(split.split(text)))
         return self._enc.encode(text, allowed_special=self._allowed[allow_special],
                                 disallowed_special=())
+
+    def _hf_encode(self, text: str) -> list[int]:
+        if len(text) >= _ENCODE_BATCH_MIN_CHARS:  # releases the GIL while it works
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [i for i in ids if 0 <= i < self.vocab_size

@@ -380,3 +380,47 @@ def test_add_request_validation():
     assert e.stats()["waiting"] == 1 and e.has_unfinished()
     run(e)
     assert not e.has_unfinished()
+
+
+class _NoScanList(list):
+    """A stop_token_ids list that fails if anyone searches it linearly per token."""
+
+    def __contains__(self, item):
+        raise AssertionError("stop_token_ids scanned as a list")
+
+
+def test_stop_token_ids_checked_through_a_frozenset():
+    base = run_one(prompt(1, 6), max_tokens=10)
+    x = base["ids"][3]
+    k = base["ids"].index(x)
+    e = make_engine()
+    many = _NoScanList(range(1000, 1000 + 100_000))  # ids the model never samples...
+    many.append(x)  # ...and one it does
+    e.add_request(
+        "x", prompt(1, 6), SamplingParams(temperature=0, max_tokens=10, stop_token_ids=many)
+    )
+    stop_ids = e.scheduler.stop_ids["x"]
+    assert isinstance(stop_ids, frozenset) and x in stop_ids and set(EOS) <= stop_ids
+    r = run(e)["x"]
+    assert r["finish"] is FinishReason.STOP and r["ids"] == base["ids"][: k + 1]
+    assert e.scheduler.stop_ids == {}  # dropped with the request
+    # ignore_eos: EOS ids are not in the set, stop_token_ids still are
+    e = make_engine()
+    e.add_request(
+        "y", prompt(1, 6), SamplingParams(max_tokens=3, ignore_eos=True, stop_token_ids=[5])
+    )
+    assert e.scheduler.stop_ids["y"] == frozenset({5})
+    e.abort_request("y")
+    assert e.scheduler.stop_ids == {}
+
+
+def test_underflowing_temperature_and_top_p_run_greedy_through_the_engine():
+    """temperature 1e-45 / top_p 1e-300 pass the API but are 0 in float32: they must behave
+    as greedy (same tokens as temperature 0), not emit token 0 from NaN probabilities."""
+    want = make_engine(use_sampler=True)
+    workload(want, temperature=0.0)
+    want = run(want)
+    for sp in ({"temperature": 1e-45}, {"top_p": 1e-300, "seed": 3}):
+        e = make_engine(use_sampler=True)
+        workload(e, **sp)
+        assert run(e) == want

@@ -155,3 +155,64 @@ def test_mixed_batch_each_row_follows_its_own_rule():
     am = logits.argmax(-1).tolist()
     assert out[0] == am[0] and out[1] == am[1] and out[3] == am[3]
     assert 0 <= out[2] < 50 and not math.isnan(out[2])
+
+
+# ---- values that pass validation but used to give NaN (token 0) -------------------------------
+
+
+def test_underflowing_temperature_is_greedy():
+    torch.manual_seed(6)
+    logits = torch.randn(8, 300) + 5.0  # token 0 must not win by accident
+    want = logits.argmax(-1).tolist()
+    for t in (1e-45, 1e-30, 9e-6):
+        assert sample(logits, [seq(temperature=t)] * 8) == want
+        assert sample(logits, [seq(temperature=t, seed=1)] * 8) == want
+        mixed = sample(logits, [seq(temperature=t), seq(temperature=1.0)] * 4)
+        assert mixed[0::2] == want[0::2]
+
+
+def test_top_token_survives_any_top_p():
+    torch.manual_seed(7)
+    logits = torch.randn(8, 300)
+    want = logits.argmax(-1).tolist()
+    for p in (1e-300, 1e-45, 1e-12):  # 1e-300 and 1e-45 are 0 in float32
+        assert sample(logits, [seq(top_p=p)] * 8) == want
+        assert sample(logits, [seq(top_p=p, top_k=5, min_p=0.5, seed=3)] * 8) == want
+
+
+def test_extreme_repetition_penalty_is_clamped_not_nan():
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
+    tiny = seq(prompt=(1,), output=(3,), repetition_penalty=1e-50)  # would be 0 in float32
+    huge = seq(prompt=(1,), output=(3,), repetition_penalty=1e50)  # would be inf
+    out = logits.clone()
+    _apply_penalties(out, [tiny])
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, torch.tensor([[0.0, 300.0, 2.0, -0.01]]))  # clamped to 0.01
+    out = logits.clone()
+    _apply_penalties(out, [huge])
+    assert torch.allclose(out, torch.tensor([[0.0, 0.03, 2.0, -100.0]]))  # clamped to 100
+    assert sample(logits, [tiny]) == [1]
+    assert sample(logits, [huge]) == [2]
+    assert sample(logits, [seq(temperature=0.0, prompt=(1,), repetition_penalty=1e-50)]) == [1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_nan_row_falls_back_to_greedy_and_spares_the_others(temperature, caplog):
+    torch.manual_seed(8)
+    B, V = 5, 200
+    logits = torch.randn(B, V)
+    seqs = [seq(f"r{i}", temperature=temperature, seed=10 + i, top_p=0.9) for i in range(B)]
+    clean = sample(logits, seqs)
+    bad = logits.clone()
+    bad[2, ::3] = float("nan")
+    bad[2, 100] = 50.0  # the best non-NaN logit
+    with caplog.at_level("WARNING", logger="tailored.engine.sampler"):
+        got = sample(bad, seqs)
+    assert got[2] == 100
+    assert got[:2] + got[3:] == clean[:2] + clean[3:]
+    assert "'r2'" in caplog.text and "NaN" in caplog.text
+    # an all -inf row (nothing left to sample) also falls back instead of emitting token 0
+    inf_row = logits.clone()
+    inf_row[1] = float("-inf")
+    inf_row[1, 42] = float("inf")
+    assert sample(inf_row, seqs)[1] == 42

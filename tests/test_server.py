@@ -576,6 +576,346 @@ def test_bad_requests_get_openai_errors(srv, path, body, status, needles, param)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
 
 
+# ---- hostile input (regressions) ------------------------------------------------------------
+
+
+def post_raw(client, path: str, body: dict | bytes, **headers):
+    """POST a body that httpx's json= cannot send (lone surrogates): json.dumps escapes them."""
+    url = "/v1/chat/completions" if path == "m" else "/v1/completions"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(
+        url, content=content, headers={"content-type": "application/json", **headers}
+    )
+
+
+LONE = "a\ud800b"
+SURROGATE_CASES = [
+    ("c", {"prompt": LONE}, "prompt"),
+    ("c", {"prompt": "x", "stop": [LONE]}, "stop[0]"),
+    ("c", {"prompt": "x", "model": LONE}, "model"),
+    ("m", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    (
+        "m",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+        "messages[0].content[0].text",
+    ),
+    (
+        "m",
+        {"messages": [MSGS[0], {"role": "assistant", "content": "", "reasoning_content": LONE}]},
+        "messages[1].reasoning_content",
+    ),
+    (
+        "m",
+        {
+            "messages": [
+                MSGS[0],
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": LONE}}],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.name",
+    ),
+    ("m", {"messages": [{"role": "user", "content": "x", "name": LONE}]}, "messages[0].name"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", SURROGATE_CASES)
+def test_lone_surrogates_are_400_naming_the_field(srv, path, body, field):
+    client, engine, _ = srv
+    r = post_raw(client, path, body)
+    err = assert_openai_error(r, 400, f"invalid '{field}': contains a lone surrogate")
+    assert err["param"] == field
+    r.content.decode("utf-8")  # the error body is valid UTF-8
+    assert not engine.reqs
+    assert completion(client, prompt="SAY:fine").json()["choices"][0]["text"] == "fine"
+
+
+@pytest.mark.parametrize(
+    "raw,ok",
+    [
+        (rb'"SAY:ok \ud83d\ude00"', True),  # an escaped pair is one code point: fine
+        (rb'"SAY:ok \\ud800"', True),  # an escaped backslash: the text "\ud800"
+        (rb'"SAY:ok \\\ud800"', False),  # backslash, then a lone surrogate
+        (rb'"SAY:ok \ud83d\\ude00"', False),
+        (rb'"SAY:ok \ude00\ud83d"', False),  # wrong order
+        (rb'"SAY:ok \ud83d\ud83d\ude00"', False),  # the first high one is lone
+        (rb'"SAY:ok \ud83d\ude00\ude00"', False),  # the last low one is lone
+        (b'"SAY:ok \xed\xa0\x80"', False),  # a UTF-8-encoded surrogate is not UTF-8
+    ],
+)
+def test_surrogate_detection_is_exact(srv, raw, ok):
+    client, engine, _ = srv
+    r = post_raw(client, "c", b'{"max_tokens": 64, "prompt": ' + raw + b"}")
+    if ok:
+        assert r.status_code == 200, r.text
+        (ids,) = engine.prompts.values()
+        assert ids == list(json.loads(raw).encode())
+    else:
+        assert_openai_error(r, 400, "malformed JSON" if b"\xed" in raw else "lone surrogate")
+
+
+def test_utf16_body_still_accepted_and_checked(srv):
+    client, engine, _ = srv
+    body = json.dumps({"prompt": "SAY:hé", "max_tokens": 8}, ensure_ascii=False)
+    r = post_raw(client, "c", body.encode("utf-16"))
+    assert r.status_code == 200, r.text
+    assert list(engine.prompts.values()) == [list("SAY:hé".encode())]
+    r = post_raw(client, "c", json.dumps({"prompt": "x\ud800"}).encode("utf-16-le"))
+    assert_openai_error(r, 400, "invalid 'prompt': contains a lone surrogate")
+
+
+def test_lone_surrogate_in_a_huge_body_gets_a_generic_message(srv):
+    client, _, _ = srv
+    # the walk that names the field gives up after 100k containers
+    body = {"prompt": "x", "metadata": [{"a": "\ud800"}] + [{}] * 200_000}
+    err = assert_openai_error(post_raw(client, "c", body), 400, "lone surrogate", "'\\\\ud800'")
+    assert err["param"] is None
+
+
+def test_lone_surrogate_in_tool_call_arguments_string(srv):
+    client, _, _ = srv
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}
+    msgs = [MSGS[0], {"role": "assistant", "tool_calls": [call]}]
+    err = assert_openai_error(post_raw(client, "m", {"messages": msgs}), 400, "lone surrogate")
+    assert err["param"] == "messages[1].tool_calls"
+
+
+def test_encode_time_valueerror_is_400(srv):
+    """Backstop: text the tokenizer refuses (ValueError) is a 400 naming the field, not a 500."""
+    client, _, tok = srv
+
+    def refuse(text):
+        raise ValueError("text contains a lone surrogate")
+
+    tok.encode = refuse
+    err = assert_openai_error(completion(client, prompt="x"), 400, "invalid 'prompt'", "surrogate")
+    assert err["param"] == "prompt"
+    err = assert_openai_error(chat(client, "x"), 400, "invalid 'messages'")
+    assert err["param"] == "messages"
+
+
+def test_error_response_always_renders():
+    from tailored.server.app import error_response
+    from tailored.server.protocol import OpenAIError
+
+    err = OpenAIError("model `\ud800` " + "x" * 10_000, status=404, param="a\udfff")
+    resp = error_response(err)
+    body = json.loads(bytes(resp.body).decode("ascii"))
+    assert body["error"]["message"].startswith("model `\\ud800` ")
+    assert len(body["error"]["message"]) <= 2000
+    assert body["error"]["param"] == "a\\udfff"
+
+
+def test_unknown_model_names_are_shown_escaped_and_short(srv):
+    client, _, _ = srv
+    err = assert_openai_error(client.get("/v1/models/" + "m" * 5000), 404, "mmm")
+    assert len(err["message"]) < 300
+    err = assert_openai_error(completion(client, prompt="x", model="y" * 5000), 404, "yyy")
+    assert len(err["message"]) < 300
+
+
+def test_json_too_deep_ignores_brackets_in_strings():
+    from tailored.server.protocol import MAX_JSON_DEPTH, json_too_deep
+
+    def deep(n: int) -> bytes:
+        return b"[" * n + b"]" * n
+
+    assert not json_too_deep(deep(MAX_JSON_DEPTH)) and json_too_deep(deep(MAX_JSON_DEPTH + 1))
+    brackets_in_strings = json.dumps({"a": ["[" * 500, '\\"[{' * 100, '\\"' + "{" * 100]})
+    assert not json_too_deep(brackets_in_strings.encode())
+    wrapped = b'{"s": "]]]]\\"]]]", "x": ' + deep(MAX_JSON_DEPTH) + b"}"
+    assert json_too_deep(wrapped)
+
+
+def test_deeply_nested_json_is_400(srv):
+    client, _, _ = srv
+    for body in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
+        assert_openai_error(
+            post_raw(client, "c", body), 400, "malformed JSON body: nested too deeply"
+        )
+    nested: list = []
+    for _ in range(100):  # parses fine, but deeper than MAX_JSON_DEPTH
+        nested = [nested]
+    r = post_raw(client, "c", {"prompt": "x", "metadata": nested})
+    assert_openai_error(r, 400, "nested too deeply")
+    assert completion(client, prompt="SAY:fine").json()["choices"][0]["text"] == "fine"
+
+
+TOOL_CALLS_BAD = [
+    (5, "must be a list"),
+    (True, "must be a list"),
+    (1.5, "must be a list"),
+    ("abc", "must be a list"),
+    ({"a": 1}, "must be a list"),
+    ([None], "item 0 must be an object"),
+    ([{"function": "x"}], "item 0: 'function' must be an object"),
+    ([{"type": "function"}], "'function' must be an object"),
+    ([{"type": "code", "function": {"name": "f"}}], "'type' must be 'function'"),
+    ([{"function": {"arguments": "{}"}}], "'function.name' must be a non-empty string"),
+    ([{"function": {"name": 5}}], "'function.name' must be a non-empty string"),
+    ([{"function": {"name": "f", "arguments": 5}}], "'function.arguments' must be"),
+    ([{"function": {"name": "f", "arguments": "{nope"}}], "not valid JSON"),
+    ([{"function": {"name": "f", "arguments": "[1]"}}], "must encode a JSON object"),
+    ([{"id": 7, "function": {"name": "f"}}], "'id' must be a string"),
+]
+
+
+@pytest.mark.parametrize("tool_calls,needle", TOOL_CALLS_BAD)
+def test_bad_tool_calls_are_400_naming_the_field(srv, tool_calls, needle):
+    client, engine, _ = srv
+    msgs = [MSGS[0], {"role": "assistant", "content": None, "tool_calls": tool_calls}]
+    err = assert_openai_error(chat(client, messages=msgs), 400, "messages[1].tool_calls", needle)
+    assert err["param"] == "messages[1].tool_calls"
+    assert not engine.reqs
+
+
+def test_good_tool_calls_reach_the_template(srv):
+    client, _, tok = srv
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"function": {"name": "g", "arguments": {"y": [1, 2]}}},
+        {"type": "function", "function": {"name": "h", "arguments": ""}},
+    ]
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "content": "r"},
+        {"role": "user", "content": "SAY:ok"},
+    ]
+    r = chat(client, messages=msgs)
+    assert r.status_code == 200, r.text
+    assert tok.template_calls[-1]["messages"][1]["tool_calls"] == calls
+    for empty in (None, []):
+        msgs[1]["tool_calls"] = empty
+        assert chat(client, messages=msgs).status_code == 200
+
+
+def test_prompt_text_longer_than_the_context_can_hold_is_refused_before_encoding(srv):
+    from tailored.server.app import MAX_CHARS_PER_TOKEN
+
+    client, _, tok = srv
+    limit = MAX_LEN * MAX_CHARS_PER_TOKEN
+    calls = []
+    encode = tok.encode
+    tok.encode = lambda text: calls.append(len(text)) or encode(text)
+    err = assert_openai_error(
+        completion(client, prompt="x" * (limit + 1)), 400, "too long", f"{MAX_LEN} tokens"
+    )
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    err = assert_openai_error(chat(client, "y" * (limit + 1)), 400, "too long")
+    assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
+    assert calls == []  # the tokenizer never saw the text
+    # below the character bound the usual token check applies
+    err = assert_openai_error(completion(client, prompt="x" * limit), 400, "maximum context length")
+    assert calls == [limit]
+
+
+def test_request_body_size_cap():
+    app, _, engine, _ = make_app(max_body_bytes=1000)
+    with TestClient(app) as client:
+        big = {"model": MODEL, "prompt": "x" * 2000}
+        err = assert_openai_error(post_raw(client, "c", big), 413, "too large")
+        assert err["code"] == "request_too_large"
+
+        def chunks():  # no content-length: the cap applies while reading
+            for _ in range(10):
+                yield b" " * 200
+            yield json.dumps({"prompt": "SAY:x"}).encode()
+
+        r = client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert_openai_error(r, 413, "too large")
+        assert not engine.reqs
+        ok = completion(client, prompt="SAY:fine")
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
+
+
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ({"repetition_penalty": 1e-50}, 400, "repetition_penalty"),
+        ({"repetition_penalty": 0.009}, 400, "repetition_penalty"),
+        ({"repetition_penalty": 101}, 400, "repetition_penalty"),
+        ({"repetition_penalty": 0.01}, 200, None),
+        ({"repetition_penalty": 100}, 200, None),
+        ({"temperature": 1e-45}, 200, None),
+        ({"top_p": 1e-300}, 200, None),
+    ],
+)
+def test_sampling_value_ranges(srv, body, status, needle):
+    client, engine, _ = srv
+    r = completion(client, prompt="SAY:ok", **body)
+    if status == 200:
+        assert r.status_code == 200, r.text
+        (sp,) = engine.added.values()
+        assert {k: getattr(sp, k) for k in body} == body
+    else:
+        err = assert_openai_error(r, status, needle)
+        assert err["param"] == needle
+
+
+def test_stop_token_ids_are_capped(srv):
+    client, _, _ = srv
+    from tailored.server.protocol import MAX_STOP_TOKEN_IDS
+
+    ids = [1] * (MAX_STOP_TOKEN_IDS + 1)
+    err = assert_openai_error(completion(client, prompt="x", stop_token_ids=ids), 400, "at most")
+    assert err["param"] == "stop_token_ids"
+    r = completion(client, prompt="x" * 1000, stop_token_ids=[5] * 1_000_000, max_tokens=1)
+    err = assert_openai_error(r, 400, "at most 1024 stop token ids", "1000000")
+    r = completion(client, prompt="SAY:ok", stop_token_ids=ids[:-1])
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "part,needle",
+    [
+        ({"type": "text", "text": 5}, "content part 0: 'text' must be a string (got 5)"),
+        ({"type": "text"}, "content part 0: 'text' must be a string (missing)"),
+        ({"type": "text", "text": None}, "'text' must be a string"),
+    ],
+)
+def test_text_content_part_without_string_text(srv, part, needle):
+    client, _, _ = srv
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "ok"}, part]}]
+    err = assert_openai_error(chat(client, messages=msgs), 400, needle.replace("part 0", "part 1"))
+    assert err["param"] == "messages[0].content"
+
+
+def test_real_tokenizer_refuses_lone_surrogates_and_bad_text_parts():
+    from tailored.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)  # tiktoken backend (the HF one shares the check)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tok.encode("a\ud800")
+    assert tok.encode("a\U0001f600") == tok.encode("a😀")
+    for part in ({"type": "text", "text": 5}, {"type": "text"}):
+        with pytest.raises(ValueError, match="'text' must be a string"):
+            tok.apply_chat_template([{"role": "user", "content": [part]}])
+    with pytest.raises(ValueError, match="unsupported content part type 'image_url'"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_hf_tokenizer_long_text_and_lone_surrogate(tmp_path):
+    """Long texts go through encode_batch (releases the GIL) with the same ids as encode."""
+    from tailored import tokenizer as tk
+
+    hf = tk.load_tokenizer(tk.write_tokenizer_files(tmp_path))
+    assert hf.backend == "hf"
+    text = "Hello, world! <|im_start|>user\n" * (tk._ENCODE_BATCH_MIN_CHARS // 8)
+    assert len(text) >= tk._ENCODE_BATCH_MIN_CHARS
+    want = hf._hf.encode(text, add_special_tokens=False).ids
+    assert hf.encode(text) == want
+    assert hf.encode(text, allow_special=False) == tk.load_tokenizer(None).encode(
+        text, allow_special=False
+    )
+    with pytest.raises(ValueError, match="lone surrogate"):
+        hf.encode("x" * tk._ENCODE_BATCH_MIN_CHARS + "\udc00")
+
+
 def test_unknown_route_and_wrong_method(srv):
     client, _, _ = srv
     err = assert_openai_error(client.get("/v1/nope"), 404, "/v1/nope")

@@ -7,13 +7,19 @@ Order of operations per row (each rule's source in brackets):
      [CTRL, Keskar et al. 2019; vLLM `apply_penalties`, HF RepetitionPenaltyLogitsProcessor]
   2. frequency and presence penalties over generated ids only:
      logit -= frequency_penalty * count + presence_penalty * (count > 0)  [OpenAI API reference]
-  3. greedy rows (temperature == 0): argmax of the penalised logits, ties -> lowest id.
+  3. greedy rows (temperature < GREEDY_TEMPERATURE = 1e-5, so 0 and values that would underflow
+     or overflow float32 logits / temperature): argmax of the penalised logits, ties -> lowest id.
   4. logits / temperature, then min-p: drop tokens with p < min_p * max(p)  [vLLM v1 order:
      temperature, min-p, top-k, top-p]
   5. top-k (keep the k largest; k <= 0 keeps all), then top-p (smallest prefix of the sorted
-     distribution whose mass reaches p; the top token is always kept)  [Holtzman et al. 2019]
+     distribution whose mass reaches p; the top token is always kept, whatever p, even one that
+     is 0 in float32)  [Holtzman et al. 2019]
   6. draw with the exponential race: argmax(p / q), q ~ Exp(1), which is an exact sample from p
      and needs no host sync (nano-vllm, gpt-fast).
+
+Robustness: the repetition penalty is clamped to [0.01, 100] (the server's accepted range).
+If a row still ends up with NaN (e.g. NaN/inf logits from the model), that row falls back to
+greedy on its raw logits (NaN ignored) and a warning is logged; other rows are unaffected.
 
 Seeded rows draw q from their own torch.Generator seeded from (seed, num_generated), so a seeded
 request gets the same tokens whatever else is in the batch, in whatever row, and after a
@@ -23,13 +29,22 @@ preemption. Unseeded rows share one draw from the global RNG of the logits' devi
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 import torch
 
 from tailored.engine.types import ScheduledSeq
 
+logger = logging.getLogger(__name__)
+
 _MASK = float("-inf")
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # clamped to this
+
+
+def _is_greedy(p) -> bool:
+    return p.temperature < GREEDY_TEMPERATURE
 
 
 def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
@@ -45,22 +60,28 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
     if B == 0:
         return []
     device = logits.device
+
+    raw = logits  # the input, for the NaN fallback
     logits = logits.to(torch.float32, copy=True)  # [B, V]
     params = [s.sampling for s in seqs]
 
     _apply_penalties(logits, seqs)
 
-    greedy_rows = [p.greedy for p in params]
+    greedy_rows = [_is_greedy(p) for p in params]
     if all(greedy_rows):
-        return logits.argmax(dim=-1).tolist()
+        return _guarded(logits.argmax(dim=-1), logits.isnan().any(dim=-1), raw, seqs)
 
     # one host->device copy of the per-row knobs: temperature, min_p, top_p, top_k
     knobs = torch.tensor(
-        [[p.temperature or 1.0, p.min_p, p.top_p, p.top_k if p.top_k > 0 else V] for p in params],
+        [
+            [1.0 if g else p.temperature, p.min_p, p.top_p, p.top_k if p.top_k > 0 else V]
+            for g, p in zip(greedy_rows, params)
+        ],
         dtype=torch.float32,
     ).to(device)
     temperature, min_p, top_p, top_k = knobs.unbind(dim=1)  # each [B]
     greedy_ids = logits.argmax(dim=-1)  # [B]
+    greedy_nan = logits.isnan().any(dim=-1) if any(greedy_rows) else None  # [B]
 
     logits.div_(temperature.unsqueeze(1))
     if any(p.min_p > 0.0 for p in params):
@@ -72,18 +93,38 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
 
     probs = logits.softmax(dim=-1)  # [B, V]
     q = torch.empty_like(probs)
-    seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+    seeded = [i for i, p in enumerate(params) if p.seed is not None and not _is_greedy(p)]
     if len(seeded) < B:
         q.exponential_()
     for i in seeded:
         gen = torch.Generator(device=device)
         gen.manual_seed(_row_seed(params[i].seed, seqs[i].num_generated))
         q[i].exponential_(generator=gen)
+    sampled_nan = probs.isnan().any(dim=-1)  # [B] (all -inf, NaN or +inf logits)
     # q == 0 has probability ~2^-24 per entry; clamp so a masked token (p = 0) can never win
     sampled_ids = probs.div_(q.clamp_min_(1e-20)).argmax(dim=-1)  # [B]
 
+    if greedy_nan is None:
+        return _guarded(sampled_ids, sampled_nan, raw, seqs)
     is_greedy = torch.tensor(greedy_rows, dtype=torch.bool).to(device)
-    return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
+    ids = torch.where(is_greedy, greedy_ids, sampled_ids)
+    return _guarded(ids, torch.where(is_greedy, greedy_nan, sampled_nan), raw, seqs)
+
+
+def _guarded(ids: torch.Tensor, bad: torch.Tensor, raw: torch.Tensor, seqs) -> list[int]:
+    """ids: [B] chosen ids; bad: [B] rows whose processed logits held NaN. One device-to-host
+    copy; bad rows (rare) are replaced by the argmax of their raw logits, NaN ignored."""
+    ids_list, bad_list = torch.stack([ids, bad.to(ids.dtype)]).tolist()
+    rows = [i for i, b in enumerate(bad_list) if b]
+    if rows:
+        fallback = raw[rows].to(torch.float32).nan_to_num(nan=_MASK).argmax(dim=-1).tolist()
+        for i, tok in zip(rows, fallback):
+            ids_list[i] = tok
+        logger.warning(
+            "sampler: NaN in the processed logits of %s; fell back to greedy on the raw logits",
+            ", ".join(repr(seqs[i].request_id) for i in rows),
+        )
+    return ids_list
 
 
 def _row_seed(seed: int, num_generated: int) -> int:
@@ -112,6 +153,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
     if any(r != 1.0 for r in rep):
         seen = _bincount_rows([seqs[i].prompt_ids for i in rows], V, device) + out_counts > 0
         r = torch.tensor(rep, dtype=torch.float32).to(device).unsqueeze(1)  # [R, 1]
+        r.clamp_(*REPETITION_PENALTY_RANGE)
         penalised = torch.where(sub > 0, sub / r, sub * r)
         sub = torch.where(seen, penalised, sub)
     pf = torch.tensor(
@@ -154,5 +196,6 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly higher-ranked tokens
     # NOTE: rows with top_p == 1 are left alone: float cumsum can exceed 1 and drop tail tokens
     drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop[:, 0] = False  # the top token always stays (top_p may be 0 after float32 rounding)
     sorted_logits.masked_fill_(drop, _MASK)
     return torch.full_like(logits, _MASK).scatter_(1, order, sorted_logits)

@@ -50,6 +50,11 @@ def _seq_no(req: Request) -> int:
     return req.seq_no
 
 
+def _stop_id_set(req: Request) -> frozenset[int]:
+    ids = frozenset(req.sampling.stop_token_ids)
+    return ids if req.sampling.ignore_eos else ids | frozenset(req.eos_token_ids)
+
+
 def _remove(queue: list[Request] | deque[Request], req: Request) -> None:
     # by identity: dataclass == would compare every field, token lists included
     del queue[next(i for i, r in enumerate(queue) if r is req)]
@@ -71,6 +76,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # arrival order
         self.running: list[Request] = []  # sorted by seq_no (arrival order)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        # per unfinished request: the ids that end it with STOP (stop_token_ids, plus the EOS ids
+        # unless ignore_eos), as a frozenset so the per-token check is O(1) however many ids
+        self.stop_ids: dict[str, frozenset[int]] = {}
         self.num_preemptions = 0  # lifetime counter
 
     # ---- requests in / out -------------------------------------------------------------------
@@ -93,6 +101,7 @@ class Scheduler:
                 f" but the pool has {self.pages.capacity}; lower max_tokens or the prompt length"
             )
         self.requests[req.request_id] = req
+        self.stop_ids[req.request_id] = _stop_id_set(req)
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -104,6 +113,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.stop_ids.pop(request_id, None)
         if req.status is RequestStatus.RUNNING:
             _remove(self.running, req)
             self._release(req)
@@ -202,7 +212,10 @@ class Scheduler:
     # ---- helpers -----------------------------------------------------------------------------
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
-        if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
+        stop_ids = self.stop_ids.get(req.request_id)
+        if stop_ids is None:  # not added through add()
+            stop_ids = self.stop_ids[req.request_id] = _stop_id_set(req)
+        if token in stop_ids:
             return FinishReason.STOP
         if len(req.output_ids) >= sp.max_tokens:
             return FinishReason.LENGTH

@@ -15,9 +15,20 @@ reasoning and the closing `</think>` (the template's generation prompt already h
 `reasoning_content` is not filled yet.
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
-unsupported parameter, 404 unknown model/route, 405 wrong method, 500 engine or server fault,
-503 engine loop dead. A streaming request that fails after the headers were sent gets
-`data: {"error": {...}}` and then `data: [DONE]`.
+unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
+500 engine or server fault, 503 engine loop dead. A streaming request that fails after the
+headers were sent gets `data: {"error": {...}}` and then `data: [DONE]`. Error bodies are
+rendered with ensure_ascii and messages quote user input escaped and shortened.
+
+Input limits, checked before any tokenizer work (HF `encode` of a few MB takes seconds):
+- the request body: at most `max_body_bytes` (default 32 MiB) -> else 413;
+- the body must be UTF-8 (or UTF-16/32) JSON nested at most protocol.MAX_JSON_DEPTH (64)
+  levels, checked before parsing; no string may hold a lone UTF-16 surrogate (JSON "\\ud800")
+  -> else 400 naming the field;
+- prompt text (the completion prompt, or the rendered chat prompt): at most
+  max_model_len x MAX_CHARS_PER_TOKEN (32) characters -> else 400 context_length_exceeded.
+  Real text averages ~4 characters per token; only pathological input (long runs of spaces or
+  '=' map to tokens of up to 128 characters) could fit the context with more than 32.
 
 Usage counts what was returned: prompt_tokens = prompt length, completion_tokens = number of
 token ids in the deltas that were sent.
@@ -43,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tailored.engine.types import FinishReason, RequestOutput
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tailored.server.protocol import (
+    MAX_JSON_DEPTH,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -58,16 +70,28 @@ from tailored.server.protocol import (
     ModelList,
     OpenAIError,
     UsageInfo,
+    check_json_body,
+    json_too_deep,
+    shown,
     validation_error_to_openai,
 )
 
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_BODY_BYTES = 32 * 2**20  # default cap of a request body -> 413
+MAX_CHARS_PER_TOKEN = 32  # prompt text over max_model_len * this many characters -> 400
+
+
+class _ErrorJSONResponse(JSONResponse):
+    """JSON rendered with ensure_ascii: any text (even a lone surrogate) encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def error_response(err: OpenAIError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+    return _ErrorJSONResponse(err.to_dict(), status_code=err.status, headers=headers)
 
 
 def _sse(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
@@ -94,6 +118,7 @@ class _Server:
         max_model_len: int,
         sampling_defaults: dict | None,
         disconnect_poll_s: float,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -101,26 +126,61 @@ class _Server:
         self.max_model_len = max_model_len
         self.sampling_defaults = dict(sampling_defaults or {})
         self.disconnect_poll_s = disconnect_poll_s
+        self.max_body_bytes = max_body_bytes
+        self.max_prompt_chars = max_model_len * MAX_CHARS_PER_TOKEN
         # Tokenizer work runs off the event loop, on one thread so the tokenizer is never used
         # by two server threads at once (the engine thread may still decode concurrently).
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tailored-tokenize")
 
     # ---- parsing and validation ----------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        """The body, or OpenAIError(413) as soon as it exceeds max_body_bytes."""
+        limit = self.max_body_bytes
+        too_large = OpenAIError(
+            f"request body too large: the limit is {limit} bytes",
+            status=413,
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(self, request: Request, model_cls):
-        body = await request.body()
+        body = await self.read_body(request)
+        encoding = json.detect_encoding(body)  # UTF-8 (optional BOM), or UTF-16/32
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            text = body.decode(encoding)  # strict: invalid UTF-8, raw surrogates -> 400
+        except UnicodeDecodeError as e:
             raise OpenAIError(f"malformed JSON body: {e}") from None
+        too_deep = OpenAIError(
+            f"malformed JSON body: nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+        )
+        if json_too_deep(body if encoding.startswith("utf-8") else text.encode("utf-8")):
+            raise too_deep
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise OpenAIError(f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise too_deep from None
         if not isinstance(data, dict):
             raise OpenAIError("request body must be a JSON object")
+        check_json_body(data, text)  # lone surrogates anywhere, named by field
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
             raise validation_error_to_openai(e) from None
         if req.model is not None and req.model != self.model_name:
             raise OpenAIError(
-                f"The model `{req.model}` does not exist (this server serves `{self.model_name}`).",
+                f"The model {shown(req.model, 100)} does not exist (this server serves "
+                f"`{self.model_name}`).",
                 status=404,
                 param="model",
                 code="model_not_found",
@@ -144,11 +204,28 @@ class _Server:
                 )
             except ValueError as e:
                 raise OpenAIError(f"invalid messages: {e}", param="messages") from None
-            return list(await self._tokenize(self.tokenizer.encode, text))
+            return await self.encode(text, "messages")
         if isinstance(req.prompt, str):
-            return list(await self._tokenize(self.tokenizer.encode, req.prompt))
+            return await self.encode(req.prompt, "prompt")
         self.check_token_ids(req.prompt, "prompt")
         return list(req.prompt)
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of prompt text. Text that cannot fit the context whatever its tokens is
+        refused before the tokenizer spends seconds on it (see the module docstring)."""
+        if len(text) > self.max_prompt_chars:
+            raise OpenAIError(
+                f"The prompt is too long for this model's maximum context length of "
+                f"{self.max_model_len} tokens: it has {len(text)} characters, more than the "
+                f"{self.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} per token of context) accepted "
+                "before tokenization. Shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            return list(await self._tokenize(self.tokenizer.encode, text))
+        except ValueError as e:  # the tokenizer's verdict on the text (e.g. a lone surrogate)
+            raise OpenAIError(f"invalid '{param}': {e}", param=param) from None
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -337,12 +414,14 @@ def build_app(
     *,
     sampling_defaults: dict | None = None,
     disconnect_poll_s: float = 0.5,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
 
     sampling_defaults: values for omitted sampling fields (temperature, top_p, top_k, min_p,
     presence/frequency/repetition_penalty, seed), e.g. from the model's generation_config.json.
     disconnect_poll_s: how often a non-streaming request checks whether its client left.
+    max_body_bytes: larger request bodies get 413.
     """
     server = _Server(
         async_engine,
@@ -351,6 +430,7 @@ def build_app(
         max_model_len,
         sampling_defaults,
         disconnect_poll_s,
+        max_body_bytes,
     )
 
     @asynccontextmanager
@@ -415,7 +495,7 @@ def build_app(
         if model_id != served_model_name:
             return error_response(
                 OpenAIError(
-                    f"The model `{model_id}` does not exist.",
+                    f"The model {shown(model_id, 100)} does not exist.",
                     status=404,
                     param="model",
                     code="model_not_found",

@@ -1,6 +1,9 @@
 """Pydantic schemas of the OpenAI Completions / Chat Completions API (exact OpenAI field names).
 
-Requests: `CompletionRequest`, `ChatCompletionRequest`. Validation happens in two stages:
+Requests: `CompletionRequest`, `ChatCompletionRequest`. Validation happens in three stages:
+0. the server refuses bodies nested deeper than MAX_JSON_DEPTH (`json_too_deep`, before
+   parsing) and, via `check_json_body`, any string (anywhere, keys included) holding a lone
+   UTF-16 surrogate, naming the field.
 1. `Model.model_validate(body)` checks types and ranges; `validation_error_to_openai` turns a
    pydantic ValidationError into one readable `OpenAIError` naming the field(s).
 2. `request.check_supported()` raises `OpenAIError` for parameters that would change the result
@@ -13,10 +16,13 @@ Responses and stream chunks: `CompletionResponse`, `CompletionStreamResponse`,
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -30,6 +36,11 @@ from tailored.engine.types import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_TOKEN_IDS = 1024  # the engine checks each sampled token against them
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper -> 400
+MAX_ERROR_MESSAGE_CHARS = 2000
+# repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SUPPORTED_TEMPLATE_KWARGS = ("enable_thinking",)
 
@@ -46,6 +57,11 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        # Messages may quote user input: keep them short and always encodable as UTF-8.
+        message = _safe_text(message)
+        if len(message) > MAX_ERROR_MESSAGE_CHARS:
+            message = message[: MAX_ERROR_MESSAGE_CHARS - 3] + "..."
+        param = _safe_text(param) if param is not None else None
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = (
             message,
@@ -61,6 +77,145 @@ class OpenAIError(Exception):
                 message=self.message, type=self.type, param=self.param, code=self.code
             )
         ).model_dump()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(text: str) -> int:
+    """Index of the first lone UTF-16 surrogate in `text` (JSON `"\\ud800"`), else -1.
+
+    Paired surrogates in JSON become one code point when parsed, so any surrogate code point
+    left in a str is a lone one: not valid Unicode, and neither the tokenizer nor UTF-8 output
+    can handle it."""
+    if text.isascii():
+        return -1
+    m = _SURROGATE.search(text)
+    return -1 if m is None else m.start()
+
+
+def _safe_text(text: str) -> str:
+    """`text` with lone surrogates written as `\\udXXX` escapes (so it encodes as UTF-8)."""
+    if lone_surrogate_at(text) < 0:
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """Short, printable rendering of user input for error messages (repr, truncated)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- screening raw JSON before/after json.loads (all C-speed scans, no recursion) -----------
+
+_STRING = re.compile(rb'"[^"]*"')  # once escapes are gone, a string holds no quote
+# bytes.translate tables: keep only brackets and quotes; then [ { -> +1, ] } -> -1 (int8)
+_DELETE_ALL_BUT_BRACKETS_AND_QUOTES = bytes(range(256)).translate(None, b'[]{}"')
+_BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+# a high-surrogate escape without a low one right after it, or a low one without a high one
+# right before it (the lookbehind sees the 12 characters that end the match)
+_LONE_SURROGATE_ESCAPE = re.compile(
+    r"\\u[dD](?:[89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    r"|[c-fC-F][0-9a-fA-F]{2}(?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}))"
+)
+_NAMING_WALK_LIMIT = 100_000  # containers visited to name the field of a lone surrogate
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True if UTF-8 JSON text nests arrays/objects more than `limit` deep (brackets inside
+    strings ignored), without parsing or recursion: bytes operations and one numpy cumsum
+    (~0.1-1 s for 32 MB; json.loads of the same text costs about as much or more). For
+    malformed text the answer is a guess (the parse fails anyway)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    # Drop escaped backslashes, then escaped quotes: every quote left delimits a string.
+    raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    compact = raw.translate(None, _DELETE_ALL_BUT_BRACKETS_AND_QUOTES)
+    # Two adjacent quotes (an empty string, or a string's end and the next one's start with no
+    # bracket between) can go without changing which brackets lie inside strings; one pass
+    # leaves no two quotes adjacent.
+    compact = compact.replace(b'""', b"")
+    if b'"' in compact:  # strings holding brackets (rare): drop them
+        compact = _STRING.sub(b"", compact)
+    steps = np.frombuffer(compact.translate(_BRACKET_STEP), dtype=np.int8)
+    return steps.size > 0 and int(steps.cumsum(dtype=np.int64).max()) > limit
+
+
+def find_lone_surrogate_escape(text: str) -> str | None:
+    """The first \\uXXXX escape of JSON text that parses to a lone surrogate, else None.
+
+    Exact for JSON text decoded strictly (so it holds no raw surrogate): json.loads pairs a
+    high-surrogate escape with a low one right after it, and nothing else."""
+    if "\\u" not in text:
+        return None
+    # escaped backslashes go first (same length), so every backslash left starts an escape
+    m = _LONE_SURROGATE_ESCAPE.search(text.replace("\\\\", "__"))
+    return None if m is None else m.group()
+
+
+def check_json_body(data: Any, text: str | None = None) -> None:
+    """Raise OpenAIError (400) when a string of a parsed body (object key or value) holds a
+    lone surrogate, naming the field ("invalid 'messages[0].content': contains a lone
+    surrogate ..."); also when it nests deeper than MAX_JSON_DEPTH.
+
+    text: the JSON text `data` was parsed from; when given, the scan runs on it at C speed and
+    the walk over `data` (to name the field; at most _NAMING_WALK_LIMIT containers) only runs
+    when there is something to report."""
+    escape = None
+    if text is not None:
+        escape = find_lone_surrogate_escape(text)
+        if escape is None:
+            return
+    walked = frozenset({dict, list, str})
+    stack: list[tuple[Any, int, Any]] = [(data, 1, ())]  # path: nested (parent, key) pairs
+    visited = 0
+    while stack:
+        obj, depth, path = stack.pop()
+        visited += 1
+        if depth > MAX_JSON_DEPTH:
+            raise OpenAIError(
+                f"malformed JSON body: nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+            )
+        if visited > _NAMING_WALK_LIMIT and escape is not None:
+            break
+        is_dict = isinstance(obj, dict)
+        if is_dict:
+            for key in obj:
+                if isinstance(key, str) and lone_surrogate_at(key) >= 0:
+                    where = _path_name(path)
+                    raise OpenAIError(
+                        f"invalid key {key!a}{f' in {where!r}' if where else ''}: contains a "
+                        "lone surrogate (strings must be valid Unicode)",
+                        param=where or None,
+                    )
+        if walked.isdisjoint(map(type, obj.values() if is_dict else obj)):
+            continue
+        for key, value in obj.items() if is_dict else enumerate(obj):
+            if type(value) is str:
+                if (i := lone_surrogate_at(value)) >= 0:
+                    field = _path_name((path, key))
+                    raise OpenAIError(
+                        f"invalid '{field}': contains a lone surrogate "
+                        f"(U+{ord(value[i]):04X} at character {i}; strings must be valid "
+                        "Unicode)",
+                        param=field,
+                    )
+            elif isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, (path, key)))
+    if escape is not None:
+        raise OpenAIError(
+            f"invalid request body: a string holds a lone surrogate (the escape {escape!a}); "
+            "strings must be valid Unicode"
+        )
+
+
+def _path_name(path: tuple) -> str:
+    keys = []
+    while path:
+        path, key = path
+        keys.append(key)
+    return _loc_name(tuple(reversed(keys)))
 
 
 def _loc_name(loc: tuple) -> str:
@@ -83,8 +238,7 @@ def validation_error_to_openai(exc: ValidationError) -> OpenAIError:
         elif err["type"] == "value_error":  # our own validators: message is complete
             parts.append(f"invalid '{field}': {msg}")
         else:
-            got = repr(err.get("input"))
-            got = got if len(got) <= 60 else got[:57] + "..."
+            got = shown(err.get("input"))
             parts.append(f"invalid '{field}': {msg} (got {got})")
     if len(errors) > 3:
         parts.append(f"and {len(errors) - 3} more error(s)")
@@ -125,7 +279,9 @@ class _BaseRequest(BaseModel):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(
+        None, ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX
+    )
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -183,16 +339,24 @@ class _BaseRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return v
 
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _check_stop_token_ids(cls, v: Any) -> Any:
+        # before the per-item validation: a huge list is refused without walking it
+        if isinstance(v, list) and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(v)}"
+            )
+        return v
+
     def check_supported(self) -> None:
         """Raise OpenAIError(400) naming the first parameter we cannot honour."""
         extra = self.model_extra or {}
         for name, harmless in self.UNSUPPORTED.items():
             value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
             if not harmless(value):
-                shown = repr(value)
-                shown = shown if len(shown) <= 60 else shown[:57] + "..."
                 raise OpenAIError(
-                    f"parameter '{name}' is not supported by this server (got {shown})",
+                    f"parameter '{name}' is not supported by this server (got {shown(value)})",
                     param=name,
                     code="unsupported_parameter",
                 )
@@ -274,6 +438,7 @@ class ChatMessage(BaseModel):
     role: str
     content: Any = None
     reasoning_content: str | None = None
+    tool_calls: Any = None  # list of {"type": "function", "function": {"name", "arguments"}}
 
     @field_validator("role")
     @classmethod
@@ -289,6 +454,75 @@ class ChatMessage(BaseModel):
         ok = ok or (isinstance(v, list) and all(isinstance(p, dict) for p in v))
         if not ok:
             raise ValueError("must be a string, a list of content parts (objects), or null")
+        # Parts of other types are left to the tokenizer, which names the type it cannot render.
+        for i, part in enumerate(v if isinstance(v, list) else ()):
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                got = "missing" if "text" not in part else f"got {shown(part['text'])}"
+                raise ValueError(f"content part {i}: 'text' must be a string ({got})")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_shape(cls, v: Any) -> Any:
+        """OpenAI's shape: [{"id"?: str, "type": "function", "function": {"name": str,
+        "arguments": str holding a JSON object (or "") | object}}]. null or [] = no calls."""
+        if v is None:
+            return v
+        if not isinstance(v, list):
+            raise ValueError(  # noqa: TRY004
+                "must be a list of tool calls, each {'type': 'function', 'function': "
+                f"{{'name': ..., 'arguments': ...}}}} (got {type(v).__name__} {shown(v)})"
+            )
+        for i, call in enumerate(v):
+            if not isinstance(call, dict):
+                raise ValueError(  # noqa: TRY004
+                    f"item {i} must be an object {{'type': 'function', 'function': {{...}}}} "
+                    f"(got {shown(call)})"
+                )
+            if call.get("type", "function") != "function":
+                raise ValueError(
+                    f"item {i}: 'type' must be 'function' (got {shown(call.get('type'))})"
+                )
+            if "id" in call and not isinstance(call["id"], str):
+                raise ValueError(f"item {i}: 'id' must be a string (got {shown(call['id'])})")
+            fn = call.get("function")
+            if not isinstance(fn, dict):
+                got = "missing" if "function" not in call else f"got {shown(fn)}"
+                raise ValueError(  # noqa: TRY004
+                    f"item {i}: 'function' must be an object with 'name' and 'arguments' ({got})"
+                )
+            name = fn.get("name")
+            if not isinstance(name, str) or not name:
+                got = "missing" if "name" not in fn else f"got {shown(name)}"
+                raise ValueError(f"item {i}: 'function.name' must be a non-empty string ({got})")
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                if args.strip():
+                    if json_too_deep(args.encode("utf-8", "surrogatepass")):
+                        raise ValueError(
+                            f"item {i}: 'function.arguments' is nested too deeply (more than "
+                            f"{MAX_JSON_DEPTH} levels)"
+                        )
+                    try:
+                        parsed = json.loads(args)
+                    except (json.JSONDecodeError, RecursionError) as e:
+                        raise ValueError(
+                            f"item {i}: 'function.arguments' is not valid JSON ({e})"
+                        ) from None
+                    if not isinstance(parsed, dict):
+                        raise ValueError(
+                            f"item {i}: 'function.arguments' must encode a JSON object "
+                            f"(got {type(parsed).__name__})"
+                        )
+                    try:  # depth and lone surrogates ("\\ud800" escapes) of the decoded text
+                        check_json_body(parsed, args)
+                    except OpenAIError as e:
+                        raise ValueError(f"item {i}: 'function.arguments': {e.message}") from None
+            elif args is not None and not isinstance(args, dict):
+                raise ValueError(
+                    f"item {i}: 'function.arguments' must be a JSON string or an object "
+                    f"(got {shown(args)})"
+                )
         return v
 
     def to_template(self) -> dict[str, Any]:
