@@ -1,4 +1,4 @@
-"""`tailored` command line: `serve` (OpenAI-compatible HTTP server) and `synth` (synthetic checkpoints)."""
+"""`tailored` command line: `serve` (OpenAI HTTP server), `synth` (synthetic checkpoints), `gate` (accuracy gate)."""
 
 from __future__ import annotations
 
@@ -127,10 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _synth_parser(sub)
+    from tailored.gate.run import add_parser as gate_parser
+
+    gate_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "gate":
+            from tailored.gate.run import run as cmd_gate
+
+            return cmd_gate(args)
         return {"serve": cmd_serve, "synth": cmd_synth}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # config/checkpoint problems are user errors: one line, no traceback

@@ -1,0 +1,278 @@
+"""`tailored gate`: the engine against transformers with the same weights, on the frozen prompts.
+
+    tailored gate --preset tiny --report gate.json                 # CPU, fp32 (CI)
+    tailored gate /ckpt --device cuda --dtype bfloat16 --report gate-bf16.json
+
+Steps: (1) all prompts go through the real Engine at once, greedy, N new tokens each, keeping
+the hidden states it computed (engine_side.py); (2) the reference (reference.py) runs one
+teacher-forced pass over each prompt + the engine's continuation; (3) logits at the scored
+positions are compared and the greedy continuations checked (metrics.py) against the
+thresholds file's section for the engine dtype.
+Exit code: 0 pass, 1 a threshold breached, 2 bad input (raised as ValueError/RuntimeError and
+turned into 2 by tailored.cli.main).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from tailored.gate import metrics as M
+from tailored.gate.engine_side import engine_greedy, engine_teacher_forced, gate_engine_kwargs
+from tailored.gate.manifest import manifest
+from tailored.gate.prompts import DEFAULT_PROMPTS, REPO, ids_sha256, load_prompts, sha256_file
+from tailored.gate.reference import load_reference, reference_forward, reference_logits
+
+log = logging.getLogger("tailored.gate")
+
+DEFAULT_THRESHOLDS = REPO / "eval" / "thresholds.json"
+SCORE_ROWS = 32  # logits rows per scoring chunk: 32 × 248320 × 4 B = 32 MB per tensor (cache-friendlier)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "gate", help="accuracy gate: engine vs transformers on the frozen prompt set",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint_dir", nargs="?", default=None, help="Hugging Face checkpoint dir")
+    p.add_argument("--preset", choices=["tiny", "nano"], default=None,
+                   help="tiny: synthetic tiny checkpoint, seed 0 (CI; fp32 by default); nano: "
+                        "the packaged trained nano model")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="engine and reference dtype (default float32 for --preset tiny and on "
+                        "cpu, bfloat16 on cuda); picks the thresholds section")
+    p.add_argument("--thresholds", default=str(DEFAULT_THRESHOLDS), help="thresholds JSON")
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompt set (JSONL)")
+    p.add_argument("--only", default=None, help="comma-separated prompt names to run")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--max-scored-positions", type=int, default=256,
+                   help="teacher-forced positions compared per prompt (0 = all; long prompts "
+                        "are sampled evenly, continuation positions always kept)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="engine step budget = teacher-forced prefill chunk")
+    p.add_argument("--reference-weights", choices=["auto", "checkpoint", "shared"],
+                   default="auto", help="checkpoint: a second load (CPU default); shared: adopt "
+                   "the engine's tensors, no second copy (cuda default)")
+    p.add_argument("--reference-attn", choices=["sdpa", "eager"], default="sdpa")
+    p.add_argument("--hidden-from", choices=["engine", "forward"], default="engine",
+                   help="engine: the hidden states the engine computed while serving (hook); "
+                        "forward: a separate chunked model forward over the runner's cache")
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="torch CPU threads during the gate (0 = leave as is); 1 is much faster "
+                        "for the tiny model on a busy machine")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights drawn on the device (implies shared reference)")
+    p.add_argument("--num-layers", type=int, default=None, help="first N decoder layers only")
+    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _section(path: Path, dtype: str) -> tuple[str, dict]:
+    data = json.loads(Path(path).read_text())
+    if dtype not in data:
+        raise ValueError(f"{path} has no thresholds section {dtype!r}")
+    return dtype, data[dtype]
+
+
+def score_prompt(hf, model, h_ref: torch.Tensor, h_eng: torch.Tensor, positions: list[int],
+                 num_prompt: int, eng_tokens: list[int], tie_logit_gap: float) -> dict:
+    """Metrics over `positions` (which include every continuation position), pooled, and the
+    greedy comparison; also the reference's top-5 there (tensors under '_' keys)."""
+    agree, kl_sum, kl_max, err, top_ids, top_lp = 0, 0.0, 0.0, 0.0, [], []
+    cont = {}  # continuation step k -> (ref argmax, ref max, ref logit of e_k, ref 2nd logit)
+    for s in range(0, len(positions), SCORE_ROWS):
+        rows = torch.tensor(positions[s:s + SCORE_ROWS], device=h_eng.device)
+        ref = reference_logits(hf, h_ref[rows])
+        c = M.compare_logits(ref, model.compute_logits(h_eng[rows]))
+        agree += int(c["agree"].sum())
+        kl_sum += float(c["kl"].double().sum())
+        kl_max = max(kl_max, float(c["kl"].max()))
+        err = max(err, float(c["max_err"].max()))
+        top_ids.append(c["top_ids"].cpu())
+        top_lp.append(c["top_logprobs"].cpu())
+        for i, p in enumerate(rows.tolist()):
+            k = p - (num_prompt - 1)
+            if k >= 0:
+                cont[k] = (int(c["ref_argmax"][i]), float(c["ref_max"][i]),
+                           float(ref[i, eng_tokens[k]]), float(c["ref_second"][i]))
+    n = len(positions)
+    steps = [cont[k] for k in range(len(eng_tokens))]
+    g = M.compare_greedy([c[0] for c in steps], eng_tokens, [c[1] for c in steps],
+                         [c[2] for c in steps], [c[3] for c in steps], tie_logit_gap)
+    return {"positions": n, "agree": agree, "top1": agree / n, "kl_sum": kl_sum,
+            "kl_mean": kl_sum / n, "kl_max": kl_max, "max_logit_err": err, "greedy": g,
+            "_top_ids": torch.cat(top_ids), "_top_logprobs": torch.cat(top_lp)}
+
+
+def run_gate(stack, prompts, th: dict, *, max_new_tokens: int, max_scored: int,
+             reference_mode: str, attn: str, chunk: int, hidden_from: str = "engine",
+             ) -> tuple[list[dict], dict]:
+    """Core of the gate on a built stack. Returns per-prompt records and timings (s)."""
+    engine, tok = stack.engine, stack.tokenizer
+    model = engine.runner.model
+    ids = {p.name: p.encode(tok) for p in prompts}
+    timings = {}
+    t = time.monotonic()
+    eng_tokens, eng_hidden = engine_greedy(engine, ids, max_new_tokens,
+                                           capture=hidden_from == "engine")
+    timings["engine_greedy_s"] = time.monotonic() - t
+    t = time.monotonic()
+    hf = load_reference(stack.model_config, model, reference_mode, stack.checkpoint_dir, attn)
+    timings["reference_load_s"] = time.monotonic() - t
+    records = []
+    for p in prompts:
+        seq = ids[p.name] + eng_tokens[p.name][:-1]  # the last token is never fed back
+        t0 = time.monotonic()
+        h_ref = reference_forward(hf, seq)
+        t1 = time.monotonic()
+        h_eng = eng_hidden.pop(p.name, None)
+        if h_eng is None:
+            h_eng = engine_teacher_forced(engine, seq, chunk)
+        t2 = time.monotonic()
+        T = len(ids[p.name])
+        pos = M.scored_positions(T, max_new_tokens, max_scored)
+        rec = {"name": p.name, "prompt_tokens": T,
+               **score_prompt(hf, model, h_ref, h_eng, pos, T, eng_tokens[p.name],
+                              th["tie_logit_gap"])}
+        g = rec["greedy"]
+        g["verdict"] = M.greedy_verdict(g, max_new_tokens, th["min_match_tokens"])
+        rec["engine_text"] = tok.decode(eng_tokens[p.name])[:300]
+        rec["timings"] = {"reference_s": t1 - t0, "engine_hidden_s": t2 - t1,
+                          "score_s": time.monotonic() - t2}
+        records.append(rec)
+        log.info("%-14s T=%5d top1 %.4f kl %.2e err %.2e greedy %s (%d)", p.name, T,
+                 rec["top1"], rec["kl_mean"], rec["max_logit_err"], g["verdict"], g["match_len"])
+    return records, timings
+
+
+def public(rec: dict) -> dict:
+    """A record without its tensors (keys starting with '_')."""
+    return {k: v for k, v in rec.items() if not k.startswith("_")}
+
+
+def preset_checkpoint(name: str) -> Path:
+    """tiny: the synthetic tiny preset, seed 0 (random weights; the goldens' model), written
+    once to $TAILORED_CACHE/tiny-seed0. nano: the packaged trained nano model (tailored/data/nano),
+    the better fixture for bf16 (kb/0001)."""
+    from tailored.stack import cache_dir
+    from tailored.synth import write_synthetic_checkpoint
+
+    if name == "nano":
+        d = REPO / "tailored" / "data" / "nano"
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"no nano checkpoint in {d}")
+        return d
+    d = cache_dir() / "tiny-seed0"
+    if not (d / "model.safetensors.index.json").is_file() or not (d / "tokenizer.json").is_file():
+        tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")  # rename: never a half-written dir
+        write_synthetic_checkpoint(tmp, "tiny", seed=0, progress=False)
+        if d.exists():
+            shutil.rmtree(d)
+        tmp.rename(d)
+    return d
+
+
+def resolve(args):
+    """(checkpoint dir, device, dtype name, reference mode) from the options."""
+    from tailored.stack import pick_device
+
+    if (args.preset is None) == (args.checkpoint_dir is None):
+        raise ValueError("give a checkpoint directory or --preset (not both)")
+    ckpt = preset_checkpoint(args.preset) if args.preset else Path(args.checkpoint_dir)
+    dev = pick_device(args.device)
+    dtype = args.dtype or ("float32" if args.preset or dev.type == "cpu" else "bfloat16")
+    mode = args.reference_weights
+    if mode == "auto":
+        mode = "shared" if dev.type == "cuda" or args.load_format == "dummy" else "checkpoint"
+    if mode == "checkpoint" and args.load_format == "dummy":
+        raise ValueError("--load-format dummy has no checkpoint weights: use --reference-weights shared")
+    return ckpt, dev, dtype, mode
+
+
+def run(args) -> int:
+    """`tailored gate`; returns the exit code (0 pass, 1 breach)."""
+    threads = torch.get_num_threads()
+    if args.cpu_threads > 0:
+        torch.set_num_threads(args.cpu_threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> int:
+    from tailored.stack import build_stack
+    from tailored.tokenizer import load_tokenizer
+
+    t_start = time.monotonic()
+    ckpt, dev, dtype, mode = resolve(args)
+    section, th = _section(args.thresholds, dtype)
+    only = [s for s in args.only.split(",") if s] if args.only else None
+    prompts = load_prompts(args.prompts, only)
+    tok = load_tokenizer(ckpt)
+    all_ids = [p.encode(tok) for p in prompts]
+    lens = [len(i) for i in all_ids]
+    stack = build_stack(ckpt, load_format=args.load_format, num_layers=args.num_layers,
+                        device=str(dev), dtype=dtype, seed=args.seed, progress=False,
+                        **gate_engine_kwargs(lens, args.max_new_tokens,
+                                             max_num_batched_tokens=args.max_num_batched_tokens))
+    t_built = time.monotonic()
+    records, timings = run_gate(stack, prompts, th, max_new_tokens=args.max_new_tokens,
+                                max_scored=args.max_scored_positions, reference_mode=mode,
+                                attn=args.reference_attn, chunk=args.max_num_batched_tokens,
+                                hidden_from=args.hidden_from)
+    o = M.overall(records)
+    found = M.breaches(o, th)
+    enforced = th.get("enforced", True)
+    notes = []
+    if args.max_new_tokens < th["min_match_tokens"]:
+        notes.append(f"max_new_tokens {args.max_new_tokens} < min_match_tokens "
+                     f"{th['min_match_tokens']}: greedy match checked over {args.max_new_tokens}")
+    passed = not (found and enforced)
+    report = {
+        "passed": passed,
+        "manifest": manifest(
+            device=dev, dtype=dtype, checkpoint=ckpt, load_format=args.load_format,
+            seed=args.seed, prompts_path=Path(args.prompts),
+            prompts_sha256=sha256_file(args.prompts),
+            prompt_ids_sha256=ids_sha256(all_ids),
+            extra={"options": {k: v for k, v in vars(args).items() if k != "func"},
+                   "reference_weights": mode, "thresholds_file_sha256": sha256_file(args.thresholds)}),
+        "thresholds": {"file": str(args.thresholds), "section": section, **th},
+        "overall": o,
+        "breaches": found,
+        "notes": notes,
+        "prompts": [public(r) for r in records],
+        "timings": {"build_s": t_built - t_start, **timings,
+                    "total_s": time.monotonic() - t_start},
+    }
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    _print_summary(report)
+    return 0 if passed else 1
+
+
+def _print_summary(r: dict) -> None:
+    print(f"{'prompt':14s} {'T':>6s} {'top1':>7s} {'KL mean':>9s} {'max err':>9s}  greedy")
+    for p in r["prompts"]:
+        g = p["greedy"]
+        print(f"{p['name']:14s} {p['prompt_tokens']:6d} {p['top1']:7.4f} {p['kl_mean']:9.2e} "
+              f"{p['max_logit_err']:9.2e}  {g['verdict']} ({g['match_len']})")
+    o = r["overall"]
+    print(f"overall: top1 {o['top1']:.4f}  KL mean {o['kl_mean']:.2e}  max err "
+          f"{o['max_logit_err']:.2e}  greedy match {o['greedy_match']}/{o['prompts']} "
+          f"(ties {o['greedy_tie']})  {r['timings']['total_s']:.1f} s")
+    for b in r["breaches"]:
+        print(f"BREACH: {b}")
+    print("gate " + ("PASSED" if r["passed"] else "FAILED")
+          + ("" if r["thresholds"].get("enforced", True) else " (section not enforced)"))

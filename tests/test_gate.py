@@ -1,0 +1,125 @@
+"""`tailored gate` on the tiny preset (CPU, fp32): it passes, writes its report, and fails on a
+perturbed engine. Plus the pieces it rests on: the frozen prompt set, the shared-weight
+reference, the metrics' tie and breach logic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from conftest import rel_err
+
+from tailored.gate import metrics as M
+from tailored.gate.prompts import DEFAULT_PROMPTS, REPO, load_prompts, sha256_file
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny model = small ops: 1 thread is as fast on a quiet machine and far faster on a busy one
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def gate_args(*argv: str) -> argparse.Namespace:
+    from tailored.gate.run import add_parser
+
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers(dest="command"))
+    return ap.parse_args(["gate", *argv])
+
+
+def test_gate_tiny_passes_and_writes_report(tmp_path):
+    from tailored.gate.run import run
+
+    out = tmp_path / "gate.json"
+    assert run(gate_args("--preset", "tiny", "--report", str(out))) == 0
+    r = json.loads(out.read_text())
+    assert r["passed"] and not r["breaches"] and r["thresholds"]["section"] == "float32"
+    o = r["overall"]
+    assert o["top1"] == 1.0 and o["max_logit_err"] <= 1e-3 and o["greedy_match"] == o["prompts"] == 7
+    m = r["manifest"]
+    for k in ("commit", "torch", "transformers", "device", "checkpoint", "prompt_set", "dtype"):
+        assert k in m
+    assert m["dtype"] == "float32" and len(m["checkpoint"]["sha256"]) == 64
+    assert m["prompt_set"]["sha256"] == sha256_file(DEFAULT_PROMPTS)
+    longest = max(r["prompts"], key=lambda p: p["prompt_tokens"])
+    assert longest["prompt_tokens"] >= 8192 and longest["greedy"]["match_len"] == 64
+
+
+def test_gate_fails_on_a_nudged_weight(monkeypatch, tmp_path):
+    """One weight of the engine's model changed after loading (the reference loads the
+    checkpoint again) → a breach and exit code 1."""
+    import tailored.stack
+    from tailored.gate.run import run
+
+    real = tailored.stack.build_stack
+
+    def nudged(*a, **kw):
+        stack = real(*a, **kw)
+        with torch.no_grad():
+            stack.engine.runner.model.model.layers[3].self_attn.o_proj.weight[0, 0] += 0.05
+        return stack
+
+    monkeypatch.setattr(tailored.stack, "build_stack", nudged)
+    out = tmp_path / "gate.json"
+    rc = run(gate_args("--preset", "tiny", "--only", "code,chinese", "--max-new-tokens", "16",
+                       "--report", str(out)))
+    r = json.loads(out.read_text())
+    assert rc == 1 and not r["passed"]
+    assert any("max_logit_err" in b for b in r["breaches"]), r["breaches"]
+
+
+def test_prompt_set_is_frozen_and_complete():
+    """Chat texts are what our template renders; the categories are there; the long prompt is
+    ≥ 8192 tokens; the goldens were made from this very file."""
+    from tailored.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)  # no checkpoint: the built-in CHAT_TEMPLATE
+    ps = load_prompts()
+    assert {p.name for p in ps} >= {"code", "prose", "json", "chinese", "math", "multi_turn",
+                                    "long_context"}
+    for p in ps:
+        if p.kind == "chat":
+            assert tok.apply_chat_template(list(p.messages), enable_thinking=p.enable_thinking) == p.text
+    assert sum(m["role"] == "user" for m in next(p for p in ps if p.name == "multi_turn").messages) >= 3
+    assert len(next(p for p in ps if p.name == "long_context").encode(tok)) >= 8192
+    golden = json.loads((REPO / "eval/golden/tiny/manifest.json").read_text())
+    assert golden["prompt_set"]["sha256"] == sha256_file(DEFAULT_PROMPTS), \
+        "prompt set changed: regenerate goldens (scripts/make_golden.py, reason in kb/)"
+
+
+def test_shared_reference_adopts_the_engine_tensors(tiny_model, hf_model):
+    """Built on meta + assign: no copy, and it computes what a normally built HF model does."""
+    from tailored.gate.reference import load_reference, reference_forward
+
+    hf = load_reference(tiny_model.config, tiny_model, "shared", attn_impl="eager")
+    ours = dict(tiny_model.named_parameters())
+    for name, p in hf.named_parameters():
+        assert p.data_ptr() == ours[name].data_ptr(), name
+    ids = torch.randint(0, 248044, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        want = hf_model.model(torch.tensor([ids])).last_hidden_state[0]
+    assert rel_err(reference_forward(hf, ids), want) <= 1e-6
+
+
+def test_greedy_ties_and_breaches():
+    # reference argmax 5 at step 2, engine chose 9 with a logit 1e-4 below: a tie under 2e-3
+    g = M.compare_greedy([1, 2, 5, 7], [1, 2, 9, 3], [3.0] * 4, [3.0, 3.0, 2.9999, 1.0],
+                         [2.0] * 4, 2e-3)
+    assert g["match_len"] == 2 and g["tie"] and M.greedy_verdict(g, 4, 64) == "tie"
+    g = M.compare_greedy([1, 2, 5], [1, 2, 9], [3.0] * 3, [3.0, 3.0, 2.5], [2.9] * 3, 2e-3)
+    assert not g["tie"] and M.greedy_verdict(g, 3, 2) == "match"  # only 2 tokens required
+    assert M.greedy_verdict(g, 3, 64) == "mismatch"
+    o = {"top1": 0.99, "kl_mean": 0.0, "max_logit_err": 2e-3, "greedy_match_fraction": 1.0}
+    b = M.breaches(o, {"min_top1": 0.995, "max_logit_err": 1e-3, "max_kl_mean": None,
+                       "min_match_fraction": 0.95})
+    assert len(b) == 2 and "top1" in b[0] and "max_logit_err" in b[1]
+    assert M.scored_positions(10, 4, 0) == list(range(13))
+    pos = M.scored_positions(8322, 64, 256)
+    assert len(pos) == 256 and pos[0] == 0 and pos[-64:] == list(range(8321, 8385))  # T-1..T+N-2

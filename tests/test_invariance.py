@@ -1,0 +1,219 @@
+"""Engine-level invariances on the tiny model in fp32 (issue 4 §3; failure-cases §1, §2).
+
+Everything goes through the real Engine (scheduler → runner → model → greedy sampler). Where a
+test compares more than tokens it takes the hidden states the engine itself computed
+(tailored.gate.engine_side, forward hook) at every position: the final-normed input of lm_head,
+so equal hidden states mean equal logits, without the 248k-wide projection. fp32 chunked vs
+unchunked differ only by summation order, so rel err ≤ 1e-5 (measured ~1e-7) — an indexing or
+state bug shows up as O(1). Model-level versions: tests/test_model_invariance.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+
+from tailored.config import EngineConfig
+from tailored.engine.engine import Engine
+from tailored.engine.types import FinishReason, SamplingParams
+from tailored.gate.engine_side import engine_greedy
+from tailored.runner import ModelRunner
+from tailored.tokenizer import load_tokenizer
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the tiny model is all small ops: one thread is as fast on a quiet machine and many times
+    # faster on a busy one (OpenMP barriers); restored for the other test files
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+def make_engine(model, tok, *, budget=2048, max_num_seqs=8, max_model_len=4200, num_pages=None):
+    ec = EngineConfig(page_size=16, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=max_model_len, device="cpu", dtype="float32",
+                      num_pages=num_pages or max_num_seqs * (max_model_len // 16 + 1) + 1)
+    return Engine(model.config, ec, ModelRunner(model, model.config, ec, "cpu", torch.float32), tok)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_alone_equals_inside_a_batch_of_32(tiny_model, tok):
+    """A request's greedy tokens (and logits) do not depend on its 31 mixed-length neighbours,
+    chunked prefill mixed with their decode rows."""
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, 100, (31,), generator=g).tolist()
+    batch = {f"n{i}": ids(t, 100 + i) for i, t in enumerate(lens)}
+    batch["target"] = ids(45, 1)  # admitted last: its chunks share steps with decode rows
+    e = make_engine(tiny_model, tok, budget=96, max_num_seqs=32, max_model_len=256)
+    toks, hid = engine_greedy(e, batch, 10, capture=True)
+    alone_t, alone_h = engine_greedy(make_engine(tiny_model, tok, max_model_len=256),
+                                     {"target": batch["target"]}, 10, capture=True)
+    assert toks["target"] == alone_t["target"]
+    assert rel_err(hid["target"], alone_h["target"]) <= TOL
+
+
+def test_identical_prompts_concurrently_identical_outputs(tiny_model, tok):
+    """8 copies at once, on slots dirtied by earlier requests (LIFO reuse), chunked admission."""
+    e = make_engine(tiny_model, tok, budget=64, max_num_seqs=8, max_model_len=256)
+    engine_greedy(e, {f"w{i}": ids(30 + 9 * i, 50 + i) for i in range(8)}, 5)  # dirty slots
+    p = ids(70, 3)
+    out, _ = engine_greedy(e, {f"c{i}": p for i in range(8)}, 16)
+    assert all(v == out["c0"] for v in out.values())
+
+
+@pytest.fixture(scope="module")
+def engines_by_budget(tiny_model, tok):
+    return {b: make_engine(tiny_model, tok, budget=b, max_model_len=300) for b in (4096, 64, 37)}
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 127, 128, 129])
+def test_chunked_prefill_equals_single_pass_and_prefill_decode(tiny_model, engines_by_budget, T):
+    """For each budget (single pass 4096, chunks of 64 = page multiple, 37 = misaligned):
+    prompt P (T tokens) → greedy 3 tokens. Chunked == single pass (tokens and logits at every
+    position). Then prefill(T−1)+decode == prefill(T) (T=1 has no prefill(0))."""
+    P = ids(T, 1000 + T)
+    runs = {b: engine_greedy(e, {"p": P}, 3, capture=True) for b, e in engines_by_budget.items()}
+    ref_t, ref_h = runs[4096]
+    for b, (t, h) in runs.items():
+        assert t["p"] == ref_t["p"], f"budget {b}"
+        assert rel_err(h["p"], ref_h["p"]) <= TOL, b
+    if T == 1:
+        return
+    # the decoded token must be the engine's own greedy x: so prefill(T−1) = P[:T−1] then
+    # decode x, against prefill(T) = P[:T−1] + [x] in one go
+    e = engines_by_budget[64]
+    t1, h1 = engine_greedy(e, {"q": P[:T - 1]}, 3, capture=True)  # prefill(T−1) + 2 decodes
+    x = t1["q"][0]
+    t2, h2 = engine_greedy(e, {"q": P[:T - 1] + [x]}, 2, capture=True)  # prefill(T) + decode
+    assert t2["q"] == t1["q"][1:]
+    assert rel_err(h1["q"][:T + 1], h2["q"][:T + 1]) <= TOL
+
+
+def test_4097_chunked_prefill_decode_equals_single_pass(tiny_model, tok):
+    """T = 4097 in two engine runs (a 4k forward costs seconds on 2 cores): P[:4096] chunked by
+    1000 then one decode step vs P[:4096]+[x] in one 4097-token pass; every logit row equal."""
+    P = ids(4096, 4097)
+    t1, h1 = engine_greedy(make_engine(tiny_model, tok, budget=1000, max_num_seqs=1), {"q": P},
+                           2, capture=True)
+    t2, h2 = engine_greedy(make_engine(tiny_model, tok, budget=8192, max_num_seqs=1),
+                           {"q": P + [t1["q"][0]]}, 1, capture=True)
+    assert t2["q"] == t1["q"][1:]
+    rows = torch.tensor([0, 999, 1000, 2047, 2048, 4094, 4095, 4096])  # chunk/page edges, decode
+    assert rel_err(h1["q"][rows], h2["q"][rows]) <= TOL
+
+
+def _watch(e) -> dict:
+    """Wrap e.runner.execute: every step must leave each slot and KV page it does not name
+    bit-identical; count the kinds of steps seen. Stale state is poisoned first."""
+    r, cache = e.runner, e.runner.cache
+    cache.rec[:, 1:].normal_()  # stale state of earlier owners: must stay until reset_state
+    cache.conv[:, 1:].normal_()
+    cache.k[:, 1:].normal_()
+    seen = {"prefill_only_multi_new": 0, "mixed": 0, "running_skipped": 0}
+    orig = r.execute
+
+    def execute(so):
+        slots = {s.slot for s in so.seqs}
+        pages = {p for s in so.seqs for p in s.page_ids}
+        other_slots = [i for i in range(1, r.num_slots) if i not in slots]
+        other_pages = [i for i in range(1, r.num_pages) if i not in pages]
+        before = (cache.rec[:, other_slots].clone(), cache.conv[:, other_slots].clone(),
+                  cache.k[:, other_pages].clone(), cache.v[:, other_pages].clone())
+        out = orig(so)
+        after = (cache.rec[:, other_slots], cache.conv[:, other_slots], cache.k[:, other_pages],
+                 cache.v[:, other_pages])
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a step wrote outside"
+        decodes = sum(len(s.token_ids) == 1 and not s.reset_state for s in so.seqs)
+        seen["prefill_only_multi_new"] += decodes == 0 and sum(s.reset_state for s in so.seqs) >= 2
+        seen["mixed"] += 0 < decodes < len(so.seqs)
+        seen["running_skipped"] += any(q.slot not in slots for q in e.scheduler.running)
+        return out
+
+    r.execute = execute
+    return seen
+
+
+def _drain(e):
+    while e.has_unfinished():
+        e.step()
+
+
+def test_steps_leave_other_slots_and_pages_bit_identical(tiny_model, tok):
+    """Every step — prefill-only with several new requests, mixed prefill+decode, a step that
+    skips a live running request — leaves each slot and KV page it does not name bit-identical
+    (failure-cases §1: a prefill-only step wrote request 1's state into request 0's area)."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # budget 4: the first step admits three 1–2-token prompts (prefill only); later steps mix
+    # decode rows with 1-token prefill chunks
+    e = make_engine(tiny_model, tok, budget=4, max_num_seqs=6, max_model_len=64, num_pages=40)
+    seen = _watch(e)
+    for i, n in enumerate((1, 2, 1, 9, 14, 6)):
+        e.add_request(f"a{i}", ids(n, 200 + i), sp)
+    for _ in range(6):
+        e.step()
+    for i, n in enumerate((3, 1, 20)):
+        e.add_request(f"b{i}", ids(n, 300 + i), sp)
+    _drain(e)
+    assert seen["prefill_only_multi_new"] and seen["mixed"], seen
+    # 4 KV pages: the newest request's prefill runs out of pages while the older one decodes,
+    # so it waits holding its slot and pages (then is preempted when the decode needs a page)
+    e = make_engine(tiny_model, tok, budget=16, max_num_seqs=2, max_model_len=64, num_pages=5)
+    seen = _watch(e)
+    e.add_request("a", ids(10, 500), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    e.add_request("b", ids(60, 501), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    _drain(e)
+    assert seen["running_skipped"], seen
+
+
+def test_abort_frees_pages_and_slots(tiny_model, tok):
+    """Aborts while waiting, mid-prefill and mid-decode: pools return to their baseline."""
+    e = make_engine(tiny_model, tok, budget=32, max_num_seqs=3, max_model_len=128, num_pages=30)
+    base = e.stats()
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((5, 60, 20, 7, 9)):
+        e.add_request(f"r{i}", ids(n, 400 + i), sp)
+    reasons = {}
+
+    def step():
+        for o in e.step():
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+
+    step()  # r0 prefilled, r1 mid-prefill; r3, r4 wait (3 seqs max)
+    req = e.scheduler.requests
+    assert req["r1"].slot and 0 < req["r1"].num_computed_tokens < 60 and not req["r4"].slot
+    e.abort_request("r1")
+    e.abort_request("r4")
+    for _ in range(3):
+        step()
+    assert req["r0"].output_ids and req["r0"].slot  # mid-decode
+    e.abort_request("r0")
+    while e.has_unfinished():
+        step()
+    assert [reasons[k] for k in ("r0", "r1", "r4")] == [FinishReason.ABORT] * 3
+    assert reasons["r2"] is reasons["r3"] is FinishReason.LENGTH
+    assert e.stats() == base
+
+
+def test_cuda_graph_replay_equals_eager(tiny_model, tok):
+    """Greedy tokens and logits with CUDA-graph replay == eager. Runs once the runner captures
+    graphs (issue 3) and exposes EngineConfig.enforce_eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if "enforce_eager" not in EngineConfig.__dataclass_fields__:
+        pytest.skip("the runner has no CUDA graphs yet (no EngineConfig.enforce_eager)")
+    raise NotImplementedError("write the body with the graph runner: same prompts, "
+                              "enforce_eager=True vs False, tokens and captured logits equal")
