@@ -1,4 +1,5 @@
-"""`tailored` command line: `serve` (OpenAI HTTP server), `synth` (synthetic checkpoints), `gate` (accuracy gate)."""
+"""`tailored` command line: `serve` (OpenAI HTTP server), `synth` (synthetic checkpoints), `gate` (accuracy gate),
+`bench` (load generator and roofline)."""
 
 from __future__ import annotations
 
@@ -130,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     from tailored.gate.run import add_parser as gate_parser
 
     gate_parser(sub)
+    from tailored.bench import cli as bench_cli
+
+    bench_cli.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "bench":
+            return bench_cli.run(args)
         if args.command == "gate":
             from tailored.gate.run import run as cmd_gate
 

@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# Side by side on the H200 (issue 3 part 5): vLLM 0.25.1 from the baseline kit and `tailored serve`
+# on the same config (Qwen3.6-35B-A3B, dummy weights) and precision, both measured with
+# `tailored bench` (c=1: 16 prompts, c=32: 256 prompts, 1024 in / 512 out, ignore_eos, greedy),
+# then bench/results/latest.json: for bf16 and fp8 the metrics c1_output_tok_s, ttft_p50_ms
+# (c=1), c32_output_tok_s as tailored / vllm / ratio, plus roofline_fraction_c1 and the manifest.
+#
+# Runs ON the GPU machine, from the root of the repository tree copied there, one PHASE per
+# device call (a call may last 10 minutes; the machine and /tmp survive between calls only while
+# it stays warm, so make the calls back to back).
+#
+# ---- prepare here, once (the paths are git-ignored) -----------------------------------------
+#   bash ../shared/baseline/fetch.sh .baseline-wheels           # vLLM chunks, ~2 min, from PyPI
+#   rm -rf .baseline-kit && cp -r ../shared/baseline .baseline-kit
+#   bash scripts/fetch_wheels.sh                                # .whl/: fastapi, uvicorn, ... for tailored
+#   git rev-parse HEAD        # paste this sha for <sha> below: the command runs on the device, where
+#                             # the tree has no .git and a $(...) would expand there
+#
+# ---- device calls, in this order (carry = the device tool's `carry` list) --------------------
+#  1  carry [".baseline-wheels/chunk1"]                          bash scripts/side_by_side.sh stage .baseline-wheels/chunk1   (< 1 min)
+#  2  carry [".baseline-wheels/chunk2"]                          bash scripts/side_by_side.sh stage .baseline-wheels/chunk2   (< 1 min)
+#  3  carry [".baseline-kit", ".baseline-wheels/chunk3", ".whl"] TAILORED_COMMIT=<sha> bash scripts/side_by_side.sh vllm bf16   (~8 min: stage chunk3, install, start ~4 min, bench ~3 min)
+#  4  carry [".baseline-kit", ".whl"]                            TAILORED_COMMIT=<sha> bash scripts/side_by_side.sh tailored bf16
+#  5  carry [".baseline-kit", ".whl"]                            TAILORED_COMMIT=<sha> bash scripts/side_by_side.sh vllm fp8    (~7 min)
+#  6  carry [".baseline-kit", ".whl"]                            TAILORED_COMMIT=<sha> bash scripts/side_by_side.sh tailored fp8
+#  7  carry [".baseline-kit", ".whl"]                            bash scripts/side_by_side.sh summary                          (seconds)
+#  Calls 1-3 must follow each other within ~30 s (the kit's rule: /tmp is forgotten when the
+#  machine idles). If the machine was released after call 3, repeat 1-3 (phase `vllm` installs
+#  only when /tmp/site lacks vLLM, and stages chunk3 when it is carried). The tailored phases
+#  take server start (dummy weights: ~1 min) + the two benches (at the issue's targets ~1 min;
+#  at today's plain-PyTorch speed far longer than a call: run them once the fast path lands).
+#  Total at target speed: ~25 min of the 30-minute device budget; run bf16 and fp8 in two
+#  sessions when the budget is short (the summary accepts a missing precision).
+#
+# ---- results ----------------------------------------------------------------------------------
+# Every phase leaves its files in $SBS_DIR (default /tmp/sbs) and copies the whole folder to
+# $OUT/sbs (what the device tool brings back): {vllm,tailored}-{bf16,fp8}.json (tailored bench
+# results with manifests) and .txt (their console output), server logs, vllmbench-bf16-c1.json
+# (`vllm bench serve` on the same vLLM server, c=1: the GPU cross-check of our client; CROSSCHECK=0
+# skips it), compare-{bf16,fp8}.txt (ratio tables, A = tailored, B = vLLM), summary.json and
+# latest.json. To commit them (here, after the last call):
+#   D=bench/results/$(date +%F); mkdir -p $D && cp <files_at>/sbs/* $D/
+#   python -m tailored.bench summary --results-dir $D --latest bench/results/latest.json
+#
+# Environment: SBS_DIR, KIT (default .baseline-kit), VLLM_PORT (8000), TAILORED_PORT (8001),
+# BASELINE_TMP (the kit's /tmp), HBM_BW (B/s for the roofline, default 4.3e12), CROSSCHECK (1),
+# TAILORED_SERVE_ARGS (extra `tailored serve` flags), READY_TIMEOUT (s, default 600).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 1
+KIT=${KIT:-.baseline-kit}
+R="$KIT/remote.sh"
+SBS=${SBS_DIR:-/tmp/sbs}
+BTMP=${BASELINE_TMP:-/tmp}
+VLLM_PORT=${VLLM_PORT:-8000}
+TAILORED_PORT=${TAILORED_PORT:-8001}
+NAME=qwen36-35b-a3b
+TSITE=/tmp/tailored-site
+HBM_BW=${HBM_BW:-4.3e12}
+READY_TIMEOUT=${READY_TIMEOUT:-600}
+export PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache HF_HUB_OFFLINE=1
+# Same engine limits for both servers (the kit's vLLM flags).
+MAX_MODEL_LEN=16384 MAX_NUM_SEQS=128 MAX_BATCHED=8192 GPU_UTIL=0.90
+# Block-FP8 quantization_config, identical to the kit's (remote.sh FP8_QUANT).
+FP8_QUANT='{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_ba", "visual", "mtp"]}'
+
+T0=$(date +%s)
+stamp() { echo "[sbs +$(( $(date +%s) - T0 ))s] $*"; }
+die() { echo "side_by_side.sh: $*" >&2; exit 1; }
+
+mkdir -p "$SBS"
+sync_out() {
+  if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/sbs" && cp -r "$SBS"/. "$OUT/sbs/" 2>/dev/null; fi
+  return 0
+}
+trap sync_out EXIT
+
+# The client: `tailored bench` from this tree (httpx is on the GPU machine; .whl adds sniffio etc.).
+client() { PYTHONPATH="$ROOT:$TSITE" python3 -m tailored.bench "$@"; }
+
+bench_both() {  # ENGINE PREC PORT CHECKPOINT_DIR ENGINE_CONFIG_JSON
+  local engine=$1 prec=$2 port=$3 ckpt=$4 cfg=$5
+  stamp "bench $engine $prec: c=1 x 16, c=32 x 256, 1024 in / 512 out, ignore_eos, greedy"
+  client --base-url "http://127.0.0.1:$port" --model "$NAME" \
+      --concurrency 1,32 --num-prompts 16,256 --input-len 1024 --output-len 512 --ignore-eos \
+      --temperature 0 --precision "$prec" --hbm-bw "$HBM_BW" --label "$engine-$prec" \
+      --checkpoint-dir "$ckpt" --engine-config "$cfg" --out "$SBS/$engine-$prec.json" \
+      2>&1 | tee "$SBS/$engine-$prec.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "WARNING: tailored bench exit $rc for $engine $prec (failed requests?)" \
+      | tee -a "$SBS/$engine-$prec.txt"
+  sync_out
+}
+
+wait_health() {  # PORT PID LOG
+  local port=$1 pid=$2 log=$3 t
+  t=$(date +%s)
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; do
+    kill -0 "$pid" 2>/dev/null || { echo "server died"; tail -n 60 "$log"; return 1; }
+    [ $(( $(date +%s) - t )) -lt "$READY_TIMEOUT" ] || { echo "not ready after $READY_TIMEOUT s"; tail -n 40 "$log"; return 2; }
+    sleep 3
+  done
+  stamp "ready on :$port after $(( $(date +%s) - t )) s"
+}
+
+# ---- phases -----------------------------------------------------------------------------------
+phase_stage() {  # DIR: add a chunk's files to the kit's stage folder (no kit needed)
+  local src=${1:?usage: stage DIR}
+  [ -d "$src" ] || die "stage: no folder $src (carry it)"
+  mkdir -p "$BTMP/stage" && cp -r "$src"/. "$BTMP/stage/" && ls -la "$BTMP/stage"
+}
+
+install_vllm() {
+  [ -f "$R" ] || die "no $R: carry .baseline-kit (cp -r ../shared/baseline .baseline-kit)"
+  if [ -d "$BTMP/site/vllm" ] && [ -f "$BTMP/model/config.json" ]; then
+    stamp "vLLM already installed in $BTMP/site"
+    return 0
+  fi
+  if [ -d .baseline-wheels/chunk3 ]; then phase_stage .baseline-wheels/chunk3 >/dev/null || return 1; fi
+  stamp "install vLLM (kit)"
+  bash "$R" check && bash "$R" install
+}
+
+install_tailored() {
+  if [ -f "$TSITE/.done" ]; then return 0; fi
+  ls .whl/*.whl >/dev/null 2>&1 || die "no .whl/*.whl: run scripts/fetch_wheels.sh here and carry .whl"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$TSITE" .whl/*.whl || die "pip install of .whl failed"
+  touch "$TSITE/.done"
+}
+
+phase_vllm() {  # PREC
+  local prec=${1:?usage: vllm bf16|fp8} model
+  case "$prec" in bf16) model=$BTMP/model ;; fp8) model=$BTMP/model-fp8 ;; *) die "precision bf16|fp8" ;; esac
+  install_vllm || die "vLLM install failed"
+  install_tailored
+  bash "$R" --port "$VLLM_PORT" stop >/dev/null 2>&1 || true
+  stamp "start vLLM $prec on :$VLLM_PORT"
+  OUT="$SBS" bash "$R" --port "$VLLM_PORT" serve "$prec" || die "vLLM serve failed"
+  if ! OUT="$SBS" bash "$R" --port "$VLLM_PORT" wait 540; then
+    bash "$R" --port "$VLLM_PORT" stop; die "vLLM $prec did not come up"
+  fi
+  local args cfg
+  args=$(ps -o args= -p "$(cat "$BTMP/vllm-$VLLM_PORT.pid")" 2>/dev/null || echo "?")
+  cfg=$(python3 -c 'import json, sys; print(json.dumps({"engine": "vllm 0.25.1 (baseline kit)",
+      "variant": sys.argv[1], "command": sys.argv[2],
+      "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}))' "$prec" "$args")
+  bench_both vllm "$prec" "$VLLM_PORT" "$model" "$cfg"
+  if [ "${CROSSCHECK:-1}" = 1 ] && [ "$prec" = bf16 ]; then
+    stamp "cross-check: vllm bench serve c=1 x 16 on the same server"
+    OUT="$SBS" bash "$R" --port "$VLLM_PORT" bench "vllmbench-$prec-c1" 1 16 2>&1 | tail -n 30
+    client --compare "$SBS/vllm-$prec.json" "$SBS/vllmbench-$prec-c1.json" \
+        | tee "$SBS/crosscheck-vllmbench-$prec.txt"
+  fi
+  stamp "stop vLLM"
+  bash "$R" --port "$VLLM_PORT" stop
+  cp "$BTMP/vllm-$VLLM_PORT.log" "$SBS/vllm-server-$prec.log" 2>/dev/null || true
+}
+
+TPID=
+stop_tailored() {  # the server runs in its own session (setsid): stop its whole group
+  [ -n "$TPID" ] || return 0
+  kill -TERM -- "-$TPID" 2>/dev/null || kill "$TPID" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$TPID" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$TPID" 2>/dev/null || true
+  TPID=
+}
+
+write_tailored_checkpoint() {  # PREC DIR
+  local prec=$1 dir=$2
+  rm -rf "$dir"
+  if [ "$prec" = fp8 ] && PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth --help 2>/dev/null | grep -q -- '--dtype'; then
+    PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth "$dir" --preset full --config-only --dtype fp8 || return 1
+  else
+    PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth "$dir" --preset full --config-only || return 1
+  fi
+  if [ "$prec" = fp8 ] && ! grep -q quantization_config "$dir/config.json"; then
+    # the kit's FP8 config, so both engines read the same file
+    python3 - "$dir/config.json" "$FP8_QUANT" <<'EOF'
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+cfg["quantization_config"] = json.loads(sys.argv[2])
+json.dump(cfg, open(sys.argv[1], "w"), indent=2)
+EOF
+  fi
+}
+
+phase_tailored() {  # PREC
+  local prec=${1:?usage: tailored bf16|fp8}
+  case "$prec" in bf16|fp8) ;; *) die "precision bf16|fp8" ;; esac
+  install_tailored
+  local ckpt=/tmp/sbs-ckpt-$prec log=$SBS/tailored-server-$prec.log
+  write_tailored_checkpoint "$prec" "$ckpt" || die "tailored synth --config-only failed"
+  local flags=(--load-format dummy --served-model-name "$NAME" --host 127.0.0.1 --port "$TAILORED_PORT"
+               --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS"
+               --max-num-batched-tokens "$MAX_BATCHED" --gpu-memory-utilization "$GPU_UTIL")
+  # shellcheck disable=SC2206
+  local extra=(${TAILORED_SERVE_ARGS:-})
+  stamp "start tailored serve $prec on :$TAILORED_PORT: $ckpt ${flags[*]} ${extra[*]}"
+  PYTHONPATH="$TSITE:$ROOT" setsid nohup python3 -m tailored serve "$ckpt" "${flags[@]}" "${extra[@]}" \
+      > "$log" 2>&1 < /dev/null &
+  TPID=$!
+  trap 'stop_tailored; sync_out' EXIT
+  wait_health "$TAILORED_PORT" "$TPID" "$log" || die "tailored serve $prec did not come up"
+  if [ "$prec" = fp8 ] && ! grep -qi 'fp8' "$log"; then
+    echo "WARNING: the tailored server log never mentions fp8: is the FP8 path (issue 3 part 4) in?" \
+        | tee "$SBS/tailored-fp8.warning"
+  fi
+  local cfg
+  cfg=$(python3 -c 'import json, sys; print(json.dumps({"engine": "tailored serve", "variant": sys.argv[1],
+      "command": "python3 -m tailored serve " + " ".join(sys.argv[2:])}))' "$prec" "$ckpt" "${flags[@]}" "${extra[@]}")
+  bench_both tailored "$prec" "$TAILORED_PORT" "$ckpt" "$cfg"
+  stamp "stop tailored"
+  stop_tailored
+  trap sync_out EXIT
+}
+
+phase_summary() {
+  stamp "summary of $SBS"
+  client summary --results-dir "$SBS" --latest "$SBS/latest.json" --hbm-bw "$HBM_BW"
+  # does this vLLM run reproduce the 2026-11-29 baseline? (A = today, B = kit's raw JSON)
+  local base="$KIT/results/2026-11-29"
+  for pair in "bf16:c1" "fp8:fp8-c1"; do
+    local prec=${pair%%:*} ref=${pair#*:}
+    if [ -f "$SBS/vllm-$prec.json" ] && [ -f "$base/$ref.json" ]; then
+      client --compare "$SBS/vllm-$prec.json" "$base/$ref.json" > "$SBS/vllm-$prec-vs-baseline.txt"
+      head -n 8 "$SBS/vllm-$prec-vs-baseline.txt"
+    fi
+  done
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  stage) phase_stage "$@" ;;
+  vllm) phase_vllm "$@" ;;
+  tailored) phase_tailored "$@" ;;
+  summary) phase_summary ;;
+  all)  # everything in one go, for a machine without a per-call limit and with all chunks here
+    for c in chunk1 chunk2; do [ -d ".baseline-wheels/$c" ] && phase_stage ".baseline-wheels/$c" >/dev/null; done
+    for prec in bf16 fp8; do
+      (phase_vllm "$prec") || echo "vllm $prec failed"
+      (phase_tailored "$prec") || echo "tailored $prec failed"
+    done
+    phase_summary ;;
+  *) sed -n '2,46p' "$0"; exit 1 ;;
+esac
