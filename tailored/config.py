@@ -128,7 +128,14 @@ class ModelConfig:
         if rope_type != "default":
             raise ConfigError(f"unsupported rope_type {rope_type!r}; only 'default' is implemented")
         eos = text.get("eos_token_id", 248044)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (248046, int(eos))
+        # the Qwen release lists only <|endoftext|> here; <|im_end|> (248046) comes from
+        # generation_config.json, which the tokenizer reads; add it only for the Qwen vocabulary
+        if isinstance(eos, list):
+            eos_ids = tuple(int(e) for e in eos)
+        elif int(eos) == 248044:
+            eos_ids = (248046, 248044)
+        else:
+            eos_ids = (int(eos),)
         head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
         mc = cls(
             vocab_size=int(need("vocab_size")),

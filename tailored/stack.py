@@ -39,7 +39,12 @@ def cache_dir() -> Path:
 
 
 def embedded_checkpoint() -> Path:
-    """The embedded default: a tiny synthetic checkpoint, generated once into the cache dir."""
+    """The embedded default: the packaged nano checkpoint (tailored/data/nano, a small trained
+    model of this architecture, scripts/train_nano.py) when present, else a tiny synthetic
+    checkpoint (random weights) generated once into the cache dir."""
+    nano = Path(__file__).resolve().parent / "data" / "nano"
+    if (nano / "config.json").is_file() and (nano / "model.safetensors").is_file():
+        return nano
     d = cache_dir() / "tiny-seed0"
     if not (d / "model.safetensors.index.json").is_file() or not (d / "tokenizer.json").is_file():
         log.info("generating the embedded tiny synthetic checkpoint in %s (once)", d)
@@ -72,8 +77,13 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     if checkpoint_dir is None:
         checkpoint_dir = embedded_checkpoint()
         device = device or "cpu"
-        log.info("no checkpoint given: serving the embedded tiny synthetic model (random weights, "
-                 "meaningless text) from %s on the CPU", checkpoint_dir)
+        if checkpoint_dir.name == "nano":
+            log.info("no checkpoint given: serving the embedded nano model (a small model of this "
+                     "architecture trained on Python source, docs/nano.md) from %s on the CPU",
+                     checkpoint_dir)
+        else:
+            log.info("no checkpoint given: serving the embedded tiny synthetic model (random "
+                     "weights, meaningless text) from %s on the CPU", checkpoint_dir)
     ckpt = Path(checkpoint_dir)
     cfg = ModelConfig.from_dir(ckpt)
     full_layers = cfg.num_hidden_layers
