@@ -519,13 +519,18 @@ def _build_tokenizer_json(ranks: dict[bytes, int], dest: Path) -> None:
     tok.save(str(dest))
 
 
-def tokenizer_config() -> dict:
-    """tokenizer_config.json contents for the Qwen3.5/3.6 tokenizer (spec §10.2, §10.3)."""
+def tokenizer_config(first_added_id: int = SPECIAL_START_ID, model_max_length: int = 262144,
+                     tokenizer_class: str = "Qwen3_5Tokenizer") -> dict:
+    """tokenizer_config.json contents in the Qwen3.5/3.6 layout (spec §10.2, §10.3).
+
+    first_added_id: id of `<|endoftext|>`; the 33 added tokens follow it in ADDED_TOKENS order
+    (248044 for the Qwen vocabulary; the nano tokenizer's own id for scripts/nano).
+    """
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(SPECIAL_START_ID + i): {
+            str(first_added_id + i): {
                 "content": t, "lstrip": False, "normalized": False, "rstrip": False,
                 "single_word": False, "special": t not in NON_SPECIAL,
             } for i, t in enumerate(ADDED_TOKENS)
@@ -536,10 +541,10 @@ def tokenizer_config() -> dict:
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
-        "model_max_length": 262144,
+        "model_max_length": model_max_length,
         "pad_token": "<|endoftext|>",
         "split_special_tokens": False,
-        "tokenizer_class": "Qwen3_5Tokenizer",
+        "tokenizer_class": tokenizer_class,
         "unk_token": None,
     }
 

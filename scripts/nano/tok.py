@@ -13,7 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from tailored.tokenizer import ADDED_TOKENS, CHAT_TEMPLATE, NON_SPECIAL, set_byte_level_pipeline
+from tailored.tokenizer import ADDED_TOKENS, NON_SPECIAL, set_byte_level_pipeline
+from tailored.tokenizer import tokenizer_config as qwen_tokenizer_config
 
 PAD_ROWS = 64  # regular vocab = vocab_size - PAD_ROWS; 33 added tokens + 31 padded rows
 
@@ -52,28 +53,10 @@ def token_ids(tok) -> dict[str, int]:
 
 
 def tokenizer_config(tok, model_max_length: int) -> dict:
-    """tokenizer_config.json as the Qwen release writes it, with this tokenizer's ids."""
-    ids = token_ids(tok)
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                          "single_word": False, "special": t not in NON_SPECIAL}
-            for t in ADDED_TOKENS
-        },
-        "additional_special_tokens": list(ADDED_TOKENS[1:14]),
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": model_max_length,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2TokenizerFast",
-        "unk_token": None,
-    }
+    """tokenizer_config.json as the Qwen release writes it, with this tokenizer's ids
+    (train_tokenizer adds the 33 tokens contiguously after the BPE vocabulary)."""
+    return qwen_tokenizer_config(token_ids(tok)[ADDED_TOKENS[0]], model_max_length,
+                                 tokenizer_class="Qwen2TokenizerFast")
 
 
 def write_tokenizer(tok, out: Path, model_max_length: int) -> str:
