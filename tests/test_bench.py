@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-import threading
-import time
 
 import pytest
+from live_server import LiveServer
 
 from tailored.bench import loadgen, results, roofline, sidebyside
 from tailored.bench.cli import main as bench_main
@@ -241,32 +239,6 @@ def test_side_by_side_summary_latest_json(tmp_path, capsys):
 
 
 # ---- live runs against the real app (embedded tiny model) --------------------------------
-class _LiveServer:
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
-
 
 @pytest.fixture(scope="module")
 def live():
@@ -278,7 +250,7 @@ def live():
     app = build_app(AsyncEngine(stack.engine), stack.tokenizer, MODEL, 512)
     # random prompts must use ids the served tokenizer has (the embedded model may be small)
     hi = min(stack.tokenizer.vocab_size, loadgen.REGULAR_TOKEN_IDS[1])
-    with _LiveServer(app) as srv:
+    with LiveServer(app, start_timeout=30) as srv:
         yield srv.url, (0, hi)
 
 

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
-from typing import Self
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
+from live_server import LiveServer
 
 from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
 from tailored.server.app import build_app
@@ -1032,35 +1030,6 @@ async def _async_engine_generate_abort_and_errors():
 
 
 # ---- live uvicorn server -----------------------------------------------------------------
-
-
-class LiveServer:
-    """uvicorn on 127.0.0.1 with a free port, run in a thread; stop() waits for it."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 def wait_for(cond, timeout: float = 3.0) -> bool:
