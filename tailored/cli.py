@@ -34,6 +34,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
+                   help="Triton kernel path: auto = on CUDA only; off = plain PyTorch path")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (kernel path only)")
     p.add_argument("--log-level", default="info")
 
 
@@ -93,6 +97,8 @@ def cmd_serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kernels=args.kernels,
+        enforce_eager=args.enforce_eager,
     )
     stack = build_stack(args.checkpoint_dir, load_format=args.load_format,
                         num_layers=args.num_layers,

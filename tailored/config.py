@@ -216,6 +216,10 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one engine step (decode + prefill chunks).
     max_model_len: longest prompt + completion accepted.
     num_pages: KV pages; None = sized from memory (GPU) or from max_num_seqs*max_model_len (CPU).
+    kernels: 'auto' runs the Triton kernel path (model/fast.py) on CUDA and the plain PyTorch
+      path on the CPU; 'on' forces the kernel path (on the CPU through Triton's interpreter, for
+      tests); 'off' forces the plain path.
+    enforce_eager: never replay CUDA graphs (kernel path only).
     """
 
     page_size: int = 16
@@ -226,3 +230,5 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     device: str = "cpu"
     dtype: str = "bfloat16"
+    kernels: str = "auto"  # auto: Triton kernel path on CUDA; on: also on CPU (interpreter); off
+    enforce_eager: bool = False  # no CUDA graphs for decode steps

@@ -69,6 +69,37 @@ class ModelRunner:
                + self.num_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3
         log.info("cache: %d KV pages x %d tokens, %d GDN state slots (%.2f GiB)",
                  self.num_pages, ec.page_size, self.num_slots, gib)
+        self.fast = self._maybe_fast_path(ec)
+
+    def _maybe_fast_path(self, ec: EngineConfig):
+        """Bind the kernel path (model/fast.py) to this cache when EngineConfig.kernels asks."""
+        from tailored import kernels
+
+        if ec.kernels not in ("auto", "on", "off"):
+            raise ValueError(f"kernels must be auto, on or off, got {ec.kernels!r}")
+        want = ec.kernels == "on" or (ec.kernels == "auto" and self.device.type == "cuda")
+        if not want:
+            return None
+        if not kernels.available():
+            if ec.kernels == "on":
+                raise RuntimeError("kernels=on but Triton cannot run here (pip install triton)")
+            log.warning("Triton is not available: running the plain PyTorch path")
+            return None
+        from tailored.model.fast import FastPath
+
+        fast = FastPath(self.model, self.cache, max_batch=ec.max_num_seqs,
+                        max_pages=math.ceil(ec.max_model_len / ec.page_size) + 1,
+                        use_graphs=not ec.enforce_eager)
+        self.model.fast = fast
+        if fast.use_graphs:
+            import time
+
+            t0 = time.monotonic()
+            fast.capture()
+            log.info("decode CUDA graphs captured in %.1f s", time.monotonic() - t0)
+        log.info("kernel path on (CUDA graphs %s, GDN prefill %s)",
+                 "on" if fast.use_graphs else "off", "fla-core" if fast.fla else "reference")
+        return fast
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

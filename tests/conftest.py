@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+
+import torch as _torch
+
+# Without a GPU, the Triton kernels run in Triton's interpreter (tests/test_kernels.py). It must
+# be chosen before triton is first imported.
+if not _torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -246,6 +246,7 @@ class Qwen36ForCausalLM(nn.Module):
         self.model = TextModel(cfg)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTP(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
+        self.fast = None  # a FastPath (model/fast.py) bound to the runner's cache, set by the runner
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
@@ -253,8 +254,11 @@ class Qwen36ForCausalLM(nn.Module):
 
         Returns the final-normed hidden states [T, H] (model dtype). Every slot with
         reset_state=True is zeroed before use; slots and pages not named in the batch are
-        never written.
+        never written. With a FastPath bound to this cache the kernel path runs instead (same
+        contract; CUDA-graph replay for decode-only steps).
         """
+        if self.fast is not None and cache is self.fast.cache:
+            return self.fast.forward(batch)
         cfg = self.config
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = ref.rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)

@@ -1,0 +1,30 @@
+"""Fused Triton kernels for the H200 fast path.
+
+Each kernel has a plain-PyTorch twin in `tailored.ops.reference` and a test that compares them on
+fresh random inputs (tests/test_kernels.py). On a machine without a GPU the tests run the same
+kernels in Triton's interpreter (TRITON_INTERPRET=1, fp32 only: its bf16 `tl.dot` is wrong).
+
+`available()` says whether the kernels can run here; the model falls back to the reference ops
+when they cannot.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available() -> bool:
+    """True when Triton imports and either a CUDA GPU or the interpreter is there."""
+    try:
+        import torch
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_precision(dtype) -> str:
+    """tl.dot input precision: exact fp32 products for fp32 inputs (no silent TF32)."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,124 @@
+"""Gated DeltaNet decode step (spec §5.2–§5.7) as two Triton kernels over state slots in place.
+
+  1. `conv_step`: depthwise causal conv update + SiLU for one token per sequence, reading and
+     writing the conv state of each sequence's slot (no gather/scatter copies).
+  2. `recurrent_step`: gates (g = −exp(A_log)·softplus(a+dt_bias), β = σ(b)), q/k L2 norm,
+     the gated delta rule update of the [Dk, Dv] fp32 state in its slot, the read-out, and the
+     gated RMSNorm (norm-before-gate) — one program per (sequence, value head).
+
+Pad rows point at slot 0 (the pad sink) and are harmless. Both are graph-safe (slot ids are
+read on the device). References: `ref.causal_conv1d_step`, `ref.gdn_gates`,
+`ref.gated_delta_rule_recurrent`, `ref.gated_rms_norm`; FLA `fused_recurrent_gated_delta_rule`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_step_kernel(x_ptr, state_ptr, w_ptr, slot_ptr, out_ptr, C,
+                      stride_xb, stride_ss, stride_sc, stride_ob,
+                      W: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    s_base = state_ptr + slot * stride_ss + c * stride_sc
+    x = tl.load(x_ptr + b * stride_xb + c, mask=ok, other=0.0).to(tl.float32)
+    acc = x * tl.load(w_ptr + c * W + (W - 1), mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        s = tl.load(s_base + j, mask=ok, other=0.0).to(tl.float32)
+        acc += s * tl.load(w_ptr + c * W + j, mask=ok, other=0.0).to(tl.float32)
+        if j > 0:  # shift the window left by one
+            tl.store(s_base + (j - 1), s.to(state_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_base + (W - 2), x.to(state_ptr.dtype.element_ty), mask=ok)
+    y = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + b * stride_ob + c, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+              slots: torch.Tensor) -> torch.Tensor:
+    """One decode token per row through the causal conv, updating `state` in place.
+
+    x: [B, C] projection outputs (row stride free); state: [num_slots, C, W-1] (one layer's conv
+    cache, unit stride on the last dim); weight: [C, W]; slots: [B] int32/int64 slot per row.
+    Returns out [B, C] in x.dtype = silu(conv). Rows sharing a slot race: only the pad sink may.
+    """
+    B, C = x.shape
+    W = weight.shape[-1]
+    assert state.shape[1:] == (C, W - 1) and state.stride(2) == 1 and x.stride(1) == 1
+    out = torch.empty(B, C, dtype=x.dtype, device=x.device)
+    block = 256
+    _conv_step_kernel[(B, triton.cdiv(C, block))](
+        x, state, weight.contiguous(), slots, out, C,
+        x.stride(0), state.stride(0), state.stride(1), out.stride(0), W=W, BLOCK_C=block)
+    return out
+
+
+@triton.jit
+def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
+                      A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr,
+                      stride_cb, stride_ab, stride_bb, stride_zb, stride_ss, stride_ob,
+                      KEY_DIM, eps, scale,
+                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    slot = tl.load(slot_ptr + bi).to(tl.int64)
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    row = conv_ptr + bi * stride_cb
+    q = tl.load(row + hk * DK + dk).to(tl.float32)
+    k = tl.load(row + KEY_DIM + hk * DK + dk).to(tl.float32)
+    v = tl.load(row + 2 * KEY_DIM + h * DV + dv).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # l2norm (FLA eps 1e-6), then Dk^-½
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    a = tl.load(a_ptr + bi * stride_ab + h).to(tl.float32)
+    braw = tl.load(b_ptr + bi * stride_bb + h).to(tl.float32)
+    xa = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))  # torch threshold 20
+    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
+    beta = tl.sigmoid(braw)
+    s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
+    S = tl.load(s_ptrs) * tl.exp(g)
+    mem = tl.sum(S * k[:, None], 0)
+    delta = (v - mem) * beta
+    S = S + k[:, None] * delta[None, :]
+    tl.store(s_ptrs, S)
+    o = tl.sum(S * q[:, None], 0)
+    # gated RMSNorm with the reference's casts: o rounds to the model dtype, normalise in fp32,
+    # round, scale by w in the model dtype, times silu(z) in fp32, round (ref.gated_rms_norm)
+    dt = out_ptr.dtype.element_ty
+    o = o.to(dt).to(tl.float32)
+    y = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(dt)
+    y = (tl.load(norm_w_ptr + dv).to(dt) * y).to(tl.float32)
+    z = tl.load(z_ptr + bi * stride_zb + h * DV + dv).to(tl.float32)
+    tl.store(out_ptr + bi * stride_ob + h * DV + dv, (y * (z * tl.sigmoid(z))).to(dt))
+
+
+def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+                   state: torch.Tensor, slots: torch.Tensor, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int,
+                   eps: float) -> torch.Tensor:
+    """Gates + delta-rule step + gated norm for one token per row; `state` updated in place.
+
+    conv_out: [B, 2·HK·Dk + HV·Dv] = [q | k | v] after conv+SiLU; a, b: [B, HV] raw in_proj_a/b
+    outputs; z: [B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32 contiguous per slot;
+    slots: [B]; A_log, dt_bias: [HV]; norm_weight: [Dv].
+    Returns [B, HV·Dv] in conv_out.dtype (input of out_proj).
+    """
+    B = conv_out.shape[0]
+    _, HV, DK, DV = state.shape
+    assert state.dtype == torch.float32 and state.stride(1) == DK * DV
+    assert conv_out.stride(1) == 1 and z.stride(1) == 1
+    key_dim = num_k_heads * DK
+    out = torch.empty(B, HV * DV, dtype=conv_out.dtype, device=conv_out.device)
+    _recurrent_kernel[(B, HV)](
+        conv_out, a, b, z, state, slots, A_log, dt_bias, norm_weight, out,
+        conv_out.stride(0), a.stride(0), b.stride(0), z.stride(0), state.stride(0), out.stride(0),
+        key_dim, eps, DK ** -0.5,
+        HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, num_warps=8)
+    return out

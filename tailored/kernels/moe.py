@@ -1,0 +1,153 @@
+"""Fused routed-experts MoE (spec §7) as two grouped Triton GEMMs, with no host sync.
+
+Layout: the T·k (token, expert) pairs are sorted by expert (`moe_align`), and one program per
+(expert, N-block) walks that expert's pairs in BLOCK_M rows, so each expert's weight tile is
+read once per block of its tokens — the vLLM `fused_moe` idea, written for this model's shapes
+(H=2048, I=512, E=256, k=8). Experts nobody picked exit at once. No `.item()`, `nonzero` or
+`bincount` anywhere, so the whole thing can be captured in a CUDA graph.
+
+  1. gate_up:  act[p, :] = silu(x[t_p] G_eᵀ) ⊙ (x[t_p] U_eᵀ)          (p = pair, e = its expert)
+  2. down:     y[p, :]   = w_p · act[p] D_eᵀ                              (fp32)
+  3. out[t]    = Σ_{p of t} y[p]   (a fixed-order sum over the k slots: batch-invariant)
+
+Every product accumulates in fp32 and is rounded once; the reference (`ref.moe_experts`) rounds
+each expert's output to the model dtype, so bf16 results differ from it at rounding level.
+Source: reference `tailored.ops.reference.moe_experts`; HF-MOD `Qwen3_5MoeExperts`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tailored.kernels import dot_precision
+
+
+def moe_align(ids: torch.Tensor, num_experts: int):
+    """Sort (token, slot) pairs by expert.
+
+    ids: [T, k] int64 expert ids. Returns (order [T·k] int32: pair indices p = t·k + slot sorted
+    by expert, stable; offsets [E+1] int32: expert e owns order[offsets[e]:offsets[e+1]]).
+    Graph-safe: sort + searchsorted, no data-dependent shapes.
+    """
+    flat = ids.reshape(-1)
+    sorted_e, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_e.dtype)
+    offsets = torch.searchsorted(sorted_e, bounds)
+    return order.to(torch.int32), offsets.to(torch.int32)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr,
+                    TOPK, stride_xt, stride_we, stride_wn, stride_at,
+                    H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    m0 = start
+    while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < end
+        pair = tl.load(order_ptr + m, mask=m_ok, other=0)
+        tok = pair // TOPK
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < H
+            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + kk[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
+                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None],
+                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
+                 act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        m0 += BLOCK_M
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr,
+                 stride_at, stride_we, stride_wn, stride_yt,
+                 H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    m0 = start
+    while m0 < end:
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < end
+        pair = tl.load(order_ptr + m, mask=m_ok, other=0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < I
+            a = tl.load(act_ptr + pair[:, None].to(tl.int64) * stride_at + kk[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
+                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
+                 acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
+        m0 += BLOCK_M
+
+
+def _blocks(num_pairs: int, num_experts: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean number of pairs per expert."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 4:  # decode: a handful of rows per expert, memory bound
+        return 16, 64, 128, 4
+    if per_expert <= 32:
+        return 32, 64, 64, 4
+    return 64, 128, 64, 8
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i · Expert_{e_i}(x), same contract as `ref.moe_experts`.
+
+    x: [T, H] (bf16/fp32, row stride free, unit column stride); weights: [T, k] routing weights;
+    ids: [T, k] int64; gate_up: [E, 2I, H] gate rows first; down: [E, H, I].
+    Returns [T, H] in x.dtype. Raises ValueError on mismatched shapes.
+    """
+    T, H = x.shape
+    E, two_i, H2 = gate_up.shape
+    I = two_i // 2
+    if H2 != H or down.shape != (E, H, I) or ids.shape != weights.shape or ids.shape[0] != T:
+        raise ValueError(f"fused_moe: shapes x{tuple(x.shape)} ids{tuple(ids.shape)} "
+                         f"gate_up{tuple(gate_up.shape)} down{tuple(down.shape)}")
+    k = ids.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    order, offsets = moe_align(ids, E)
+    bm, bn, bk, warps = _blocks(T * k, E)
+    prec = dot_precision(x.dtype)
+    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(E, triton.cdiv(I, bn))](
+        x, gate_up, order, offsets, act, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), H=H, I=I,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, num_warps=warps)
+    y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    rw = weights.reshape(-1).contiguous()
+    _down_kernel[(E, triton.cdiv(H, bn))](
+        act, down, order, offsets, rw, y,
+        act.stride(0), down.stride(0), down.stride(1), y.stride(0), H=H, I=I,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(I)), DOT_PREC=prec,
+        num_warps=warps)
+    return y.view(T, k, H).sum(1).to(x.dtype)

@@ -1,0 +1,380 @@
+"""The kernel path of `Qwen36ForCausalLM.forward`: fused projections, Triton kernels, CUDA graphs.
+
+Same computation as the plain path in `qwen36.py` (spec §3–§7), arranged for the GPU:
+  * projections that read the same input are one GEMM: GDN in_proj_qkv|z|b|a, attention
+    q|k|v, and router|shared gate|shared up|shared-expert gate. The module weights become views
+    into the fused tensors, so the plain path and the checkpoint names still work, with no copy;
+  * residual add + RMSNorm fused (`kernels.norm`), routed experts as grouped GEMMs
+    (`kernels.moe`), the GDN decode step over state slots in place (`kernels.gdn_decode`), paged
+    decode attention (`kernels.attention_decode`);
+  * GDN prefill runs FLA's `chunk_gated_delta_rule` (varlen, all prefill sequences at once) when
+    fla-core is installed, else the reference chunked recurrence per sequence;
+  * decode-only steps (every sequence one token) replay a CUDA graph captured per padded batch
+    size: no Python, launch or host sync inside the step.
+
+Anything the graphs cannot hold (prefill chunks, mixed steps, batches over the largest size)
+runs the same kernels eagerly. Checked against the plain path in tests/test_fast_path.py (CPU,
+Triton interpreter, fp32) and tests/test_gpu.py (H200, bf16 and fp32, graphs vs eager).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tailored.kernels.attention_decode import paged_decode_attention
+from tailored.kernels.gdn_decode import conv_step, recurrent_step
+from tailored.kernels.moe import fused_moe
+from tailored.kernels.norm import add_rms_norm_1p
+from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.ops import reference as ref
+
+log = logging.getLogger("tailored.fast")
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+
+
+def fuse_linears(mods: list[nn.Linear]) -> torch.Tensor:
+    """Concatenate the weights of linears sharing an input into one [Σout, in] tensor and make
+    each module's weight a view into it (no second copy stays alive)."""
+    fused = torch.cat([m.weight.data for m in mods], dim=0)
+    o = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[o:o + n], requires_grad=False)
+        o += n
+    return fused
+
+
+def _fla_chunk():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or its triton import fails here
+        return None
+    return chunk_gated_delta_rule
+
+
+class FastPath:
+    """Kernel forward of one model over one HybridCache. `forward(batch)` = model.forward(batch).
+
+    max_batch: largest decode batch captured in a graph; max_pages: page-table width (pages of
+    the longest sequence). use_graphs: capture decode graphs (CUDA only).
+    """
+
+    def __init__(self, model: nn.Module, cache: HybridCache, max_batch: int, max_pages: int,
+                 use_graphs: bool = True, use_fla: bool = True):
+        self.model = model
+        self.cfg = cfg = model.config
+        self.cache = cache
+        self.device = cache.k.device
+        self.dtype = model.lm_head.weight.dtype
+        self.fla = _fla_chunk() if (use_fla and self.device.type == "cuda") else None
+        self.w_in: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(model.model.layers):
+            if layer.layer_type == "linear_attention":
+                m = layer.linear_attn
+                self.w_in[i] = fuse_linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+            else:
+                m = layer.self_attn
+                self.w_in[i] = fuse_linears([m.q_proj, m.k_proj, m.v_proj])
+        self.w_moe = {}
+        for i, layer in enumerate(model.model.layers):
+            mlp = layer.mlp
+            self.w_moe[i] = fuse_linears([mlp.gate, mlp.shared_expert.gate_proj,
+                                          mlp.shared_expert.up_proj, mlp.shared_expert_gate])
+        # decode graph state
+        self.max_batch = max_batch
+        self.max_pages = max_pages
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self._static = None
+
+    # -------------------------------------------------------------------------------------------
+    # blocks
+    # -------------------------------------------------------------------------------------------
+    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        cfg, mlp = self.cfg, self.model.model.layers[i].mlp
+        E, Is = cfg.num_experts, cfg.shared_expert_intermediate_size
+        r = F.linear(x, self.w_moe[i])
+        w, ids = ref.route_topk(r[:, :E], cfg.num_experts_per_tok)
+        routed = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        sg, su, seg = r[:, E:E + Is], r[:, E + Is:E + 2 * Is], r[:, E + 2 * Is:]
+        shared = mlp.shared_expert.down_proj(F.silu(sg) * su)
+        return routed + torch.sigmoid(seg) * shared
+
+    def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
+        """x [T, H] normed. dec_rows/dec_slots: device tensors of the decode rows (all rows in
+        graph mode, batch None) and their slots."""
+        cfg, m = self.cfg, self.model.model.layers[i].linear_attn
+        li = self.cache.gdn_index[i]
+        T = x.shape[0]
+        C, V, HV, HK = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
+        p = F.linear(x, self.w_in[i])
+        qkv, z, b, a = p[:, :C], p[:, C:C + V], p[:, C + V:C + V + HV], p[:, C + V + HV:]
+        w = m.conv1d.weight[:, 0, :]
+        conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
+        if batch is None:  # graph mode: every row is a decode row
+            y = conv_step(qkv, conv_cache, w, dec_slots)
+            core = recurrent_step(y, a, b, z, rec_cache, dec_slots, m.A_log, m.dt_bias,
+                                  m.norm.weight, HK, m.norm.eps)
+            return m.out_proj(core)
+        core = torch.empty(T, V, dtype=x.dtype, device=x.device)
+        if dec_rows is not None:
+            y = conv_step(qkv[dec_rows], conv_cache, w, dec_slots)
+            core[dec_rows] = recurrent_step(y, a[dec_rows], b[dec_rows], z[dec_rows], rec_cache,
+                                            dec_slots, m.A_log, m.dt_bias, m.norm.weight, HK,
+                                            m.norm.eps)
+        pre = batch.seqs  # the caller left out the decode rows
+        if pre:
+            self._gdn_prefill(m, pre, qkv, a, b, z, core, conv_cache, rec_cache)
+        return m.out_proj(core)
+
+    def _gdn_prefill(self, m, seqs, qkv, a, b, z, core, conv_cache, rec_cache):
+        cfg = self.cfg
+        HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        w = m.conv1d.weight[:, 0, :]
+        g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
+        ys, rows = [], []
+        for s in seqs:  # causal conv per sequence (its own carried window)
+            r = slice(s.q_start, s.q_start + s.num_tokens)
+            cs = torch.zeros_like(conv_cache[s.slot]) if s.reset_state else conv_cache[s.slot]
+            y, cs = ref.causal_conv1d(qkv[r], cs, w)
+            conv_cache[s.slot] = cs
+            ys.append(y)
+            rows.append(torch.arange(r.start, r.stop, device=qkv.device))
+        y = torch.cat(ys)
+        rows = torch.cat(rows)
+        slots = torch.tensor([s.slot for s in seqs], device=qkv.device)
+        reset = torch.tensor([s.reset_state for s in seqs], device=qkv.device)
+        h0 = torch.where(reset[:, None, None, None], 0.0, rec_cache[slots])
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        n = y.shape[0]
+        o = None
+        if self.fla is not None:
+            try:
+                o, hT = self._fla_prefill(seqs, q, k, v, g[rows], beta[rows], h0)
+            except Exception as e:  # keep serving: fall back to the reference recurrence
+                log.error("fla chunk_gated_delta_rule failed (%s); using the reference path", e)
+                self.fla = None
+        if o is None:
+            outs, states, off = [], [], 0
+            for j, s in enumerate(seqs):
+                r = slice(off, off + s.num_tokens)
+                oj, sj = ref.gated_delta_rule_chunked(
+                    q[r].view(-1, HK, Dk), k[r].view(-1, HK, Dk), v[r].view(-1, HV, Dv),
+                    g[rows[r]], beta[rows[r]], h0[j])
+                outs.append(oj)
+                states.append(sj)
+                off += s.num_tokens
+            o, hT = torch.cat(outs), torch.stack(states)
+        rec_cache[slots] = hT.float()
+        out = ref.gated_rms_norm(o.reshape(n, HV, Dv).to(core.dtype), z[rows].view(n, HV, Dv),
+                                 m.norm.weight, m.norm.eps)
+        core[rows] = out.reshape(n, -1)
+
+    def _fla_prefill(self, seqs, q, k, v, g, beta, h0):
+        """All prefill sequences in one varlen FLA call. q,k [n, HK·Dk]; v [n, HV·Dv];
+        g, beta [n, HV] fp32; h0 [N, HV, Dk, Dv] fp32. Returns (o [n, HV, Dv], final states)."""
+        cfg = self.cfg
+        HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        n = q.shape[0]
+        lens = [s.num_tokens for s in seqs]
+        cu = torch.tensor([0] + lens, device=q.device).cumsum(0)
+        o, hT = self.fla(q.reshape(1, n, HK, Dk), k.reshape(1, n, HK, Dk),
+                         v.reshape(1, n, HV, Dv), g.unsqueeze(0),
+                         beta.unsqueeze(0), initial_state=h0.contiguous(),
+                         output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         cu_seqlens=cu)
+        return o[0], hT
+
+    def _attn_qkv(self, i, x, cos, sin):
+        cfg, m = self.cfg, self.model.model.layers[i].self_attn
+        T, D, Hq, Hkv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        p = F.linear(x, self.w_in[i])
+        qg = p[:, :Hq * 2 * D].view(T, Hq, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
+        k = p[:, Hq * 2 * D:Hq * 2 * D + Hkv * D].view(T, Hkv, D)
+        v = p[:, Hq * 2 * D + Hkv * D:].view(T, Hkv, D)
+        q = ref.apply_partial_rope(m.q_norm(q), cos, sin)
+        k = ref.apply_partial_rope(m.k_norm(k), cos, sin)
+        return q, k, v, gate
+
+    def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):
+        m = self.model.model.layers[i].self_attn
+        li = self.cache.attn_index[i]
+        q, k, v, gate = self._attn_qkv(i, x, cos, sin)
+        kc, vc = self.cache.k[li], self.cache.v[li]
+        kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_rows, k)
+        vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_rows, v)
+        o = paged_decode_attention(q.contiguous(), kc, vc, table, lens)
+        return m.o_proj(o.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+
+    def _attn_eager(self, i, x, cos, sin, batch: ForwardBatch):
+        m = self.model.model.layers[i].self_attn
+        li = self.cache.attn_index[i]
+        q, k, v, gate = self._attn_qkv(i, x, cos, sin)
+        kf = self.cache.k[li].view(-1, *self.cache.k.shape[-2:])
+        vf = self.cache.v[li].view(-1, *self.cache.v.shape[-2:])
+        out = torch.empty_like(q)
+        rep = q.shape[1] // k.shape[1]
+        for s in batch.seqs:
+            r = slice(s.q_start, s.q_start + s.num_tokens)
+            kf[self.cache.token_index(s, s.start_pos, s.end_pos)] = k[r]
+            vf[self.cache.token_index(s, s.start_pos, s.end_pos)] = v[r]
+            if s.start_pos == 0:  # whole context is this chunk: no gather
+                kk, vv = k[r], v[r]
+            else:
+                idx = self.cache.token_index(s, 0, s.end_pos)
+                kk, vv = kf[idx], vf[idx]
+            # SDPA (flash/efficient kernels on the GPU); bottom-right causal mask for a chunk
+            qt = q[r].transpose(0, 1)
+            kt = kk.repeat_interleave(rep, dim=1).transpose(0, 1)
+            vt = vv.repeat_interleave(rep, dim=1).transpose(0, 1)
+            L, S = s.num_tokens, s.end_pos
+            if L == S:
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            else:
+                mask = torch.ones(L, S, dtype=torch.bool, device=x.device).tril(S - L)
+                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+            out[r] = o.transpose(0, 1)
+        return m.o_proj(out.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+
+    # -------------------------------------------------------------------------------------------
+    # forward
+    # -------------------------------------------------------------------------------------------
+    def _layers(self, x, cos, sin, mixer):
+        """Residual stream through all layers; mixer(i, normed) → mixer output."""
+        layers = self.model.model.layers
+        res, h = x, None
+        for i, layer in enumerate(layers):
+            res, hn = add_rms_norm_1p(res, h, layer.input_layernorm.weight,
+                                      layer.input_layernorm.eps)
+            h = mixer(i, hn)
+            res, hn = add_rms_norm_1p(res, h, layer.post_attention_layernorm.weight,
+                                      layer.post_attention_layernorm.eps)
+            h = self._moe(i, hn)
+        norm = self.model.model.norm
+        return add_rms_norm_1p(res, h, norm.weight, norm.eps)[1]
+
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.model.model.embed_tokens(batch.input_ids)
+        cos, sin = ref.rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        dec = [s for s in batch.seqs if s.num_tokens == 1 and not s.reset_state]
+        dev = x.device
+        dec_rows = dec_slots = None
+        if dec:
+            dec_rows = torch.tensor([s.q_start for s in dec], device=dev)
+            dec_slots = torch.tensor([s.slot for s in dec], dtype=torch.int32, device=dev)
+        # sequences that start with a 1-token prompt take the prefill path (it resets the slot)
+        pre_batch = ForwardBatch(batch.input_ids, batch.positions,
+                                 [s for s in batch.seqs if not (s.num_tokens == 1 and not s.reset_state)],
+                                 batch.logits_rows)
+
+        def mixer(i, hn):
+            if self.model.model.layers[i].layer_type == "linear_attention":
+                return self._gdn(i, hn, pre_batch, dec_rows, dec_slots)
+            return self._attn_eager(i, hn, cos, sin, batch)
+
+        return self._layers(x, cos, sin, mixer)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of the batch; same contract as the plain path."""
+        if (self.use_graphs and batch.seqs and len(batch.seqs) <= self.max_batch
+                and all(s.num_tokens == 1 and not s.reset_state for s in batch.seqs)):
+            return self.forward_decode_graph(batch)
+        return self.forward_eager(batch)
+
+    # -------------------------------------------------------------------------------------------
+    # CUDA graphs for decode
+    # -------------------------------------------------------------------------------------------
+    def _decode_body(self, n: int) -> torch.Tensor:
+        st = self._static
+        cfg = self.cfg
+        ids, pos = st["ids"][:n], st["pos"][:n]
+        slots, table, lens, kv_rows = st["slots"][:n], st["table"][:n], st["lens"][:n], st["kv_rows"][:n]
+        x = self.model.model.embed_tokens(ids)
+        cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+
+        def mixer(i, hn):
+            if self.model.model.layers[i].layer_type == "linear_attention":
+                return self._gdn(i, hn, None, None, slots)
+            return self._attn_decode(i, hn, cos, sin, kv_rows, table, lens)
+
+        return self._layers(x, cos, sin, mixer)
+
+    def _alloc_static(self):
+        dev, B, P = self.device, self.max_batch, self.max_pages
+        self._static = {
+            "ids": torch.zeros(B, dtype=torch.long, device=dev),
+            "pos": torch.zeros(B, dtype=torch.long, device=dev),
+            "slots": torch.zeros(B, dtype=torch.int32, device=dev),
+            "table": torch.zeros(B, P, dtype=torch.int32, device=dev),
+            "lens": torch.ones(B, dtype=torch.int32, device=dev),
+            "kv_rows": torch.zeros(B, dtype=torch.long, device=dev),
+        }
+
+    def _fill_static(self, batch: ForwardBatch, n: int):
+        """Copy the step's layout into the static buffers; rows n_real..n are pad rows (slot 0,
+        page 0, length 1): they compute garbage into the sinks and are never read."""
+        ps = self.cache.page_size
+        B = len(batch.seqs)
+        table = torch.zeros(n, self.max_pages, dtype=torch.int32)
+        lens = torch.ones(n, dtype=torch.int32)
+        slots = torch.zeros(n, dtype=torch.int32)
+        kv_rows = torch.zeros(n, dtype=torch.long)
+        for j, s in enumerate(batch.seqs):
+            table[j, :len(s.page_ids)] = torch.tensor(s.page_ids, dtype=torch.int32)
+            lens[j] = s.end_pos
+            slots[j] = s.slot
+            kv_rows[j] = s.page_ids[s.start_pos // ps] * ps + s.start_pos % ps
+        st = self._static
+        ids = torch.zeros(n, dtype=torch.long)
+        pos = torch.zeros(n, dtype=torch.long)
+        ids[:B] = batch.input_ids.cpu() if batch.input_ids.device.type != "cpu" else batch.input_ids
+        pos[:B] = batch.positions.cpu() if batch.positions.device.type != "cpu" else batch.positions
+        for name, t in (("ids", ids), ("pos", pos), ("slots", slots), ("table", table),
+                        ("lens", lens), ("kv_rows", kv_rows)):
+            st[name][:n].copy_(t, non_blocking=True)
+
+    def capture(self, sizes=None):
+        """Capture one decode graph per padded batch size (largest first, one memory pool)."""
+        if not self.use_graphs:
+            return
+        if self._static is None:
+            self._alloc_static()
+        sizes = sorted({b for b in (sizes or GRAPH_BATCH_SIZES) if b <= self.max_batch}
+                       | {self.max_batch}, reverse=True)
+        # warm up: compile every kernel variant outside the capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for n in sizes:
+                self._decode_body(n)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for n in sizes:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self._decode_body(n)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[n] = (g, out)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+
+    def forward_decode_graph(self, batch: ForwardBatch) -> torch.Tensor:
+        if not self.graphs:
+            self.capture()
+        B = len(batch.seqs)
+        n = min(b for b in self.graphs if b >= B)
+        self._fill_static(batch, n)
+        g, out = self.graphs[n]
+        g.replay()
+        return out[:B]
