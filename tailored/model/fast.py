@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -321,27 +322,31 @@ class FastPath:
         }
 
     def _fill_static(self, batch: ForwardBatch, n: int):
-        """Copy the step's layout into the static buffers; rows n_real..n are pad rows (slot 0,
-        page 0, length 1): they compute garbage into the sinks and are never read."""
+        """Copy the step's layout into the static buffers; rows len(batch.seqs)..n are pad rows
+        (slot 0, page 0, length 1): they compute garbage into the sinks and are never read.
+        Token ids and positions are already on the device (device-to-device copies, no sync);
+        the page table is built in numpy and sent in one host-to-device copy per tensor."""
         ps = self.cache.page_size
         B = len(batch.seqs)
-        table = torch.zeros(n, self.max_pages, dtype=torch.int32)
-        lens = torch.ones(n, dtype=torch.int32)
-        slots = torch.zeros(n, dtype=torch.int32)
-        kv_rows = torch.zeros(n, dtype=torch.long)
+        table = np.zeros((n, self.max_pages), dtype=np.int32)
+        meta = np.zeros((3, n), dtype=np.int64)  # lens, slots, kv_rows
+        meta[0, :] = 1
         for j, s in enumerate(batch.seqs):
-            table[j, :len(s.page_ids)] = torch.tensor(s.page_ids, dtype=torch.int32)
-            lens[j] = s.end_pos
-            slots[j] = s.slot
-            kv_rows[j] = s.page_ids[s.start_pos // ps] * ps + s.start_pos % ps
+            table[j, :len(s.page_ids)] = s.page_ids
+            meta[0, j] = s.end_pos
+            meta[1, j] = s.slot
+            meta[2, j] = s.page_ids[s.start_pos // ps] * ps + s.start_pos % ps
         st = self._static
-        ids = torch.zeros(n, dtype=torch.long)
-        pos = torch.zeros(n, dtype=torch.long)
-        ids[:B] = batch.input_ids.cpu() if batch.input_ids.device.type != "cpu" else batch.input_ids
-        pos[:B] = batch.positions.cpu() if batch.positions.device.type != "cpu" else batch.positions
-        for name, t in (("ids", ids), ("pos", pos), ("slots", slots), ("table", table),
-                        ("lens", lens), ("kv_rows", kv_rows)):
-            st[name][:n].copy_(t, non_blocking=True)
+        st["ids"][:B].copy_(batch.input_ids)
+        st["pos"][:B].copy_(batch.positions)
+        if n > B:
+            st["ids"][B:n].zero_()
+            st["pos"][B:n].zero_()
+        st["table"][:n].copy_(torch.from_numpy(table), non_blocking=True)
+        m = torch.from_numpy(meta).to(self.device, non_blocking=True)
+        st["lens"][:n].copy_(m[0])
+        st["slots"][:n].copy_(m[1])
+        st["kv_rows"][:n].copy_(m[2])
 
     def capture(self, sizes=None):
         """Capture one decode graph per padded batch size (largest first, one memory pool)."""

@@ -1,0 +1,115 @@
+"""In-process step timings of the full-size model on the GPU (no server): prefill of one
+1024-token prompt, and decode steps at several batch sizes through the CUDA graphs and through
+the eager kernel path, plus a kernel profile of the B=1 graph step.
+
+    python scripts/bench_decode.py CKPT_DIR [--batches 1,8,32] [--ctx 1024] [--json OUT]
+
+CKPT_DIR: a config-only full checkpoint (`tailored synth DIR --preset full --config-only`);
+weights are drawn on the GPU (dummy). Prints a table; --json writes the numbers with a manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from tailored.model.batch import ForwardBatch
+from tailored.stack import build_stack
+
+
+def timed(fn, n):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ckpt")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    batches = [int(x) for x in a.batches.split(",")]
+    Bmax = max(batches)
+    t0 = time.monotonic()
+    st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16", progress=False,
+                     max_model_len=a.ctx + 512, max_num_seqs=max(Bmax, 1), num_pages=None)
+    print(f"stack built in {time.monotonic() - t0:.1f} s", flush=True)
+    runner = st.engine.runner
+    model, cache, fast = runner.model, runner.cache, runner.model.fast
+    ps = cache.page_size
+    P = math.ceil((a.ctx + 400) / ps)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    res = {"ctx": a.ctx}
+    for b in range(Bmax):  # prefill every sequence (timing the first)
+        ids = torch.randint(0, 248044, (a.ctx,), generator=g).tolist()
+        pages = list(range(1 + b * P, 1 + (b + 1) * P))
+        batch = ForwardBatch.build([(ids, 0, b + 1, True, pages)], [a.ctx - 1], "cuda")
+
+        def pre():
+            h = model(batch, cache)
+            return model.compute_logits(h[batch.logits_rows]).argmax(-1).tolist()
+
+        if b == 0:
+            pre()  # warm (triton compiles, fla autotune)
+            res["prefill_ms"] = timed(pre, 3)
+            print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms", flush=True)
+        else:
+            pre()
+        seqs.append([a.ctx, b + 1, pages])
+
+    def step_fn(B):
+        def f():
+            layout = [([11], s[0], s[1], False, s[2]) for s in seqs[:B]]
+            batch = ForwardBatch.build(layout, list(range(B)), "cuda")
+            h = model(batch, cache)
+            toks = model.compute_logits(h).argmax(-1).tolist()
+            for s in seqs[:B]:
+                s[0] += 1
+            return toks
+        return f
+
+    rows = []
+    for B in batches:
+        f = step_fn(B)
+        f()
+        ms_graph = timed(f, a.steps)
+        fast.use_graphs = False
+        f()
+        ms_eager = timed(f, 3)
+        fast.use_graphs = True
+        rows.append((B, ms_graph, 1e3 * B / ms_graph, ms_eager))
+        print(f"B={B}: graph {ms_graph:.2f} ms/step ({1e3 * B / ms_graph:.0f} tok/s), "
+              f"eager kernels {ms_eager:.2f} ms/step", flush=True)
+    res["decode"] = [dict(batch=B, graph_ms=g_, tok_s=t, eager_ms=e) for B, g_, t, e in rows]
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        f = step_fn(1)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                f()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step |\n|---|---|---|---|")
+    for B, g_, t, e in rows:
+        print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} |")
+    print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 3 on the H200, one call: kernel + fast-path GPU tests, in-process step timings of the
+# full-size model (graphs vs eager, prefill, a B=1 kernel profile), then `tailored serve` on the
+# full-size dummy bf16 model benchmarked with `tailored bench` (1024 in / 512 out, c=1 and c=32).
+#
+# Prepare here: bash scripts/fetch_wheels.sh   (writes .whl/, git-ignored; includes fla-core)
+# Run there:    device run, carry [".whl"],
+#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_fast.sh [tests|micro|serve]...
+# Output: $OUT/gpu_fast.log, $OUT/*.json; the summary is printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/tailored-out}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_fast.log
+exec > >(tee -a "$LOG") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache
+T0=$(date +%s)
+stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+PARTS=${*:-tests micro serve}
+
+stamp "manifest"
+python3 - <<'PY' | tee "$OUT/manifest.json"
+import json, os, subprocess, torch, triton
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+try:
+    import fla; fla_v = fla.__version__
+except Exception as e:
+    fla_v = f"unavailable: {e}"
+print(json.dumps({"commit": os.environ.get("TAILORED_COMMIT", "unknown"), "gpu": smi,
+                  "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "triton": triton.__version__, "fla": fla_v}, indent=1))
+PY
+python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
+
+if [[ " $PARTS " == *" tests "* ]]; then
+    stamp "GPU tests: kernels, fast path, graphs"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py 2>&1 \
+        | grep -v "^$" | tail -25
+fi
+
+if [[ " $PARTS " == *" micro "* ]]; then
+    stamp "in-process step timings"
+    timeout 240 python3 scripts/bench_decode.py /tmp/full --batches 1,8,32 --json "$OUT/micro.json" \
+        --profile 2>&1 | tail -60
+fi
+
+if [[ " $PARTS " == *" serve "* ]]; then
+    stamp "serve full-size dummy bf16"
+    python3 -m tailored serve /tmp/full --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
+        --port 8000 > "$OUT/server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
+        kill -0 $pid 2>/dev/null || { echo "server died"; tail -40 "$OUT/server.log"; break; }
+        sleep 1
+    done
+    stamp "server ready"
+    timeout 200 python3 -m tailored bench run --base-url http://127.0.0.1:8000 --concurrency 1,32 \
+        --num-prompts 6,64 --input-len 1024 --output-len 512 --ignore-eos --num-warmups 1 \
+        --precision bf16 --checkpoint-dir /tmp/full --label tailored-bf16 \
+        --out "$OUT/tailored-bf16.json" 2>&1 | tail -30
+    kill $pid; wait $pid 2>/dev/null
+    grep -i "error\|traceback" "$OUT/server.log" | head -5
+    tail -3 "$OUT/server.log"
+fi
+stamp "done"
