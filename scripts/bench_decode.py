@@ -43,7 +43,7 @@ def main():
     Bmax = max(batches)
     t0 = time.monotonic()
     st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16", progress=False,
-                     max_model_len=a.ctx + 512, max_num_seqs=max(Bmax, 1), num_pages=None)
+                     max_model_len=a.ctx + 512, max_num_seqs=max(Bmax, 1) + 1, num_pages=None)
     print(f"stack built in {time.monotonic() - t0:.1f} s", flush=True)
     runner = st.engine.runner
     model, cache, fast = runner.model, runner.cache, runner.model.fast
@@ -102,6 +102,13 @@ def main():
                 f()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        ids = torch.randint(0, 248044, (a.ctx,), generator=g).tolist()
+        pages = list(range(1 + Bmax * P, 1 + (Bmax + 1) * P))
+        batch = ForwardBatch.build([(ids, 0, Bmax + 1, True, pages)], [a.ctx - 1], "cuda")
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            model.compute_logits(model(batch, cache)[batch.logits_rows]).argmax(-1).tolist()
+        print(f"prefill {a.ctx} tokens profile:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
     print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step |\n|---|---|---|---|")
     for B, g_, t, e in rows:
         print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} |")

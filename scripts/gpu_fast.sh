@@ -36,8 +36,8 @@ python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
 
 if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels, fast path, graphs"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py 2>&1 \
-        | grep -v "^$" | tail -25
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 \
+        | grep -v "^$" | grep -v "Warning\|warn" | tail -40
 fi
 
 if [[ " $PARTS " == *" micro "* ]]; then

@@ -91,12 +91,16 @@ class ModelRunner:
                         max_pages=math.ceil(ec.max_model_len / ec.page_size) + 1,
                         use_graphs=not ec.enforce_eager)
         self.model.fast = fast
-        if fast.use_graphs:
+        if self.device.type == "cuda":
             import time
 
             t0 = time.monotonic()
-            fast.capture()
-            log.info("decode CUDA graphs captured in %.1f s", time.monotonic() - t0)
+            fast.warmup_prefill([min(1024, ec.max_num_batched_tokens), ec.max_num_batched_tokens])
+            if fast.use_graphs:
+                fast.capture()
+            log.info("kernels warmed up%s in %.1f s",
+                     " and decode CUDA graphs captured" if fast.use_graphs else "",
+                     time.monotonic() - t0)
         log.info("kernel path on (CUDA graphs %s, GDN prefill %s)",
                  "on" if fast.use_graphs else "off", "fla-core" if fast.fla else "reference")
         return fast

@@ -47,6 +47,10 @@ def hf_model(tiny_ckpt):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
+    from tailored.gate.reference import torch_only_transformers
+
+    torch_only_transformers()
+
     raw = json.loads((tiny_ckpt / "config.json").read_text())["text_config"]
     hcfg = transformers.Qwen3_5MoeTextConfig(**raw)
     hcfg._attn_implementation = "eager"

@@ -82,6 +82,9 @@ def test_tiny_cuda_bf16_layer_close_to_fp32(tiny_model, layer):
 def test_full_width_4_layers_matches_transformers():
     """Published dimensions, 4 layers (3 GDN + 1 attention), dummy weights, fp32 on the GPU."""
     transformers = pytest.importorskip("transformers")
+    from tailored.gate.reference import torch_only_transformers
+
+    torch_only_transformers()  # not FLA's TF32 kernels, when fla-core is installed
     cfg_dict = preset_config("full", num_layers=4)
     cfg = ModelConfig.from_dict(cfg_dict)
     ours = build_empty_model(cfg, "cuda", torch.float32, with_mtp=False)
@@ -155,13 +158,21 @@ def test_fast_path_matches_plain_full_width(dtype):
         rows = [sum(len(t[0]) for t in layout[:i + 1]) - 1 for i in range(len(layout))]
         tok = compare(layout, rows)
         if dtype == torch.float32:
-            assert tok.max() <= 2e-3, tok.max()  # FLA's chunk kernel may use TF32 dots
+            assert tok.max() <= 1e-4, tok.max()  # fp32 never runs FLA (TF32 dots)
         else:
-            assert tok.median() <= 2e-2
+            assert tok.median() <= 3e-2
     for step in range(4):  # decode-only: graph replay (3 rows padded to 4)
         layout = [([100 + 7 * step + s], state[s][0] + step, s, False, state[s][1]) for s in (1, 2, 3)]
         tok = compare(layout, [0, 1, 2])
-        assert tok.max() <= (2e-3 if dtype == torch.float32 else 5e-2), (step, tok)
+        # bf16: a near-tie router flip moves one token a lot on random weights (kb/0001), so
+        # only fp32 is bounded per token; bf16 is reported and bounded loosely
+        assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), (step, tok)
+    # mixed step: the decode rows replay the graph alone, a new 40-token prefill runs eagerly
+    new = torch.randint(0, 248044, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    layout = [([5], state[1][0] + 4, 1, False, state[1][1]), (new, 0, 4, True, [22, 23, 24]),
+              ([6], state[2][0] + 4, 2, False, state[2][1])]
+    tok = compare(layout, [0, 40, 41])
+    assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), tok.max()
     print(f"fast vs plain ({dtype}): max per-token rel err per step {errs}")
 
 

@@ -50,6 +50,20 @@ def test_moe_align_groups_pairs_by_expert():
     assert order.tolist() == [1, 2, 5, 3, 0, 4]  # stable within an expert
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (33, 256, 8), (64, 256, 8)])
+def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
+    from tailored.kernels.moe import moe_align, route_align
+
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * E)).to(DEV, dtype)
+    w, ids, order, offsets = route_align(logits, k)
+    w_ref, ids_ref = ref.route_topk(logits, k)
+    assert torch.equal(ids, ids_ref)
+    assert w.dtype == w_ref.dtype and torch.allclose(w.float(), w_ref.float(), rtol=1e-2 if dtype != torch.float32 else 1e-6)
+    o_ref, off_ref = moe_align(ids_ref, E)
+    assert torch.equal(offsets, off_ref) and torch.equal(order, o_ref)
+
+
 def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):
     g = torch.Generator().manual_seed(seed)
     C = 2 * HK * Dk + HV * Dv

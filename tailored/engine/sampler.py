@@ -114,7 +114,12 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
 def _guarded(ids: torch.Tensor, bad: torch.Tensor, raw: torch.Tensor, seqs) -> list[int]:
     """ids: [B] chosen ids; bad: [B] rows whose processed logits held NaN. One device-to-host
     copy; bad rows (rare) are replaced by the argmax of their raw logits, NaN ignored."""
-    ids_list, bad_list = torch.stack([ids, bad.to(ids.dtype)]).tolist()
+    both = torch.stack([ids, bad.to(ids.dtype)])
+    if both.is_cuda:
+        # wait for the GPU here, where torch releases the GIL, not inside tolist(), which holds
+        # it: the HTTP thread streams the previous tokens while this step runs
+        torch.cuda.current_stream(both.device).synchronize()
+    ids_list, bad_list = both.tolist()
     rows = [i for i, b in enumerate(bad_list) if b]
     if rows:
         fallback = raw[rows].to(torch.float32).nan_to_num(nan=_MASK).argmax(dim=-1).tolist()

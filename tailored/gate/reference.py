@@ -32,6 +32,26 @@ from dataclasses import dataclass
 import torch
 
 
+def torch_only_transformers() -> list[str]:
+    """Make transformers' Qwen3.5-MoE GDN run its plain PyTorch functions even when fla-core or
+    causal-conv1d are installed (transformers picks those up at import: the GPU machine carries
+    fla-core for our own prefill, and a reference that runs the same FLA kernel as the engine
+    would not be independent, nor fp32-exact — FLA uses TF32 dots). Idempotent; returns the
+    names it unwrapped."""
+    import inspect
+
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as mod
+
+    done = []
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        fn = getattr(mod, name, None)
+        if fn is not None and hasattr(fn, "__wrapped__"):
+            setattr(mod, name, inspect.unwrap(fn))
+            done.append(name)
+    return done
+
+
 def hf_text_config(cfg, attn_impl: str = "sdpa"):
     """transformers Qwen3_5MoeTextConfig for our ModelConfig (its raw config.json, with the
     layer count of `cfg`, which may be cut by --num-layers)."""
@@ -55,6 +75,7 @@ def reference_from_state_dict(cfg, state_dict: dict[str, torch.Tensor], device,
     must be provided (strict); device/dtype are those of the tensors."""
     import transformers
 
+    torch_only_transformers()
     hcfg = hf_text_config(cfg, attn_impl)
     with torch.device("meta"):
         hf = transformers.Qwen3_5MoeForCausalLM(hcfg)

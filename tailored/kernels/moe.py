@@ -42,7 +42,7 @@ def moe_align(ids: torch.Tensor, num_experts: int):
 def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr,
                     TOPK, stride_xt, stride_we, stride_wn, stride_at,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+                    DOT_PREC: tl.constexpr, PAIRS_BUCKET):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(offsets_ptr + e)
@@ -79,7 +79,7 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr,
 def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr,
                  stride_at, stride_we, stride_wn, stride_yt,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, PAIRS_BUCKET):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(offsets_ptr + e)
@@ -108,7 +108,8 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr,
 
 
 def _blocks(num_pairs: int, num_experts: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean number of pairs per expert."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean number of pairs per expert (the
+    fixed choice; on CUDA the autotuned launchers below pick BLOCK_N/BLOCK_K/warps/stages)."""
     per_expert = num_pairs / num_experts
     if per_expert <= 4:  # decode: a handful of rows per expert, memory bound
         return 16, 64, 128, 4
@@ -117,12 +118,97 @@ def _blocks(num_pairs: int, num_experts: int):
     return 64, 128, 64, 8
 
 
+def _tuned(kernel, decode: bool):
+    """Autotuned launcher (CUDA only) keyed on the model dims, BLOCK_M and the pair-count
+    bucket; tuned when first seen (the runner warms every decode batch size up before CUDA
+    graph capture, so no tuning ever happens inside a capture)."""
+    if decode:
+        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                for bn in (16, 32, 64) for bk in (128, 256) for w in (4,) for st in (3, 4)]
+    else:
+        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+                for bn in (64, 128) for bk in (64,) for w in (4, 8)]
+    return triton.autotune(configs=cfgs, key=["H", "I", "BLOCK_M", "PAIRS_BUCKET"],
+                           warmup=5, rep=20)(kernel)
+
+
+_LAUNCHERS: dict = {}
+
+
+def _launcher(name: str, decode: bool):
+    key = (name, decode)
+    if key not in _LAUNCHERS:
+        kernel = _gate_up_kernel if name == "gate_up" else _down_kernel
+        _LAUNCHERS[key] = _tuned(kernel, decode)
+    return _LAUNCHERS[key]
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, T, stride_l,
+                        E: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E)
+    t_ok = t < T
+    x = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=t_ok[:, None],
+                other=0.0).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]  # softmax over all experts (fp32)
+    sel = tl.zeros([BLOCK_T, E], dtype=tl.int32)  # slot j+1 of a chosen expert, 0 = not chosen
+    q = p
+    for j in tl.static_range(K):  # top-k, largest first, by repeated argmax
+        idx = tl.argmax(q, 1)
+        hit = e[None, :] == idx[:, None]
+        sel = tl.where(hit, j + 1, sel)
+        q = tl.where(hit, -1.0, q)
+        tl.store(ids_ptr + t * K + j, idx.to(ids_ptr.dtype.element_ty), mask=t_ok)
+    wsum = tl.sum(tl.where(sel > 0, p, 0.0), 1)
+    for j in tl.static_range(K):  # renormalised over the k chosen
+        wj = tl.sum(tl.where(sel == j + 1, p, 0.0), 1) / wsum
+        tl.store(w_ptr + t * K + j, wj.to(w_ptr.dtype.element_ty), mask=t_ok)
+    # counting sort of the pairs by expert: offsets = exclusive cumsum of per-expert counts,
+    # a pair's place within its expert = how many earlier tokens chose the same expert
+    chosen = ((sel > 0) & t_ok[:, None]).to(tl.int32)
+    counts = tl.sum(chosen, 0)
+    incl = tl.cumsum(counts, 0)
+    tl.store(offsets_ptr + 1 + e, incl)
+    tl.store(offsets_ptr + e, 0, mask=e == 0)
+    rank = tl.cumsum(chosen, 0) - chosen
+    pos = (incl - counts)[None, :] + rank
+    pair = t[:, None] * K + (sel - 1)
+    tl.store(order_ptr + pos, pair, mask=chosen > 0)
+
+
+ROUTE_ALIGN_MAX_TOKENS = 64  # one program holds [T, E] tiles: decode batches only
+
+
+def route_align(router_logits: torch.Tensor, top_k: int):
+    """Routing and `moe_align` in one kernel launch (decode batches, T ≤ 64).
+
+    router_logits: [T, E]. Returns (weights [T, k] in the logits dtype, ids [T, k] int64,
+    order [T·k] int32, offsets [E+1] int32) — equal to `ref.route_topk` then `moe_align`
+    (softmax in fp32, top-k largest first, renormalised, then cast).
+    """
+    T, E = router_logits.shape
+    if T > ROUTE_ALIGN_MAX_TOKENS or E & (E - 1):
+        raise ValueError(f"route_align: T={T} > {ROUTE_ALIGN_MAX_TOKENS} or E={E} not a power of 2")
+    dev = router_logits.device
+    w = torch.empty(T, top_k, dtype=router_logits.dtype, device=dev)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
+    order = torch.empty(T * top_k, dtype=torch.int32, device=dev)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    bt = max(2, triton.next_power_of_2(T))
+    _route_align_kernel[(1,)](router_logits, w, ids, order, offsets, T, router_logits.stride(0),
+                              E=E, K=top_k, BLOCK_T=bt, num_warps=4 if bt <= 8 else 8)
+    return w, ids, order, offsets
+
+
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+              gate_up: torch.Tensor, down: torch.Tensor, aligned=None) -> torch.Tensor:
     """Σ_i w_i · Expert_{e_i}(x), same contract as `ref.moe_experts`.
 
     x: [T, H] (bf16/fp32, row stride free, unit column stride); weights: [T, k] routing weights;
     ids: [T, k] int64; gate_up: [E, 2I, H] gate rows first; down: [E, H, I].
+    aligned: (order, offsets) from `route_align` (else `moe_align` runs here).
     Returns [T, H] in x.dtype. Raises ValueError on mismatched shapes.
     """
     T, H = x.shape
@@ -135,19 +221,31 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
-    order, offsets = moe_align(ids, E)
+    order, offsets = aligned if aligned is not None else moe_align(ids, E)
     bm, bn, bk, warps = _blocks(T * k, E)
     prec = dot_precision(x.dtype)
+    # decode: one tuning per power-of-2 pair count; prefill: one for all sizes (tuning mid-serve
+    # would stall a request)
+    bucket = triton.next_power_of_2(T * k) if bm == 16 else 0
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(E, triton.cdiv(I, bn))](
-        x, gate_up, order, offsets, act, k,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), H=H, I=I,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, num_warps=warps)
     y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).contiguous()
-    _down_kernel[(E, triton.cdiv(H, bn))](
-        act, down, order, offsets, rw, y,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0), H=H, I=I,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(I)), DOT_PREC=prec,
-        num_warps=warps)
+    gu_args = (x, gate_up, order, offsets, act, k,
+               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0))
+    dn_args = (act, down, order, offsets, rw, y,
+               act.stride(0), down.stride(0), down.stride(1), y.stride(0))
+    if x.is_cuda:  # autotuned block sizes
+        decode = bm == 16
+        _launcher("gate_up", decode)[lambda m: (E, triton.cdiv(I, m["BLOCK_N"]))](
+            *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket)
+        _launcher("down", decode)[lambda m: (E, triton.cdiv(H, m["BLOCK_N"]))](
+            *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket)
+    else:  # Triton's interpreter (tests on the CPU): the fixed choice
+        _gate_up_kernel[(E, triton.cdiv(I, bn))](
+            *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec,
+            PAIRS_BUCKET=bucket, num_warps=warps)
+        _down_kernel[(E, triton.cdiv(H, bn))](
+            *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=min(bk, triton.next_power_of_2(I)), DOT_PREC=prec, PAIRS_BUCKET=bucket,
+            num_warps=warps)
     return y.view(T, k, H).sum(1).to(x.dtype)

@@ -28,9 +28,9 @@ from torch import nn
 
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
-from tailored.kernels.moe import fused_moe
+from tailored.kernels.moe import ROUTE_ALIGN_MAX_TOKENS, fused_moe, route_align
 from tailored.kernels.norm import add_rms_norm_1p
-from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
 from tailored.ops import reference as ref
 
 log = logging.getLogger("tailored.fast")
@@ -72,7 +72,10 @@ class FastPath:
         self.cache = cache
         self.device = cache.k.device
         self.dtype = model.lm_head.weight.dtype
-        self.fla = _fla_chunk() if (use_fla and self.device.type == "cuda") else None
+        # FLA only in bf16/fp16: its chunk kernel uses TF32 dots, so fp32 (the exactness mode)
+        # keeps the reference recurrence
+        self.fla = (_fla_chunk() if (use_fla and self.device.type == "cuda"
+                                     and self.dtype != torch.float32) else None)
         self.w_in: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(model.model.layers):
             if layer.layer_type == "linear_attention":
@@ -101,8 +104,13 @@ class FastPath:
         cfg, mlp = self.cfg, self.model.model.layers[i].mlp
         E, Is = cfg.num_experts, cfg.shared_expert_intermediate_size
         r = F.linear(x, self.w_moe[i])
-        w, ids = ref.route_topk(r[:, :E], cfg.num_experts_per_tok)
-        routed = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        if x.shape[0] <= ROUTE_ALIGN_MAX_TOKENS and not E & (E - 1):  # decode: one launch
+            w, ids, order, offsets = route_align(r[:, :E], cfg.num_experts_per_tok)
+            aligned = (order, offsets)
+        else:
+            w, ids = ref.route_topk(r[:, :E], cfg.num_experts_per_tok)
+            aligned = None
+        routed = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned)
         sg, su, seg = r[:, E:E + Is], r[:, E + Is:E + 2 * Is], r[:, E + 2 * Is:]
         shared = mlp.shared_expert.down_proj(F.silu(sg) * su)
         return routed + torch.sigmoid(seg) * shared
@@ -286,11 +294,51 @@ class FastPath:
         return self._layers(x, cos, sin, mixer)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final-normed hidden states [T, H] of the batch; same contract as the plain path."""
-        if (self.use_graphs and batch.seqs and len(batch.seqs) <= self.max_batch
-                and all(s.num_tokens == 1 and not s.reset_state for s in batch.seqs)):
+        """Final-normed hidden states [T, H] of the batch; same contract as the plain path.
+
+        Decode rows replay a CUDA graph; in a mixed step they replay it on their own and the
+        prefill chunks run eagerly after (sequences are independent, so the split changes no
+        result: the decode rows' pages and slots are disjoint from the prefills')."""
+        if not self.use_graphs:
+            return self.forward_eager(batch)
+        dec = [j for j, s in enumerate(batch.seqs) if s.num_tokens == 1 and not s.reset_state]
+        if not dec or len(dec) > self.max_batch:
+            return self.forward_eager(batch)
+        if len(dec) == len(batch.seqs):
             return self.forward_decode_graph(batch)
-        return self.forward_eager(batch)
+        dec_set = set(dec)
+        rows_d = torch.tensor([batch.seqs[j].q_start for j in dec], device=batch.input_ids.device)
+        sub_d = ForwardBatch(batch.input_ids[rows_d], batch.positions[rows_d],
+                             [batch.seqs[j] for j in dec], [])
+        pre, ids, pos, q = [], [], [], 0
+        for j, s in enumerate(batch.seqs):
+            if j in dec_set:
+                continue
+            pre.append(SeqInfo(q, s.num_tokens, s.start_pos, s.slot, s.reset_state, s.page_ids))
+            ids.append(batch.input_ids[s.q_start:s.q_start + s.num_tokens])
+            pos.append(batch.positions[s.q_start:s.q_start + s.num_tokens])
+            q += s.num_tokens
+        sub_p = ForwardBatch(torch.cat(ids), torch.cat(pos), pre, [])
+        out = torch.empty(batch.input_ids.shape[0], self.cfg.hidden_size, dtype=self.dtype,
+                          device=batch.input_ids.device)
+        out[rows_d] = self.forward_decode_graph(sub_d)
+        hp = self.forward_eager(sub_p)
+        rows_p = torch.cat([torch.arange(batch.seqs[j].q_start,
+                                         batch.seqs[j].q_start + batch.seqs[j].num_tokens)
+                            for j in range(len(batch.seqs)) if j not in dec_set]).to(out.device)
+        out[rows_p] = hp
+        return out
+
+    def warmup_prefill(self, lengths) -> None:
+        """Run prefills of these lengths into the pad sinks (slot 0, page 0) so that Triton
+        compiles and FLA/MoE autotuning happen at startup, not in a user's first request."""
+        for n in sorted(set(int(x) for x in lengths if x > 1)):
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, device=self.device)
+            pages = [0] * (n // self.cache.page_size + 1)
+            self.forward_eager(ForwardBatch(ids, pos, [SeqInfo(0, n, 0, 0, True, pages)], []))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # -------------------------------------------------------------------------------------------
     # CUDA graphs for decode
