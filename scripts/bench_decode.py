@@ -101,14 +101,14 @@ def main():
             for _ in range(5):
                 f()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22))
         ids = torch.randint(0, 248044, (a.ctx,), generator=g).tolist()
         pages = list(range(1 + Bmax * P, 1 + (Bmax + 1) * P))
         batch = ForwardBatch.build([(ids, 0, Bmax + 1, True, pages)], [a.ctx - 1], "cuda")
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             model.compute_logits(model(batch, cache)[batch.logits_rows]).argmax(-1).tolist()
         print(f"prefill {a.ctx} tokens profile:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
     print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step |\n|---|---|---|---|")
     for B, g_, t, e in rows:
         print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} |")

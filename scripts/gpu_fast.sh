@@ -43,7 +43,7 @@ fi
 if [[ " $PARTS " == *" micro "* ]]; then
     stamp "in-process step timings"
     timeout 240 python3 scripts/bench_decode.py /tmp/full --batches 1,8,32 --json "$OUT/micro.json" \
-        --profile 2>&1 | tail -60
+        --profile 2>&1 | tail -75
 fi
 
 if [[ " $PARTS " == *" serve "* ]]; then

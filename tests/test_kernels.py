@@ -58,9 +58,13 @@ def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * E)).to(DEV, dtype)
     w, ids, order, offsets = route_align(logits, k)
     w_ref, ids_ref = ref.route_topk(logits, k)
-    assert torch.equal(ids, ids_ref)
-    assert w.dtype == w_ref.dtype and torch.allclose(w.float(), w_ref.float(), rtol=1e-2 if dtype != torch.float32 else 1e-6)
-    o_ref, off_ref = moe_align(ids_ref, E)
+    # bf16 logits tie often; tied experts may come in another order (same set, same weights)
+    a, ia = ids.sort(dim=-1)
+    b, ib = ids_ref.sort(dim=-1)
+    assert torch.equal(a, b)
+    assert w.dtype == w_ref.dtype
+    assert torch.allclose(w.gather(1, ia).float(), w_ref.gather(1, ib).float(), rtol=1e-6)
+    o_ref, off_ref = moe_align(ids, E)  # the pair order must be that of our own ids
     assert torch.equal(offsets, off_ref) and torch.equal(order, o_ref)
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
-from tailored.kernels.moe import ROUTE_ALIGN_MAX_TOKENS, fused_moe, route_align
+from tailored.kernels.moe import ROUTE_ALIGN_USE_UP_TO, fused_moe, route_align
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
 from tailored.ops import reference as ref
@@ -96,6 +96,7 @@ class FastPath:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self._static = None
+        self._fla_ctx = None  # (lens, cu_seqlens, cu_seqlens_cpu, chunk_indices) of this forward
 
     # -------------------------------------------------------------------------------------------
     # blocks
@@ -104,7 +105,7 @@ class FastPath:
         cfg, mlp = self.cfg, self.model.model.layers[i].mlp
         E, Is = cfg.num_experts, cfg.shared_expert_intermediate_size
         r = F.linear(x, self.w_moe[i])
-        if x.shape[0] <= ROUTE_ALIGN_MAX_TOKENS and not E & (E - 1):  # decode: one launch
+        if x.shape[0] <= ROUTE_ALIGN_USE_UP_TO and not E & (E - 1):  # small decode: one launch
             w, ids, order, offsets = route_align(r[:, :E], cfg.num_experts_per_tok)
             aligned = (order, offsets)
         else:
@@ -193,13 +194,22 @@ class FastPath:
         HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         n = q.shape[0]
-        lens = [s.num_tokens for s in seqs]
-        cu = torch.tensor([0] + lens, device=q.device).cumsum(0)
+        ctx = self._fla_ctx
+        if ctx is None or ctx[0] != [s.num_tokens for s in seqs]:
+            # once per forward, shared by the 30 GDN layers: FLA caches per cu_seqlens tensor,
+            # and with the host copy and chunk indices given it never syncs to read them
+            from fla.ops.utils.index import prepare_chunk_indices
+
+            lens = [s.num_tokens for s in seqs]
+            cu_cpu = torch.tensor([0] + lens).cumsum(0)
+            cu = cu_cpu.to(q.device)
+            ctx = self._fla_ctx = (lens, cu, cu_cpu, prepare_chunk_indices(cu, 64, cu_seqlens_cpu=cu_cpu))
+        _, cu, cu_cpu, chunk_indices = ctx
         o, hT = self.fla(q.reshape(1, n, HK, Dk), k.reshape(1, n, HK, Dk),
                          v.reshape(1, n, HV, Dv), g.unsqueeze(0),
                          beta.unsqueeze(0), initial_state=h0.contiguous(),
                          output_final_state=True, use_qk_l2norm_in_kernel=True,
-                         cu_seqlens=cu)
+                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices)
         return o[0], hT
 
     def _attn_qkv(self, i, x, cos, sin):
@@ -242,16 +252,17 @@ class FastPath:
                 idx = self.cache.token_index(s, 0, s.end_pos)
                 kk, vv = kf[idx], vf[idx]
             # SDPA (flash/efficient kernels on the GPU); bottom-right causal mask for a chunk
-            qt = q[r].transpose(0, 1)
-            kt = kk.repeat_interleave(rep, dim=1).transpose(0, 1)
-            vt = vv.repeat_interleave(rep, dim=1).transpose(0, 1)
+            # [1, heads, len, D]: the 4-D layout SDPA's flash/efficient kernels take
+            qt = q[r].transpose(0, 1).unsqueeze(0)
+            kt = kk.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+            vt = vv.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
             L, S = s.num_tokens, s.end_pos
             if L == S:
                 o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
             else:
                 mask = torch.ones(L, S, dtype=torch.bool, device=x.device).tril(S - L)
                 o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
-            out[r] = o.transpose(0, 1)
+            out[r] = o[0].transpose(0, 1)
         return m.o_proj(out.reshape(x.shape[0], -1) * torch.sigmoid(gate))
 
     # -------------------------------------------------------------------------------------------
@@ -273,6 +284,7 @@ class FastPath:
 
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
+        self._fla_ctx = None
         x = self.model.model.embed_tokens(batch.input_ids)
         cos, sin = ref.rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         dec = [s for s in batch.seqs if s.num_tokens == 1 and not s.reset_state]
