@@ -7,16 +7,7 @@
 # Run there:    device run, carry [".whl"],
 #               command: TAILORED_COMMIT=<sha> bash scripts/gpu_fast.sh [tests|micro|serve]...
 # Output: $OUT/gpu_fast.log, $OUT/*.json; the summary is printed last.
-set -uo pipefail
-OUT=${OUT:-/tmp/tailored-out}
-mkdir -p "$OUT"
-LOG=$OUT/gpu_fast.log
-exec > >(tee -a "$LOG") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache
-T0=$(date +%s)
-stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+source "$(dirname "$0")/device_env.sh" gpu_fast
 PARTS=${*:-tests micro serve}
 
 stamp "manifest"

@@ -7,16 +7,7 @@
 # Run there:            device run, carry [".whl"],
 #                       command: TAILORED_COMMIT=<git rev-parse HEAD here> bash scripts/gpu_issue2.sh
 # Output: $OUT/gpu_issue2.log (+ JSON reports); the table is printed last.
-set -uo pipefail
-OUT=${OUT:-/tmp/tailored-out}
-mkdir -p "$OUT"
-LOG=$OUT/gpu_issue2.log
-exec > >(tee -a "$LOG") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache
-T0=$(date +%s)
-stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+source "$(dirname "$0")/device_env.sh" gpu_issue2
 
 stamp "manifest"
 python3 - <<'PY' | tee "$OUT/manifest.json"

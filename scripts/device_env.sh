@@ -1,0 +1,12 @@
+# Sourced by the scripts/gpu_*.sh device runs: log everything to $OUT/$1.log, install the wheels
+# carried in .whl/ (scripts/fetch_wheels.sh) into /tmp/site, and define `stamp` (elapsed time).
+set -uo pipefail
+OUT=${OUT:-/tmp/tailored-out}
+mkdir -p "$OUT"
+LOG=$OUT/$1.log
+exec > >(tee -a "$LOG") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache
+T0=$(date +%s)
+stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
