@@ -71,6 +71,17 @@ def _check_serve_args(args) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError(f"--device {args.device}: no CUDA GPU is available on this machine")
+    if args.kernels == "on":  # the runner checks too; here it fails before the weights load
+        import torch
+
+        from tailored import kernels
+        from tailored.stack import DTYPES, pick_device
+
+        dev = pick_device(None if args.device == "auto" else args.device)
+        dt = DTYPES[args.dtype or ("bfloat16" if dev.type == "cuda" else "float32")]
+        why = kernels.unavailable_reason(dev.type, dt)
+        if why:
+            raise ValueError(f"--kernels on: {why}")
     # a busy port would only show after the weights are loaded: check it first
     import socket
 

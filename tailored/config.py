@@ -217,8 +217,8 @@ class EngineConfig:
     max_model_len: longest prompt + completion accepted.
     num_pages: KV pages; None = sized from memory (GPU) or from max_num_seqs*max_model_len (CPU).
     kernels: 'auto' runs the Triton kernel path (model/fast.py) on CUDA and the plain PyTorch
-      path on the CPU; 'on' forces the kernel path (on the CPU through Triton's interpreter, for
-      tests); 'off' forces the plain path.
+      path on the CPU; 'on' forces the kernel path (on the CPU through Triton's interpreter:
+      TRITON_INTERPRET=1 and fp32 only, for tests); 'off' forces the plain path.
     enforce_eager: never replay CUDA graphs (kernel path only).
     """
 

@@ -78,12 +78,16 @@ class ModelRunner:
         if ec.kernels not in ("auto", "on", "off"):
             raise ValueError(f"kernels must be auto, on or off, got {ec.kernels!r}")
         want = ec.kernels == "on" or (ec.kernels == "auto" and self.device.type == "cuda")
+        if want:
+            why = kernels.unavailable_reason(self.device.type, next(self.model.parameters()).dtype)
+            if why and ec.kernels == "on":
+                raise RuntimeError(f"--kernels on: {why}")
+            if why:
+                log.warning("kernel path unavailable (%s): running the plain PyTorch path", why)
+                want = False
         if not want:
-            return None
-        if not kernels.available():
-            if ec.kernels == "on":
-                raise RuntimeError("kernels=on but Triton cannot run here (pip install triton)")
-            log.warning("Triton is not available: running the plain PyTorch path")
+            log.info("plain PyTorch path (kernels=%s on %s)%s", ec.kernels, self.device.type,
+                     "; --enforce-eager has no effect" if ec.enforce_eager else "")
             return None
         from tailored.model.fast import FastPath
 

@@ -33,6 +33,22 @@ def test_cuda_without_gpu(tiny_ckpt, capsys):
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU messages")
+@pytest.mark.parametrize("interpret,dtype,msg", [
+    ("0", "float32", "set TRITON_INTERPRET=1"),
+    ("1", "bfloat16", "use --dtype float32"),
+])
+def test_kernels_on_the_cpu_refused_before_loading(tiny_ckpt, capsys, monkeypatch, interpret,
+                                                   dtype, msg):
+    """--kernels on without a GPU needs the interpreter and fp32 (bf16 gives NaN there)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    assert main(["serve", str(tiny_ckpt), "--kernels", "on", "--dtype", dtype,
+                 "--port", "8197"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
+
+
 def test_busy_port_detected_before_loading(tiny_ckpt, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

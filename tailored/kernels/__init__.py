@@ -23,6 +23,25 @@ def available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def unavailable_reason(device_type: str, dtype) -> str | None:
+    """Why the kernel path cannot run on this device/dtype (None = it can). On the CPU it needs
+    Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) and fp32."""
+    import torch
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install triton)"
+    if device_type == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA GPU is available"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return ("on the CPU the kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "(slow; meant for tests)")
+    if dtype != torch.float32:
+        return "Triton's interpreter computes bf16/fp16 dots wrongly: use --dtype float32 on the CPU"
+    return None
+
+
 def dot_precision(dtype) -> str:
     """tl.dot input precision: exact fp32 products for fp32 inputs (no silent TF32)."""
     import torch
