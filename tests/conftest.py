@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch as _torch
@@ -44,25 +43,20 @@ def tiny_model(tiny_ckpt, tiny_cfg):
 @pytest.fixture(scope="session")
 def hf_model(tiny_ckpt):
     """transformers' Qwen3_5MoeForCausalLM (float32, eager attention) with the same weights."""
-    transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
+    pytest.importorskip("transformers")
+    from tailored.gate.reference import reference_from_files
 
-    from tailored.gate.reference import torch_only_transformers
+    return reference_from_files(tiny_ckpt)
 
-    torch_only_transformers()
 
-    raw = json.loads((tiny_ckpt / "config.json").read_text())["text_config"]
-    hcfg = transformers.Qwen3_5MoeTextConfig(**raw)
-    hcfg._attn_implementation = "eager"
-    hf = transformers.Qwen3_5MoeForCausalLM(hcfg).float().eval()
-    sd = {}
-    for f in tiny_ckpt.glob("*.safetensors"):
-        for k, v in load_file(f).items():
-            if not k.startswith("mtp."):
-                sd[k.replace("model.language_model.", "model.")] = v.float()
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module: the tiny model is all small ops, as fast on one thread
+    on a quiet machine and many times faster on a busy one (OpenMP barriers); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def new_cache(cfg, num_pages=256, page_size=16, num_slots=8, dtype=torch.float32):

@@ -18,12 +18,8 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny model = small ops: 1 thread is as fast on a quiet machine and far faster on a busy one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):  # conftest.one_thread, for every test of this module
     yield
-    torch.set_num_threads(n)
 
 
 def gate_args(*argv: str) -> argparse.Namespace:

@@ -25,13 +25,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the tiny model is all small ops: one thread is as fast on a quiet machine and many times
-    # faster on a busy one (OpenMP barriers); restored for the other test files
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):  # conftest.one_thread, for every test of this module
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

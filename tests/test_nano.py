@@ -102,8 +102,7 @@ def test_official_tensor_names_bf16():
 
 def test_engine_matches_transformers_fp32(stack):
     transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
-
+    from tailored.gate.reference import reference_from_files
     from tailored.model.batch import ForwardBatch, HybridCache
 
     ids = stack.tokenizer.encode(CODE)
@@ -115,14 +114,7 @@ def test_engine_matches_transformers_fp32(stack):
                            range(len(ids)), "cpu")
     with torch.no_grad():
         ours = model.compute_logits(model(b, cache))
-    raw = json.loads((NANO / "config.json").read_text())["text_config"]
-    hcfg = transformers.Qwen3_5MoeTextConfig(**raw)
-    hcfg._attn_implementation = "eager"
-    hf = transformers.Qwen3_5MoeForCausalLM(hcfg).float().eval()
-    sd = {k.replace("model.language_model.", "model."): v.float()
-          for k, v in load_file(NANO / "model.safetensors").items() if not k.startswith("mtp.")}
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    assert not missing and not unexpected
+    hf = reference_from_files(NANO)  # raises on a missing or left-over tensor
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert rel_err(ours, ref) <= 1e-4

@@ -4,7 +4,6 @@ export check (checkpoint in tailored's engine and in transformers vs the trainin
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import nullcontext
 from pathlib import Path
@@ -191,20 +190,12 @@ def transformers_logits(ckpt: Path, ids: list[int]) -> torch.Tensor | None:
     """transformers' Qwen3_5MoeForCausalLM (fp32, eager) built from config.json text_config with
     the checkpoint's text tensors (mtp.* ignored); None when transformers is not installed."""
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         return None
-    from safetensors.torch import load_file
+    from tailored.gate.reference import reference_from_files
 
-    raw = json.loads((ckpt / "config.json").read_text())["text_config"]
-    hcfg = transformers.Qwen3_5MoeTextConfig(**raw)
-    hcfg._attn_implementation = "eager"
-    hf = transformers.Qwen3_5MoeForCausalLM(hcfg).float().eval()
-    sd = {k.replace("model.language_model.", "model."): v.float()
-          for k, v in load_file(ckpt / "model.safetensors").items() if not k.startswith("mtp.")}
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"transformers load: missing {missing[:3]} unexpected {unexpected[:3]}")
+    hf = reference_from_files(ckpt)
     return hf(torch.tensor([ids])).logits[0]
 
 

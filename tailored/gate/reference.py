@@ -52,6 +52,33 @@ def torch_only_transformers() -> list[str]:
     return done
 
 
+def reference_from_files(ckpt_dir, attn_impl: str = "eager", dtype=torch.float32):
+    """transformers' `Qwen3_5MoeForCausalLM` (CPU, `dtype`, torch GDN) built from a checkpoint
+    directory's `config.json` text_config and its safetensors files, read without our loader
+    (names `model.language_model.*` → `model.*`, `mtp.*` skipped). Raises RuntimeError when a
+    tensor is missing or left over. Used by the CPU reference tests and the nano evaluation."""
+    import json
+    from pathlib import Path
+
+    import transformers
+    from safetensors.torch import load_file
+
+    torch_only_transformers()
+    raw = json.loads((Path(ckpt_dir) / "config.json").read_text())["text_config"]
+    hcfg = transformers.Qwen3_5MoeTextConfig(**raw)
+    hcfg._attn_implementation = attn_impl
+    hf = transformers.Qwen3_5MoeForCausalLM(hcfg).to(dtype).eval()
+    sd = {}
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        for k, v in load_file(f).items():
+            if not k.startswith("mtp."):
+                sd[k.replace("model.language_model.", "model.")] = v.to(dtype)
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"transformers load: missing {missing[:3]} unexpected {unexpected[:3]}")
+    return hf
+
+
 def hf_text_config(cfg, attn_impl: str = "sdpa"):
     """transformers Qwen3_5MoeTextConfig for our ModelConfig (its raw config.json, with the
     layer count of `cfg`, which may be cut by --num-layers)."""
