@@ -51,6 +51,9 @@ def _synth_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="draw the random values on this device (cuda is faster)")
     p.add_argument("--config-only", action="store_true",
                    help="write config and tokenizer files only (for serve --load-format dummy)")
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: Qwen's block-FP8 layout (e4m3 weights + 128x128 weight_scale_inv, "
+                        "per-expert experts, quantization_config): the bf16 values quantized")
 
 
 def _check_serve_args(args) -> None:
@@ -134,9 +137,10 @@ def cmd_synth(args) -> int:
     from tailored.synth import write_synthetic_checkpoint
 
     out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
-                                     num_layers=args.num_layers, config_only=args.config_only, device=args.device)
+                                     num_layers=args.num_layers, config_only=args.config_only, device=args.device,
+                                     precision=args.dtype)
     what = "config and tokenizer files of the" if args.config_only else "a"
-    print(f"wrote {what} {args.preset} checkpoint to {Path(out).resolve()}")
+    print(f"wrote {what} {args.preset} {args.dtype} checkpoint to {Path(out).resolve()}")
     return 0
 
 

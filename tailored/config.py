@@ -56,6 +56,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (248046, 248044)
     dtype: str = "bfloat16"
     tie_word_embeddings: bool = False
+    # block-FP8 weights (spec §9.1; tailored.model.fp8.Fp8Config), None for a bf16 checkpoint
+    fp8: Any = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -------------------------------------------------------------------------
@@ -70,6 +72,11 @@ class ModelConfig:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+    @property
+    def precision(self) -> str:
+        """'fp8' for a block-FP8 checkpoint, else 'bf16' (the weights' storage, not --dtype)."""
+        return "fp8" if self.fp8 is not None else "bf16"
 
     @property
     def rotary_dim(self) -> int:
@@ -136,6 +143,12 @@ class ModelConfig:
             eos_ids = (248046, 248044)
         else:
             eos_ids = (int(eos),)
+        from tailored.model.fp8 import Fp8Config, Fp8FormatError
+
+        try:
+            fp8 = Fp8Config.from_config(cfg)
+        except Fp8FormatError as e:
+            raise ConfigError(str(e)) from None
         head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
         mc = cls(
             vocab_size=int(need("vocab_size")),
@@ -163,6 +176,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=str(text.get("dtype", text.get("torch_dtype", "bfloat16"))),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            fp8=fp8,
             raw=cfg,
         )
         mc.validate()

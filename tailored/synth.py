@@ -112,8 +112,12 @@ GENERATION_CONFIG = {
 SHARD_BYTES = 4 * 1024**3
 
 
-def preset_config(preset: str, num_layers: int | None = None, **overrides) -> dict:
-    """The full config.json dict (top level qwen3_5_moe with text_config) for a preset."""
+def preset_config(preset: str, num_layers: int | None = None, precision: str = "bf16",
+                  **overrides) -> dict:
+    """The full config.json dict (top level qwen3_5_moe with text_config) for a preset.
+    precision 'fp8' adds Qwen's block-FP8 quantization_config (spec §9.1)."""
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"unknown precision {precision!r}; choose bf16 or fp8")
     if preset not in ("tiny", "full"):
         raise ValueError(f"unknown preset {preset!r}; choose tiny or full")
     text = deepcopy(FULL_TEXT_CONFIG)
@@ -126,7 +130,7 @@ def preset_config(preset: str, num_layers: int | None = None, **overrides) -> di
         "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"
         for i in range(n)
     ]
-    return {
+    out = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
         "text_config": text,
@@ -136,6 +140,11 @@ def preset_config(preset: str, num_layers: int | None = None, **overrides) -> di
         "vision_start_token_id": 248053,
         "vision_end_token_id": 248054,
     }
+    if precision == "fp8":
+        from tailored.model.fp8 import Fp8Config
+
+        out["quantization_config"] = Fp8Config().to_json()
+    return out
 
 
 def to_checkpoint_name(param: str) -> str:
@@ -188,36 +197,81 @@ def fill_random_(t: torch.Tensor, name: str, g: torch.Generator) -> None:
 
 
 def build_empty_model(cfg: ModelConfig, device, dtype, with_mtp: bool = True):
-    """Allocate the model's parameters uninitialised on `device` (no CPU init pass)."""
+    """Allocate the model's parameters uninitialised on `device` (no CPU init pass). For a
+    block-FP8 config (cfg.fp8) the converted linears and experts are FP8 + fp32 scales."""
+    from tailored.model.fp8 import convert_model_
     from tailored.model.qwen36 import Qwen36ForCausalLM
 
     with torch.device("meta"):
         model = Qwen36ForCausalLM(cfg, with_mtp=with_mtp)
-    # cast on meta first: to_empty allocates in the params' dtype (fp32 would double the memory)
-    model = model.to(dtype).to_empty(device=device)
+        # cast on meta first: to_empty allocates in the params' dtype (fp32 would double the memory)
+        model = model.to(dtype)
+        if cfg.fp8 is not None:
+            convert_model_(model, cfg.fp8)
+    model = model.to_empty(device=device)
     model.eval()
     return model
 
 
+def _draw_(t: torch.Tensor, name: str, seed: int) -> None:
+    """Fill `t` in place with the synthetic values of checkpoint tensor `name` (drawn in fp32
+    chunks along dim 0 on t's device, then rounded to t's dtype)."""
+    g = torch.Generator(device=t.device)
+    g.manual_seed(_seed_for(seed, name))
+    rows = max(1, (1 << 26) // max(1, t[0].numel() if t.dim() else 1))
+    flat = t if t.dim() else t.view(1)
+    kind, a, b = init_spec(name, tuple(t.shape))
+    for s in range(0, flat.shape[0], rows):
+        chunk = torch.empty(flat[s:s + rows].shape, dtype=torch.float32, device=t.device)
+        if kind == "normal":
+            chunk.normal_(a, b, generator=g)
+        else:
+            chunk.uniform_(a, b, generator=g).log_()
+        flat[s:s + rows].copy_(chunk)
+
+
 @torch.no_grad()
-def init_dummy_weights(model, seed: int = 0) -> None:
+def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16) -> None:
     """Fill every parameter in place with the synthetic statistics (on the model's device).
 
-    Values are drawn in chunks along dim 0 to bound the fp32 scratch memory.
+    FP8 weights get the values the bf16 model of the same seed has (drawn, rounded to `dtype`),
+    block-quantized: an FP8 dummy model is the quantization of the bf16 dummy model, so the
+    gate can compare it with both.
     """
-    for name, p in model.named_parameters():
-        g = torch.Generator(device=p.device)
-        g.manual_seed(_seed_for(seed, to_checkpoint_name(name)))
-        rows = max(1, (1 << 26) // max(1, p[0].numel() if p.dim() else 1))
-        flat = p.data if p.dim() else p.data.view(1)
-        for s in range(0, flat.shape[0], rows):
-            chunk = torch.empty(flat[s:s + rows].shape, dtype=torch.float32, device=p.device)
-            kind, a, b = init_spec(to_checkpoint_name(name), tuple(p.shape))
-            if kind == "normal":
-                chunk.normal_(a, b, generator=g)
+    from tailored.model.fp8 import FP8, quantize_block
+
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if name.endswith("_scale_inv"):
+            continue  # set with its weight
+        ck = to_checkpoint_name(name)
+        if p.dtype != FP8:
+            _draw_(p.data, ck, seed)
+            continue
+        base = name[:-len(".weight")] if name.endswith(".weight") else name
+        scale = params[base + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"]
+        if p.dim() == 2:
+            full = torch.empty(p.shape, dtype=dtype, device=p.device)
+            _draw_(full, ck, seed)
+            q, s = quantize_block(full)
+            p.data.copy_(q)
+            scale.data.copy_(s)
+            continue
+        # routed experts [E, rows, cols]: drawn whole (as the bf16 model), quantized per expert
+        full = torch.empty(p.shape, dtype=dtype, device=p.device)
+        _draw_(full, ck, seed)
+        inter = p.shape[1] // 2
+        for e in range(p.shape[0]):
+            if name.endswith("gate_up_proj"):
+                for j, rows in enumerate((slice(0, inter), slice(inter, 2 * inter))):
+                    q, s = quantize_block(full[e, rows])
+                    p.data[e, rows].copy_(q)
+                    scale.data[e, j].copy_(s)
             else:
-                chunk.uniform_(a, b, generator=g).log_()
-            flat[s:s + rows].copy_(chunk)
+                q, s = quantize_block(full[e])
+                p.data[e].copy_(q)
+                scale.data[e].copy_(s)
+        del full
 
 
 def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -229,11 +283,58 @@ def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return [(to_checkpoint_name(n), tuple(p.shape)) for n, p in model.named_parameters()]
 
 
+def _fp8_converted(cfg: ModelConfig, ckpt_name: str) -> bool:
+    """Whether checkpoint tensor `ckpt_name` is stored FP8 under cfg's quantization_config."""
+    if cfg.fp8 is None:
+        return False
+    if ckpt_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return cfg.fp8.converts(ckpt_name.rsplit(".", 1)[0])
+    if not ckpt_name.endswith(".weight") or any(
+            k in ckpt_name for k in ("norm", "embed_tokens", "conv1d")):
+        return False
+    return cfg.fp8.converts(ckpt_name[:-len(".weight")])
+
+
+def _checkpoint_tensors(cfg: ModelConfig, name: str, t: torch.Tensor):
+    """(name, tensor) pairs that store bf16 tensor `t` in the checkpoint: itself, or its FP8
+    form (quantized weight + weight_scale_inv; fused experts split per expert)."""
+    from tailored.model.fp8 import quantize_block
+
+    if not _fp8_converted(cfg, name):
+        yield name, t
+        return
+    if name.endswith("mlp.experts.gate_up_proj"):
+        prefix, inter = name[:-len(".gate_up_proj")], t.shape[1] // 2
+        for e in range(t.shape[0]):
+            for kind, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None))):
+                q, s = quantize_block(t[e, rows])
+                yield f"{prefix}.{e}.{kind}.weight", q
+                yield f"{prefix}.{e}.{kind}.weight_scale_inv", s
+        return
+    if name.endswith("mlp.experts.down_proj"):
+        prefix = name[:-len(".down_proj")]
+        for e in range(t.shape[0]):
+            q, s = quantize_block(t[e])
+            yield f"{prefix}.{e}.down_proj.weight", q
+            yield f"{prefix}.{e}.down_proj.weight_scale_inv", s
+        return
+    q, s = quantize_block(t)
+    yield name, q
+    yield name[:-len(".weight")] + ".weight_scale_inv", s
+
+
 def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
                                num_layers: int | None = None, progress: bool = True,
                                shard_bytes: int = SHARD_BYTES, tokenizer: bool = True,
-                               config_only: bool = False, device: str = "cpu") -> Path:
+                               config_only: bool = False, device: str = "cpu",
+                               precision: str = "bf16") -> Path:
     """Write a checkpoint directory; returns its path. Deterministic for (preset, seed, num_layers).
+
+    precision 'fp8': Qwen's block-FP8 release layout (spec §9.1) — the bf16 values of the same
+    seed, quantized: converted linears as float8_e4m3fn `weight` + fp32 `weight_scale_inv`
+    [ceil(out/128), ceil(in/128)], routed experts per expert
+    (`mlp.experts.E.{gate,up,down}_proj.weight` + scale), the rest bf16; config.json gets the
+    quantization_config.
 
     config_only: write config, generation config and tokenizer files but no weights (for
     `tailored serve --load-format dummy`, e.g. the full preset on a machine without 70 GB of disk).
@@ -244,14 +345,14 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_dict = preset_config(preset, num_layers)
+    cfg_dict = preset_config(preset, num_layers, precision)
     cfg = ModelConfig.from_dict(cfg_dict)
     specs = [] if config_only else tensor_specs(cfg)
     # plan shards first so file names carry the total count, as HF does
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in specs:
-        nbytes = 2 * math.prod(shape)
+        nbytes = (1 if _fp8_converted(cfg, name) else 2) * math.prod(shape)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -264,9 +365,11 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for name, shape in shard:
-            tensors[name] = random_tensor(name, shape, seed, device=device).cpu()
-            weight_map[name] = fname
-            total += tensors[name].numel() * 2
+            t = random_tensor(name, shape, seed, device=device)
+            for out_name, out_t in _checkpoint_tensors(cfg, name, t):
+                tensors[out_name] = out_t.cpu()
+                weight_map[out_name] = fname
+                total += out_t.numel() * out_t.element_size()
             bar.update(1)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         (out / fname).chmod(0o644)  # save_file creates 0600; match the other files

@@ -28,6 +28,14 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8_ckpt(tmp_path_factory):
+    """The tiny preset (same seed) in Qwen's block-FP8 layout (synth --dtype fp8)."""
+    d = tmp_path_factory.mktemp("tiny-fp8")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, progress=False, tokenizer=False,
+                                      precision="fp8")
+
+
+@pytest.fixture(scope="session")
 def tiny_cfg(tiny_ckpt):
     return ModelConfig.from_dir(tiny_ckpt)
 

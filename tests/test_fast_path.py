@@ -23,16 +23,21 @@ def _ids(T, seed):
     return torch.randint(0, 248044, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_ckpt, tiny_cfg):
-    """(plain model, kernel-path model with its cache) loaded from the same checkpoint."""
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def pair(request, tiny_ckpt, tiny_fp8_ckpt):
+    """(plain model, kernel-path model with its cache) loaded from the same checkpoint: the
+    tiny preset in bf16 layout, and in block-FP8 (the kernel path reads FP8 weights through
+    fp8_linear and the FP8 MoE; the plain path dequantizes)."""
+    from tailored.config import ModelConfig
     from tailored.model.fast import FastPath
 
-    plain = build_empty_model(tiny_cfg, "cpu", torch.float32)
-    load_checkpoint(plain, tiny_ckpt, progress=False)
-    fastm = build_empty_model(tiny_cfg, "cpu", torch.float32)
-    load_checkpoint(fastm, tiny_ckpt, progress=False)
-    cache = new_cache(tiny_cfg)
+    ckpt = tiny_ckpt if request.param == "bf16" else tiny_fp8_ckpt
+    cfg = ModelConfig.from_dir(ckpt)
+    plain = build_empty_model(cfg, "cpu", torch.float32)
+    load_checkpoint(plain, ckpt, progress=False)
+    fastm = build_empty_model(cfg, "cpu", torch.float32)
+    load_checkpoint(fastm, ckpt, progress=False)
+    cache = new_cache(cfg)
     fastm.fast = FastPath(fastm, cache, max_batch=4, max_pages=12, use_graphs=False)
     return plain, fastm, cache
 
@@ -40,11 +45,17 @@ def pair(tiny_ckpt, tiny_cfg):
 def test_fused_weights_are_views_with_the_same_values(pair):
     plain, fastm, _ = pair
     for (n1, p1), (n2, p2) in zip(plain.named_parameters(), fastm.named_parameters()):
-        assert n1 == n2 and torch.equal(p1, p2), n1
+        assert n1 == n2 and p1.dtype == p2.dtype and torch.equal(p1.float(), p2.float()), n1
     m = fastm.model.layers[0].linear_attn
     assert m.in_proj_z.weight.data_ptr() != m.in_proj_qkv.weight.data_ptr()
+    proj, idx = fastm.fast.p_in[0].parts[0]
+    assert idx[:2] == [0, 1]  # qkv|z are one GEMM in both precisions
     assert m.in_proj_qkv.weight.untyped_storage().data_ptr() == \
-        fastm.fast.w_in[0].untyped_storage().data_ptr()
+        proj.weight.untyped_storage().data_ptr()
+    if plain.config.fp8 is not None:
+        assert m.in_proj_qkv.weight.dtype == torch.float8_e4m3fn and proj.fp8
+        assert m.in_proj_a.weight.dtype == torch.float32  # not converted (spec §9.1)
+        assert len(fastm.fast.p_in[0].parts) == 2
 
 
 def test_steps_match_plain_path(pair):
@@ -91,13 +102,14 @@ def test_steps_match_plain_path(pair):
             toks[s] += 7
 
 
-def test_engine_greedy_same_with_kernels_on_and_off(tiny_ckpt):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_engine_greedy_same_with_kernels_on_and_off(precision, tiny_ckpt, tiny_fp8_ckpt):
     from tailored.engine.types import SamplingParams
     from tailored.stack import build_stack
 
     outs = {}
     for mode in ("off", "on"):
-        st = build_stack(tiny_ckpt, device="cpu", dtype="float32", progress=False, kernels=mode,
+        st = build_stack(tiny_ckpt if precision == "bf16" else tiny_fp8_ckpt, device="cpu", dtype="float32", progress=False, kernels=mode,
                          max_model_len=256, max_num_seqs=4, num_pages=80)
         eng = st.engine
         sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

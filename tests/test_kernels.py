@@ -41,6 +41,68 @@ def test_fused_moe(dtype, T, E, k, H, I):
     assert rel_err(got, want) < TOL[dtype]
 
 
+def _fp8_experts(E, H, I, g):
+    """Random experts quantized to block FP8: (gate_up q, down q, fused block scales for the
+    reference, per-row scales for the kernel)."""
+    from tailored.model import fp8
+
+    gu = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    dn = torch.randn(E, H, I, generator=g) * I ** -0.5
+    qg, sg = fp8.quantize_block(gu[:, :I])
+    qu, su = fp8.quantize_block(gu[:, I:])
+    qd, sd = fp8.quantize_block(dn)
+    rows = (torch.cat([fp8.row_scales(sg, I), fp8.row_scales(su, I)], 1), fp8.row_scales(sd, H))
+    return torch.cat([qg, qu], 1), qd, (torch.stack([sg, su], 1), sd), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 2, 64, 32), (5, 8, 2, 200, 48),
+                                       (37, 16, 4, 256, 160), (3, 256, 8, 2048, 512)])
+def test_fused_moe_fp8(dtype, T, E, k, H, I):
+    """Block-FP8 experts (W8A16) against the reference over the dequantized weights; sizes off
+    the 128 grid so that partial scale blocks and the gate/up split inside a block show."""
+    from tailored.kernels.moe import fused_moe
+    from tailored.model import fp8
+
+    if DEV == "cpu" and E == 256:
+        pytest.skip("full-size case: GPU only (minutes in the interpreter)")
+    g = torch.Generator().manual_seed(T * 100 + E + 7)
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    qgu, qd, (sgu, sd), (rgu, rd) = _fp8_experts(E, H, I, g)
+    w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV, dtype), k)
+    got = fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV), rd.to(DEV))
+    want = ref.moe_experts(x.float(), w.float(), ids,
+                           fp8.DequantExperts(qgu.to(DEV), sgu.to(DEV), torch.float32, True),
+                           fp8.DequantExperts(qd.to(DEV), sd.to(DEV), torch.float32, False))
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="per-row scales"):
+        fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 300, 200), (5, 64, 64), (33, 256, 384), (130, 192, 256),
+                                   (1, 4608, 2048), (64, 2048, 4096)])
+def test_fp8_linear(dtype, M, N, K):
+    """W8A16 linear vs F.linear over the dequantized weight; the input is a strided view (as
+    the kernel path passes column slices) and the weight a row slice of a bigger fused one."""
+    from tailored.kernels.fp8_linear import fp8_linear
+    from tailored.model import fp8
+
+    if DEV == "cpu" and N * K > 1 << 20:
+        pytest.skip("full-size case: GPU only")
+    g = torch.Generator().manual_seed(M * 7 + N)
+    x = torch.randn(M, K + 5, generator=g).to(DEV, dtype)[:, 3:K + 3]
+    q, s = fp8.quantize_block(torch.randn(N + 128, K, generator=g) * K ** -0.5)
+    q, s = q[128:].to(DEV), s[1:].to(DEV)  # rows 128.. of a fused weight (block aligned)
+    got = fp8_linear(x, q, fp8.row_scales(s, N))
+    want = torch.nn.functional.linear(x.float(), fp8.dequantize_block(q, s, torch.float32))
+    assert got.shape == (M, N) and got.dtype == dtype and torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="fp8_linear"):
+        fp8_linear(x, q, fp8.row_scales(s, N)[:, :1] if K > 128 else s[:0])
+
+
 def test_moe_align_groups_pairs_by_expert():
     from tailored.kernels.moe import moe_align
 

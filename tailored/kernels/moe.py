@@ -39,10 +39,10 @@ def moe_align(ids: torch.Tensor, num_experts: int):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr,
-                    TOPK, stride_xt, stride_we, stride_wn, stride_at,
+def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr, ws_ptr,
+                    TOPK, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PREC: tl.constexpr, PAIRS_BUCKET):
+                    DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(offsets_ptr + e)
@@ -50,6 +50,7 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr,
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    ws_base = ws_ptr + e.to(tl.int64) * stride_se
     m0 = start
     while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
         m = m0 + tl.arange(0, BLOCK_M)
@@ -67,8 +68,14 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr,
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None],
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
+            if W_FP8:  # FP8 tile → x's dtype (exact), times its rows' scale for this K block
+                sg = tl.load(ws_base + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                su = tl.load(ws_base + (I + n) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                acc_g += tl.dot(x, wg.to(x.dtype), input_precision=DOT_PREC) * sg[None, :]
+                acc_u += tl.dot(x, wu.to(x.dtype), input_precision=DOT_PREC) * su[None, :]
+            else:
+                acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -76,10 +83,10 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr,
-                 stride_at, stride_we, stride_wn, stride_yt,
+def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr, ws_ptr,
+                 stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, PAIRS_BUCKET):
+                 DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(offsets_ptr + e)
@@ -87,6 +94,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr,
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    ws_base = ws_ptr + e.to(tl.int64) * stride_se
     m0 = start
     while m0 < end:
         m = m0 + tl.arange(0, BLOCK_M)
@@ -100,7 +108,11 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr,
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if W_FP8:
+                sw = tl.load(ws_base + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * sw[None, :]
+            else:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -118,13 +130,15 @@ def _blocks(num_pairs: int, num_experts: int):
     return 64, 128, 64, 8
 
 
-def _tuned(kernel, decode: bool):
+def _tuned(kernel, decode: bool, fp8: bool = False):
     """Autotuned launcher (CUDA only) keyed on the model dims, BLOCK_M and the pair-count
     bucket; tuned when first seen (the runner warms every decode batch size up before CUDA
-    graph capture, so no tuning ever happens inside a capture)."""
+    graph capture, so no tuning ever happens inside a capture). FP8 weights: BLOCK_K ≤ 128 (one
+    scale per row and K tile)."""
     if decode:
         cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                for bn in (16, 32, 64) for bk in (128, 256) for w in (4,) for st in (3, 4)]
+                for bn in (16, 32, 64) for bk in ((64, 128) if fp8 else (128, 256))
+                for w in (4,) for st in (3, 4)]
     else:
         cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
                 for bn in (64, 128) for bk in (64,) for w in (4, 8)]
@@ -135,11 +149,11 @@ def _tuned(kernel, decode: bool):
 _LAUNCHERS: dict = {}
 
 
-def _launcher(name: str, decode: bool):
-    key = (name, decode)
+def _launcher(name: str, decode: bool, fp8: bool = False):
+    key = (name, decode, fp8)
     if key not in _LAUNCHERS:
         kernel = _gate_up_kernel if name == "gate_up" else _down_kernel
-        _LAUNCHERS[key] = _tuned(kernel, decode)
+        _LAUNCHERS[key] = _tuned(kernel, decode, fp8)
     return _LAUNCHERS[key]
 
 
@@ -204,12 +218,17 @@ def route_align(router_logits: torch.Tensor, top_k: int):
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              gate_up: torch.Tensor, down: torch.Tensor, aligned=None) -> torch.Tensor:
+              gate_up: torch.Tensor, down: torch.Tensor, aligned=None,
+              gate_up_scale: torch.Tensor | None = None,
+              down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_i w_i · Expert_{e_i}(x), same contract as `ref.moe_experts`.
 
     x: [T, H] (bf16/fp32, row stride free, unit column stride); weights: [T, k] routing weights;
     ids: [T, k] int64; gate_up: [E, 2I, H] gate rows first; down: [E, H, I].
     aligned: (order, offsets) from `route_align` (else `moe_align` runs here).
+    Block-FP8 experts (spec §9.1): gate_up/down float8_e4m3fn with per-row scales
+    gate_up_scale [E, 2I, ceil(H/128)] and down_scale [E, H, ceil(I/128)] fp32
+    (`fp8.row_scales`); the reference is `ref.moe_experts` over `fp8.DequantExperts`.
     Returns [T, H] in x.dtype. Raises ValueError on mismatched shapes.
     """
     T, H = x.shape
@@ -218,6 +237,20 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if H2 != H or down.shape != (E, H, I) or ids.shape != weights.shape or ids.shape[0] != T:
         raise ValueError(f"fused_moe: shapes x{tuple(x.shape)} ids{tuple(ids.shape)} "
                          f"gate_up{tuple(gate_up.shape)} down{tuple(down.shape)}")
+    fp8 = gate_up.dtype == torch.float8_e4m3fn
+    if fp8 and (gate_up_scale is None or down_scale is None
+                or gate_up_scale.shape != (E, two_i, triton.cdiv(H, 128))
+                or down_scale.shape != (E, H, triton.cdiv(I, 128))):
+        raise ValueError("fused_moe: FP8 experts need per-row scales gate_up_scale "
+                         f"[{E}, {two_i}, {triton.cdiv(H, 128)}] and down_scale "
+                         f"[{E}, {H}, {triton.cdiv(I, 128)}]")
+    if not fp8:  # unused pointer arguments
+        gate_up_scale = down_scale = x
+        s_gu = s_dn = (0, 0)
+    else:
+        gate_up_scale, down_scale = gate_up_scale.contiguous(), down_scale.contiguous()
+        s_gu = (gate_up_scale.stride(0), gate_up_scale.stride(1))
+        s_dn = (down_scale.stride(0), down_scale.stride(1))
     k = ids.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -231,22 +264,22 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).contiguous()
-    gu_args = (x, gate_up, order, offsets, act, k,
-               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0))
-    dn_args = (act, down, order, offsets, rw, y,
-               act.stride(0), down.stride(0), down.stride(1), y.stride(0))
+    gu_args = (x, gate_up, order, offsets, act, gate_up_scale, k,
+               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu)
+    dn_args = (act, down, order, offsets, rw, y, down_scale,
+               act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
     if x.is_cuda:  # autotuned block sizes
         decode = bm == 16
-        _launcher("gate_up", decode)[lambda m: (E, triton.cdiv(I, m["BLOCK_N"]))](
-            *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket)
-        _launcher("down", decode)[lambda m: (E, triton.cdiv(H, m["BLOCK_N"]))](
-            *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket)
+        _launcher("gate_up", decode, fp8)[lambda m: (E, triton.cdiv(I, m["BLOCK_N"]))](
+            *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8)
+        _launcher("down", decode, fp8)[lambda m: (E, triton.cdiv(H, m["BLOCK_N"]))](
+            *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8)
     else:  # Triton's interpreter (tests on the CPU): the fixed choice
         _gate_up_kernel[(E, triton.cdiv(I, bn))](
             *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec,
-            PAIRS_BUCKET=bucket, num_warps=warps)
+            PAIRS_BUCKET=bucket, W_FP8=fp8, num_warps=warps)
         _down_kernel[(E, triton.cdiv(H, bn))](
             *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=min(bk, triton.next_power_of_2(I)), DOT_PREC=prec, PAIRS_BUCKET=bucket,
-            num_warps=warps)
+            W_FP8=fp8, num_warps=warps)
     return y.view(T, k, H).sum(1).to(x.dtype)

@@ -27,10 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailored.kernels.attention_decode import paged_decode_attention
+from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels.moe import ROUTE_ALIGN_USE_UP_TO, fused_moe, route_align
 from tailored.kernels.norm import add_rms_norm_1p
+from tailored.model import fp8
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
+from tailored.model.fp8 import Fp8Linear
 from tailored.ops import reference as ref
 
 log = logging.getLogger("tailored.fast")
@@ -38,9 +41,10 @@ log = logging.getLogger("tailored.fast")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
 
-def fuse_linears(mods: list[nn.Linear]) -> torch.Tensor:
+def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
     """Concatenate the weights of linears sharing an input into one [Σout, in] tensor and make
-    each module's weight a view into it (no second copy stays alive)."""
+    each module's weight a view into it (no second copy stays alive). FP8 modules keep their
+    block scales (`weight_scale_inv`), so their plain forward still works."""
     fused = torch.cat([m.weight.data for m in mods], dim=0)
     o = 0
     for m in mods:
@@ -48,6 +52,42 @@ def fuse_linears(mods: list[nn.Linear]) -> torch.Tensor:
         m.weight = nn.Parameter(fused[o:o + n], requires_grad=False)
         o += n
     return fused
+
+
+class Proj:
+    """One GEMM for linears of one kind (bf16, or block-FP8 via `fp8_linear`) sharing an input."""
+
+    def __init__(self, mods: list[nn.Module]):
+        self.fp8 = isinstance(mods[0], Fp8Linear)
+        self.sizes = [m.weight.shape[0] for m in mods]
+        self.weight = fuse_linears(mods) if len(mods) > 1 else mods[0].weight.data
+        self.scale = (torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in mods])
+                      if self.fp8 else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return fp8_linear(x, self.weight, self.scale)
+        return F.linear(x, self.weight)
+
+
+class ProjGroup:
+    """Linears sharing an input, as few GEMMs as their kinds allow (one for a bf16 model; one
+    per kind for FP8, where the router, shared-expert gate and GDN a/b stay bf16). Calling it
+    returns the modules' outputs in the given order (views of the GEMM outputs)."""
+
+    def __init__(self, mods: list[nn.Module]):
+        kinds: dict[bool, list[int]] = {}
+        for j, m in enumerate(mods):
+            kinds.setdefault(isinstance(m, Fp8Linear), []).append(j)
+        self.parts = [(Proj([mods[j] for j in idx]), idx) for idx in kinds.values()]
+        self.n = len(mods)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out: list = [None] * self.n
+        for proj, idx in self.parts:
+            for j, y in zip(idx, torch.split(proj(x), proj.sizes, dim=-1)):
+                out[j] = y
+        return out
 
 
 def _fla_chunk():
@@ -68,7 +108,7 @@ class FastPath:
     def __init__(self, model: nn.Module, cache: HybridCache, max_batch: int, max_pages: int,
                  use_graphs: bool = True, use_fla: bool = True):
         self.model = model
-        self.cfg = cfg = model.config
+        self.cfg = model.config
         self.cache = cache
         self.device = cache.k.device
         self.dtype = model.lm_head.weight.dtype
@@ -76,19 +116,32 @@ class FastPath:
         # keeps the reference recurrence
         self.fla = (_fla_chunk() if (use_fla and self.device.type == "cuda"
                                      and self.dtype != torch.float32) else None)
-        self.w_in: dict[int, torch.Tensor] = {}
+        # per layer: the input projections (one GEMM per weight kind), the mixer's output
+        # projection, the MoE's router|shared gate|shared up|shared-expert gate, shared down
+        self.p_in: dict[int, ProjGroup] = {}
+        self.p_out: dict[int, Proj] = {}
+        self.p_moe: dict[int, ProjGroup] = {}
+        self.p_down: dict[int, Proj] = {}
+        self.experts: dict[int, tuple] = {}  # FP8 experts: per-row scales (gate_up, down)
         for i, layer in enumerate(model.model.layers):
             if layer.layer_type == "linear_attention":
                 m = layer.linear_attn
-                self.w_in[i] = fuse_linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+                self.p_in[i] = ProjGroup([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+                self.p_out[i] = Proj([m.out_proj])
             else:
                 m = layer.self_attn
-                self.w_in[i] = fuse_linears([m.q_proj, m.k_proj, m.v_proj])
-        self.w_moe = {}
-        for i, layer in enumerate(model.model.layers):
+                self.p_in[i] = ProjGroup([m.q_proj, m.k_proj, m.v_proj])
+                self.p_out[i] = Proj([m.o_proj])
             mlp = layer.mlp
-            self.w_moe[i] = fuse_linears([mlp.gate, mlp.shared_expert.gate_proj,
-                                          mlp.shared_expert.up_proj, mlp.shared_expert_gate])
+            self.p_moe[i] = ProjGroup([mlp.gate, mlp.shared_expert.gate_proj,
+                                       mlp.shared_expert.up_proj, mlp.shared_expert_gate])
+            self.p_down[i] = Proj([mlp.shared_expert.down_proj])
+            ex = mlp.experts
+            if fp8.is_fp8_experts(ex):
+                inter = ex.down_proj.shape[2]
+                gu = torch.cat([fp8.row_scales(ex.gate_up_proj_scale_inv[:, 0], inter),
+                                fp8.row_scales(ex.gate_up_proj_scale_inv[:, 1], inter)], dim=1)
+                self.experts[i] = (gu, fp8.row_scales(ex.down_proj_scale_inv, ex.down_proj.shape[1]))
         # decode graph state
         self.max_batch = max_batch
         self.max_pages = max_pages
@@ -103,17 +156,17 @@ class FastPath:
     # -------------------------------------------------------------------------------------------
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg, mlp = self.cfg, self.model.model.layers[i].mlp
-        E, Is = cfg.num_experts, cfg.shared_expert_intermediate_size
-        r = F.linear(x, self.w_moe[i])
+        E = cfg.num_experts
+        r, sg, su, seg = self.p_moe[i](x)
         if x.shape[0] <= ROUTE_ALIGN_USE_UP_TO and not E & (E - 1):  # small decode: one launch
-            w, ids, order, offsets = route_align(r[:, :E], cfg.num_experts_per_tok)
+            w, ids, order, offsets = route_align(r, cfg.num_experts_per_tok)
             aligned = (order, offsets)
         else:
-            w, ids = ref.route_topk(r[:, :E], cfg.num_experts_per_tok)
+            w, ids = ref.route_topk(r, cfg.num_experts_per_tok)
             aligned = None
-        routed = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned)
-        sg, su, seg = r[:, E:E + Is], r[:, E + Is:E + 2 * Is], r[:, E + 2 * Is:]
-        shared = mlp.shared_expert.down_proj(F.silu(sg) * su)
+        routed = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned,
+                           *self.experts.get(i, (None, None)))
+        shared = self.p_down[i](F.silu(sg) * su)
         return routed + torch.sigmoid(seg) * shared
 
     def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
@@ -122,16 +175,15 @@ class FastPath:
         cfg, m = self.cfg, self.model.model.layers[i].linear_attn
         li = self.cache.gdn_index[i]
         T = x.shape[0]
-        C, V, HV, HK = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
-        p = F.linear(x, self.w_in[i])
-        qkv, z, b, a = p[:, :C], p[:, C:C + V], p[:, C + V:C + V + HV], p[:, C + V + HV:]
+        V, HK = cfg.value_dim, cfg.linear_num_key_heads
+        qkv, z, b, a = self.p_in[i](x)
         w = m.conv1d.weight[:, 0, :]
         conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
         if batch is None:  # graph mode: every row is a decode row
             y = conv_step(qkv, conv_cache, w, dec_slots)
             core = recurrent_step(y, a, b, z, rec_cache, dec_slots, m.A_log, m.dt_bias,
                                   m.norm.weight, HK, m.norm.eps)
-            return m.out_proj(core)
+            return self.p_out[i](core)
         core = torch.empty(T, V, dtype=x.dtype, device=x.device)
         if dec_rows is not None:
             y = conv_step(qkv[dec_rows], conv_cache, w, dec_slots)
@@ -141,7 +193,7 @@ class FastPath:
         pre = batch.seqs  # the caller left out the decode rows
         if pre:
             self._gdn_prefill(m, pre, qkv, a, b, z, core, conv_cache, rec_cache)
-        return m.out_proj(core)
+        return self.p_out[i](core)
 
     def _gdn_prefill(self, m, seqs, qkv, a, b, z, core, conv_cache, rec_cache):
         cfg = self.cfg
@@ -215,27 +267,25 @@ class FastPath:
     def _attn_qkv(self, i, x, cos, sin):
         cfg, m = self.cfg, self.model.model.layers[i].self_attn
         T, D, Hq, Hkv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        p = F.linear(x, self.w_in[i])
-        qg = p[:, :Hq * 2 * D].view(T, Hq, 2 * D)
+        qg, k, v = self.p_in[i](x)
+        qg = qg.view(T, Hq, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
-        k = p[:, Hq * 2 * D:Hq * 2 * D + Hkv * D].view(T, Hkv, D)
-        v = p[:, Hq * 2 * D + Hkv * D:].view(T, Hkv, D)
+        k = k.view(T, Hkv, D)
+        v = v.view(T, Hkv, D)
         q = ref.apply_partial_rope(m.q_norm(q), cos, sin)
         k = ref.apply_partial_rope(m.k_norm(k), cos, sin)
         return q, k, v, gate
 
     def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):
-        m = self.model.model.layers[i].self_attn
         li = self.cache.attn_index[i]
         q, k, v, gate = self._attn_qkv(i, x, cos, sin)
         kc, vc = self.cache.k[li], self.cache.v[li]
         kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_rows, k)
         vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_rows, v)
         o = paged_decode_attention(q.contiguous(), kc, vc, table, lens)
-        return m.o_proj(o.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+        return self.p_out[i](o.reshape(x.shape[0], -1) * torch.sigmoid(gate))
 
     def _attn_eager(self, i, x, cos, sin, batch: ForwardBatch):
-        m = self.model.model.layers[i].self_attn
         li = self.cache.attn_index[i]
         q, k, v, gate = self._attn_qkv(i, x, cos, sin)
         kf = self.cache.k[li].view(-1, *self.cache.k.shape[-2:])
@@ -263,7 +313,7 @@ class FastPath:
                 mask = torch.ones(L, S, dtype=torch.bool, device=x.device).tril(S - L)
                 o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
             out[r] = o[0].transpose(0, 1)
-        return m.o_proj(out.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+        return self.p_out[i](out.reshape(x.shape[0], -1) * torch.sigmoid(gate))
 
     # -------------------------------------------------------------------------------------------
     # forward

@@ -3,7 +3,11 @@
 Accepted names (model spec §2): `model.language_model.*` (or `model.*` in text-only exports),
 `lm_head.weight`, `mtp.*`; routed experts either fused 3-D (`mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`) or per expert (`mlp.experts.E.{gate,up,down}_proj.weight`); vision
-tensors (`model.visual.*`) are skipped. Every text tensor is consumed exactly once and every
+tensors (`model.visual.*`) are skipped. Block-FP8 checkpoints (spec §9.1, `model/fp8.py`): a
+converted linear's float8_e4m3fn `weight` and its `weight_scale_inv` (fp32 or bf16, kept fp32);
+per-expert scales go into the fused `gate_up_proj_scale_inv[e, 0|1]` / `down_proj_scale_inv[e]`.
+An FP8 tensor for a module the config does not convert, or a bf16 one for a converted module,
+is a LoadError (no silent re-quantization or up-cast). Every text tensor is consumed exactly once and every
 parameter is set exactly once; shapes and dtypes are checked. Anything else is a LoadError that
 names the tensor.
 """
@@ -23,8 +27,9 @@ from tailored.model.qwen36 import Qwen36ForCausalLM
 
 log = logging.getLogger("tailored.loader")
 
-ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_PER_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
@@ -87,7 +92,7 @@ class _Tracker:
             if name in self.whole:
                 continue
             if name in self.pieces:
-                part = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+                part = ("gate", "up") if "gate_up_proj" in name else ("down",)
                 want = {(e, p) for e in range(num_experts) for p in part}
                 lack = want - self.pieces[name]
                 if lack:
@@ -131,22 +136,27 @@ def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bo
                     raise LoadError(f"cannot read tensor {name} from {fname}: {e}") from None
                 if t.dtype not in ALLOWED_DTYPES:
                     raise LoadError(
-                        f"tensor {name} has dtype {t.dtype}; this build loads bf16/fp16/fp32 "
-                        "checkpoints (FP8 is not supported yet)"
+                        f"tensor {name} has dtype {t.dtype}; tailored loads bf16/fp16/fp32 "
+                        "checkpoints and Qwen's block FP8 (float8_e4m3fn + weight_scale_inv)"
                     )
                 pe = _PER_EXPERT.match(pname)
                 if pe:
-                    prefix, e, kind = pe.group(1), int(pe.group(2)), pe.group(3)
+                    prefix, e, kind, leaf = pe.group(1), int(pe.group(2)), pe.group(3), pe.group(4)
                     target = prefix + (".down_proj" if kind == "down_proj" else ".gate_up_proj")
+                    scale = leaf == "weight_scale_inv"
+                    if scale:
+                        target += "_scale_inv"
                     if target not in params:
-                        raise LoadError(f"unexpected tensor {name} (no parameter {target})")
+                        why = (" (the config has no quantization_config: this build reads "
+                               "scales of FP8 checkpoints only)" if scale else "")
+                        raise LoadError(f"unexpected tensor {name} (no parameter {target}){why}")
                     p = params[target]
                     if e >= p.shape[0]:
                         raise LoadError(f"tensor {name}: expert {e} >= num_experts {p.shape[0]}")
                     if kind == "gate_proj":
-                        dst, piece = p.data[e, :inter], (e, "gate")
+                        dst, piece = (p.data[e, 0] if scale else p.data[e, :inter]), (e, "gate")
                     elif kind == "up_proj":
-                        dst, piece = p.data[e, inter:], (e, "up")
+                        dst, piece = (p.data[e, 1] if scale else p.data[e, inter:]), (e, "up")
                     else:
                         dst, piece = p.data[e], (e, "down")
                     _copy(dst, t, name)
@@ -175,4 +185,12 @@ def _open_shard(path: Path):
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise LoadError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    fp8 = torch.float8_e4m3fn
+    if (src.dtype == fp8) != (dst.dtype == fp8):
+        if src.dtype == fp8:
+            raise LoadError(f"tensor {name} is FP8 but config.json's quantization_config does "
+                            "not convert this module (no quantization_config, or it is in "
+                            "modules_to_not_convert)")
+        raise LoadError(f"tensor {name} is {src.dtype} but config.json's quantization_config "
+                        "says this module is FP8 (float8_e4m3fn + weight_scale_inv expected)")
     dst.copy_(src.to(dst.dtype))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailored.config import ModelConfig
+from tailored.model import fp8
 from tailored.model.batch import ForwardBatch, HybridCache
 from tailored.ops import reference as ref
 
@@ -188,7 +189,11 @@ class SparseMoe(nn.Module):
 
     def forward(self, x):
         w, ids = ref.route_topk(self.gate(x), self.top_k)
-        routed = ref.moe_experts(x, w, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if gate_up.dtype == fp8.FP8:  # block-FP8 experts: dequantized one hit expert at a time
+            gate_up = fp8.DequantExperts(gate_up, self.experts.gate_up_proj_scale_inv, x.dtype, True)
+            down = fp8.DequantExperts(down, self.experts.down_proj_scale_inv, x.dtype, False)
+        routed = ref.moe_experts(x, w, ids, gate_up, down)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 

@@ -1,0 +1,99 @@
+"""W8A16 linear for block-FP8 weights (model spec §9.1): y = x · (W_fp8 ⊙ scale)ᵀ.
+
+The weight stays FP8 in memory and is read once per tile (half the bytes of bf16: decode is
+memory bound); each [BLOCK_K, BLOCK_N] tile is converted to the activation dtype (exact: every
+e4m3 value is a bf16 value), multiplied on the tensor cores with fp32 accumulation, and scaled
+by its rows' block scale for that K block before it is added — so BLOCK_K divides 128 and the
+scale is one value per (row, K block). Scales come per row (`fp8.row_scales`, [N, ceil(K/128)]
+fp32), which keeps them right when linears are concatenated along N.
+
+Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_kernels.py);
+the idea as in vLLM's block-FP8 Triton GEMM, with bf16 activations instead of FP8 ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tailored.kernels import dot_precision
+
+SCALE_BLOCK = 128
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
+                       stride_xm, stride_wn, stride_sn, stride_ym,
+                       M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        s = tl.load(s_ptr + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]
+    tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _block_m(M: int) -> int:
+    return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+
+
+_TUNED = None
+
+
+def _tuned():
+    """Autotuned launcher (CUDA): keyed on N, K, BLOCK_M and the power-of-2 row bucket (decode
+    batch sizes tune once each, at warm-up; all prefills > 64 rows share one tuning)."""
+    global _TUNED
+    if _TUNED is None:
+        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
+        _TUNED = triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
+                                 warmup=5, rep=20)(_fp8_linear_kernel)
+    return _TUNED
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, unit column stride) · dequant(weight)ᵀ → [M, N] in x.dtype.
+
+    weight: [N, K] float8_e4m3fn, row stride free, unit column stride; scale_rows: [N,
+    ceil(K/128)] fp32 (`fp8.row_scales`). Raises ValueError on mismatched shapes or dtypes.
+    """
+    M, K = x.shape
+    N, K2 = weight.shape
+    if K2 != K or weight.dtype != torch.float8_e4m3fn or scale_rows.shape != (N, triton.cdiv(K, SCALE_BLOCK)):
+        raise ValueError(f"fp8_linear: x{tuple(x.shape)} weight{tuple(weight.shape)} "
+                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1 or scale_rows.stride(1) != 1:
+        raise ValueError("fp8_linear: weight and scale_rows need a unit column stride")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    bm = _block_m(M)
+    bucket = triton.next_power_of_2(M) if M <= 64 else 0
+    args = (x, weight, scale_rows, y, M, N, K, x.stride(0), weight.stride(0),
+            scale_rows.stride(0), y.stride(0), bucket)
+    prec = dot_precision(x.dtype)
+    if x.is_cuda:
+        _tuned()[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
+            *args, BLOCK_M=bm, DOT_PREC=prec)
+    else:  # Triton's interpreter (CPU tests): a fixed choice
+        bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
+        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec)
+    return y
