@@ -79,7 +79,7 @@ class ModelRunner:
             raise ValueError(f"kernels must be auto, on or off, got {ec.kernels!r}")
         want = ec.kernels == "on" or (ec.kernels == "auto" and self.device.type == "cuda")
         if want:
-            why = kernels.unavailable_reason(self.device.type, next(self.model.parameters()).dtype)
+            why = kernels.unavailable_reason(self.device.type, self.model.lm_head.weight.dtype)
             if why and ec.kernels == "on":
                 raise RuntimeError(f"--kernels on: {why}")
             if why:

@@ -71,6 +71,22 @@ def test_gate_fails_on_a_nudged_weight(monkeypatch, tmp_path):
     assert any("max_logit_err" in b for b in r["breaches"]), r["breaches"]
 
 
+def test_gate_tiny_fp8_against_dequantized_and_bf16_references(tmp_path):
+    """The FP8 twin of the tiny preset: exact (fp32) against its own dequantized weights, and
+    the second comparison, against the bf16 weights it was quantized from, reported."""
+    from tailored.gate.run import run
+
+    out = tmp_path / "gate-fp8.json"
+    assert run(gate_args("--preset", "tiny-fp8", "--only", "code,multi_turn",
+                         "--max-new-tokens", "16", "--report", str(out))) == 0
+    r = json.loads(out.read_text())
+    assert r["manifest"]["precision"] == "fp8" and r["thresholds"]["section"] == "float32"
+    assert r["overall"]["top1"] == 1.0 and r["overall"]["greedy_match"] == 2
+    vb = r["vs_bf16_reference"]
+    assert vb["source"].endswith("tiny-seed0") and len(vb["prompts"]) == 2
+    assert vb["overall"]["max_logit_err"] > 1e-2  # FP8 rounding shows against the bf16 weights
+
+
 def test_prompt_set_is_frozen_and_complete():
     """Chat texts are what our template renders; the categories are there; the long prompt is
     ≥ 8192 tokens; the goldens were made from this very file."""

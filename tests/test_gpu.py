@@ -114,8 +114,8 @@ def test_full_width_4_layers_matches_transformers():
 # ---------------------------------------------------------------------------------------------
 # the kernel path (model/fast.py) on the GPU: vs the plain path, and CUDA graph replay vs eager
 # ---------------------------------------------------------------------------------------------
-def _full4(dtype, seed=1):
-    cfg = ModelConfig.from_dict(preset_config("full", num_layers=4))
+def _full4(dtype, seed=1, precision="bf16"):
+    cfg = ModelConfig.from_dict(preset_config("full", num_layers=4, precision=precision))
     m = build_empty_model(cfg, "cuda", dtype, with_mtp=False)
     init_dummy_weights(m, seed=seed)
     return m
@@ -132,12 +132,14 @@ def _steps(T_a=130, T_b=77):
     ], {1: (T_a, pa), 2: (T_b, pb), 3: (1, [20, 21])}
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_path_matches_plain_full_width(dtype):
-    """Published dims, 4 layers: prefill (FLA when installed), mixed steps, graph decode steps."""
+def test_fast_path_matches_plain_full_width(dtype, precision):
+    """Published dims, 4 layers: prefill (FLA when installed), mixed steps, graph decode steps.
+    fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul)."""
     from tailored.model.fast import FastPath
 
-    model = _full4(dtype)
+    model = _full4(dtype, precision=precision)
     cfg = model.config
     cp = HybridCache(cfg, 32, 16, 5, dtype, "cuda")
     cf = HybridCache(cfg, 32, 16, 5, dtype, "cuda")
@@ -173,14 +175,15 @@ def test_fast_path_matches_plain_full_width(dtype):
               ([6], state[2][0] + 4, 2, False, state[2][1])]
     tok = compare(layout, [0, 40, 41])
     assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), tok.max()
-    print(f"fast vs plain ({dtype}): max per-token rel err per step {errs}")
+    print(f"fast vs plain ({dtype}, {precision}): max per-token rel err per step {errs}")
 
 
-def test_cuda_graph_replay_equals_eager_bitwise():
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_cuda_graph_replay_equals_eager_bitwise(precision):
     """The captured decode graph computes exactly what its body computes eagerly (bf16)."""
     from tailored.model.fast import FastPath
 
-    model = _full4(torch.bfloat16, seed=2)
+    model = _full4(torch.bfloat16, seed=2, precision=precision)
     cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
     fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
     model.fast = fast

@@ -65,7 +65,7 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
         engine.add_request(name, ids, sp)
         if capture:
             n, H = len(ids) + max_new_tokens - 1, model.config.hidden_size
-            dev, dt = runner.device, next(model.parameters()).dtype
+            dev, dt = runner.device, model.lm_head.weight.dtype
             hidden[name] = torch.zeros(n, H, dtype=dt, device=dev)
             filled[name] = torch.zeros(n, dtype=torch.bool, device=dev)
     handle = model.register_forward_hook(hook) if capture else None

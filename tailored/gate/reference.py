@@ -9,8 +9,10 @@ Two ways to give it weights (`load_reference`):
   * checkpoint  — a second, independent load of the checkpoint files (our loader into a fresh
                   model, then adopted the same way): a weight changed in the engine's model after
                   loading (a quantization pass, a bug, tests/test_gate.py's nudge) shows up.
-  * FP8 (later): `reference_from_state_dict(cfg, dequantized_bf16_state_dict, ...)` gives the
-    "FP8 weights dequantized into the reference" of issue 4; the plain bf16 one is `checkpoint`.
+  * FP8 engines: both modes hand the reference the FP8 weights dequantized to the model dtype
+    (`fp8.dequantized_state_dict`, new tensors: ≈ 67 GB at full size) — "the FP8 weights
+    dequantized into the reference" of issue 4. The other FP8 reference, the bf16 checkpoint
+    the FP8 one was quantized from, is `bf16_reference`.
 
 Parameter names: ours equal HF's (`model.*`, `lm_head.weight`; fused experts
 `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]); `mtp.*` is not part of HF's
@@ -92,8 +94,15 @@ def hf_text_config(cfg, attn_impl: str = "sdpa"):
 
 
 def shared_state_dict(model) -> dict[str, torch.Tensor]:
-    """Our model's tensors under HF names (the same storage; MTP dropped)."""
-    return {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+    """Our model's tensors under HF names (the same storage; MTP dropped). Block-FP8 weights
+    are dequantized to the model dtype (new tensors) and their scales dropped."""
+    if model.config.fp8 is not None:
+        from tailored.model.fp8 import dequantized_state_dict
+
+        sd = dequantized_state_dict(model, model.lm_head.weight.dtype)
+    else:
+        sd = model.state_dict()
+    return {k: v for k, v in sd.items() if not k.startswith("mtp.")}
 
 
 def reference_from_state_dict(cfg, state_dict: dict[str, torch.Tensor], device,
@@ -131,7 +140,7 @@ def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = 
         from tailored.model.loader import load_checkpoint
         from tailored.synth import build_empty_model
 
-        p = next(model.parameters())
+        p = model.lm_head.weight
         fresh = build_empty_model(cfg, p.device, p.dtype, with_mtp=False)
         full = cfg.raw.get("text_config", cfg.raw).get("num_hidden_layers", cfg.num_hidden_layers)
         cut = cfg.num_hidden_layers if cfg.num_hidden_layers < full else None
@@ -139,7 +148,33 @@ def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = 
         sd = shared_state_dict(fresh)
     else:
         raise ValueError(f"unknown reference weights mode {mode!r}; use shared or checkpoint")
-    return reference_from_state_dict(cfg, sd, next(model.parameters()).device, attn_impl)
+    return reference_from_state_dict(cfg, sd, model.lm_head.weight.device, attn_impl)
+
+
+def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: int = 0):
+    """The reference with the bf16 weights an FP8 model was quantized from: `source` is a bf16
+    checkpoint directory of the same model, or 'dummy' (the dummy weights of `seed`, which the
+    FP8 dummy model is the quantization of). `cfg` may be the FP8 config (its quantization is
+    dropped here). Raises LoadError/ValueError when the checkpoint does not fit."""
+    from dataclasses import replace
+
+    from tailored.model.loader import load_checkpoint
+    from tailored.synth import build_empty_model, init_dummy_weights
+
+    cfg_b = replace(cfg, fp8=None)
+    m = build_empty_model(cfg_b, device, dtype, with_mtp=False)
+    if source == "dummy":
+        init_dummy_weights(m, seed)
+    else:
+        full = cfg.raw.get("text_config", cfg.raw).get("num_hidden_layers", cfg.num_hidden_layers)
+        cut = cfg.num_hidden_layers if cfg.num_hidden_layers < full else None
+        from tailored.config import ModelConfig
+
+        other = ModelConfig.from_dir(source)
+        if other.fp8 is not None:
+            raise ValueError(f"--bf16-reference {source} is itself an FP8 checkpoint")
+        load_checkpoint(m, source, progress=False, max_layers=cut)
+    return reference_from_state_dict(cfg_b, shared_state_dict(m), device, attn_impl)
 
 
 @torch.inference_mode()

@@ -28,7 +28,8 @@ from tailored.gate import metrics as M
 from tailored.gate.engine_side import engine_greedy, engine_teacher_forced, gate_engine_kwargs
 from tailored.gate.manifest import manifest
 from tailored.gate.prompts import DEFAULT_PROMPTS, REPO, ids_sha256, load_prompts, sha256_file
-from tailored.gate.reference import load_reference, reference_forward, reference_logits
+from tailored.gate.reference import (bf16_reference, load_reference, reference_forward,
+                                     reference_logits)
 
 log = logging.getLogger("tailored.gate")
 
@@ -41,9 +42,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "gate", help="accuracy gate: engine vs transformers on the frozen prompt set",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint_dir", nargs="?", default=None, help="Hugging Face checkpoint dir")
-    p.add_argument("--preset", choices=["tiny", "nano"], default=None,
-                   help="tiny: synthetic tiny checkpoint, seed 0 (CI; fp32 by default); nano: "
-                        "the packaged trained nano model")
+    p.add_argument("--preset", choices=["tiny", "tiny-fp8", "nano"], default=None,
+                   help="tiny: synthetic tiny checkpoint, seed 0 (CI; fp32 by default); tiny-fp8: "
+                        "the same in block FP8 (checked against its dequantized weights and "
+                        "against tiny); nano: the packaged trained nano model")
+    p.add_argument("--bf16-reference", default=None,
+                   help="FP8 checkpoints: the bf16 checkpoint it was quantized from (the second "
+                        "reference; --load-format dummy draws it from --seed)")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="engine and reference dtype (default float32 for --preset tiny and on "
@@ -113,44 +118,64 @@ def score_prompt(hf, model, h_ref: torch.Tensor, h_eng: torch.Tensor, positions:
             "_top_ids": torch.cat(top_ids), "_top_logprobs": torch.cat(top_lp)}
 
 
-def run_gate(stack, prompts, th: dict, *, max_new_tokens: int, max_scored: int,
-             reference_mode: str, attn: str, chunk: int, hidden_from: str = "engine",
-             ) -> tuple[list[dict], dict]:
-    """Core of the gate on a built stack. Returns per-prompt records and timings (s)."""
+def engine_pass(stack, prompts, max_new_tokens: int, chunk: int, hidden_from: str = "engine"):
+    """The engine's side, once for every reference: prompt ids, greedy continuations and the
+    hidden states [T+N-1, H] behind them, per prompt name; and timings (s)."""
     engine, tok = stack.engine, stack.tokenizer
-    model = engine.runner.model
     ids = {p.name: p.encode(tok) for p in prompts}
-    timings = {}
     t = time.monotonic()
     eng_tokens, eng_hidden = engine_greedy(engine, ids, max_new_tokens,
                                            capture=hidden_from == "engine")
-    timings["engine_greedy_s"] = time.monotonic() - t
-    t = time.monotonic()
-    hf = load_reference(stack.model_config, model, reference_mode, stack.checkpoint_dir, attn)
-    timings["reference_load_s"] = time.monotonic() - t
+    timings = {"engine_greedy_s": time.monotonic() - t}
+    if hidden_from != "engine":
+        t = time.monotonic()
+        for p in prompts:
+            eng_hidden[p.name] = engine_teacher_forced(
+                engine, ids[p.name] + eng_tokens[p.name][:-1], chunk)
+        timings["engine_teacher_forced_s"] = time.monotonic() - t
+    return ids, eng_tokens, eng_hidden, timings
+
+
+def score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th: dict, *,
+              max_new_tokens: int, max_scored: int, label: str = "") -> list[dict]:
+    """Teacher-forced reference pass over prompt + the engine's continuation, per prompt, and
+    the metrics against the engine's hidden states (score_prompt)."""
+    model, tok = stack.engine.runner.model, stack.tokenizer
     records = []
     for p in prompts:
         seq = ids[p.name] + eng_tokens[p.name][:-1]  # the last token is never fed back
         t0 = time.monotonic()
         h_ref = reference_forward(hf, seq)
         t1 = time.monotonic()
-        h_eng = eng_hidden.pop(p.name, None)
-        if h_eng is None:
-            h_eng = engine_teacher_forced(engine, seq, chunk)
-        t2 = time.monotonic()
         T = len(ids[p.name])
         pos = M.scored_positions(T, max_new_tokens, max_scored)
         rec = {"name": p.name, "prompt_tokens": T,
-               **score_prompt(hf, model, h_ref, h_eng, pos, T, eng_tokens[p.name],
+               **score_prompt(hf, model, h_ref, eng_hidden[p.name], pos, T, eng_tokens[p.name],
                               th["tie_logit_gap"])}
         g = rec["greedy"]
         g["verdict"] = M.greedy_verdict(g, max_new_tokens, th["min_match_tokens"])
         rec["engine_text"] = tok.decode(eng_tokens[p.name])[:300]
-        rec["timings"] = {"reference_s": t1 - t0, "engine_hidden_s": t2 - t1,
-                          "score_s": time.monotonic() - t2}
+        rec["timings"] = {"reference_s": t1 - t0, "score_s": time.monotonic() - t1}
         records.append(rec)
-        log.info("%-14s T=%5d top1 %.4f kl %.2e err %.2e greedy %s (%d)", p.name, T,
+        log.info("%s%-14s T=%5d top1 %.4f kl %.2e err %.2e greedy %s (%d)", label, p.name, T,
                  rec["top1"], rec["kl_mean"], rec["max_logit_err"], g["verdict"], g["match_len"])
+        del h_ref
+    return records
+
+
+def run_gate(stack, prompts, th: dict, *, max_new_tokens: int, max_scored: int,
+             reference_mode: str, attn: str, chunk: int, hidden_from: str = "engine",
+             ) -> tuple[list[dict], dict]:
+    """Core of the gate on a built stack (one reference). Returns per-prompt records and
+    timings (s)."""
+    ids, eng_tokens, eng_hidden, timings = engine_pass(stack, prompts, max_new_tokens, chunk,
+                                                       hidden_from)
+    t = time.monotonic()
+    hf = load_reference(stack.model_config, stack.engine.runner.model, reference_mode,
+                        stack.checkpoint_dir, attn)
+    timings["reference_load_s"] = time.monotonic() - t
+    records = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th,
+                        max_new_tokens=max_new_tokens, max_scored=max_scored)
     return records, timings
 
 
@@ -161,7 +186,8 @@ def public(rec: dict) -> dict:
 
 def preset_checkpoint(name: str) -> Path:
     """tiny: the synthetic tiny preset, seed 0 (random weights; the goldens' model), written
-    once to $TAILORED_CACHE/tiny-seed0. nano: the packaged trained nano model (tailored/data/nano),
+    once to $TAILORED_CACHE/tiny-seed0; tiny-fp8: the same values in block FP8
+    ($TAILORED_CACHE/tiny-fp8-seed0). nano: the packaged trained nano model (tailored/data/nano),
     the better fixture for bf16 (kb/0001)."""
     from tailored.stack import cache_dir
     from tailored.synth import write_synthetic_checkpoint
@@ -171,10 +197,11 @@ def preset_checkpoint(name: str) -> Path:
         if not (d / "config.json").is_file():
             raise FileNotFoundError(f"no nano checkpoint in {d}")
         return d
-    d = cache_dir() / "tiny-seed0"
+    precision = "fp8" if name == "tiny-fp8" else "bf16"
+    d = cache_dir() / ("tiny-seed0" if precision == "bf16" else "tiny-fp8-seed0")
     if not (d / "model.safetensors.index.json").is_file() or not (d / "tokenizer.json").is_file():
         tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")  # rename: never a half-written dir
-        write_synthetic_checkpoint(tmp, "tiny", seed=0, progress=False)
+        write_synthetic_checkpoint(tmp, "tiny", seed=0, progress=False, precision=precision)
         if d.exists():
             shutil.rmtree(d)
         tmp.rename(d)
@@ -215,7 +242,6 @@ def _run(args) -> int:
 
     t_start = time.monotonic()
     ckpt, dev, dtype, mode = resolve(args)
-    section, th = _section(args.thresholds, dtype)
     only = [s for s in args.only.split(",") if s] if args.only else None
     prompts = load_prompts(args.prompts, only)
     tok = load_tokenizer(ckpt)
@@ -225,18 +251,54 @@ def _run(args) -> int:
                         device=str(dev), dtype=dtype, seed=args.seed, progress=False,
                         **gate_engine_kwargs(lens, args.max_new_tokens,
                                              max_num_batched_tokens=args.max_num_batched_tokens))
+    cfg = stack.model_config
+    fp8 = cfg.fp8 is not None
+    # the engine's compute dtype picks the section; an FP8 checkpoint computed in bf16 has its own
+    section, th = _section(args.thresholds, "fp8" if fp8 and dtype != "float32" else dtype)
+    bf16_src = bf16_source(args, ckpt) if fp8 else None
     t_built = time.monotonic()
-    records, timings = run_gate(stack, prompts, th, max_new_tokens=args.max_new_tokens,
-                                max_scored=args.max_scored_positions, reference_mode=mode,
-                                attn=args.reference_attn, chunk=args.max_num_batched_tokens,
-                                hidden_from=args.hidden_from)
+    ids, eng_tokens, eng_hidden, timings = engine_pass(
+        stack, prompts, args.max_new_tokens, args.max_num_batched_tokens, args.hidden_from)
+    t = time.monotonic()
+    hf = load_reference(cfg, stack.engine.runner.model, mode, stack.checkpoint_dir,
+                        args.reference_attn)
+    timings["reference_load_s"] = time.monotonic() - t
+    kw = {"max_new_tokens": args.max_new_tokens, "max_scored": args.max_scored_positions}
+    records = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th, **kw)
     o = M.overall(records)
     found = M.breaches(o, th)
+    vs_bf16 = None
+    if fp8:  # the second FP8 reference: the bf16 weights before quantization
+        del hf
+        _free(dev)
+        vs_bf16 = {"source": str(bf16_src) if bf16_src else None}
+        if bf16_src is None:
+            vs_bf16["note"] = ("not run: give --bf16-reference DIR (the bf16 checkpoint this FP8 "
+                               "one was quantized from), or use --load-format dummy")
+        else:
+            t = time.monotonic()
+            hf = bf16_reference(cfg, dev, stack.engine.runner.model.lm_head.weight.dtype,
+                                bf16_src, args.reference_attn, args.seed)
+            timings["bf16_reference_load_s"] = time.monotonic() - t
+            rec_b = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th,
+                              label="[vs bf16] ", **kw)
+            del hf
+            _free(dev)
+            vs_bf16["overall"] = M.overall(rec_b)
+            vs_bf16["prompts"] = [public(r) for r in rec_b]
+            bound = th.get("vs_bf16_reference") or {}
+            vs_bf16["thresholds"] = bound
+            b_found = [f"vs bf16 reference: {b}" for b in M.breaches(vs_bf16["overall"], bound)]
+            vs_bf16["breaches"] = b_found
+            found = found + b_found
     enforced = th.get("enforced", True)
     notes = []
     if args.max_new_tokens < th["min_match_tokens"]:
         notes.append(f"max_new_tokens {args.max_new_tokens} < min_match_tokens "
                      f"{th['min_match_tokens']}: greedy match checked over {args.max_new_tokens}")
+    if fp8:
+        notes.append("FP8 engine: 'overall' is against the FP8 weights dequantized into the "
+                     "reference; 'vs_bf16_reference' against the bf16 weights they came from")
     passed = not (found and enforced)
     report = {
         "passed": passed,
@@ -246,12 +308,14 @@ def _run(args) -> int:
             prompts_sha256=sha256_file(args.prompts),
             prompt_ids_sha256=ids_sha256(all_ids),
             extra={"options": {k: v for k, v in vars(args).items() if k != "func"},
-                   "reference_weights": mode, "thresholds_file_sha256": sha256_file(args.thresholds)}),
+                   "precision": cfg.precision, "reference_weights": mode,
+                   "thresholds_file_sha256": sha256_file(args.thresholds)}),
         "thresholds": {"file": str(args.thresholds), "section": section, **th},
         "overall": o,
         "breaches": found,
         "notes": notes,
         "prompts": [public(r) for r in records],
+        "vs_bf16_reference": vs_bf16,
         "timings": {"build_s": t_built - t_start, **timings,
                     "total_s": time.monotonic() - t_start},
     }
@@ -260,6 +324,27 @@ def _run(args) -> int:
         Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False))
     _print_summary(report)
     return 0 if passed else 1
+
+
+def _free(dev) -> None:
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bf16_source(args, ckpt: Path):
+    """Where the bf16 weights behind an FP8 checkpoint come from: --bf16-reference DIR, the
+    tiny preset for --preset tiny-fp8 (its FP8 twin is quantized from it), 'dummy' for
+    --load-format dummy (same seed), else None (that comparison is then reported as not run)."""
+    if args.bf16_reference:
+        return Path(args.bf16_reference)
+    if args.preset == "tiny-fp8":
+        return preset_checkpoint("tiny")
+    if args.load_format == "dummy":
+        return "dummy"
+    return None
 
 
 def _print_summary(r: dict) -> None:
@@ -272,6 +357,14 @@ def _print_summary(r: dict) -> None:
     print(f"overall: top1 {o['top1']:.4f}  KL mean {o['kl_mean']:.2e}  max err "
           f"{o['max_logit_err']:.2e}  greedy match {o['greedy_match']}/{o['prompts']} "
           f"(ties {o['greedy_tie']})  {r['timings']['total_s']:.1f} s")
+    vb = r.get("vs_bf16_reference")
+    if vb and vb.get("overall"):
+        b = vb["overall"]
+        print(f"vs bf16 reference: top1 {b['top1']:.4f}  KL mean {b['kl_mean']:.2e}  max err "
+              f"{b['max_logit_err']:.2e}  greedy match {b['greedy_match']}/{b['prompts']} "
+              f"(ties {b['greedy_tie']})")
+    elif vb:
+        print(f"vs bf16 reference: {vb.get('note')}")
     for b in r["breaches"]:
         print(f"BREACH: {b}")
     print("gate " + ("PASSED" if r["passed"] else "FAILED")

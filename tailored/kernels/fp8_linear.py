@@ -51,19 +51,24 @@ def _block_m(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
-_TUNED = None
+_TUNED: dict = {}
 
 
-def _tuned():
+def _tuned(small: bool):
     """Autotuned launcher (CUDA): keyed on N, K, BLOCK_M and the power-of-2 row bucket (decode
-    batch sizes tune once each, at warm-up; all prefills > 64 rows share one tuning)."""
-    global _TUNED
-    if _TUNED is None:
-        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
-        _TUNED = triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
-                                 warmup=5, rep=20)(_fp8_linear_kernel)
-    return _TUNED
+    batch sizes tune once each, at warm-up; all prefills > 64 rows share one tuning). Two small
+    config sets (memory-bound rows ≤ 64: narrow N tiles for more CTAs; prefill: wide tiles),
+    since every config is one more compile at server start."""
+    if small not in _TUNED:
+        if small:
+            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128}, num_warps=4, num_stages=st)
+                    for bn in (16, 32, 64) for st in (3, 4)]
+        else:
+            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+                    for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
+        _TUNED[small] = triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
+                                        warmup=5, rep=20)(_fp8_linear_kernel)
+    return _TUNED[small]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
@@ -90,7 +95,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
             scale_rows.stride(0), y.stride(0), bucket)
     prec = dot_precision(x.dtype)
     if x.is_cuda:
-        _tuned()[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
+        _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
             *args, BLOCK_M=bm, DOT_PREC=prec)
     else:  # Triton's interpreter (CPU tests): a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 4 on the H200, one call: the FP8 + bf16 kernel/fast-path GPU tests, then `tailored gate`
+# on the full-size dummy model in bf16 and in block FP8 (the FP8 dummy model is the bf16 one of
+# the same seed, quantized; its gate compares with the dequantized weights and with the bf16
+# weights). Reports: $OUT/gate-bf16.json, $OUT/gate-fp8.json; log $OUT/gpu_gate.log.
+#
+# Prepare here: bash scripts/fetch_wheels.sh   (.whl/, git-ignored; fla-core for bf16 prefill)
+# Run there:    device run, carry [".whl"],
+#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [bf16] [fp8]
+source "$(dirname "$0")/device_env.sh" gpu_gate
+PARTS=${*:-tests bf16 fp8}
+GATE_ARGS=${GATE_ARGS:-}
+python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
+python3 -m tailored synth /tmp/full-fp8 --preset full --config-only --dtype fp8 2>&1 | tail -1
+
+if [[ " $PARTS " == *" tests "* ]]; then
+    stamp "GPU tests: kernels (fp8 too), fast path vs plain (bf16 + fp8), graphs"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py \
+        ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | grep -v "^$" | grep -v "Warning\|warn" | tail -30
+fi
+for prec in bf16 fp8; do
+    [[ " $PARTS " == *" $prec "* ]] || continue
+    d=/tmp/full; [ "$prec" = fp8 ] && d=/tmp/full-fp8
+    stamp "gate full $prec (dummy weights, seed 0)"
+    TAILORED_COMMIT=${TAILORED_COMMIT:-unknown} timeout 330 python3 -m tailored gate "$d" \
+        --load-format dummy --device cuda --dtype bfloat16 --report "$OUT/gate-$prec.json" \
+        --log-level info $GATE_ARGS 2>&1 | grep -v "Warning\|warn" | tail -40
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+done
+stamp "done"
