@@ -6,7 +6,10 @@
 #
 # Prepare here: bash scripts/fetch_wheels.sh   (.whl/, git-ignored; fla-core for bf16 prefill)
 # Run there:    device run, carry [".whl"],
-#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [bf16] [fp8]
+#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [probe] [bf16] [fp8]
+# probe: scripts/gate_chaos_probe.py (transformers SDPA vs eager on the same bf16 weights, per
+# dummy init: how much two correct implementations disagree; kb/0008).
+# GATE_ARGS: extra gate flags, e.g. "--dummy-init stable" (the full-size fixture, kb/0008).
 source "$(dirname "$0")/device_env.sh" gpu_gate
 PARTS=${*:-tests bf16 fp8}
 GATE_ARGS=${GATE_ARGS:-}
@@ -17,6 +20,11 @@ if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels (fp8 too), fast path vs plain (bf16 + fp8), graphs"
     timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py \
         ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | grep -v "^$" | grep -v "Warning\|warn" | tail -30
+fi
+if [[ " $PARTS " == *" probe "* ]]; then
+    stamp "chaos probe: transformers SDPA vs eager, bf16, full size, default and stable init"
+    timeout 200 python3 scripts/gate_chaos_probe.py /tmp/full --json "$OUT/chaos-probe.json" 2>&1 \
+        | grep -v "Warning\|warn" | tail -12
 fi
 for prec in bf16 fp8; do
     [[ " $PARTS " == *" $prec "* ]] || continue

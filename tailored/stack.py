@@ -66,12 +66,14 @@ def pick_device(device: str | None) -> torch.device:
 
 def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
                 num_layers: int | None = None, device: str | None = None, dtype: str | None = None,
-                seed: int = 0, progress: bool = True, **engine_kwargs) -> Stack:
+                seed: int = 0, progress: bool = True, dummy_init: str = "default",
+                **engine_kwargs) -> Stack:
     """Build model, runner, engine and tokenizer.
 
     checkpoint_dir None → the embedded tiny synthetic model on the CPU.
     load_format: 'auto' reads safetensors; 'dummy' reads only config.json + tokenizer files and
-    draws the weights on the device with the synthetic statistics.
+    draws the weights on the device with the synthetic statistics (dummy_init: 'default', or
+    'stable' for the gate's full-size fixture, synth.init_spec).
     engine_kwargs: EngineConfig fields (max_model_len, max_num_seqs, page_size, ...).
     """
     if checkpoint_dir is None:
@@ -100,7 +102,7 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     t0 = time.monotonic()
     model = build_empty_model(cfg, dev, dt)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed, init=dummy_init)
         log.info("dummy weights drawn on %s in %.1f s", dev, time.monotonic() - t0)
     elif load_format == "auto":
         load_checkpoint(model, ckpt, progress=progress,

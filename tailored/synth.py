@@ -154,8 +154,28 @@ def to_checkpoint_name(param: str) -> str:
     return param
 
 
-def init_spec(name: str, shape: tuple[int, ...]):
-    """(kind, a, b) describing the distribution of one tensor; see the module docstring."""
+# the residual branches' output projections: what `init="stable"` scales down
+RESIDUAL_OUT = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight",
+                "mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight")
+INITS = ("default", "stable")
+
+
+def init_spec(name: str, shape: tuple[int, ...], init: str = "default", num_layers: int = 40):
+    """(kind, a, b) describing the distribution of one tensor; see the module docstring.
+
+    init 'stable' (the accuracy gate's full-size fixture, kb/0008): the residual branches'
+    output projections get std / sqrt(2·num_layers) (GPT-2's scaled residual init), so that a
+    rounding difference is not amplified chaotically over 40 layers as it is with 'default'.
+    """
+    if init not in INITS:
+        raise ValueError(f"unknown dummy init {init!r}; choose {' or '.join(INITS)}")
+    kind, a, b = _init_spec(name, shape)
+    if init == "stable" and name.endswith(RESIDUAL_OUT) and not name.startswith("mtp."):
+        b = b / math.sqrt(2 * num_layers)
+    return kind, a, b
+
+
+def _init_spec(name: str, shape: tuple[int, ...]):
     last = name.split(".")[-1]
     if name.endswith("embed_tokens.weight"):
         return ("normal", 0.0, 1.0)
@@ -213,14 +233,14 @@ def build_empty_model(cfg: ModelConfig, device, dtype, with_mtp: bool = True):
     return model
 
 
-def _draw_(t: torch.Tensor, name: str, seed: int) -> None:
+def _draw_(t: torch.Tensor, name: str, seed: int, init: str = "default", num_layers: int = 40) -> None:
     """Fill `t` in place with the synthetic values of checkpoint tensor `name` (drawn in fp32
     chunks along dim 0 on t's device, then rounded to t's dtype)."""
     g = torch.Generator(device=t.device)
     g.manual_seed(_seed_for(seed, name))
     rows = max(1, (1 << 26) // max(1, t[0].numel() if t.dim() else 1))
     flat = t if t.dim() else t.view(1)
-    kind, a, b = init_spec(name, tuple(t.shape))
+    kind, a, b = init_spec(name, tuple(t.shape), init, num_layers)
     for s in range(0, flat.shape[0], rows):
         chunk = torch.empty(flat[s:s + rows].shape, dtype=torch.float32, device=t.device)
         if kind == "normal":
@@ -231,8 +251,9 @@ def _draw_(t: torch.Tensor, name: str, seed: int) -> None:
 
 
 @torch.no_grad()
-def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16) -> None:
+def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16, init: str = "default") -> None:
     """Fill every parameter in place with the synthetic statistics (on the model's device).
+    init: 'default' or 'stable' (see init_spec).
 
     FP8 weights get the values the bf16 model of the same seed has (drawn, rounded to `dtype`),
     block-quantized: an FP8 dummy model is the quantization of the bf16 dummy model, so the
@@ -241,25 +262,26 @@ def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16) -> None:
     from tailored.model.fp8 import FP8, quantize_block
 
     params = dict(model.named_parameters())
+    L = model.config.num_hidden_layers
     for name, p in params.items():
         if name.endswith("_scale_inv"):
             continue  # set with its weight
         ck = to_checkpoint_name(name)
         if p.dtype != FP8:
-            _draw_(p.data, ck, seed)
+            _draw_(p.data, ck, seed, init, L)
             continue
         base = name[:-len(".weight")] if name.endswith(".weight") else name
         scale = params[base + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"]
         if p.dim() == 2:
             full = torch.empty(p.shape, dtype=dtype, device=p.device)
-            _draw_(full, ck, seed)
+            _draw_(full, ck, seed, init, L)
             q, s = quantize_block(full)
             p.data.copy_(q)
             scale.data.copy_(s)
             continue
         # routed experts [E, rows, cols]: drawn whole (as the bf16 model), quantized per expert
         full = torch.empty(p.shape, dtype=dtype, device=p.device)
-        _draw_(full, ck, seed)
+        _draw_(full, ck, seed, init, L)
         inter = p.shape[1] // 2
         for e in range(p.shape[0]):
             if name.endswith("gate_up_proj"):

@@ -5,6 +5,9 @@ Positions: for prompt ids (T tokens) + the engine's greedy continuation (N token
 tokens. Units: logits and logprobs in nats; KL in nats.
 
   top-1 agreement   argmax(engine) == argmax(reference), share of scored positions
+  top-1 decisive    the same share over the positions that are not ties: a disagreement is a
+                    tie when logit_ref[argmax_ref] − logit_ref[argmax_eng] ≤ tie_logit_gap (the
+                    reference itself hardly prefers its token; same rule as greedy ties)
   KL(ref ‖ engine)  Σ_v p_ref(v) · (log p_ref(v) − log p_eng(v)), mean and max over positions
   max |logit err|   max over positions and vocabulary of |logit_eng − logit_ref|
   greedy match      length of the common prefix of the engine's and the reference's greedy
@@ -65,7 +68,10 @@ def compare_logits(ref: torch.Tensor, eng: torch.Tensor, top_k: int = 5) -> dict
         log_e[big] = m[:, 0] + torch.log(torch.linalg.vecdot(p[big], (nd - m).exp_()))
     top_v, top_ids = ref.topk(top_k, -1)
     lse = ref_max + z.log()
-    return {"agree": ref_arg == eng.argmax(-1), "kl": (e_d + log_e).clamp_min(0),
+    eng_arg = eng.argmax(-1)
+    ref_at_eng = ref.gather(-1, eng_arg[:, None])[:, 0]
+    return {"agree": ref_arg == eng_arg, "ref_at_eng_argmax": ref_at_eng,
+            "kl": (e_d + log_e).clamp_min(0),
             "max_err": err, "ref_argmax": ref_arg, "ref_max": ref_max, "ref_second": top_v[:, 1],
             "top_ids": top_ids, "top_logprobs": top_v - lse[:, None]}
 
@@ -100,12 +106,16 @@ def greedy_verdict(g: dict, num_new: int, min_match_tokens: int) -> str:
 def overall(prompts: list[dict]) -> dict:
     """Pool per-prompt sums (keys positions, agree, kl_sum, kl_max, max_logit_err, verdict)."""
     pos = sum(p["positions"] for p in prompts)
+    ties = sum(p.get("top1_ties", 0) for p in prompts)
+    agree = sum(p["agree"] for p in prompts)
     v = [p["greedy"]["verdict"] for p in prompts]
     judged = v.count("match") + v.count("mismatch")
     return {
         "prompts": len(prompts),
         "positions": pos,
-        "top1": sum(p["agree"] for p in prompts) / max(pos, 1),
+        "top1": agree / max(pos, 1),
+        "top1_ties": ties,
+        "top1_decisive": agree / max(pos - ties, 1),
         "kl_mean": sum(p["kl_sum"] for p in prompts) / max(pos, 1),
         "kl_max": max((p["kl_max"] for p in prompts), default=0.0),
         "max_logit_err": max((p["max_logit_err"] for p in prompts), default=0.0),
@@ -120,7 +130,8 @@ def overall(prompts: list[dict]) -> dict:
 def breaches(o: dict, th: dict) -> list[str]:
     """Threshold breaches of the overall numbers (a null threshold is not enforced)."""
     out = []
-    checks = [("min_top1", "top1", 1), ("max_kl_mean", "kl_mean", -1),
+    checks = [("min_top1", "top1", 1), ("min_top1_decisive", "top1_decisive", 1),
+              ("max_kl_mean", "kl_mean", -1),
               ("max_logit_err", "max_logit_err", -1),
               ("min_match_fraction", "greedy_match_fraction", 1)]
     for key, metric, sign in checks:

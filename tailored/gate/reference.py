@@ -151,7 +151,8 @@ def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = 
     return reference_from_state_dict(cfg, sd, model.lm_head.weight.device, attn_impl)
 
 
-def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: int = 0):
+def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: int = 0,
+                   dummy_init: str = "default"):
     """The reference with the bf16 weights an FP8 model was quantized from: `source` is a bf16
     checkpoint directory of the same model, or 'dummy' (the dummy weights of `seed`, which the
     FP8 dummy model is the quantization of). `cfg` may be the FP8 config (its quantization is
@@ -164,7 +165,7 @@ def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: in
     cfg_b = replace(cfg, fp8=None)
     m = build_empty_model(cfg_b, device, dtype, with_mtp=False)
     if source == "dummy":
-        init_dummy_weights(m, seed)
+        init_dummy_weights(m, seed, init=dummy_init)
     else:
         full = cfg.raw.get("text_config", cfg.raw).get("num_hidden_layers", cfg.num_hidden_layers)
         cut = cfg.num_hidden_layers if cfg.num_hidden_layers < full else None

@@ -77,6 +77,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="dummy: random weights drawn on the device (implies shared reference)")
     p.add_argument("--num-layers", type=int, default=None, help="first N decoder layers only")
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--dummy-init", choices=["default", "stable"], default="default",
+                   help="statistics of dummy weights; stable: residual output projections "
+                        "scaled by 1/sqrt(2L), the full-size gate fixture (kb/0008)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -92,13 +95,14 @@ def score_prompt(hf, model, h_ref: torch.Tensor, h_eng: torch.Tensor, positions:
                  num_prompt: int, eng_tokens: list[int], tie_logit_gap: float) -> dict:
     """Metrics over `positions` (which include every continuation position), pooled, and the
     greedy comparison; also the reference's top-5 there (tensors under '_' keys)."""
-    agree, kl_sum, kl_max, err, top_ids, top_lp = 0, 0.0, 0.0, 0.0, [], []
+    agree, ties, kl_sum, kl_max, err, top_ids, top_lp = 0, 0, 0.0, 0.0, 0.0, [], []
     cont = {}  # continuation step k -> (ref argmax, ref max, ref logit of e_k, ref 2nd logit)
     for s in range(0, len(positions), SCORE_ROWS):
         rows = torch.tensor(positions[s:s + SCORE_ROWS], device=h_eng.device)
         ref = reference_logits(hf, h_ref[rows])
         c = M.compare_logits(ref, model.compute_logits(h_eng[rows]))
         agree += int(c["agree"].sum())
+        ties += int((~c["agree"] & (c["ref_max"] - c["ref_at_eng_argmax"] <= tie_logit_gap)).sum())
         kl_sum += float(c["kl"].double().sum())
         kl_max = max(kl_max, float(c["kl"].max()))
         err = max(err, float(c["max_err"].max()))
@@ -113,7 +117,8 @@ def score_prompt(hf, model, h_ref: torch.Tensor, h_eng: torch.Tensor, positions:
     steps = [cont[k] for k in range(len(eng_tokens))]
     g = M.compare_greedy([c[0] for c in steps], eng_tokens, [c[1] for c in steps],
                          [c[2] for c in steps], [c[3] for c in steps], tie_logit_gap)
-    return {"positions": n, "agree": agree, "top1": agree / n, "kl_sum": kl_sum,
+    return {"positions": n, "agree": agree, "top1": agree / n, "top1_ties": ties,
+            "top1_decisive": agree / max(n - ties, 1), "kl_sum": kl_sum,
             "kl_mean": kl_sum / n, "kl_max": kl_max, "max_logit_err": err, "greedy": g,
             "_top_ids": torch.cat(top_ids), "_top_logprobs": torch.cat(top_lp)}
 
@@ -249,6 +254,7 @@ def _run(args) -> int:
     lens = [len(i) for i in all_ids]
     stack = build_stack(ckpt, load_format=args.load_format, num_layers=args.num_layers,
                         device=str(dev), dtype=dtype, seed=args.seed, progress=False,
+                        dummy_init=args.dummy_init,
                         **gate_engine_kwargs(lens, args.max_new_tokens,
                                              max_num_batched_tokens=args.max_num_batched_tokens))
     cfg = stack.model_config
@@ -278,7 +284,7 @@ def _run(args) -> int:
         else:
             t = time.monotonic()
             hf = bf16_reference(cfg, dev, stack.engine.runner.model.lm_head.weight.dtype,
-                                bf16_src, args.reference_attn, args.seed)
+                                bf16_src, args.reference_attn, args.seed, args.dummy_init)
             timings["bf16_reference_load_s"] = time.monotonic() - t
             rec_b = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th,
                               label="[vs bf16] ", **kw)
@@ -348,19 +354,19 @@ def bf16_source(args, ckpt: Path):
 
 
 def _print_summary(r: dict) -> None:
-    print(f"{'prompt':14s} {'T':>6s} {'top1':>7s} {'KL mean':>9s} {'max err':>9s}  greedy")
+    print(f"{'prompt':14s} {'T':>6s} {'top1':>7s} {'decisive':>8s} {'KL mean':>9s} {'max err':>9s}  greedy")
     for p in r["prompts"]:
         g = p["greedy"]
-        print(f"{p['name']:14s} {p['prompt_tokens']:6d} {p['top1']:7.4f} {p['kl_mean']:9.2e} "
-              f"{p['max_logit_err']:9.2e}  {g['verdict']} ({g['match_len']})")
+        print(f"{p['name']:14s} {p['prompt_tokens']:6d} {p['top1']:7.4f} {p['top1_decisive']:8.4f} "
+              f"{p['kl_mean']:9.2e} {p['max_logit_err']:9.2e}  {g['verdict']} ({g['match_len']})")
     o = r["overall"]
-    print(f"overall: top1 {o['top1']:.4f}  KL mean {o['kl_mean']:.2e}  max err "
+    print(f"overall: top1 {o['top1']:.4f} (decisive {o['top1_decisive']:.4f}, {o['top1_ties']} ties)  KL mean {o['kl_mean']:.2e}  max err "
           f"{o['max_logit_err']:.2e}  greedy match {o['greedy_match']}/{o['prompts']} "
           f"(ties {o['greedy_tie']})  {r['timings']['total_s']:.1f} s")
     vb = r.get("vs_bf16_reference")
     if vb and vb.get("overall"):
         b = vb["overall"]
-        print(f"vs bf16 reference: top1 {b['top1']:.4f}  KL mean {b['kl_mean']:.2e}  max err "
+        print(f"vs bf16 reference: top1 {b['top1']:.4f} (decisive {b['top1_decisive']:.4f})  KL mean {b['kl_mean']:.2e}  max err "
               f"{b['max_logit_err']:.2e}  greedy match {b['greedy_match']}/{b['prompts']} "
               f"(ties {b['greedy_tie']})")
     elif vb:
