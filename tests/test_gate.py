@@ -87,6 +87,24 @@ def test_gate_tiny_fp8_against_dequantized_and_bf16_references(tmp_path):
     assert vb["overall"]["max_logit_err"] > 1e-2  # FP8 rounding shows against the bf16 weights
 
 
+def test_bf16_gate_measures_the_noise_floor(tmp_path):
+    """bf16 sections compare transformers with itself (SDPA vs eager) in the same run and judge
+    the engine relative to that floor; the tie gap used is at least the floor's max error. (The
+    tiny random model in bf16 on the CPU plain path is far above its floor, kb/0001 and kb/0008:
+    only the mechanics are checked here; the bf16 verdict is the H200 run's.)"""
+    from tailored.gate.run import run
+
+    out = tmp_path / "gate-bf16.json"
+    rc = run(gate_args("--preset", "tiny", "--dtype", "bfloat16", "--only", "chinese",
+                       "--max-new-tokens", "4", "--report", str(out)))
+    r = json.loads(out.read_text())
+    f = r["noise_floor"]
+    assert rc in (0, 1) and f["implementation"] == "transformers attn sdpa vs eager"
+    assert 0.5 < f["top1"] <= 1 and f["kl_mean"] > 0 and f["positions"] == r["overall"]["positions"]
+    assert r["thresholds"]["tie_logit_gap"] >= f["max_logit_err"]
+    assert r["thresholds"]["min_top1"] is None and "top1_decisive" in r["overall"]
+
+
 def test_prompt_set_is_frozen_and_complete():
     """Chat texts are what our template renders; the categories are there; the long prompt is
     ≥ 8192 tokens; the goldens were made from this very file."""
