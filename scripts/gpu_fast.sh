@@ -24,6 +24,9 @@ print(json.dumps({"commit": os.environ.get("TAILORED_COMMIT", "unknown"), "gpu":
                   "triton": triton.__version__, "fla": fla_v}, indent=1))
 PY
 python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
+python3 -m tailored synth /tmp/full-fp8 --preset full --config-only --dtype fp8 2>&1 | tail -1
+PRECISIONS=${PRECISIONS:-bf16}  # e.g. "bf16 fp8": micro and serve run once per precision
+ckpt() { [ "$1" = fp8 ] && echo /tmp/full-fp8 || echo /tmp/full; }
 
 if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels, fast path, graphs"
@@ -32,28 +35,32 @@ if [[ " $PARTS " == *" tests "* ]]; then
 fi
 
 if [[ " $PARTS " == *" micro "* ]]; then
-    stamp "in-process step timings"
-    timeout 240 python3 scripts/bench_decode.py /tmp/full --batches 1,8,32 --json "$OUT/micro.json" \
-        --profile 2>&1 | tail -75
+    for prec in $PRECISIONS; do
+        stamp "in-process step timings ($prec)"
+        timeout 240 python3 scripts/bench_decode.py "$(ckpt $prec)" --batches 1,8,32 \
+            --json "$OUT/micro-$prec.json" ${MICRO_ARGS:-} 2>&1 | tail -${MICRO_TAIL:-20}
+    done
 fi
 
 if [[ " $PARTS " == *" serve "* ]]; then
-    stamp "serve full-size dummy bf16"
-    python3 -m tailored serve /tmp/full --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
-        --port 8000 > "$OUT/server.log" 2>&1 &
+  for prec in $PRECISIONS; do
+    stamp "serve full-size dummy $prec"
+    python3 -m tailored serve "$(ckpt $prec)" --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
+        --port 8000 > "$OUT/server-$prec.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 240); do
         python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
-        kill -0 $pid 2>/dev/null || { echo "server died"; tail -40 "$OUT/server.log"; break; }
+        kill -0 $pid 2>/dev/null || { echo "server died"; tail -40 "$OUT/server-$prec.log"; break; }
         sleep 1
     done
     stamp "server ready"
     timeout 200 python3 -m tailored bench run --base-url http://127.0.0.1:8000 --concurrency 1,32 \
         --num-prompts 6,64 --input-len 1024 --output-len 512 --ignore-eos --num-warmups 1 \
-        --precision bf16 --checkpoint-dir /tmp/full --label tailored-bf16 \
-        --out "$OUT/tailored-bf16.json" 2>&1 | tail -30
+        --precision $prec --checkpoint-dir "$(ckpt $prec)" --label tailored-$prec \
+        --out "$OUT/tailored-$prec.json" 2>&1 | tail -30
     kill $pid; wait $pid 2>/dev/null
-    grep -i "error\|traceback" "$OUT/server.log" | head -5
-    tail -3 "$OUT/server.log"
+    grep -i "error\|traceback" "$OUT/server-$prec.log" | head -5
+    tail -3 "$OUT/server-$prec.log"
+  done
 fi
 stamp "done"
