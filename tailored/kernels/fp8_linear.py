@@ -1,13 +1,11 @@
 """W8A16 linear for block-FP8 weights (model spec §9.1): y = x · (W_fp8 ⊙ scale)ᵀ.
 
 The weight stays FP8 in memory and is read once per tile (half the bytes of bf16: decode is
-memory bound); each [BLOCK_K, BLOCK_N] tile is dequantized in registers — w · scale in fp32,
-rounded once to the activation dtype, exactly as `fp8.dequantize_block` does — and multiplied
-on the tensor cores with fp32 accumulation. Dequantizing before the dot (not scaling partial
-sums after it) lets BLOCK_K span several 128-blocks: long K tiles are what a memory-bound
-decode GEMV needs (kb/0008: 128-wide K tiles made W8A16 slower than cuBLAS bf16). Scales come
-per row (`fp8.row_scales`, [N, ceil(K/128)] fp32), which keeps them right when linears are
-concatenated along N.
+memory bound); each [BLOCK_K, BLOCK_N] tile is converted to the activation dtype (exact: every
+e4m3 value is a bf16 value), multiplied on the tensor cores with fp32 accumulation, and scaled
+by its rows' block scale for that K block before it is added — so BLOCK_K divides 128 and the
+scale is one value per (row, K block). Scales come per row (`fp8.row_scales`, [N, ceil(K/128)]
+fp32), which keeps them right when linears are concatenated along N.
 
 Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_kernels.py);
 the idea as in vLLM's block-FP8 Triton GEMM, with bf16 activations instead of FP8 ones.
@@ -43,10 +41,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        s = tl.load(s_ptr + n[None, :] * stride_sn + kk[:, None] // 128,
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # per element, L1-cached
-        wd = (w.to(tl.float32) * s).to(a.dtype)
-        acc = tl.dot(a, wd, acc, input_precision=DOT_PREC)
+        s = tl.load(s_ptr + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]
     tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -65,8 +61,8 @@ def _tuned(small: bool):
     since every config is one more compile at server start."""
     if small not in _TUNED:
         if small:
-            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
-                    for bn in (16, 32, 64) for bk in (256, 512) for st in (3, 4)]
+            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128}, num_warps=4, num_stages=st)
+                    for bn in (16, 32, 64) for st in (3, 4)]
         else:
             cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
                     for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
@@ -102,7 +98,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
         _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
             *args, BLOCK_M=bm, DOT_PREC=prec)
     else:  # Triton's interpreter (CPU tests): a fixed choice
-        bn, bk = 32, min(256, max(16, triton.next_power_of_2(K)))
+        bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
             *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec)
     return y

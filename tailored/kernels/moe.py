@@ -68,16 +68,14 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr, ws_ptr,
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None],
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if W_FP8:  # dequantize the tile (w · its rows' K-block scale, fp32, rounded once)
-                sk = kk[:, None] // 128
-                sg = tl.load(ws_base + n[None, :] * stride_sn + sk,
-                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                su = tl.load(ws_base + (I + n)[None, :] * stride_sn + sk,
-                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                wg = (wg.to(tl.float32) * sg).to(x.dtype)
-                wu = (wu.to(tl.float32) * su).to(x.dtype)
-            acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
+            if W_FP8:  # FP8 tile → x's dtype (exact), times its rows' scale for this K block
+                sg = tl.load(ws_base + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                su = tl.load(ws_base + (I + n) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                acc_g += tl.dot(x, wg.to(x.dtype), input_precision=DOT_PREC) * sg[None, :]
+                acc_u += tl.dot(x, wu.to(x.dtype), input_precision=DOT_PREC) * su[None, :]
+            else:
+                acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -110,11 +108,11 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr, ws_ptr,
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if W_FP8:  # dequantize the tile, as in gate_up
-                sw = tl.load(ws_base + n[None, :] * stride_sn + kk[:, None] // 128,
-                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                w = (w.to(tl.float32) * sw).to(a.dtype)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if W_FP8:
+                sw = tl.load(ws_base + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * sw[None, :]
+            else:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -135,11 +133,12 @@ def _blocks(num_pairs: int, num_experts: int):
 def _tuned(kernel, decode: bool, fp8: bool = False):
     """Autotuned launcher (CUDA only) keyed on the model dims, BLOCK_M and the pair-count
     bucket; tuned when first seen (the runner warms every decode batch size up before CUDA
-    graph capture, so no tuning ever happens inside a capture). FP8 weights are dequantized per
-    tile (any BLOCK_K); a separate launcher so that their tuning is their own."""
+    graph capture, so no tuning ever happens inside a capture). FP8 weights: BLOCK_K ≤ 128 (one
+    scale per row and K tile)."""
     if decode:
         cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                for bn in (16, 32, 64) for bk in (128, 256) for w in (4,) for st in (3, 4)]
+                for bn in (16, 32, 64) for bk in ((64, 128) if fp8 else (128, 256))
+                for w in (4,) for st in (3, 4)]
     else:
         cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
                 for bn in (64, 128) for bk in (64,) for w in (4, 8)]
@@ -229,9 +228,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     aligned: (order, offsets) from `route_align` (else `moe_align` runs here).
     Block-FP8 experts (spec §9.1): gate_up/down float8_e4m3fn with per-row scales
     gate_up_scale [E, 2I, ceil(H/128)] and down_scale [E, H, ceil(I/128)] fp32
-    (`fp8.row_scales`); each weight tile is dequantized in registers (w · scale in fp32,
-    rounded once to x's dtype: the values of `fp8.dequantize_block`), then multiplied as bf16.
-    The reference is `ref.moe_experts` over `fp8.DequantExperts`.
+    (`fp8.row_scales`); the reference is `ref.moe_experts` over `fp8.DequantExperts`.
     Returns [T, H] in x.dtype. Raises ValueError on mismatched shapes.
     """
     T, H = x.shape
