@@ -46,7 +46,10 @@ def main():
     ap.add_argument("--tailored-bf16", required=True)
     ap.add_argument("--vllm-bf16-c1", required=True)
     ap.add_argument("--vllm-bf16-c32", required=True)
-    ap.add_argument("--fp8-missing", default="not measured yet: the FP8 path is not built")
+    ap.add_argument("--tailored-fp8", default=None)
+    ap.add_argument("--vllm-fp8-c1", default=None)
+    ap.add_argument("--vllm-fp8-c32", default=None)
+    ap.add_argument("--fp8-missing", default="not measured yet")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results/latest.json")
     a = ap.parse_args()
@@ -54,13 +57,20 @@ def main():
         "schema": "tailored-latest/1",
         "note": a.note,
         "bf16": _metrics(a.tailored_bf16, a.vllm_bf16_c1, a.vllm_bf16_c32),
-        "fp8": {"missing": a.fp8_missing},
+        "fp8": (_metrics(a.tailored_fp8, a.vllm_fp8_c1, a.vllm_fp8_c32)
+                if a.tailored_fp8 and a.vllm_fp8_c1 and a.vllm_fp8_c32
+                else {"missing": a.fp8_missing}),
     }
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    for k in ("c1_output_tok_s", "ttft_p50_ms", "c32_output_tok_s"):
-        r = out["bf16"][k]
-        print(f"bf16 {k:18s} tailored {r['tailored']:9.1f}  vllm {r['vllm']:9.1f}  ratio {r['ratio']:.3f}")
-    print(f"bf16 roofline_fraction_c1 {out['bf16']['roofline_fraction_c1']:.3f}")
+    for prec in ("bf16", "fp8"):
+        if "missing" in out[prec]:
+            print(f"{prec}: missing ({out[prec]['missing']})")
+            continue
+        for k in ("c1_output_tok_s", "ttft_p50_ms", "c32_output_tok_s"):
+            r = out[prec][k]
+            print(f"{prec} {k:18s} tailored {r['tailored']:9.1f}  vllm {r['vllm']:9.1f}  "
+                  f"ratio {r['ratio']:.3f}")
+        print(f"{prec} roofline_fraction_c1 {out[prec]['roofline_fraction_c1']:.3f}")
 
 
 if __name__ == "__main__":
