@@ -6,7 +6,9 @@
 #
 # Prepare here: bash scripts/fetch_wheels.sh   (.whl/, git-ignored; fla-core for bf16 prefill)
 # Run there:    device run, carry [".whl"],
-#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [probe] [bf16] [fp8]
+#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [invariance] [probe] [bf16] [fp8] [golden]
+# invariance: tests/test_gpu_invariance.py (engine-level invariances, kernel path + graphs).
+# golden: scripts/make_golden.py on the full-size gate fixture → $OUT/golden-full/ (reason: GOLDEN_REASON).
 # probe: scripts/gate_chaos_probe.py (transformers SDPA vs eager on the same bf16 weights, per
 # dummy init: how much two correct implementations disagree; kb/0008).
 # GATE_ARGS: extra gate flags, e.g. "--dummy-init stable" (the full-size fixture, kb/0008).
@@ -20,6 +22,11 @@ if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels (fp8 too), fast path vs plain (bf16 + fp8), graphs"
     timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py \
         ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | grep -v "^$" | grep -v "Warning\|warn" | tail -30
+fi
+if [[ " $PARTS " == *" invariance "* ]]; then
+    stamp "GPU invariance suite (engine, kernel path, full width 4 layers fp32)"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_invariance.py 2>&1 \
+        | grep -v "^$" | grep -v "Warning\|warn" | tail -20
 fi
 if [[ " $PARTS " == *" probe "* ]]; then
     stamp "chaos probe: transformers SDPA vs eager, bf16, full size, default and stable init"
@@ -35,4 +42,10 @@ for prec in bf16 fp8; do
         --log-level info $GATE_ARGS 2>&1 | grep -v "Warning\|warn" | tail -40
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
+if [[ " $PARTS " == *" golden "* ]]; then
+    stamp "full-size goldens (dummy, stable init, seed 0, bf16 reference)"
+    timeout 300 python3 scripts/make_golden.py /tmp/full --load-format dummy --dummy-init stable \
+        --device cuda --dtype bfloat16 --out "$OUT/golden-full" \
+        --reason "${GOLDEN_REASON:-kb/0008-full-size-gate-fixture-and-noise-floor.md}" 2>&1 | tail -12
+fi
 stamp "done"

@@ -10,6 +10,9 @@ manifest, and the commit that changes the goldens adds that entry.
     # H200, full size: reference in bf16 sharing the loaded weights (one 67 GB copy)
     python scripts/make_golden.py /ckpt --device cuda --dtype bfloat16 \
         --out eval/golden/full --reason kb/NNNN-why.md
+    # H200, full size without weights on disk: the gate's fixture (dummy, stable init, seed 0)
+    python scripts/make_golden.py /tmp/full --load-format dummy --dummy-init stable \
+        --device cuda --dtype bfloat16 --out eval/golden/full --reason kb/0008-...md
 
 The reference is transformers' Qwen3_5MoeForCausalLM (tailored/gate/reference.py); the engine is
 not run, so goldens do not depend on the code they check.
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: checkpoint on cpu, shared on cuda")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dummy-init", choices=["default", "stable"], default="default")
     ap.add_argument("--cpu-threads", type=int, default=0)
     args = ap.parse_args(argv)
     reason = REPO / args.reason if not Path(args.reason).is_absolute() else Path(args.reason)
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.reference_weights or ("shared" if args.device.startswith("cuda") else "checkpoint")
     # the engine stack only holds the weights here (smallest cache); the engine is not run
     stack = build_stack(ckpt, load_format=args.load_format, device=args.device, dtype=args.dtype,
-                        seed=args.seed, progress=False, max_num_seqs=1, num_pages=2, max_model_len=16)
+                        seed=args.seed, progress=False, dummy_init=args.dummy_init, max_num_seqs=1, num_pages=2, max_model_len=16)
     hf = load_reference(stack.model_config, stack.engine.runner.model, mode, ckpt)
     prompts = load_prompts(args.prompts)
     entries, all_ids = [], []
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                    extra={"reason": str(reason.relative_to(REPO)), "reference_weights": mode,
                           "max_new_tokens": args.max_new_tokens,
                           "max_scored_positions": args.max_scored_positions,
-                          "preset": args.preset, "top_k": 5})
+                          "preset": args.preset, "top_k": 5, "dummy_init": args.dummy_init})
     write_golden(out, man, entries)
     print(f"wrote {out} in {time.monotonic() - t0:.1f} s")
     return 0
