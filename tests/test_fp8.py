@@ -167,3 +167,32 @@ def test_fp8_checkpoint_without_quantization_config_is_refused(tiny_fp8_ckpt, tm
     m = build_empty_model(ModelConfig.from_dir(d), "cpu", torch.float32)
     with pytest.raises(LoadError, match="FP8|scale"):
         load_checkpoint(m, d, progress=False)
+
+
+def test_scales_keep_the_checkpoints_exact_values(tiny_fp8_ckpt, tmp_path):
+    """failure-cases §6: scales rounded to powers of two cost accuracy. Loaded scales equal the
+    file's bit for bit (fp32 on disk, and bf16 on disk — the release's scale dtype is
+    unconfirmed, spec §9.1), none is a power of two by accident, and the kernel path's per-row
+    scales are the same numbers."""
+    from tailored.model.fast import Proj
+
+    pre = "model.language_model.layers.0."
+    name = pre + "linear_attn.out_proj.weight_scale_inv"
+
+    def as_bf16(t):
+        for k in list(t):
+            if k.endswith("weight_scale_inv"):
+                t[k] = t[k].to(torch.bfloat16)
+
+    d = tmp_path / "bf16-scales"
+    _rewrite(tiny_fp8_ckpt, d, as_bf16)
+    for ckpt in (tiny_fp8_ckpt, d):
+        idx = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+        want = load_file(ckpt / idx[name])[name]
+        m = build_empty_model(ModelConfig.from_dir(ckpt), "cpu", torch.float32)
+        load_checkpoint(m, ckpt, progress=False)
+        got = m.model.layers[0].linear_attn.out_proj.weight_scale_inv
+        assert got.dtype == torch.float32 and torch.equal(got, want.float())
+        assert not torch.equal(got, torch.exp2(torch.log2(got).round()))
+        rows = Proj([m.model.layers[0].linear_attn.out_proj]).scale
+        assert torch.equal(rows[::128], got) and torch.equal(rows[-1], got[-1])
