@@ -110,6 +110,10 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
         log.info("weights loaded from %s in %.1f s", ckpt, time.monotonic() - t0)
     else:
         raise ValueError(f"unknown --load-format {load_format!r}; use auto or dummy")
+    if cfg.fp8 is not None:
+        log.info("block-FP8 checkpoint: e4m3 weights with 128x128 scales stay FP8, activations "
+                 "%s (W8A16; activation_scheme %r of the config is not used)", dt_name,
+                 cfg.fp8.activation_scheme)
     runner = ModelRunner(model, cfg, ec, dev, dt)
     engine = Engine(cfg, ec, runner, tok)
     return Stack(engine, tok, cfg, ec, ckpt)

@@ -153,7 +153,7 @@ def test_loader_rejects_mixed_up_fp8(case, tiny_fp8_ckpt, tmp_path):
         (d / "model.safetensors.index.json").write_text(json.dumps(ix))
     m = build_empty_model(ModelConfig.from_dir(d), "cpu", torch.float32)
     msg = {"fp8_for_bf16_module": "is FP8 but", "bf16_for_fp8_module": "says this module is FP8",
-           "missing_scale": "down_proj_scale_inv"}[case]
+           "missing_scale": r"experts\.3\.down_proj\.weight_scale_inv"}[case]
     with pytest.raises(LoadError, match=msg):
         load_checkpoint(m, d, progress=False)
 

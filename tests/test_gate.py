@@ -87,6 +87,29 @@ def test_gate_tiny_fp8_against_dequantized_and_bf16_references(tmp_path):
     assert vb["overall"]["max_logit_err"] > 1e-2  # FP8 rounding shows against the bf16 weights
 
 
+def test_bf16_reference_is_checked_before_the_run(tmp_path, tiny_fp8_ckpt, monkeypatch):
+    """A wrong --bf16-reference fails in seconds, before the engine is built: not a directory,
+    an FP8 checkpoint, another seed's weights (not what the FP8 ones were quantized from), or
+    given for a bf16 checkpoint."""
+    import tailored.stack
+    from tailored.gate.run import preset_checkpoint, run
+    from tailored.synth import write_synthetic_checkpoint
+
+    def no_build(*a, **kw):
+        raise AssertionError("the engine was built before the reference was checked")
+
+    monkeypatch.setattr(tailored.stack, "build_stack", no_build)
+    other = write_synthetic_checkpoint(tmp_path / "seed1", "tiny", seed=1, progress=False)
+    fp8 = str(preset_checkpoint("tiny-fp8"))
+    for argv, msg in [((fp8, "--bf16-reference", str(tmp_path / "nope")), "config.json"),
+                      ((fp8, "--bf16-reference", str(tiny_fp8_ckpt)), "itself an FP8"),
+                      ((fp8, "--bf16-reference", str(other)), "not what the FP8 weights"),
+                      ((str(preset_checkpoint("tiny")), "--bf16-reference", str(other)),
+                       "FP8 checkpoints only")]:
+        with pytest.raises(ValueError, match=msg):
+            run(gate_args(*argv))
+
+
 def test_bf16_gate_measures_the_noise_floor(tmp_path):
     """bf16 sections compare transformers with itself (SDPA vs eager) in the same run and judge
     the engine relative to that floor; the tie gap used is at least the floor's max error. (The

@@ -294,6 +294,8 @@ def _run(args) -> int:
 
     t_start = time.monotonic()
     ckpt, dev, dtype, mode = resolve(args)
+    # checked before anything slow: a wrong --bf16-reference must not cost the engine pass
+    bf16_src = check_bf16_source(bf16_source(args, ckpt), ckpt, args)
     only = [s for s in args.only.split(",") if s] if args.only else None
     prompts = load_prompts(args.prompts, only)
     tok = load_tokenizer(ckpt)
@@ -308,7 +310,6 @@ def _run(args) -> int:
     fp8 = cfg.fp8 is not None
     # the engine's compute dtype picks the section; an FP8 checkpoint computed in bf16 has its own
     section, th = _section(args.thresholds, "fp8" if fp8 and dtype != "float32" else dtype)
-    bf16_src = bf16_source(args, ckpt) if fp8 else None
     t_built = time.monotonic()
     ids, eng_tokens, eng_hidden, timings = engine_pass(
         stack, prompts, args.max_new_tokens, args.max_num_batched_tokens, args.hidden_from)
@@ -397,6 +398,76 @@ def _free(dev) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def check_bf16_source(src, ckpt: Path, args):
+    """Validate the bf16 reference of an FP8 gate before the run: FP8 checkpoint only; a
+    directory must be a bf16 checkpoint of the same architecture whose weights the FP8 ones
+    are a quantization of (layer 0's in_proj_qkv / q_proj and one expert: dequantized FP8 within
+    e4m3 rounding of the bf16 tensor, relative error ≤ 0.1 where a genuine quantization gives
+    ~0.03). Raises ValueError naming the problem. Returns src."""
+    from tailored.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(ckpt)
+    if cfg.fp8 is None:
+        if args.bf16_reference:
+            raise ValueError("--bf16-reference applies to FP8 checkpoints only; "
+                             f"{ckpt} is not one (no FP8 quantization_config)")
+        return None
+    if src is None or src == "dummy" or args.load_format == "dummy":
+        return src
+    src = Path(src)
+    other = ModelConfig.from_dir(src)  # ConfigError for a missing/bad config.json
+    if other.fp8 is not None:
+        raise ValueError(f"--bf16-reference {src} is itself an FP8 checkpoint")
+    same = ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
+            "vocab_size", "layer_types")
+    diff = [f for f in same if getattr(other, f) != getattr(cfg, f)]
+    if diff:
+        raise ValueError(f"--bf16-reference {src} is another model: {diff[0]} differs")
+    _check_quantized_from(ckpt, src)
+    return src
+
+
+def _check_quantized_from(fp8_dir: Path, bf16_dir: Path) -> None:
+    from safetensors import safe_open
+
+    from tailored.model.fp8 import dequantize_block
+    from tailored.model.loader import checkpoint_files
+
+    def where(d):
+        return {n: d / f for f, names in checkpoint_files(d).items() for n in names}
+
+    qf, bf = where(fp8_dir), where(bf16_dir)
+    pre = "model.language_model.layers.0."
+    pairs = []
+    for mod in ("linear_attn.in_proj_qkv", "self_attn.q_proj", "mlp.shared_expert.up_proj"):
+        w = pre + mod + ".weight"
+        if w in qf and w in bf and w[:-len("weight")] + "weight_scale_inv" in qf:
+            pairs.append((w, w, w[:-len("weight")] + "weight_scale_inv", None))
+    e = pre + "mlp.experts.0.down_proj.weight"
+    if e in qf and pre + "mlp.experts.down_proj" in bf:  # fused bf16 experts
+        pairs.append((e, pre + "mlp.experts.down_proj", e + "_scale_inv", 0))
+    elif e in qf and e in bf:
+        pairs.append((e, e, e + "_scale_inv", None))
+    if not pairs:
+        raise ValueError(f"--bf16-reference {bf16_dir}: none of layer 0's FP8 weights is there")
+    for qn, bn, sn, expert in pairs:
+        with safe_open(str(qf[qn]), "pt") as f:
+            q = f.get_tensor(qn)
+        with safe_open(str(qf[sn]), "pt") as f:
+            sc = f.get_tensor(sn)
+        with safe_open(str(bf[bn]), "pt") as f:
+            b = f.get_tensor(bn)
+        b = (b[expert] if expert is not None else b).float()
+        if b.shape != q.shape:
+            raise ValueError(f"--bf16-reference {bf16_dir}: {bn} has shape {tuple(b.shape)}, "
+                             f"the FP8 {qn} {tuple(q.shape)}")
+        err = ((dequantize_block(q, sc, torch.float32) - b).norm() / b.norm().clamp_min(1e-12)).item()
+        if not err <= 0.1:
+            raise ValueError(f"--bf16-reference {bf16_dir} is not what the FP8 weights were "
+                             f"quantized from: {qn} differs from its bf16 tensor by {err:.2f} "
+                             "(relative; block-FP8 rounding gives ~0.03)")
 
 
 def bf16_source(args, ckpt: Path):

@@ -97,10 +97,19 @@ class _Tracker:
                 lack = want - self.pieces[name]
                 if lack:
                     e, p = min(lack)
-                    out.append(f"{name} (expert {e} {p} and {len(lack) - 1} more pieces)")
+                    # the per-expert tensor name as it is on disk
+                    leaf = "weight_scale_inv" if name.endswith("_scale_inv") else "weight"
+                    prefix = name.rsplit(".", 1)[0]
+                    more = f" (and {len(lack) - 1} more expert pieces)" if len(lack) > 1 else ""
+                    out.append(f"{_disk_name(prefix)}.{e}.{p}_proj.{leaf}{more}")
                 continue
-            out.append(name)
+            out.append(_disk_name(name))
         return out
+
+
+def _disk_name(pname: str) -> str:
+    """Our parameter name → the official checkpoint name (for messages)."""
+    return "model.language_model." + pname[len("model."):] if pname.startswith("model.") else pname
 
 
 def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bool = True,
@@ -118,6 +127,18 @@ def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bo
     files = checkpoint_files(ckpt_dir)
     total = sum(len(v) for v in files.values())
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
+    try:
+        _load_files(model, ckpt_dir, files, params, tracker, bar, inter, max_layers)
+    finally:
+        bar.close()  # ends the bar's line, so an error message starts on its own line
+    missing = tracker.missing(cfg.num_experts)
+    if missing:
+        raise LoadError(
+            f"checkpoint {ckpt_dir} lacks {len(missing)} tensor(s), first: {missing[0]}"
+        )
+
+
+def _load_files(model, ckpt_dir, files, params, tracker, bar, inter, max_layers) -> None:
     for fname, names in sorted(files.items()):
         with _open_shard(ckpt_dir / fname) as f:
             for name in names:
@@ -166,12 +187,6 @@ def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bo
                     raise LoadError(f"unexpected tensor {name} in {fname}: the model has no {pname}")
                 _copy(params[pname].data, t, name)
                 tracker.mark(pname, None, name)
-    bar.close()
-    missing = tracker.missing(cfg.num_experts)
-    if missing:
-        raise LoadError(
-            f"checkpoint {ckpt_dir} lacks {len(missing)} tensor(s), first: {missing[0]}"
-        )
 
 
 def _open_shard(path: Path):
