@@ -12,12 +12,12 @@ engine is built after the previous one finished and is used alone.
 
 from __future__ import annotations
 
+import invariance_checks as C
 import pytest
 import torch
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.engine import Engine
-from tailored.engine.types import FinishReason, SamplingParams
 from tailored.gate.engine_side import engine_greedy
 from tailored.runner import ModelRunner
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
@@ -60,61 +60,33 @@ def engine(model, tok, *, budget=2048, max_num_seqs=8, max_model_len=4200, enfor
     return e
 
 
-def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def test_alone_equals_inside_a_batch_of_32(model, tok):
-    g = torch.Generator().manual_seed(7)
-    lens = torch.randint(1, 200, (31,), generator=g).tolist()
-    batch = {f"n{i}": ids(t, 100 + i) for i, t in enumerate(lens)}
-    batch["target"] = ids(90, 1)  # admitted last: its chunks share steps with decode rows
-    toks, hid = engine_greedy(engine(model, tok, budget=96, max_num_seqs=32, max_model_len=512),
-                              batch, 12, capture=True)
-    alone_t, alone_h = engine_greedy(engine(model, tok, max_model_len=512),
-                                     {"target": batch["target"]}, 12, capture=True)
-    assert toks["target"] == alone_t["target"]
-    assert rel(hid["target"], alone_h["target"]) <= TOL
+    C.alone_equals_inside_a_batch_of_32(lambda **kw: engine(model, tok, **kw), max_len=200,
+                                        target_len=90, new=12, budget=96, max_model_len=512,
+                                        tol=TOL)
 
 
 def test_identical_prompts_concurrently_identical_outputs(model, tok):
-    e = engine(model, tok, budget=64, max_num_seqs=8, max_model_len=512)
-    engine_greedy(e, {f"w{i}": ids(30 + 9 * i, 50 + i) for i in range(8)}, 5)  # dirty slots
-    p = ids(150, 3)
-    out, _ = engine_greedy(e, {f"c{i}": p for i in range(8)}, 16)
-    assert all(v == out["c0"] for v in out.values())
+    C.identical_prompts_identical_outputs(lambda **kw: engine(model, tok, **kw),
+                                          prompt_len=150, max_model_len=512)
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 127, 128, 129, 4097])
 def test_chunked_prefill_equals_single_pass_and_prefill_decode(model, tok, T):
     """Budgets 8192 (single pass), 64 (page multiple), 37 (misaligned): same tokens and hidden
     states at every position; then prefill(T−1)+decode == prefill(T)."""
-    P = ids(T, 1000 + T)
-    runs = {}
-    for b in (8192, 64, 37):
-        runs[b] = engine_greedy(engine(model, tok, budget=b, max_num_seqs=2),
-                                {"p": P}, 3, capture=True)
-    ref_t, ref_h = runs[8192]
-    for b, (t, h) in runs.items():
-        assert t["p"] == ref_t["p"], f"budget {b}"
-        assert rel(h["p"], ref_h["p"]) <= TOL, b
-    if T == 1:
-        return
-    e = engine(model, tok, budget=64, max_num_seqs=2)
-    t1, h1 = engine_greedy(e, {"q": P[:T - 1]}, 3, capture=True)
-    t2, h2 = engine_greedy(e, {"q": P[:T - 1] + [t1["q"][0]]}, 2, capture=True)
-    assert t2["q"] == t1["q"][1:]
-    assert rel(h1["q"][:T + 1], h2["q"][:T + 1]) <= TOL
+    P = C.ids(T, 1000 + T)
+    runs = {b: engine_greedy(engine(model, tok, budget=b, max_num_seqs=2), {"p": P}, 3,
+                             capture=True) for b in (8192, 64, 37)}
+    C.chunked_equals_single_pass(runs, 8192, TOL)
+    if T > 1:
+        C.prefill_then_decode_equals_prefill(engine(model, tok, budget=64, max_num_seqs=2), P, TOL)
 
 
 def test_cuda_graph_replay_equals_eager_through_the_engine(model, tok):
     """Same prompts with decode CUDA graphs and with --enforce-eager: same tokens, hidden states
     equal to fp32 rounding (the eager decode runs the prefill-capable kernel layout)."""
-    prompts = {f"r{i}": ids(20 + 37 * i, 300 + i) for i in range(5)}
+    prompts = {f"r{i}": C.ids(20 + 37 * i, 300 + i) for i in range(5)}
     g_t, g_h = engine_greedy(engine(model, tok, max_num_seqs=8, max_model_len=512), prompts, 24,
                              capture=True)
     assert model.fast.graphs, "no decode graph was captured"
@@ -122,29 +94,9 @@ def test_cuda_graph_replay_equals_eager_through_the_engine(model, tok):
                                     enforce_eager=True), prompts, 24, capture=True)
     assert g_t == e_t
     for k in prompts:
-        assert rel(g_h[k], e_h[k]) <= TOL, k
+        assert C.rel(g_h[k], e_h[k]) <= TOL, k
 
 
 def test_abort_frees_pages_and_slots(model, tok):
-    e = engine(model, tok, budget=32, max_num_seqs=3, max_model_len=128, num_pages=30)
-    base = e.stats()
-    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    for i, n in enumerate((5, 60, 20, 7, 9)):
-        e.add_request(f"r{i}", ids(n, 400 + i), sp)
-    reasons = {}
-
-    def step():
-        for o in e.step():
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-
-    step()
-    e.abort_request("r1")
-    e.abort_request("r4")
-    for _ in range(3):
-        step()
-    e.abort_request("r0")
-    while e.has_unfinished():
-        step()
-    assert [reasons[k] for k in ("r0", "r1", "r4")] == [FinishReason.ABORT] * 3
-    assert e.stats() == base
+    C.abort_frees_pages_and_slots(engine(model, tok, budget=32, max_num_seqs=3, max_model_len=128,
+                                         num_pages=30))

@@ -10,13 +10,14 @@ state bug shows up as O(1). Model-level versions: tests/test_model_invariance.py
 
 from __future__ import annotations
 
+import invariance_checks as C
 import pytest
 import torch
 from conftest import rel_err
 
 from tailored.config import EngineConfig
 from tailored.engine.engine import Engine
-from tailored.engine.types import FinishReason, SamplingParams
+from tailored.engine.types import SamplingParams
 from tailored.gate.engine_side import engine_greedy
 from tailored.runner import ModelRunner
 from tailored.tokenizer import load_tokenizer
@@ -41,32 +42,21 @@ def make_engine(model, tok, *, budget=2048, max_num_seqs=8, max_model_len=4200, 
     return Engine(model.config, ec, ModelRunner(model, model.config, ec, "cpu", torch.float32), tok)
 
 
-def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+ids = C.ids
 
 
 def test_alone_equals_inside_a_batch_of_32(tiny_model, tok):
     """A request's greedy tokens (and logits) do not depend on its 31 mixed-length neighbours,
     chunked prefill mixed with their decode rows."""
-    g = torch.Generator().manual_seed(7)
-    lens = torch.randint(1, 100, (31,), generator=g).tolist()
-    batch = {f"n{i}": ids(t, 100 + i) for i, t in enumerate(lens)}
-    batch["target"] = ids(45, 1)  # admitted last: its chunks share steps with decode rows
-    e = make_engine(tiny_model, tok, budget=96, max_num_seqs=32, max_model_len=256)
-    toks, hid = engine_greedy(e, batch, 10, capture=True)
-    alone_t, alone_h = engine_greedy(make_engine(tiny_model, tok, max_model_len=256),
-                                     {"target": batch["target"]}, 10, capture=True)
-    assert toks["target"] == alone_t["target"]
-    assert rel_err(hid["target"], alone_h["target"]) <= TOL
+    C.alone_equals_inside_a_batch_of_32(lambda **kw: make_engine(tiny_model, tok, **kw),
+                                        max_len=100, target_len=45, new=10, budget=96,
+                                        max_model_len=256, tol=TOL)
 
 
 def test_identical_prompts_concurrently_identical_outputs(tiny_model, tok):
     """8 copies at once, on slots dirtied by earlier requests (LIFO reuse), chunked admission."""
-    e = make_engine(tiny_model, tok, budget=64, max_num_seqs=8, max_model_len=256)
-    engine_greedy(e, {f"w{i}": ids(30 + 9 * i, 50 + i) for i in range(8)}, 5)  # dirty slots
-    p = ids(70, 3)
-    out, _ = engine_greedy(e, {f"c{i}": p for i in range(8)}, 16)
-    assert all(v == out["c0"] for v in out.values())
+    C.identical_prompts_identical_outputs(lambda **kw: make_engine(tiny_model, tok, **kw),
+                                          prompt_len=70, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +71,9 @@ def test_chunked_prefill_equals_single_pass_and_prefill_decode(tiny_model, engin
     position). Then prefill(T−1)+decode == prefill(T) (T=1 has no prefill(0))."""
     P = ids(T, 1000 + T)
     runs = {b: engine_greedy(e, {"p": P}, 3, capture=True) for b, e in engines_by_budget.items()}
-    ref_t, ref_h = runs[4096]
-    for b, (t, h) in runs.items():
-        assert t["p"] == ref_t["p"], f"budget {b}"
-        assert rel_err(h["p"], ref_h["p"]) <= TOL, b
-    if T == 1:
-        return
-    # the decoded token must be the engine's own greedy x: so prefill(T−1) = P[:T−1] then
-    # decode x, against prefill(T) = P[:T−1] + [x] in one go
-    e = engines_by_budget[64]
-    t1, h1 = engine_greedy(e, {"q": P[:T - 1]}, 3, capture=True)  # prefill(T−1) + 2 decodes
-    x = t1["q"][0]
-    t2, h2 = engine_greedy(e, {"q": P[:T - 1] + [x]}, 2, capture=True)  # prefill(T) + decode
-    assert t2["q"] == t1["q"][1:]
-    assert rel_err(h1["q"][:T + 1], h2["q"][:T + 1]) <= TOL
+    C.chunked_equals_single_pass(runs, 4096, TOL)
+    if T > 1:  # the decoded token is the engine's own greedy x
+        C.prefill_then_decode_equals_prefill(engines_by_budget[64], P, TOL)
 
 
 def test_4097_chunked_prefill_decode_equals_single_pass(tiny_model, tok):
@@ -175,32 +154,8 @@ def test_steps_leave_other_slots_and_pages_bit_identical(tiny_model, tok):
 
 def test_abort_frees_pages_and_slots(tiny_model, tok):
     """Aborts while waiting, mid-prefill and mid-decode: pools return to their baseline."""
-    e = make_engine(tiny_model, tok, budget=32, max_num_seqs=3, max_model_len=128, num_pages=30)
-    base = e.stats()
-    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    for i, n in enumerate((5, 60, 20, 7, 9)):
-        e.add_request(f"r{i}", ids(n, 400 + i), sp)
-    reasons = {}
-
-    def step():
-        for o in e.step():
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-
-    step()  # r0 prefilled, r1 mid-prefill; r3, r4 wait (3 seqs max)
-    req = e.scheduler.requests
-    assert req["r1"].slot and 0 < req["r1"].num_computed_tokens < 60 and not req["r4"].slot
-    e.abort_request("r1")
-    e.abort_request("r4")
-    for _ in range(3):
-        step()
-    assert req["r0"].output_ids and req["r0"].slot  # mid-decode
-    e.abort_request("r0")
-    while e.has_unfinished():
-        step()
-    assert [reasons[k] for k in ("r0", "r1", "r4")] == [FinishReason.ABORT] * 3
-    assert reasons["r2"] is reasons["r3"] is FinishReason.LENGTH
-    assert e.stats() == base
+    C.abort_frees_pages_and_slots(make_engine(tiny_model, tok, budget=32, max_num_seqs=3,
+                                              max_model_len=128, num_pages=30))
 
 
 # CUDA graph replay == eager through the engine, and the rest of this file on the GPU kernel

@@ -1,0 +1,93 @@
+"""Engine-level invariance checks shared by the CPU suite (tests/test_invariance.py, tiny model,
+plain path) and the GPU suite (tests/test_gpu_invariance.py, full width, kernel path + graphs).
+
+Each check takes `make(**engine_kwargs) -> Engine`; the caller picks model, device, sizes and
+tolerance. Hidden states are the ones the engine computed (gate.engine_side capture).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailored.engine.types import FinishReason, SamplingParams
+from tailored.gate.engine_side import engine_greedy
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def alone_equals_inside_a_batch_of_32(make, *, max_len: int, target_len: int, new: int,
+                                      budget: int, max_model_len: int, tol: float) -> None:
+    """A request's greedy tokens and hidden states do not depend on its 31 mixed-length
+    neighbours (lengths 1..max_len), its chunks sharing steps with their decode rows."""
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, max_len, (31,), generator=g).tolist()
+    batch = {f"n{i}": ids(t, 100 + i) for i, t in enumerate(lens)}
+    batch["target"] = ids(target_len, 1)  # admitted last
+    toks, hid = engine_greedy(make(budget=budget, max_num_seqs=32, max_model_len=max_model_len),
+                              batch, new, capture=True)
+    alone_t, alone_h = engine_greedy(make(max_model_len=max_model_len),
+                                     {"target": batch["target"]}, new, capture=True)
+    assert toks["target"] == alone_t["target"]
+    assert rel(hid["target"], alone_h["target"]) <= tol
+
+
+def identical_prompts_identical_outputs(make, *, prompt_len: int, max_model_len: int) -> None:
+    """8 copies at once, on slots dirtied by earlier requests (LIFO reuse), chunked admission."""
+    e = make(budget=64, max_num_seqs=8, max_model_len=max_model_len)
+    engine_greedy(e, {f"w{i}": ids(30 + 9 * i, 50 + i) for i in range(8)}, 5)  # dirty slots
+    p = ids(prompt_len, 3)
+    out, _ = engine_greedy(e, {f"c{i}": p for i in range(8)}, 16)
+    assert all(v == out["c0"] for v in out.values())
+
+
+def chunked_equals_single_pass(runs: dict, single: int, tol: float) -> None:
+    """runs: budget → engine_greedy(..., capture=True) result of the same prompt."""
+    ref_t, ref_h = runs[single]
+    for b, (t, h) in runs.items():
+        assert t["p"] == ref_t["p"], f"budget {b}"
+        assert rel(h["p"], ref_h["p"]) <= tol, b
+
+
+def prefill_then_decode_equals_prefill(e, P: list[int], tol: float) -> None:
+    """prefill(T−1)+decode of the engine's own greedy x == prefill(T) with P[:T−1]+[x]."""
+    T = len(P)
+    t1, h1 = engine_greedy(e, {"q": P[:T - 1]}, 3, capture=True)
+    t2, h2 = engine_greedy(e, {"q": P[:T - 1] + [t1["q"][0]]}, 2, capture=True)
+    assert t2["q"] == t1["q"][1:]
+    assert rel(h1["q"][:T + 1], h2["q"][:T + 1]) <= tol
+
+
+def abort_frees_pages_and_slots(e) -> None:
+    """Aborts while waiting, mid-prefill and mid-decode: pools return to their baseline.
+    e: an engine with budget 32, 3 sequences, 30 pages."""
+    base = e.stats()
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((5, 60, 20, 7, 9)):
+        e.add_request(f"r{i}", ids(n, 400 + i), sp)
+    reasons = {}
+
+    def step():
+        for o in e.step():
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+
+    step()  # r0 prefilled, r1 mid-prefill; r3, r4 wait (3 seqs max)
+    req = e.scheduler.requests
+    assert req["r1"].slot and 0 < req["r1"].num_computed_tokens < 60 and not req["r4"].slot
+    e.abort_request("r1")
+    e.abort_request("r4")
+    for _ in range(3):
+        step()
+    assert req["r0"].output_ids and req["r0"].slot  # mid-decode
+    e.abort_request("r0")
+    while e.has_unfinished():
+        step()
+    assert [reasons[k] for k in ("r0", "r1", "r4")] == [FinishReason.ABORT] * 3
+    assert reasons["r2"] is reasons["r3"] is FinishReason.LENGTH
+    assert e.stats() == base
