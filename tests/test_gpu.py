@@ -202,3 +202,31 @@ def test_cuda_graph_replay_equals_eager_bitwise(precision):
     assert torch.equal(graph, eager)
     for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), after_eager):
         assert torch.equal(t[:, 1:], s[:, 1:])  # slot/page 0 is the pad sink: skip it
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_eager_prefill_forward_barely_syncs(precision):
+    """A prefill forward (two sequences, one continuing a chunk) issues at most a handful of
+    host-GPU synchronizations: the index tensors come from one pinned copy per forward
+    (StepPlan), not from a pageable copy per layer (~70 before, kb/0007)."""
+    import warnings
+
+    from tailored.model.fast import FastPath
+
+    model = _full4(torch.bfloat16, precision=precision)
+    cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
+    model.fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=False)
+    steps, _ = _steps()
+    model(ForwardBatch.build(steps[0], [0], "cuda"), cache)  # compile/tune outside the count
+    b = ForwardBatch.build(steps[1], [0], "cuda")
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(b, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [x for x in w if "synchroniz" in str(x.message).lower()]
+    print(f"{precision}: {len(syncs)} synchronizing calls in a 4-layer prefill forward")
+    assert len(syncs) <= 6, [str(x.message)[:120] for x in syncs]

@@ -20,6 +20,7 @@ Triton interpreter, fp32) and tests/test_gpu.py (H200, bf16 and fp32, graphs vs 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -98,6 +99,68 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
+@dataclass
+class StepPlan:
+    """Device index tensors of one eager forward, built on the host once and sent in one copy.
+
+    Every layer used to build its own (`torch.tensor(...)` of slots, reset flags, KV rows): a
+    pageable host-to-device copy that synchronizes the stream, ~70 times per prefill forward,
+    so the host could never run ahead of the GPU (kb/0007: 1024-token prefill 131 ms wall for
+    58 ms of GPU time). Views of one int64 buffer:
+      pre_rows [n]: batch rows of the prefill sequences' tokens (in `pre` order);
+      pre_slots [N], pre_reset [N] (0/1): their state slots and reset flags;
+      kv_new[j], kv_ctx[j]: flat KV rows (page·page_size + offset) of seqs[j]'s new tokens and of
+        its whole context 0..end_pos (None when the chunk is the whole context);
+      dec_rows, dec_slots: the decode rows (None when there are none).
+    """
+
+    pre_rows: torch.Tensor
+    pre_slots: torch.Tensor
+    pre_reset: torch.Tensor
+    kv_new: list
+    kv_ctx: list
+    dec_rows: torch.Tensor | None
+    dec_slots: torch.Tensor | None
+
+
+def _kv_rows(page_ids, start: int, end: int, page_size: int) -> np.ndarray:
+    pos = np.arange(start, end, dtype=np.int64)
+    return np.asarray(page_ids, dtype=np.int64)[pos // page_size] * page_size + pos % page_size
+
+
+def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
+    """StepPlan for an eager forward over `seqs` (all), `pre` (prefill-path seqs) and `dec`
+    (decode rows); one host-to-device copy."""
+    parts: list[np.ndarray] = []
+
+    def add(a) -> tuple[int, int]:
+        a = np.asarray(a, dtype=np.int64).reshape(-1)
+        start = sum(len(x) for x in parts)
+        parts.append(a)
+        return start, start + len(a)
+
+    r_rows = add(np.concatenate([np.arange(q.q_start, q.q_start + q.num_tokens) for q in pre])
+                 if pre else [])
+    r_slots = add([q.slot for q in pre])
+    r_reset = add([int(q.reset_state) for q in pre])
+    r_new = [add(_kv_rows(q.page_ids, q.start_pos, q.end_pos, page_size)) for q in seqs]
+    r_ctx = [add(_kv_rows(q.page_ids, 0, q.end_pos, page_size)) if q.start_pos else None
+             for q in seqs]
+    r_dec = add([q.q_start for q in dec])
+    r_dslot = add([q.slot for q in dec])
+    buf = torch.from_numpy(np.concatenate(parts))
+    if torch.device(device).type == "cuda":  # pinned + async: no stream sync at all
+        buf = buf.pin_memory().to(device, non_blocking=True)
+
+    def view(r):
+        return buf[r[0]:r[1]]
+
+    return StepPlan(view(r_rows), view(r_slots), view(r_reset).bool(),
+                    [view(r) for r in r_new], [view(r) if r else None for r in r_ctx],
+                    view(r_dec) if dec else None,
+                    view(r_dslot).to(torch.int32) if dec else None)
+
+
 class FastPath:
     """Kernel forward of one model over one HybridCache. `forward(batch)` = model.forward(batch).
 
@@ -150,6 +213,7 @@ class FastPath:
         self.pool = None
         self._static = None
         self._fla_ctx = None  # (lens, cu_seqlens, cu_seqlens_cpu, chunk_indices) of this forward
+        self._plan: StepPlan | None = None  # index tensors of the current eager forward
 
     # -------------------------------------------------------------------------------------------
     # blocks
@@ -192,27 +256,24 @@ class FastPath:
                                             m.norm.eps)
         pre = batch.seqs  # the caller left out the decode rows
         if pre:
-            self._gdn_prefill(m, pre, qkv, a, b, z, core, conv_cache, rec_cache)
+            self._gdn_prefill(m, pre, qkv, a, b, z, core, conv_cache, rec_cache, self._plan)
         return self.p_out[i](core)
 
-    def _gdn_prefill(self, m, seqs, qkv, a, b, z, core, conv_cache, rec_cache):
+    def _gdn_prefill(self, m, seqs, qkv, a, b, z, core, conv_cache, rec_cache, plan: StepPlan):
         cfg = self.cfg
         HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         w = m.conv1d.weight[:, 0, :]
         g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
-        ys, rows = [], []
+        ys = []
         for s in seqs:  # causal conv per sequence (its own carried window)
             r = slice(s.q_start, s.q_start + s.num_tokens)
             cs = torch.zeros_like(conv_cache[s.slot]) if s.reset_state else conv_cache[s.slot]
             y, cs = ref.causal_conv1d(qkv[r], cs, w)
             conv_cache[s.slot] = cs
             ys.append(y)
-            rows.append(torch.arange(r.start, r.stop, device=qkv.device))
         y = torch.cat(ys)
-        rows = torch.cat(rows)
-        slots = torch.tensor([s.slot for s in seqs], device=qkv.device)
-        reset = torch.tensor([s.reset_state for s in seqs], device=qkv.device)
+        rows, slots, reset = plan.pre_rows, plan.pre_slots, plan.pre_reset
         h0 = torch.where(reset[:, None, None, None], 0.0, rec_cache[slots])
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         n = y.shape[0]
@@ -254,7 +315,8 @@ class FastPath:
 
             lens = [s.num_tokens for s in seqs]
             cu_cpu = torch.tensor([0] + lens).cumsum(0)
-            cu = cu_cpu.to(q.device)
+            cu = (cu_cpu.pin_memory().to(q.device, non_blocking=True) if q.is_cuda
+                  else cu_cpu.to(q.device))  # pinned + async: no stream sync
             ctx = self._fla_ctx = (lens, cu, cu_cpu, prepare_chunk_indices(cu, 64, cu_seqlens_cpu=cu_cpu))
         _, cu, cu_cpu, chunk_indices = ctx
         o, hT = self.fla(q.reshape(1, n, HK, Dk), k.reshape(1, n, HK, Dk),
@@ -292,14 +354,15 @@ class FastPath:
         vf = self.cache.v[li].view(-1, *self.cache.v.shape[-2:])
         out = torch.empty_like(q)
         rep = q.shape[1] // k.shape[1]
-        for s in batch.seqs:
+        plan = self._plan
+        for j, s in enumerate(batch.seqs):
             r = slice(s.q_start, s.q_start + s.num_tokens)
-            kf[self.cache.token_index(s, s.start_pos, s.end_pos)] = k[r]
-            vf[self.cache.token_index(s, s.start_pos, s.end_pos)] = v[r]
+            kf[plan.kv_new[j]] = k[r]
+            vf[plan.kv_new[j]] = v[r]
             if s.start_pos == 0:  # whole context is this chunk: no gather
                 kk, vv = k[r], v[r]
             else:
-                idx = self.cache.token_index(s, 0, s.end_pos)
+                idx = plan.kv_ctx[j]
                 kk, vv = kf[idx], vf[idx]
             # SDPA (flash/efficient kernels on the GPU); bottom-right causal mask for a chunk
             # [1, heads, len, D]: the 4-D layout SDPA's flash/efficient kernels take
@@ -338,15 +401,13 @@ class FastPath:
         x = self.model.model.embed_tokens(batch.input_ids)
         cos, sin = ref.rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         dec = [s for s in batch.seqs if s.num_tokens == 1 and not s.reset_state]
-        dev = x.device
-        dec_rows = dec_slots = None
-        if dec:
-            dec_rows = torch.tensor([s.q_start for s in dec], device=dev)
-            dec_slots = torch.tensor([s.slot for s in dec], dtype=torch.int32, device=dev)
         # sequences that start with a 1-token prompt take the prefill path (it resets the slot)
         pre_batch = ForwardBatch(batch.input_ids, batch.positions,
                                  [s for s in batch.seqs if not (s.num_tokens == 1 and not s.reset_state)],
                                  batch.logits_rows)
+        plan = self._plan = build_plan(batch.seqs, pre_batch.seqs, dec, self.cache.page_size,
+                                       x.device)
+        dec_rows, dec_slots = plan.dec_rows, plan.dec_slots
 
         def mixer(i, hn):
             if self.model.model.layers[i].layer_type == "linear_attention":
