@@ -138,6 +138,11 @@ def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = 
         sd = shared_state_dict(model)
     elif mode == "checkpoint":
         from tailored.model.loader import load_checkpoint
+
+        if cfg.fp8 is not None and model.lm_head.weight.is_cuda:
+            # engine FP8 + a second FP8 load + its dequantized bf16 copy: ~137 GB at full size
+            raise ValueError("--reference-weights checkpoint with an FP8 checkpoint on CUDA "
+                             "needs three copies of the weights; use shared (the default)")
         from tailored.synth import build_empty_model
 
         p = model.lm_head.weight

@@ -123,6 +123,14 @@ class StepPlan:
     dec_slots: torch.Tensor | None
 
 
+def h2d(a: np.ndarray, device) -> torch.Tensor:
+    """int64 numpy → device tensor without a stream sync (pinned, non-blocking on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def _kv_rows(page_ids, start: int, end: int, page_size: int) -> np.ndarray:
     pos = np.arange(start, end, dtype=np.int64)
     return np.asarray(page_ids, dtype=np.int64)[pos // page_size] * page_size + pos % page_size
@@ -148,9 +156,7 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
              for q in seqs]
     r_dec = add([q.q_start for q in dec])
     r_dslot = add([q.slot for q in dec])
-    buf = torch.from_numpy(np.concatenate(parts))
-    if torch.device(device).type == "cuda":  # pinned + async: no stream sync at all
-        buf = buf.pin_memory().to(device, non_blocking=True)
+    buf = h2d(np.concatenate(parts), device)
 
     def view(r):
         return buf[r[0]:r[1]]
@@ -430,7 +436,8 @@ class FastPath:
         if len(dec) == len(batch.seqs):
             return self.forward_decode_graph(batch)
         dec_set = set(dec)
-        rows_d = torch.tensor([batch.seqs[j].q_start for j in dec], device=batch.input_ids.device)
+        dev = batch.input_ids.device
+        rows_d = h2d(np.array([batch.seqs[j].q_start for j in dec]), dev)
         sub_d = ForwardBatch(batch.input_ids[rows_d], batch.positions[rows_d],
                              [batch.seqs[j] for j in dec], [])
         pre, ids, pos, q = [], [], [], 0
@@ -446,9 +453,9 @@ class FastPath:
                           device=batch.input_ids.device)
         out[rows_d] = self.forward_decode_graph(sub_d)
         hp = self.forward_eager(sub_p)
-        rows_p = torch.cat([torch.arange(batch.seqs[j].q_start,
-                                         batch.seqs[j].q_start + batch.seqs[j].num_tokens)
-                            for j in range(len(batch.seqs)) if j not in dec_set]).to(out.device)
+        rows_p = h2d(np.concatenate([np.arange(batch.seqs[j].q_start,
+                                               batch.seqs[j].q_start + batch.seqs[j].num_tokens)
+                                     for j in range(len(batch.seqs)) if j not in dec_set]), dev)
         out[rows_p] = hp
         return out
 
