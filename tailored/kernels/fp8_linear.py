@@ -23,6 +23,22 @@ SCALE_BLOCK = 128
 
 
 @triton.jit
+def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
+             W_FP8: tl.constexpr):
+    """acc + a·w for one [BLOCK_K, BLOCK_N] weight tile at K offset k0. A bf16/fp32 tile is
+    used as is; an FP8 tile is converted to a's dtype (exact) and its partial product scaled by
+    its rows' block scale for K block k0 // 128 (so BLOCK_K ≤ 128): s_ptr + n·stride_sn are
+    the tile rows' per-row scales (`fp8.row_scales`; unused when not W_FP8). Shared by this
+    linear and the MoE expert GEMMs."""
+    if W_FP8:
+        s = tl.load(s_ptr + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]
+    else:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                        stride_xm, stride_wn, stride_sn, stride_ym,
                        M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -41,8 +57,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        s = tl.load(s_ptr + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]
+        acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC, True)
     tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

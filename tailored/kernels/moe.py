@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tailored.kernels import dot_precision
+from tailored.kernels.fp8_linear import tile_dot
 
 
 def moe_align(ids: torch.Tensor, num_experts: int):
@@ -68,14 +69,9 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr, ws_ptr,
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None],
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if W_FP8:  # FP8 tile → x's dtype (exact), times its rows' scale for this K block
-                sg = tl.load(ws_base + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-                su = tl.load(ws_base + (I + n) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-                acc_g += tl.dot(x, wg.to(x.dtype), input_precision=DOT_PREC) * sg[None, :]
-                acc_u += tl.dot(x, wu.to(x.dtype), input_precision=DOT_PREC) * su[None, :]
-            else:
-                acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PREC)
-                acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PREC)
+            acc_g = tile_dot(acc_g, x, wg, ws_base, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8)
+            acc_u = tile_dot(acc_u, x, wu, ws_base + I * stride_sn, n, n_ok, stride_sn, k0,
+                             DOT_PREC, W_FP8)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -108,11 +104,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr, ws_ptr,
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if W_FP8:
-                sw = tl.load(ws_base + n * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-                acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * sw[None, :]
-            else:
-                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
