@@ -79,6 +79,14 @@ class ModelConfig:
         return "fp8" if self.fp8 is not None else "bf16"
 
     @property
+    def load_max_layers(self) -> int | None:
+        """`max_layers` for load_checkpoint: this config's layer count when `with_num_layers`
+        cut it below the checkpoint's (config.json), else None (load every layer)."""
+        text = self.raw.get("text_config", self.raw) if self.raw else {}
+        full = text.get("num_hidden_layers", self.num_hidden_layers)
+        return self.num_hidden_layers if self.num_hidden_layers < full else None
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 

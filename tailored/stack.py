@@ -88,7 +88,6 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
                      "weights, meaningless text) from %s on the CPU", checkpoint_dir)
     ckpt = Path(checkpoint_dir)
     cfg = ModelConfig.from_dir(ckpt)
-    full_layers = cfg.num_hidden_layers
     if num_layers is not None:
         cfg = cfg.with_num_layers(num_layers)
     dev = pick_device(device)
@@ -106,7 +105,7 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
         log.info("dummy weights drawn on %s in %.1f s", dev, time.monotonic() - t0)
     elif load_format == "auto":
         load_checkpoint(model, ckpt, progress=progress,
-                        max_layers=cfg.num_hidden_layers if cfg.num_hidden_layers < full_layers else None)
+                        max_layers=cfg.load_max_layers)
         log.info("weights loaded from %s in %.1f s", ckpt, time.monotonic() - t0)
     else:
         raise ValueError(f"unknown --load-format {load_format!r}; use auto or dummy")

@@ -147,9 +147,8 @@ def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = 
 
         p = model.lm_head.weight
         fresh = build_empty_model(cfg, p.device, p.dtype, with_mtp=False)
-        full = cfg.raw.get("text_config", cfg.raw).get("num_hidden_layers", cfg.num_hidden_layers)
-        cut = cfg.num_hidden_layers if cfg.num_hidden_layers < full else None
-        load_checkpoint(fresh, checkpoint_dir, progress=False, max_layers=cut)  # skips mtp.*
+        load_checkpoint(fresh, checkpoint_dir, progress=False,  # skips mtp.*
+                        max_layers=cfg.load_max_layers)
         sd = shared_state_dict(fresh)
     else:
         raise ValueError(f"unknown reference weights mode {mode!r}; use shared or checkpoint")
@@ -161,7 +160,8 @@ def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: in
     """The reference with the bf16 weights an FP8 model was quantized from: `source` is a bf16
     checkpoint directory of the same model, or 'dummy' (the dummy weights of `seed`, which the
     FP8 dummy model is the quantization of). `cfg` may be the FP8 config (its quantization is
-    dropped here). Raises LoadError/ValueError when the checkpoint does not fit."""
+    dropped here). The caller has checked `source` (gate.run.check_bf16_source: a bf16
+    checkpoint of this model). Raises LoadError when the checkpoint does not fit."""
     from dataclasses import replace
 
     from tailored.model.loader import load_checkpoint
@@ -172,14 +172,7 @@ def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: in
     if source == "dummy":
         init_dummy_weights(m, seed, init=dummy_init)
     else:
-        full = cfg.raw.get("text_config", cfg.raw).get("num_hidden_layers", cfg.num_hidden_layers)
-        cut = cfg.num_hidden_layers if cfg.num_hidden_layers < full else None
-        from tailored.config import ModelConfig
-
-        other = ModelConfig.from_dir(source)
-        if other.fp8 is not None:
-            raise ValueError(f"--bf16-reference {source} is itself an FP8 checkpoint")
-        load_checkpoint(m, source, progress=False, max_layers=cut)
+        load_checkpoint(m, source, progress=False, max_layers=cfg.load_max_layers)
     return reference_from_state_dict(cfg_b, shared_state_dict(m), device, attn_impl)
 
 

@@ -148,60 +148,51 @@ def engine_pass(stack, prompts, max_new_tokens: int, chunk: int, hidden_from: st
     return ids, eng_tokens, eng_hidden, timings
 
 
-def score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th: dict, *,
+def reference_hidden(hf, prompts, ids, eng_tokens) -> dict[str, torch.Tensor]:
+    """One teacher-forced pass of `hf` per prompt over prompt + the engine's continuation (the
+    last token is never fed back): final-normed hidden states [T+N-1, H] per prompt name."""
+    return {p.name: reference_forward(hf, ids[p.name] + eng_tokens[p.name][:-1]) for p in prompts}
+
+
+def score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, ref_hidden, th: dict, *,
               max_new_tokens: int, max_scored: int, label: str = "") -> list[dict]:
-    """Teacher-forced reference pass over prompt + the engine's continuation, per prompt, and
-    the metrics against the engine's hidden states (score_prompt)."""
+    """Per prompt: the metrics of `eng_hidden` against `ref_hidden` (score_prompt; logits by
+    the reference's and by the engine model's lm_head)."""
     model, tok = stack.engine.runner.model, stack.tokenizer
     records = []
     for p in prompts:
-        seq = ids[p.name] + eng_tokens[p.name][:-1]  # the last token is never fed back
         t0 = time.monotonic()
-        h_ref = reference_forward(hf, seq)
-        t1 = time.monotonic()
         T = len(ids[p.name])
         pos = M.scored_positions(T, max_new_tokens, max_scored)
         rec = {"name": p.name, "prompt_tokens": T,
-               **score_prompt(hf, model, h_ref, eng_hidden[p.name], pos, T, eng_tokens[p.name],
-                              th["tie_logit_gap"])}
+               **score_prompt(hf, model, ref_hidden[p.name], eng_hidden[p.name], pos, T,
+                              eng_tokens[p.name], th["tie_logit_gap"])}
         g = rec["greedy"]
         g["verdict"] = M.greedy_verdict(g, max_new_tokens, th["min_match_tokens"])
         rec["engine_text"] = tok.decode(eng_tokens[p.name])[:300]
-        rec["timings"] = {"reference_s": t1 - t0, "score_s": time.monotonic() - t1}
+        rec["timings"] = {"score_s": time.monotonic() - t0}
         records.append(rec)
         log.info("%s%-14s T=%5d top1 %.4f kl %.2e err %.2e greedy %s (%d)", label, p.name, T,
                  rec["top1"], rec["kl_mean"], rec["max_logit_err"], g["verdict"], g["match_len"])
-        del h_ref
     return records
 
 
-def noise_floor(hf, prompts, ids, eng_tokens, cfg, attn: str, max_new_tokens: int,
-                max_scored: int, mode_sd=None) -> dict:
+def noise_floor(hf, stack, prompts, ids, eng_tokens, ref_hidden, th: dict, attn: str,
+                **kw) -> dict:
     """What two correct bf16 implementations of the reference disagree on: transformers with
     the same weights and the other attention kernel (sdpa ↔ eager), teacher-forced on the same
-    tokens as the gate, compared position by position like the engine (top-1, KL, max logit
-    error), pooled over prompts. The bf16/FP8 sections judge the engine against this floor."""
+    tokens as the gate and scored exactly like the engine (score_all, with the second
+    implementation's hidden states in the engine's place), pooled over prompts. The bf16/FP8
+    sections judge the engine against this floor."""
     other = "eager" if attn == "sdpa" else "sdpa"
-    sd = {k: v for k, v in hf.state_dict().items()}
-    hf2 = reference_from_state_dict(cfg, sd, hf.lm_head.weight.device, other)
-    agree = n = 0
-    kl = err = 0.0
-    for p in prompts:
-        seq = ids[p.name] + eng_tokens[p.name][:-1]
-        T = len(ids[p.name])
-        pos = M.scored_positions(T, max_new_tokens, max_scored)
-        ha, hb = reference_forward(hf, seq), reference_forward(hf2, seq)
-        for s in range(0, len(pos), SCORE_ROWS):
-            rows = torch.tensor(pos[s:s + SCORE_ROWS], device=ha.device)
-            c = M.compare_logits(reference_logits(hf, ha[rows]), reference_logits(hf2, hb[rows]))
-            agree += int(c["agree"].sum())
-            n += len(rows)
-            kl += float(c["kl"].double().sum())
-            err = max(err, float(c["max_err"].max()))
-        del ha, hb
+    hf2 = reference_from_state_dict(stack.model_config, hf.state_dict(), hf.lm_head.weight.device,
+                                    other)
+    hidden2 = reference_hidden(hf2, prompts, ids, eng_tokens)
     del hf2
-    return {"implementation": f"transformers attn {attn} vs {other}", "positions": n,
-            "top1": agree / max(n, 1), "kl_mean": kl / max(n, 1), "max_logit_err": err}
+    o = M.overall(score_all(hf, stack, prompts, ids, eng_tokens, hidden2, ref_hidden, th,
+                            label="[floor] ", **kw))
+    return {"implementation": f"transformers attn {attn} vs {other}", "positions": o["positions"],
+            "top1": o["top1"], "kl_mean": o["kl_mean"], "max_logit_err": o["max_logit_err"]}
 
 
 def relative_breaches(o: dict, floor: dict, th: dict) -> list[str]:
@@ -228,7 +219,10 @@ def run_gate(stack, prompts, th: dict, *, max_new_tokens: int, max_scored: int,
     hf = load_reference(stack.model_config, stack.engine.runner.model, reference_mode,
                         stack.checkpoint_dir, attn)
     timings["reference_load_s"] = time.monotonic() - t
-    records = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th,
+    t = time.monotonic()
+    ref_hidden = reference_hidden(hf, prompts, ids, eng_tokens)
+    timings["reference_forward_s"] = time.monotonic() - t
+    records = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, ref_hidden, th,
                         max_new_tokens=max_new_tokens, max_scored=max_scored)
     return records, timings
 
@@ -320,16 +314,21 @@ def _run(args) -> int:
                         args.reference_attn)
     timings["reference_load_s"] = time.monotonic() - t
     kw = {"max_new_tokens": args.max_new_tokens, "max_scored": args.max_scored_positions}
+    t = time.monotonic()
+    ref_hidden = reference_hidden(hf, prompts, ids, eng_tokens)  # one pass, used by all below
+    timings["reference_forward_s"] = time.monotonic() - t
     floor = None
     if th.get("noise_floor"):  # bf16 / FP8: measure what two correct references disagree on
         t = time.monotonic()
-        floor = noise_floor(hf, prompts, ids, eng_tokens, cfg, args.reference_attn, **kw)
+        floor = noise_floor(hf, stack, prompts, ids, eng_tokens, ref_hidden, th,
+                            args.reference_attn, **kw)
         timings["noise_floor_s"] = time.monotonic() - t
         if th.get("tie_gap_from_floor"):  # a gap two correct bf16 runs can flip is a tie
             th = dict(th, tie_logit_gap=max(th["tie_logit_gap"], floor["max_logit_err"]))
         log.info("noise floor (%s): top1 %.4f KL %.2e max err %.3f", floor["implementation"],
                  floor["top1"], floor["kl_mean"], floor["max_logit_err"])
-    records = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th, **kw)
+    records = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, ref_hidden, th, **kw)
+    del ref_hidden
     o = M.overall(records)
     found = M.breaches(o, th) + (relative_breaches(o, floor, th) if floor else [])
     vs_bf16 = None
@@ -345,7 +344,8 @@ def _run(args) -> int:
             hf = bf16_reference(cfg, dev, stack.engine.runner.model.lm_head.weight.dtype,
                                 bf16_src, args.reference_attn, args.seed, args.dummy_init)
             timings["bf16_reference_load_s"] = time.monotonic() - t
-            rec_b = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden, th,
+            rec_b = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden,
+                              reference_hidden(hf, prompts, ids, eng_tokens), th,
                               label="[vs bf16] ", **kw)
             del hf
             _free(dev)
