@@ -259,7 +259,7 @@ def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16, init: str = "
     block-quantized: an FP8 dummy model is the quantization of the bf16 dummy model, so the
     gate can compare it with both.
     """
-    from tailored.model.fp8 import FP8, quantize_block
+    from tailored.model.fp8 import FP8, quantize_block, quantize_experts
 
     params = dict(model.named_parameters())
     L = model.config.num_hidden_layers
@@ -272,28 +272,13 @@ def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16, init: str = "
             continue
         base = name[:-len(".weight")] if name.endswith(".weight") else name
         scale = params[base + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"]
-        if p.dim() == 2:
-            full = torch.empty(p.shape, dtype=dtype, device=p.device)
-            _draw_(full, ck, seed, init, L)
-            q, s = quantize_block(full)
-            p.data.copy_(q)
-            scale.data.copy_(s)
-            continue
-        # routed experts [E, rows, cols]: drawn whole (as the bf16 model), quantized per expert
-        full = torch.empty(p.shape, dtype=dtype, device=p.device)
+        full = torch.empty(p.shape, dtype=dtype, device=p.device)  # as the bf16 model
         _draw_(full, ck, seed, init, L)
-        inter = p.shape[1] // 2
-        for e in range(p.shape[0]):
-            if name.endswith("gate_up_proj"):
-                for j, rows in enumerate((slice(0, inter), slice(inter, 2 * inter))):
-                    q, s = quantize_block(full[e, rows])
-                    p.data[e, rows].copy_(q)
-                    scale.data[e, j].copy_(s)
-            else:
-                q, s = quantize_block(full[e])
-                p.data[e].copy_(q)
-                scale.data[e].copy_(s)
-        del full
+        q, s = (quantize_block(full) if p.dim() == 2
+                else quantize_experts(full, name.endswith("gate_up_proj")))
+        p.data.copy_(q)
+        scale.data.copy_(s)
+        del full, q
 
 
 def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -305,41 +290,41 @@ def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return [(to_checkpoint_name(n), tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-def _fp8_converted(cfg: ModelConfig, ckpt_name: str) -> bool:
-    """Whether checkpoint tensor `ckpt_name` is stored FP8 under cfg's quantization_config."""
+def fp8_tensor_names(cfg: ModelConfig) -> set[str]:
+    """Checkpoint names of the tensors stored FP8 under cfg's quantization_config: decided by
+    the same conversion the loader's model gets (fp8.convert_model_), so synth and loader
+    cannot disagree. Empty for a bf16 config."""
     if cfg.fp8 is None:
-        return False
-    if ckpt_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-        return cfg.fp8.converts(ckpt_name.rsplit(".", 1)[0])
-    if not ckpt_name.endswith(".weight") or any(
-            k in ckpt_name for k in ("norm", "embed_tokens", "conv1d")):
-        return False
-    return cfg.fp8.converts(ckpt_name[:-len(".weight")])
+        return set()
+    from tailored.model.fp8 import FP8, convert_model_
+    from tailored.model.qwen36 import Qwen36ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen36ForCausalLM(cfg, with_mtp=True)
+        convert_model_(model, cfg.fp8)
+    return {to_checkpoint_name(n) for n, p in model.named_parameters() if p.dtype == FP8}
 
 
-def _checkpoint_tensors(cfg: ModelConfig, name: str, t: torch.Tensor):
-    """(name, tensor) pairs that store bf16 tensor `t` in the checkpoint: itself, or its FP8
-    form (quantized weight + weight_scale_inv; fused experts split per expert)."""
-    from tailored.model.fp8 import quantize_block
+def _checkpoint_tensors(fp8_names: set[str], name: str, t: torch.Tensor):
+    """(name, tensor) pairs that store bf16 tensor `t` in the checkpoint: itself, or, when
+    `name` is in fp8_names, its FP8 form (quantized weight + weight_scale_inv; fused experts
+    split per expert)."""
+    from tailored.model.fp8 import quantize_block, quantize_experts
 
-    if not _fp8_converted(cfg, name):
+    if name not in fp8_names:
         yield name, t
         return
-    if name.endswith("mlp.experts.gate_up_proj"):
-        prefix, inter = name[:-len(".gate_up_proj")], t.shape[1] // 2
-        for e in range(t.shape[0]):
-            for kind, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None))):
-                q, s = quantize_block(t[e, rows])
-                yield f"{prefix}.{e}.{kind}.weight", q
-                yield f"{prefix}.{e}.{kind}.weight_scale_inv", s
-        return
-    if name.endswith("mlp.experts.down_proj"):
-        prefix = name[:-len(".down_proj")]
-        for e in range(t.shape[0]):
-            q, s = quantize_block(t[e])
-            yield f"{prefix}.{e}.down_proj.weight", q
-            yield f"{prefix}.{e}.down_proj.weight_scale_inv", s
-        return
+    for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        if name.endswith("mlp.experts." + fused):  # per expert, as the official release
+            prefix, rows = name[:-len(fused) - 1], t.shape[1] // len(parts)
+            q, s = quantize_experts(t, len(parts) == 2)
+            s = s if len(parts) == 2 else s[:, None]
+            for e in range(t.shape[0]):
+                for j, kind in enumerate(parts):
+                    # own storage: safetensors refuses tensors that share memory
+                    yield f"{prefix}.{e}.{kind}.weight", q[e, j * rows:(j + 1) * rows].clone()
+                    yield f"{prefix}.{e}.{kind}.weight_scale_inv", s[e, j].clone()
+            return
     q, s = quantize_block(t)
     yield name, q
     yield name[:-len(".weight")] + ".weight_scale_inv", s
@@ -370,11 +355,12 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
     cfg_dict = preset_config(preset, num_layers, precision)
     cfg = ModelConfig.from_dict(cfg_dict)
     specs = [] if config_only else tensor_specs(cfg)
+    fp8_names = fp8_tensor_names(cfg)
     # plan shards first so file names carry the total count, as HF does
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in specs:
-        nbytes = (1 if _fp8_converted(cfg, name) else 2) * math.prod(shape)
+        nbytes = (1 if name in fp8_names else 2) * math.prod(shape)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -388,7 +374,7 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
         tensors = {}
         for name, shape in shard:
             t = random_tensor(name, shape, seed, device=device)
-            for out_name, out_t in _checkpoint_tensors(cfg, name, t):
+            for out_name, out_t in _checkpoint_tensors(fp8_names, name, t):
                 tensors[out_name] = out_t.cpu()
                 weight_map[out_name] = fname
                 total += out_t.numel() * out_t.element_size()

@@ -46,13 +46,10 @@ def _fp8_experts(E, H, I, g):
     reference, per-row scales for the kernel)."""
     from tailored.model import fp8
 
-    gu = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
-    dn = torch.randn(E, H, I, generator=g) * I ** -0.5
-    qg, sg = fp8.quantize_block(gu[:, :I])
-    qu, su = fp8.quantize_block(gu[:, I:])
-    qd, sd = fp8.quantize_block(dn)
-    rows = (torch.cat([fp8.row_scales(sg, I), fp8.row_scales(su, I)], 1), fp8.row_scales(sd, H))
-    return torch.cat([qg, qu], 1), qd, (torch.stack([sg, su], 1), sd), rows
+    qgu, sgu = fp8.quantize_experts(torch.randn(E, 2 * I, H, generator=g) * H ** -0.5, True)
+    qd, sd = fp8.quantize_experts(torch.randn(E, H, I, generator=g) * I ** -0.5, False)
+    rows = (fp8.expert_row_scales(sgu, 2 * I, True), fp8.expert_row_scales(sd, H, False))
+    return qgu, qd, (sgu, sd), rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -207,10 +207,9 @@ class FastPath:
             self.p_down[i] = Proj([mlp.shared_expert.down_proj])
             ex = mlp.experts
             if fp8.is_fp8_experts(ex):
-                inter = ex.down_proj.shape[2]
-                gu = torch.cat([fp8.row_scales(ex.gate_up_proj_scale_inv[:, 0], inter),
-                                fp8.row_scales(ex.gate_up_proj_scale_inv[:, 1], inter)], dim=1)
-                self.experts[i] = (gu, fp8.row_scales(ex.down_proj_scale_inv, ex.down_proj.shape[1]))
+                self.experts[i] = (
+                    fp8.expert_row_scales(ex.gate_up_proj_scale_inv, ex.gate_up_proj.shape[1], True),
+                    fp8.expert_row_scales(ex.down_proj_scale_inv, ex.down_proj.shape[1], False))
         # decode graph state
         self.max_batch = max_batch
         self.max_pages = max_pages

@@ -112,7 +112,7 @@ def quantize_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def expand_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Block scales [..., nb, kb] → one value per weight element [..., n, k] (fp32)."""
-    return scale.repeat_interleave(BLOCK, -2)[..., :n, :].repeat_interleave(BLOCK, -1)[..., :k]
+    return row_scales(scale, n).repeat_interleave(BLOCK, -1)[..., :k]
 
 
 def row_scales(scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -128,6 +128,31 @@ def dequantize_block(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16)
     rounded once to `dtype` (the "FP8 weights dequantized into the reference" of issue 4)."""
     N, K = q.shape[-2:]
     return (q.float() * expand_scale(scale.float(), N, K)).to(dtype)
+
+
+@torch.no_grad()
+def quantize_experts(w: torch.Tensor, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed experts w [E, R, C] → (q float8_e4m3fn [E, R, C], scales in the model's layout):
+    gate_up (rows = gate then up, I each) keeps gate and up in their own blocks, as the
+    per-expert checkpoint does → [E, 2, ceil(I/128), ceil(C/128)]; down → [E, ceil(R/128),
+    ceil(C/128)]. One expert at a time (bounds the fp32 scratch)."""
+    E, R, C = w.shape
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    halves = (slice(0, R // 2), slice(R // 2, R)) if gate_up else (slice(0, R),)
+    scale = torch.empty(E, len(halves), num_blocks(R // len(halves)), num_blocks(C),
+                        dtype=torch.float32, device=w.device)
+    for e in range(E):
+        for j, rows in enumerate(halves):
+            q[e, rows], scale[e, j] = quantize_block(w[e, rows])
+    return q, (scale if gate_up else scale[:, 0])
+
+
+def expert_row_scales(scale: torch.Tensor, rows: int, gate_up: bool) -> torch.Tensor:
+    """Expert scales in the model's layout (quantize_experts) → per-row scales [E, rows,
+    ceil(C/128)] for the MoE kernels."""
+    if not gate_up:
+        return row_scales(scale, rows)
+    return torch.cat([row_scales(scale[:, 0], rows // 2), row_scales(scale[:, 1], rows // 2)], 1)
 
 
 class Fp8Linear(nn.Module):
