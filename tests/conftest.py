@@ -67,6 +67,31 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def checkpoint_tensors(ckpt) -> dict:
+    """Every tensor of a checkpoint directory (all shards), by name."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+def copy_checkpoint(src, dst, edit):
+    """Copy a checkpoint (config.json + all tensors merged into one shard), the tensor dict
+    edited in place by `edit(dict)` first (tests of the loader's refusals)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    sd = checkpoint_tensors(src)
+    edit(sd)
+    save_file(sd, str(dst / "model.safetensors"))
+    return dst
+
+
 def new_cache(cfg, num_pages=256, page_size=16, num_slots=8, dtype=torch.float32):
     return HybridCache(cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots,
                        dtype=dtype, device="cpu")

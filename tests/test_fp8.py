@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
+from conftest import checkpoint_tensors, copy_checkpoint
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from tailored.config import ConfigError, ModelConfig
 from tailored.model import fp8
@@ -125,32 +125,19 @@ def test_dummy_fp8_is_the_quantized_dummy_bf16():
     assert torch.equal(mf.lm_head.weight, mb.lm_head.weight)
 
 
-def _rewrite(src, dst, edit):
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        t = load_file(f)
-        edit(t)
-        save_file(t, str(f), metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize("case", ["fp8_for_bf16_module", "bf16_for_fp8_module", "missing_scale"])
 def test_loader_rejects_mixed_up_fp8(case, tiny_fp8_ckpt, tmp_path):
     pre = "model.language_model.layers.0."
 
     def edit(t):
-        if case == "fp8_for_bf16_module" and pre + "mlp.gate.weight" in t:
+        if case == "fp8_for_bf16_module":
             t[pre + "mlp.gate.weight"] = t[pre + "mlp.gate.weight"].to(fp8.FP8)
-        if case == "bf16_for_fp8_module" and pre + "linear_attn.out_proj.weight" in t:
+        if case == "bf16_for_fp8_module":
             t[pre + "linear_attn.out_proj.weight"] = t[pre + "linear_attn.out_proj.weight"].to(torch.bfloat16)
         if case == "missing_scale":
-            t.pop(pre + "mlp.experts.3.down_proj.weight_scale_inv", None)
+            t.pop(pre + "mlp.experts.3.down_proj.weight_scale_inv")
 
-    d = tmp_path / "ckpt"
-    _rewrite(tiny_fp8_ckpt, d, edit)
-    if case == "missing_scale":  # keep the index consistent with the files
-        ix = json.loads((d / "model.safetensors.index.json").read_text())
-        ix["weight_map"].pop(pre + "mlp.experts.3.down_proj.weight_scale_inv")
-        (d / "model.safetensors.index.json").write_text(json.dumps(ix))
+    d = copy_checkpoint(tiny_fp8_ckpt, tmp_path / "ckpt", edit)
     m = build_empty_model(ModelConfig.from_dir(d), "cpu", torch.float32)
     msg = {"fp8_for_bf16_module": "is FP8 but", "bf16_for_fp8_module": "says this module is FP8",
            "missing_scale": r"experts\.3\.down_proj\.weight_scale_inv"}[case]
@@ -184,11 +171,9 @@ def test_scales_keep_the_checkpoints_exact_values(tiny_fp8_ckpt, tmp_path):
             if k.endswith("weight_scale_inv"):
                 t[k] = t[k].to(torch.bfloat16)
 
-    d = tmp_path / "bf16-scales"
-    _rewrite(tiny_fp8_ckpt, d, as_bf16)
+    d = copy_checkpoint(tiny_fp8_ckpt, tmp_path / "bf16-scales", as_bf16)
     for ckpt in (tiny_fp8_ckpt, d):
-        idx = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-        want = load_file(ckpt / idx[name])[name]
+        want = checkpoint_tensors(ckpt)[name]
         m = build_empty_model(ModelConfig.from_dir(ckpt), "cpu", torch.float32)
         load_checkpoint(m, ckpt, progress=False)
         got = m.model.layers[0].linear_attn.out_proj.weight_scale_inv

@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from conftest import copy_checkpoint
 
 from tailored.config import ConfigError, ModelConfig
 from tailored.model.loader import LoadError, load_checkpoint
 from tailored.synth import build_empty_model, preset_config, tensor_specs
-
-
-def _copy_ckpt(src, dst, edit):
-    """Copy a checkpoint, merging all tensors into one shard edited by `edit(dict)`."""
-    dst.mkdir()
-    shutil.copy(src / "config.json", dst / "config.json")
-    sd = {}
-    for f in sorted(src.glob("*.safetensors")):
-        sd.update(load_file(f))
-    edit(sd)
-    save_file(sd, str(dst / "model.safetensors"))
-    return dst
 
 
 def _load(path, cfg):
@@ -60,27 +47,27 @@ def test_full_preset_sizes():
 
 def test_missing_tensor_is_named(tiny_ckpt, tiny_cfg, tmp_path):
     name = "model.language_model.layers.2.linear_attn.dt_bias"
-    d = _copy_ckpt(tiny_ckpt, tmp_path / "c", lambda sd: sd.pop(name))
+    d = copy_checkpoint(tiny_ckpt, tmp_path / "c", lambda sd: sd.pop(name))
     with pytest.raises(LoadError, match="layers.2.linear_attn.dt_bias"):
         _load(d, tiny_cfg)
 
 
 def test_extra_tensor_is_named(tiny_ckpt, tiny_cfg, tmp_path):
-    d = _copy_ckpt(tiny_ckpt, tmp_path / "c", lambda sd: sd.update({"model.language_model.bogus.weight": torch.zeros(2)}))
+    d = copy_checkpoint(tiny_ckpt, tmp_path / "c", lambda sd: sd.update({"model.language_model.bogus.weight": torch.zeros(2)}))
     with pytest.raises(LoadError, match="bogus"):
         _load(d, tiny_cfg)
 
 
 def test_wrong_shape_is_named(tiny_ckpt, tiny_cfg, tmp_path):
     name = "model.language_model.layers.0.linear_attn.in_proj_b.weight"
-    d = _copy_ckpt(tiny_ckpt, tmp_path / "c", lambda sd: sd.update({name: torch.zeros(3, 3, dtype=torch.bfloat16)}))
+    d = copy_checkpoint(tiny_ckpt, tmp_path / "c", lambda sd: sd.update({name: torch.zeros(3, 3, dtype=torch.bfloat16)}))
     with pytest.raises(LoadError, match="in_proj_b.*shape"):
         _load(d, tiny_cfg)
 
 
 def test_wrong_dtype_is_refused(tiny_ckpt, tiny_cfg, tmp_path):
     name = "model.language_model.norm.weight"
-    d = _copy_ckpt(tiny_ckpt, tmp_path / "c", lambda sd: sd.update({name: sd[name].to(torch.int32)}))
+    d = copy_checkpoint(tiny_ckpt, tmp_path / "c", lambda sd: sd.update({name: sd[name].to(torch.int32)}))
     with pytest.raises(LoadError, match="norm.weight.*dtype"):
         _load(d, tiny_cfg)
 
@@ -99,7 +86,7 @@ def test_per_expert_layout_and_vision_tensors(tiny_ckpt, tiny_cfg, tiny_model, t
                 sd[f"{base}.{e}.down_proj.weight"] = dn[e].clone()
         sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(4, 4)
 
-    d = _copy_ckpt(tiny_ckpt, tmp_path / "c", split)
+    d = copy_checkpoint(tiny_ckpt, tmp_path / "c", split)
     m = _load(d, tiny_cfg)
     for (n, p), (_, q) in zip(m.named_parameters(), tiny_model.named_parameters()):
         assert torch.equal(p, q), n
@@ -110,7 +97,7 @@ def test_duplicate_expert_piece_is_refused(tiny_ckpt, tiny_cfg, tmp_path):
         gu = sd["model.language_model.layers.0.mlp.experts.gate_up_proj"]
         sd["model.language_model.layers.0.mlp.experts.1.gate_proj.weight"] = gu[1, :32].clone()
 
-    d = _copy_ckpt(tiny_ckpt, tmp_path / "c", dup)
+    d = copy_checkpoint(tiny_ckpt, tmp_path / "c", dup)
     with pytest.raises(LoadError, match="second time"):
         _load(d, tiny_cfg)
 
