@@ -10,3 +10,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache
 T0=$(date +%s)
 stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+# config + tokenizer of the full-size model for --load-format dummy: bf16 and block FP8
+full_configs() {
+    python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
+    python3 -m tailored synth /tmp/full-fp8 --preset full --config-only --dtype fp8 2>&1 | tail -1
+}

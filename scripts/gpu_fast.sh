@@ -23,8 +23,7 @@ print(json.dumps({"commit": os.environ.get("TAILORED_COMMIT", "unknown"), "gpu":
                   "torch": torch.__version__, "cuda": torch.version.cuda,
                   "triton": triton.__version__, "fla": fla_v}, indent=1))
 PY
-python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
-python3 -m tailored synth /tmp/full-fp8 --preset full --config-only --dtype fp8 2>&1 | tail -1
+full_configs
 PRECISIONS=${PRECISIONS:-bf16}  # e.g. "bf16 fp8": micro and serve run once per precision
 ckpt() { [ "$1" = fp8 ] && echo /tmp/full-fp8 || echo /tmp/full; }
 

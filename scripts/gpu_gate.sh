@@ -15,8 +15,7 @@
 source "$(dirname "$0")/device_env.sh" gpu_gate
 PARTS=${*:-tests bf16 fp8}
 GATE_ARGS=${GATE_ARGS:-}
-python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
-python3 -m tailored synth /tmp/full-fp8 --preset full --config-only --dtype fp8 2>&1 | tail -1
+full_configs
 
 if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels (fp8 too), fast path vs plain (bf16 + fp8), graphs"

@@ -62,8 +62,6 @@ READY_TIMEOUT=${READY_TIMEOUT:-600}
 export PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache HF_HUB_OFFLINE=1
 # Same engine limits for both servers (the kit's vLLM flags).
 MAX_MODEL_LEN=16384 MAX_NUM_SEQS=128 MAX_BATCHED=8192 GPU_UTIL=0.90
-# Block-FP8 quantization_config, identical to the kit's (remote.sh FP8_QUANT).
-FP8_QUANT='{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_ba", "visual", "mtp"]}'
 
 T0=$(date +%s)
 stamp() { echo "[sbs +$(( $(date +%s) - T0 ))s] $*"; }
@@ -168,22 +166,12 @@ stop_tailored() {  # the server runs in its own session (setsid): stop its whole
 }
 
 write_tailored_checkpoint() {  # PREC DIR
-  local prec=$1 dir=$2
+  # synth --dtype fp8 writes the same quantization_config as the kit's FP8 variant
+  # (tailored.model.fp8.DEFAULT_NOT_CONVERT == remote.sh FP8_QUANT), so both engines read one file
+  local prec=$1 dir=$2 dt=()
   rm -rf "$dir"
-  if [ "$prec" = fp8 ] && PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth --help 2>/dev/null | grep -q -- '--dtype'; then
-    PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth "$dir" --preset full --config-only --dtype fp8 || return 1
-  else
-    PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth "$dir" --preset full --config-only || return 1
-  fi
-  if [ "$prec" = fp8 ] && ! grep -q quantization_config "$dir/config.json"; then
-    # the kit's FP8 config, so both engines read the same file
-    python3 - "$dir/config.json" "$FP8_QUANT" <<'EOF'
-import json, sys
-cfg = json.load(open(sys.argv[1]))
-cfg["quantization_config"] = json.loads(sys.argv[2])
-json.dump(cfg, open(sys.argv[1], "w"), indent=2)
-EOF
-  fi
+  [ "$prec" = fp8 ] && dt=(--dtype fp8)
+  PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth "$dir" --preset full --config-only "${dt[@]}"
 }
 
 phase_tailored() {  # PREC

@@ -140,12 +140,13 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
     """StepPlan for an eager forward over `seqs` (all), `pre` (prefill-path seqs) and `dec`
     (decode rows); one host-to-device copy."""
     parts: list[np.ndarray] = []
+    size = [0]  # elements in parts so far
 
     def add(a) -> tuple[int, int]:
         a = np.asarray(a, dtype=np.int64).reshape(-1)
-        start = sum(len(x) for x in parts)
         parts.append(a)
-        return start, start + len(a)
+        size[0] += len(a)
+        return size[0] - len(a), size[0]
 
     r_rows = add(np.concatenate([np.arange(q.q_start, q.q_start + q.num_tokens) for q in pre])
                  if pre else [])
