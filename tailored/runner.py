@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
@@ -96,8 +97,6 @@ class ModelRunner:
                         use_graphs=not ec.enforce_eager)
         self.model.fast = fast
         if self.device.type == "cuda":
-            import time
-
             t0 = time.monotonic()
             fast.warmup_prefill([min(1024, ec.max_num_batched_tokens), ec.max_num_batched_tokens])
             if fast.use_graphs:
@@ -109,8 +108,11 @@ class ModelRunner:
                  "on" if fast.use_graphs else "off", "fla-core" if fast.fla else "reference")
         return fast
 
+    timer = None  # engine.step_timing.StepTimer, set by the Engine: build/launch/wait phases
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        t = time.perf_counter()
         rows, sampled_seqs, layout = [], [], []
         q = 0
         for s in sched.seqs:
@@ -120,9 +122,15 @@ class ModelRunner:
                 rows.append(q - 1)
                 sampled_seqs.append(s)
         batch = ForwardBatch.build(layout, rows, self.device)
+        if self.timer is not None:
+            t = self.timer.runner_phase("build", t)
         hidden = self.model(batch, self.cache)
+        if self.timer is not None:
+            t = self.timer.runner_phase("launch", t)
         if not rows:
             return ModelOutput(token_ids={})
         logits = self.model.compute_logits(hidden[rows])
         tokens = sample(logits, sampled_seqs)
+        if self.timer is not None:
+            self.timer.runner_phase("wait", t)
         return ModelOutput(token_ids={s.request_id: t for s, t in zip(sampled_seqs, tokens)})

@@ -18,10 +18,12 @@ Finish reasons, first match wins (failure-cases §5: stop conditions before max_
 from __future__ import annotations
 
 import logging
+import time
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
 from tailored.engine.scheduler import Scheduler
+from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
     FinishReason,
     Request,
@@ -53,6 +55,9 @@ class Engine:
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # aborts, emitted on the next step()
+        self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
+        if hasattr(runner, "timer"):
+            runner.timer = self.timer
 
     # ---- API ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -97,9 +102,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs for requests that got tokens or finished."""
         outputs, self._pending = self._pending, []
+        t_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.empty:
             return outputs
+        t_sched = time.perf_counter()
         try:
             model_out = self.runner.execute(sched_out)
             missing = [
@@ -112,10 +119,16 @@ class Engine:
         except Exception as e:  # fail this batch only; the engine stays usable
             logger.exception("runner failed on a batch of %d sequences", len(sched_out.seqs))
             return outputs + self._fail_batch(sched_out, f"{type(e).__name__}: {e}")
+        t_exec = time.perf_counter()
         self.scheduler.update(sched_out, model_out)
         for seq in sched_out.seqs:
             if seq.sample:
                 outputs.append(self._emit(self._requests[seq.request_id]))
+        seqs = sched_out.seqs
+        decode_rows = sum(1 for s in seqs if len(s.token_ids) == 1 and s.start_pos > 0)
+        kind = "decode" if decode_rows == len(seqs) else "prefill" if not decode_rows else "mixed"
+        self.timer.record(kind, len(seqs), sched_out.num_tokens, t_start, t_sched, t_exec,
+                          time.perf_counter())
         return outputs
 
     def has_unfinished(self) -> bool:

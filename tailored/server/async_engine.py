@@ -24,6 +24,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -165,8 +166,12 @@ class AsyncEngine:
     abort_request(id), step() -> list[RequestOutput], has_unfinished() -> bool, stats() -> dict.
     """
 
-    def __init__(self, engine, *, thread_name: str = "tailored-engine") -> None:
+    def __init__(self, engine, *, thread_name: str = "tailored-engine",
+                 timing_log_s: float = 10.0) -> None:
         self.engine = engine
+        # engine.timer (engine/step_timing.py), logged at INFO every timing_log_s while busy
+        self._timing_log_s = timing_log_s
+        self._timing_t0 = time.monotonic()
         self._thread_name = thread_name
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -247,11 +252,22 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._dispatch(self.engine.step())
+                self._log_timing()
         except BaseException as exc:  # any crash must fail the pending requests
             logger.exception("engine loop died")
             reason = f"engine loop died: {type(exc).__name__}: {exc}"
         finally:
             self._fail_everything(reason)
+
+    def _log_timing(self) -> None:
+        timer = getattr(self.engine, "timer", None)
+        now = time.monotonic()
+        if timer is None or now - self._timing_t0 < self._timing_log_s:
+            return
+        if timer.steps:
+            logger.info("step timing over %.0f s: %s", now - self._timing_t0, timer.summary())
+            timer.reset()
+        self._timing_t0 = now
 
     def _drain_commands(self) -> None:
         while True:

@@ -1,0 +1,37 @@
+"""engine/step_timing.py: the phases of a step add up to its wall time, kinds are told apart."""
+
+import time
+
+from tailored.engine.step_timing import PHASES, StepTimer
+from tailored.engine.types import SamplingParams
+from tailored.stack import build_stack
+
+
+def test_phases_sum_to_the_step_and_runner_phases_land():
+    t = StepTimer()
+    t0 = time.perf_counter()
+    t.runner_ms = {"build": 1.0, "launch": 2.0, "wait": 3.0}
+    t.record("decode", rows=4, tokens=4, t_start=t0, t_sched=t0 + 0.001, t_exec=t0 + 0.008,
+             t_end=t0 + 0.010)
+    k = t.kinds["decode"]
+    assert k.steps == 1 and k.rows == 4
+    assert abs(k.ms["schedule"] - 1.0) < 1e-6 and abs(k.ms["finish"] - 2.0) < 1e-6
+    # execute took 7 ms, 6 ms in named runner phases: the other 1 ms counts as launch
+    assert abs(k.ms["launch"] - 3.0) < 1e-6 and abs(k.ms["wait"] - 3.0) < 1e-6
+    assert abs(sum(k.ms.values()) - 10.0) < 1e-6
+    assert "decode: 1 steps" in t.summary() and all(p in t.summary() for p in PHASES)
+    t.reset()
+    assert t.steps == 0 and t.summary() == ""
+
+
+def test_engine_records_prefill_then_decode_steps():
+    st = build_stack(None, device="cpu", max_model_len=256, max_num_seqs=4)
+    e = st.engine
+    e.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, temperature=0.0))
+    while e.has_unfinished():
+        e.step()
+    kinds = e.timer.kinds
+    assert kinds["prefill"].steps == 1 and kinds["prefill"].tokens == 20
+    assert kinds["decode"].steps == 2 and kinds["decode"].rows == 2
+    # the runner reported its phases (build, launch, wait all ran)
+    assert all(kinds["decode"].ms[p] > 0 for p in ("build", "launch", "wait"))
