@@ -30,7 +30,9 @@ def _serve_parser(sub) -> None:
                    help="prompt + completion limit (default 16384 on cuda, 4096 on cpu)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="most concurrent running requests (default 64 on cuda, 16 on cpu)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default 8192 on cuda, as the vLLM "
+                        "baseline; 2048 on cpu)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
@@ -108,7 +110,9 @@ def cmd_serve(args) -> int:
     kw = dict(
         max_model_len=args.max_model_len if args.max_model_len is not None else (16384 if on_gpu else 4096),
         max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else (64 if on_gpu else 16),
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        # large prefill steps on the GPU: every step streams all 256 experts' weights of each
+        # layer, and its host cost is per layer, not per token (kb/0011)
+        max_num_batched_tokens=args.max_num_batched_tokens or (8192 if on_gpu else 2048),
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kernels=args.kernels,

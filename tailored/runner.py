@@ -41,7 +41,9 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
         free, total = torch.cuda.mem_get_info(device)
         used_elsewhere = total - free
         budget = int(total * ec.gpu_memory_utilization) - used_elsewhere
-        budget -= 2 * 1024**3  # activations of the largest step (plain PyTorch path, generous)
+        # activations of the largest step: 2 GiB (plain PyTorch path, generous) + 256 KiB per
+        # token of the step budget (the MoE's fp32 [tokens·8, 2048] output alone is 64 KiB)
+        budget -= 2 * 1024**3 + ec.max_num_batched_tokens * 256 * 1024
     else:
         budget = CPU_CACHE_BYTES
     budget -= num_slots * per_slot
