@@ -38,6 +38,11 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill-batch", type=int, default=0,
+                    help="also time one prefill step of this many ctx-token prompts (e.g. 8: the "
+                         "8192-token step of serve's default budget)")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="cProfile of one ctx-token prefill forward: host time by function")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     Bmax = max(batches)
@@ -68,6 +73,50 @@ def main():
         else:
             pre()
         seqs.append([a.ctx, b + 1, pages])
+    if a.prefill_batch:
+        # fresh prompts into the slots/pages of the first prefill_batch sequences, then redo
+        # those prefills so the decode timings below see the same contexts
+        nb = min(a.prefill_batch, Bmax)
+        allp = [torch.randint(0, 248044, (a.ctx,), generator=g).tolist() for _ in range(nb)]
+        layout = [(allp[b], 0, b + 1, True, list(range(1 + b * P, 1 + (b + 1) * P))) for b in range(nb)]
+        bb = ForwardBatch.build(layout, [(b + 1) * a.ctx - 1 for b in range(nb)], "cuda")
+
+        def pre_b():
+            h = model(bb, cache)
+            return model.compute_logits(h[bb.logits_rows]).argmax(-1).tolist()
+
+        pre_b()
+        res["prefill_batch"] = {"seqs": nb, "tokens": nb * a.ctx, "ms": timed(pre_b, 3)}
+        print(f"prefill step {nb} x {a.ctx} tokens: {res['prefill_batch']['ms']:.1f} ms "
+              f"({res['prefill_batch']['ms'] / nb:.1f} ms per prompt)", flush=True)
+    if a.profile_host:
+        import cProfile
+        import io
+        import pstats
+
+        ids = torch.randint(0, 248044, (a.ctx,), generator=g).tolist()
+        hb = ForwardBatch.build([(ids, 0, 1, True, list(range(1, 1 + P)))], [a.ctx - 1], "cuda")
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        t0 = time.perf_counter()
+        pr.enable()
+        h = model(hb, cache)
+        pr.disable()
+        t_host = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        t_all = (time.perf_counter() - t0) * 1e3
+        print(f"prefill {a.ctx} host profile: forward returned after {t_host:.1f} ms, GPU done "
+              f"after {t_all:.1f} ms (profiler overhead included)")
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(28)
+        print("\n".join(line[:150] for line in buf.getvalue().splitlines()[:60]))
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
+        print("\n".join(line[:150] for line in buf.getvalue().splitlines()[:45]))
+        del h
+        # restore sequence 0's state for the decode timings
+        ids0 = torch.randint(0, 248044, (a.ctx,), generator=g).tolist()
+        model(ForwardBatch.build([(ids0, 0, 1, True, list(range(1, 1 + P)))], [a.ctx - 1], "cuda"), cache)
 
     def step_fn(B):
         def f():
