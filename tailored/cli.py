@@ -40,6 +40,10 @@ def _serve_parser(sub) -> None:
                    help="Triton kernel path: auto = on CUDA only; off = plain PyTorch path")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (kernel path only)")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the server process (Python's default 5 ms): "
+                        "how long the engine thread may wait for the GIL held by the HTTP thread "
+                        "after each GPU sync (an experiment knob, kb/0011)")
     p.add_argument("--log-level", default="info")
 
 
@@ -67,6 +71,8 @@ def _check_serve_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.gil_switch_interval_ms is not None and not 0 < args.gil_switch_interval_ms <= 1000:
+        raise ValueError(f"--gil-switch-interval-ms must be in (0, 1000], got {args.gil_switch_interval_ms}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
@@ -101,6 +107,9 @@ def _check_serve_args(args) -> None:
 def cmd_serve(args) -> int:
     _check_serve_args(args)
     import uvicorn
+
+    if args.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
 
     from tailored.server.app import build_app
     from tailored.server.async_engine import AsyncEngine

@@ -124,15 +124,25 @@ class ModelRunner:
                 rows.append(q - 1)
                 sampled_seqs.append(s)
         batch = ForwardBatch.build(layout, rows, self.device)
-        if self.timer is not None:
-            t = self.timer.runner_phase("build", t)
+        timer = self.timer
+        events = None
+        if timer is not None:
+            t = timer.runner_phase("build", t)
+            if self.device.type == "cuda":  # GPU span forward → logits, read after the sampler's sync
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
         hidden = self.model(batch, self.cache)
-        if self.timer is not None:
-            t = self.timer.runner_phase("launch", t)
+        if timer is not None:
+            t = timer.runner_phase("launch", t)
         if not rows:
             return ModelOutput(token_ids={})
         logits = self.model.compute_logits(hidden[rows])
+        if events is not None:
+            events[1].record()
         tokens = sample(logits, sampled_seqs)
-        if self.timer is not None:
-            self.timer.runner_phase("wait", t)
+        if timer is not None:
+            timer.runner_phase("wait", t)
+            if events is not None:
+                events[1].synchronize()  # done already (the sampler waited): no stall
+                timer.runner_ms["gpu"] = events[0].elapsed_time(events[1])
         return ModelOutput(token_ids={s.request_id: t for s, t in zip(sampled_seqs, tokens)})

@@ -20,6 +20,7 @@ from tailored.stack import build_stack
     (["--num-layers", "0"], "--num-layers must be >= 1"),
     (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization must be in"),
     (["--device", "tpu"], "--device must be"),
+    (["--gil-switch-interval-ms", "0"], "--gil-switch-interval-ms must be in"),
 ])
 def test_bad_serve_flags(tiny_ckpt, capsys, flags, msg):
     assert main(["serve", str(tiny_ckpt), "--port", "8197", *flags]) == 2

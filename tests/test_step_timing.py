@@ -35,3 +35,13 @@ def test_engine_records_prefill_then_decode_steps():
     assert kinds["decode"].steps == 2 and kinds["decode"].rows == 2
     # the runner reported its phases (build, launch, wait all ran)
     assert all(kinds["decode"].ms[p] > 0 for p in ("build", "launch", "wait"))
+
+
+def test_gpu_span_is_reported_apart_from_the_phases():
+    t = StepTimer()
+    t0 = time.perf_counter()
+    t.runner_ms = {"build": 1.0, "launch": 1.0, "wait": 5.0, "gpu": 5.5}
+    t.record("decode", 1, 1, t0, t0, t0 + 0.007, t0 + 0.007)
+    k = t.kinds["decode"]
+    assert abs(sum(k.ms.values()) - 7.0) < 1e-6 and k.gpu_ms == 5.5
+    assert "(gpu 5.50)" in t.summary()

@@ -9,6 +9,9 @@ which one grows. Phases (milliseconds, `time.perf_counter`):
   launch    runner: model forward (host time to enqueue the kernels / replay the graph)
   wait      runner: logits, sampling and the wait for the GPU (≈ GPU time not hidden by host work)
   finish    scheduler.update + detokenize + outputs
+and, on CUDA, `gpu`: CUDA-event span from the forward's first enqueue to the logits (not part of
+the sum; `wait` well above `gpu − launch` means the engine thread waited for the GIL, not for
+the GPU, after the sampler's sync).
 Steps are grouped by kind: decode (every row one token), prefill (no decode row), mixed.
 """
 
@@ -26,6 +29,7 @@ class _Kind:
     rows: int = 0
     tokens: int = 0
     ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    gpu_ms: float = 0.0
 
 
 class StepTimer:
@@ -57,6 +61,7 @@ class StepTimer:
         other = (t_exec - t_sched) * 1e3 - sum(self.runner_ms.get(n, 0.0) for n in ("build", "launch", "wait"))
         ms["launch"] += max(other, 0.0)  # a runner without phases: all of execute counts as launch
         ms["finish"] += (t_end - t_exec) * 1e3
+        k.gpu_ms += self.runner_ms.get("gpu", 0.0)
         self.runner_ms = {}
         self._last_end = t_end
 
@@ -71,7 +76,8 @@ class StepTimer:
             n = max(k.steps, 1)
             phases = " ".join(f"{p} {k.ms[p] / n:.2f}" for p in PHASES)
             parts.append(f"{name}: {k.steps} steps, {k.rows / n:.1f} rows, {k.tokens / n:.0f} tokens, "
-                         f"ms/step {sum(k.ms.values()) / n:.2f} = {phases}")
+                         f"ms/step {sum(k.ms.values()) / n:.2f} = {phases}"
+                         + (f" (gpu {k.gpu_ms / n:.2f})" if k.gpu_ms else ""))
         return "; ".join(parts)
 
     def reset(self) -> None:
