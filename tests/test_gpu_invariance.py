@@ -97,6 +97,13 @@ def test_cuda_graph_replay_equals_eager_through_the_engine(model, tok):
         assert C.rel(g_h[k], e_h[k]) <= TOL, k
 
 
+def test_steps_leave_other_slots_and_pages_bit_identical(model, tok):
+    """Prefill-only steps with several new requests, mixed steps (decode rows replay a graph,
+    prefill chunks run eagerly) and steps that skip a running request leave every state slot
+    and KV page they do not name bit-identical (failure-cases §1)."""
+    C.steps_leave_other_slots_and_pages_bit_identical(lambda **kw: engine(model, tok, **kw))
+
+
 def test_abort_frees_pages_and_slots(model, tok):
     C.abort_frees_pages_and_slots(engine(model, tok, budget=32, max_num_seqs=3, max_model_len=128,
                                          num_pages=30))

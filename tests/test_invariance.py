@@ -89,67 +89,11 @@ def test_4097_chunked_prefill_decode_equals_single_pass(tiny_model, tok):
     assert rel_err(h1["q"][rows], h2["q"][rows]) <= TOL
 
 
-def _watch(e) -> dict:
-    """Wrap e.runner.execute: every step must leave each slot and KV page it does not name
-    bit-identical; count the kinds of steps seen. Stale state is poisoned first."""
-    r, cache = e.runner, e.runner.cache
-    cache.rec[:, 1:].normal_()  # stale state of earlier owners: must stay until reset_state
-    cache.conv[:, 1:].normal_()
-    cache.k[:, 1:].normal_()
-    seen = {"prefill_only_multi_new": 0, "mixed": 0, "running_skipped": 0}
-    orig = r.execute
-
-    def execute(so):
-        slots = {s.slot for s in so.seqs}
-        pages = {p for s in so.seqs for p in s.page_ids}
-        other_slots = [i for i in range(1, r.num_slots) if i not in slots]
-        other_pages = [i for i in range(1, r.num_pages) if i not in pages]
-        before = (cache.rec[:, other_slots].clone(), cache.conv[:, other_slots].clone(),
-                  cache.k[:, other_pages].clone(), cache.v[:, other_pages].clone())
-        out = orig(so)
-        after = (cache.rec[:, other_slots], cache.conv[:, other_slots], cache.k[:, other_pages],
-                 cache.v[:, other_pages])
-        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a step wrote outside"
-        decodes = sum(len(s.token_ids) == 1 and not s.reset_state for s in so.seqs)
-        seen["prefill_only_multi_new"] += decodes == 0 and sum(s.reset_state for s in so.seqs) >= 2
-        seen["mixed"] += 0 < decodes < len(so.seqs)
-        seen["running_skipped"] += any(q.slot not in slots for q in e.scheduler.running)
-        return out
-
-    r.execute = execute
-    return seen
-
-
-def _drain(e):
-    while e.has_unfinished():
-        e.step()
-
-
 def test_steps_leave_other_slots_and_pages_bit_identical(tiny_model, tok):
     """Every step — prefill-only with several new requests, mixed prefill+decode, a step that
     skips a live running request — leaves each slot and KV page it does not name bit-identical
     (failure-cases §1: a prefill-only step wrote request 1's state into request 0's area)."""
-    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    # budget 4: the first step admits three 1–2-token prompts (prefill only); later steps mix
-    # decode rows with 1-token prefill chunks
-    e = make_engine(tiny_model, tok, budget=4, max_num_seqs=6, max_model_len=64, num_pages=40)
-    seen = _watch(e)
-    for i, n in enumerate((1, 2, 1, 9, 14, 6)):
-        e.add_request(f"a{i}", ids(n, 200 + i), sp)
-    for _ in range(6):
-        e.step()
-    for i, n in enumerate((3, 1, 20)):
-        e.add_request(f"b{i}", ids(n, 300 + i), sp)
-    _drain(e)
-    assert seen["prefill_only_multi_new"] and seen["mixed"], seen
-    # 4 KV pages: the newest request's prefill runs out of pages while the older one decodes,
-    # so it waits holding its slot and pages (then is preempted when the decode needs a page)
-    e = make_engine(tiny_model, tok, budget=16, max_num_seqs=2, max_model_len=64, num_pages=5)
-    seen = _watch(e)
-    e.add_request("a", ids(10, 500), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-    e.add_request("b", ids(60, 501), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    _drain(e)
-    assert seen["running_skipped"], seen
+    C.steps_leave_other_slots_and_pages_bit_identical(lambda **kw: make_engine(tiny_model, tok, **kw))
 
 
 def test_abort_frees_pages_and_slots(tiny_model, tok):
