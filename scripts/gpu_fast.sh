@@ -44,8 +44,10 @@ fi
 if [[ " $PARTS " == *" serve "* ]]; then
   for prec in $PRECISIONS; do
     stamp "serve full-size dummy $prec"
+    # SERVE_ARGS: extra serve flags (A/B runs, e.g. "--gil-switch-interval-ms 0.5"); recorded
+    # in the result's manifest with the fixed ones
     python3 -m tailored serve "$(ckpt $prec)" --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
-        --port 8000 > "$OUT/server-$prec.log" 2>&1 &
+        --port 8000 ${SERVE_ARGS:-} > "$OUT/server-$prec.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 240); do
         python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
@@ -56,6 +58,7 @@ if [[ " $PARTS " == *" serve "* ]]; then
     timeout 200 python3 -m tailored bench run --base-url http://127.0.0.1:8000 --concurrency 1,32 \
         --num-prompts 6,64 --input-len 1024 --output-len 512 --ignore-eos --num-warmups 1 \
         --precision $prec --checkpoint-dir "$(ckpt $prec)" --label tailored-$prec \
+        --engine-config "{\"serve_args\": \"--load-format dummy --max-model-len 4096 --max-num-seqs 64 ${SERVE_ARGS:-}\", \"max_num_batched_tokens\": \"serve default (8192 on cuda)\"}" \
         --out "$OUT/tailored-$prec.json" 2>&1 | tail -30
     kill $pid; wait $pid 2>/dev/null
     grep -i "error\|traceback" "$OUT/server-$prec.log" | head -5
