@@ -100,7 +100,9 @@ def watch_steps(e) -> dict:
     cache.rec[:, 1:].normal_()  # stale state of earlier owners: must stay until reset_state
     cache.conv[:, 1:].normal_()
     cache.k[:, 1:].normal_()
-    seen = {"prefill_only_multi_new": 0, "mixed": 0, "running_skipped": 0}
+    # violations are recorded, not raised: the engine turns a runner exception into ERROR
+    # outputs for that batch and carries on, which would hide an assert raised in here
+    seen = {"prefill_only_multi_new": 0, "mixed": 0, "running_skipped": 0, "wrote_outside": []}
     orig = r.execute
 
     def execute(so):
@@ -113,7 +115,10 @@ def watch_steps(e) -> dict:
         out = orig(so)
         after = (cache.rec[:, other_slots], cache.conv[:, other_slots], cache.k[:, other_pages],
                  cache.v[:, other_pages])
-        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a step wrote outside"
+        names = ("rec", "conv", "k", "v")
+        bad = [n for n, a, b in zip(names, before, after) if not torch.equal(a, b)]
+        if bad:
+            seen["wrote_outside"].append((sorted(slots), bad))
         decodes = sum(len(s.token_ids) == 1 and not s.reset_state for s in so.seqs)
         seen["prefill_only_multi_new"] += decodes == 0 and sum(s.reset_state for s in so.seqs) >= 2
         seen["mixed"] += 0 < decodes < len(so.seqs)
@@ -129,23 +134,27 @@ def drain(e) -> None:
         e.step()
 
 
-def steps_leave_other_slots_and_pages_bit_identical(make) -> None:
+def steps_leave_other_slots_and_pages_bit_identical(make, quick: bool = False) -> None:
     """Every step — prefill-only with several new requests, mixed prefill+decode, a step that
     skips a live running request — leaves each slot and KV page it does not name bit-identical
-    (failure-cases §1: a prefill-only step wrote request 1's state into request 0's area)."""
-    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (failure-cases §1: a prefill-only step wrote request 1's state into request 0's area).
+    quick: fewer, shorter requests and no preemption case (Triton's interpreter is slow)."""
+    sp = SamplingParams(max_tokens=3 if quick else 6, temperature=0.0, ignore_eos=True)
     # budget 4: the first step admits three 1–2-token prompts (prefill only); later steps mix
     # decode rows with 1-token prefill chunks
     e = make(budget=4, max_num_seqs=6, max_model_len=64, num_pages=40)
     seen = watch_steps(e)
-    for i, n in enumerate((1, 2, 1, 9, 14, 6)):
+    for i, n in enumerate((1, 2, 1, 5) if quick else (1, 2, 1, 9, 14, 6)):
         e.add_request(f"a{i}", ids(n, 200 + i), sp)
-    for _ in range(6):
+    for _ in range(2 if quick else 6):
         e.step()
-    for i, n in enumerate((3, 1, 20)):
+    for i, n in enumerate((3,) if quick else (3, 1, 20)):
         e.add_request(f"b{i}", ids(n, 300 + i), sp)
     drain(e)
+    assert not seen["wrote_outside"], f"steps wrote outside their slots/pages: {seen['wrote_outside']}"
     assert seen["prefill_only_multi_new"] and seen["mixed"], seen
+    if quick:
+        return
     # 4 KV pages: the newest request's prefill runs out of pages while the older one decodes,
     # so it waits holding its slot and pages (then is preempted when the decode needs a page)
     e = make(budget=16, max_num_seqs=2, max_model_len=64, num_pages=5)
@@ -153,4 +162,5 @@ def steps_leave_other_slots_and_pages_bit_identical(make) -> None:
     e.add_request("a", ids(10, 500), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     e.add_request("b", ids(60, 501), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     drain(e)
+    assert not seen["wrote_outside"], f"steps wrote outside their slots/pages: {seen['wrote_outside']}"
     assert seen["running_skipped"], seen

@@ -121,3 +121,22 @@ def test_engine_greedy_same_with_kernels_on_and_off(precision, tiny_ckpt, tiny_f
                 got[o.request_id].extend(o.delta_token_ids)
         outs[mode] = got
     assert outs["on"] == outs["off"]
+
+
+def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny_ckpt):
+    """The slot/page isolation check of the invariance suite on the kernel path (eager: the
+    interpreter has no graphs; tests/test_gpu_invariance.py runs it with graphs)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import invariance_checks as C
+
+    from tailored.stack import build_stack
+
+    def make(budget, max_num_seqs, max_model_len, num_pages):
+        return build_stack(tiny_ckpt, device="cpu", dtype="float32", progress=False, kernels="on",
+                           max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len, num_pages=num_pages).engine
+
+    C.steps_leave_other_slots_and_pages_bit_identical(make, quick=True)
