@@ -223,3 +223,54 @@ def test_add_rms_norm(dtype, T, N):
     assert rel_err(out, o_ref) < (1e-6 if dtype == torch.float32 else 1e-2)
     _, out2 = add_rms_norm_1p(x, None, w, 1e-6)
     assert rel_err(out2, ref.rms_norm_1p(x, w, 1e-6)) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,D,R", [(1, 16, 256, 64), (7, 2, 256, 64), (5, 3, 32, 8)])
+def test_qk_norm_rope(dtype, T, H, D, R):
+    """Equals rms_norm_1p + apply_partial_rope on a strided view (q inside the fused q|gate
+    GEMM output), at positions far apart; exact up to the fp32 sum order of the norm."""
+    from tailored.kernels.qk_norm_rope import qk_norm_rope
+
+    g = torch.Generator().manual_seed(T * H + D)
+    qg = (3 * torch.randn(T, H, 2 * D, generator=g)).to(DEV, dtype)
+    x = qg[..., :D]  # stride (H·2D, 2D, 1), as in the attention layer
+    w = (0.2 * torch.randn(D, generator=g)).to(DEV, dtype)
+    pos = torch.tensor([0, 5, 17, 1000, 4095, 70000, 3][:T], device=DEV)
+    cos, sin = ref.rope_cos_sin(pos, R, 1e7, dtype)
+    out = qk_norm_rope(x, w, cos, sin, 1e-6)
+    want = ref.apply_partial_rope(ref.rms_norm_1p(x, w, 1e-6), cos, sin)
+    assert out.shape == want.shape and out.is_contiguous() and torch.isfinite(out).all()
+    if dtype == torch.float32:
+        assert rel_err(out, want) < 1e-6
+    else:  # the same roundings as PyTorch's eager ops: exact but where the fp32 sum order or
+        # rsqrt approximation of the norm flips a bf16 rounding (the interpreter truncates
+        # bf16 casts, so this runs on the GPU only)
+        assert rel_err(out, want) < 1e-2
+        assert (out == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,k,N", [(1, 2048, 8, 512), (5, 96, 3, 40), (33, 200, 8, 24)])
+def test_moe_glue(dtype, T, H, k, N):
+    """silu_mul and moe_combine equal the eager ops they replace, on strided views of one fused
+    GEMM output (router | shared gate | shared up | shared-expert gate)."""
+    from tailored.kernels.moe_combine import moe_combine, silu_mul
+
+    g = torch.Generator().manual_seed(T + H + k)
+    r = (2 * torch.randn(T, 7 + 2 * N + 1, generator=g)).to(DEV, dtype)  # 7 router columns
+    sg, su, seg = r[:, 7:7 + N], r[:, 7 + N:7 + 2 * N], r[:, 7 + 2 * N:]
+    act = silu_mul(sg, su)
+    want_act = torch.nn.functional.silu(sg) * su
+    pairs = torch.randn(T * k, H, generator=g).to(DEV)
+    shared = torch.randn(T, H, generator=g).to(DEV, dtype)
+    out = moe_combine(pairs, k, seg, shared)
+    want = pairs.view(T, k, H).sum(1).to(dtype) + torch.sigmoid(seg) * shared
+    assert act.is_contiguous() and out.shape == (T, H)
+    if dtype == torch.float32:
+        assert rel_err(act, want_act) < 1e-6 and rel_err(out, want) < 1e-6
+    else:  # the same roundings; exp approximations may flip a few bf16 roundings
+        assert rel_err(act, want_act) < 1e-2 and rel_err(out, want) < 1e-2
+        assert (act == want_act).float().mean() > 0.95 and (out == want).float().mean() > 0.95
+    with pytest.raises(ValueError):
+        moe_combine(pairs[:-1], k, seg, shared)

@@ -212,7 +212,7 @@ def route_align(router_logits: torch.Tensor, top_k: int):
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               gate_up: torch.Tensor, down: torch.Tensor, aligned=None,
               gate_up_scale: torch.Tensor | None = None,
-              down_scale: torch.Tensor | None = None) -> torch.Tensor:
+              down_scale: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
     """Σ_i w_i · Expert_{e_i}(x), same contract as `ref.moe_experts`.
 
     x: [T, H] (bf16/fp32, row stride free, unit column stride); weights: [T, k] routing weights;
@@ -221,7 +221,9 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     Block-FP8 experts (spec §9.1): gate_up/down float8_e4m3fn with per-row scales
     gate_up_scale [E, 2I, ceil(H/128)] and down_scale [E, H, ceil(I/128)] fp32
     (`fp8.row_scales`); the reference is `ref.moe_experts` over `fp8.DequantExperts`.
-    Returns [T, H] in x.dtype. Raises ValueError on mismatched shapes.
+    Returns [T, H] in x.dtype; reduce=False returns the weighted pair terms instead, [T·k, H]
+    fp32 in (token, choice) order, for `moe_combine` to sum with the shared expert in one pass.
+    Raises ValueError on mismatched shapes.
     """
     T, H = x.shape
     E, two_i, H2 = gate_up.shape
@@ -274,4 +276,4 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=min(bk, triton.next_power_of_2(I)), DOT_PREC=prec, PAIRS_BUCKET=bucket,
             W_FP8=fp8, num_warps=warps)
-    return y.view(T, k, H).sum(1).to(x.dtype)
+    return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y

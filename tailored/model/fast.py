@@ -31,7 +31,9 @@ from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels.moe import ROUTE_ALIGN_USE_UP_TO, fused_moe, route_align
+from tailored.kernels.moe_combine import moe_combine, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
+from tailored.kernels.qk_norm_rope import qk_norm_rope
 from tailored.model import fp8
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
 from tailored.model.fp8 import Fp8Linear
@@ -234,10 +236,11 @@ class FastPath:
         else:
             w, ids = ref.route_topk(r, cfg.num_experts_per_tok)
             aligned = None
-        routed = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned,
-                           *self.experts.get(i, (None, None)))
-        shared = self.p_down[i](F.silu(sg) * su)
-        return routed + torch.sigmoid(seg) * shared
+        pairs = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned,
+                          *self.experts.get(i, (None, None)), reduce=False)
+        shared = self.p_down[i](silu_mul(sg, su))
+        # Σ_k pairs + sigmoid(seg)·shared in one launch instead of five (kernels/moe_combine.py)
+        return moe_combine(pairs, cfg.num_experts_per_tok, seg, shared)
 
     def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
         """x [T, H] normed. dec_rows/dec_slots: device tensors of the decode rows (all rows in
@@ -340,8 +343,9 @@ class FastPath:
         q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
         k = k.view(T, Hkv, D)
         v = v.view(T, Hkv, D)
-        q = ref.apply_partial_rope(m.q_norm(q), cos, sin)
-        k = ref.apply_partial_rope(m.k_norm(k), cos, sin)
+        # per-head norm + partial RoPE: one launch per tensor (kernels/qk_norm_rope.py)
+        q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
+        k = qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps)
         return q, k, v, gate
 
     def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):

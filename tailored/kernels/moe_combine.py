@@ -1,0 +1,85 @@
+"""The sparse-MoE block's elementwise glue in two launches (spec §7.3–7.4).
+
+Around the routed experts' GEMMs and the shared expert's down projection, the block computes
+`silu(gate) · up` for the shared expert and `Σ_k pairs + sigmoid(shared_gate) · shared` at the
+end: seven eager PyTorch kernels per layer (sum, cast, silu, mul, sigmoid, mul, add), ×40
+layers in every decode step's graph. These two kernels do the same with the reference's casts:
+  silu_mul:    dt(dt(silu(g)) · u)                      (F.silu then *, each rounded to dt)
+  moe_combine: dt(dt(Σ_k pairs) + dt(dt(sigmoid(s)) · shared))
+where dt is the model dtype and the maths between roundings is fp32. Reference:
+`tailored.model.fast.FastPath._moe` before fusion = `ref` ops; tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o,
+                     BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < N
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + t * stride_g + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + t * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(dt)
+    tl.store(out_ptr + t * stride_o + c, (a.to(tl.float32) * u).to(dt), mask=ok)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up with PyTorch's eager roundings. gate, up: [T, N] (same dtype, unit column
+    stride, row strides free: views of a fused GEMM output). Returns contiguous [T, N]."""
+    T, N = gate.shape
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or up.dtype != gate.dtype:
+        raise ValueError(f"silu_mul: gate{tuple(gate.shape)} {gate.stride()} up{tuple(up.shape)} {up.stride()}")
+    out = torch.empty(T, N, dtype=gate.dtype, device=gate.device)
+    if T == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(N))
+    _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, out, N, gate.stride(0), up.stride(0),
+                                                 out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, H, stride_s, stride_sh, stride_o,
+                        K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < H
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(p_ptr + (t * K + j) * H + c, mask=ok, other=0.0)
+    routed = acc.to(dt).to(tl.float32)
+    s = tl.load(s_ptr + t * stride_s).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-s))).to(dt).to(tl.float32)
+    sh = tl.load(sh_ptr + t * stride_sh + c, mask=ok, other=0.0).to(tl.float32)
+    shared = (gate * sh).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + c, (routed + shared).to(dt), mask=ok)
+
+
+def moe_combine(pairs: torch.Tensor, k: int, shared_gate: torch.Tensor,
+                shared: torch.Tensor) -> torch.Tensor:
+    """Σ_k pairs + sigmoid(shared_gate) · shared, with the reference's roundings.
+
+    pairs: [T·k, H] fp32 contiguous (`fused_moe(..., reduce=False)`); shared_gate: [T, 1] logits
+    (row stride free); shared: [T, H] (unit column stride). Returns [T, H] in shared.dtype.
+    """
+    T, H = shared.shape
+    if (pairs.shape != (T * k, H) or pairs.dtype != torch.float32 or not pairs.is_contiguous()
+            or shared_gate.shape != (T, 1) or shared.stride(1) != 1):
+        raise ValueError(f"moe_combine: pairs{tuple(pairs.shape)} {pairs.dtype} k={k} "
+                         f"shared_gate{tuple(shared_gate.shape)} shared{tuple(shared.shape)}")
+    out = torch.empty(T, H, dtype=shared.dtype, device=shared.device)
+    if T == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(H))
+    _moe_combine_kernel[(T, triton.cdiv(H, block))](
+        pairs, shared_gate, shared, out, H, shared_gate.stride(0), shared.stride(0), out.stride(0),
+        K=k, BLOCK=block, num_warps=4)
+    return out

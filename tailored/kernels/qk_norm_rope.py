@@ -1,0 +1,71 @@
+"""Per-head zero-centred RMSNorm + partial rotate-half RoPE of the attention's q or k, one pass.
+
+The gated-attention layers (spec §6.2–6.3) normalise every query and key head (`q_norm`,
+`k_norm`: `ref.rms_norm_1p`) and rotate their first `rotary_dim` (64 of 256) dims
+(`ref.apply_partial_rope`). In PyTorch that is ~16 elementwise kernels per tensor; in a decode
+step's graph each costs ~1.5 µs of GPU time, ×2 tensors ×10 layers. This kernel does it in one
+launch per tensor, one program per (token, head).
+
+Casts follow the reference exactly: the norm in fp32, rounded to the model dtype; then the
+rotation in that dtype as PyTorch's eager ops round it (`x·cos` rounded, `rot·sin` rounded,
+their sum rounded). The rotation partner of dim d (d ± R/2) is recomputed from the input, not
+gathered from registers — the same fp32 ops give the same value.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps,
+                         stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+                         D: tl.constexpr, R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    row = x_ptr + t * stride_xt + h * stride_xh
+    xf = tl.load(row + d).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    dt = out_ptr.dtype.element_ty
+    n = (xf * inv * (1.0 + tl.load(w_ptr + d).to(tl.float32))).to(dt)
+    # rotate-half partner within the first R dims: d < R/2 takes −n[d + R/2], else n[d − R/2]
+    in_rot = d < R
+    first = d < R // 2
+    p = tl.where(first, d + R // 2, d - R // 2)
+    p = tl.where(in_rot, p, d)
+    pf = tl.load(row + p).to(tl.float32)
+    pn = (pf * inv * (1.0 + tl.load(w_ptr + p).to(tl.float32))).to(dt)
+    rot = tl.where(first, -pn, pn)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=in_rot, other=0.0)
+    s = tl.load(sin_ptr + t * stride_ct + d, mask=in_rot, other=0.0)
+    a = (n.to(tl.float32) * c.to(tl.float32)).to(dt)
+    b = (rot.to(tl.float32) * s.to(tl.float32)).to(dt)
+    y = tl.where(in_rot, (a.to(tl.float32) + b.to(tl.float32)).to(dt), n)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, y)
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """apply_partial_rope(rms_norm_1p(x, weight, eps), cos, sin) in one launch.
+
+    x: [T, H, D] (unit stride on D; token and head strides free, e.g. a view of the fused qkv
+    GEMM output); weight: [D]; cos, sin: [T, R] in x.dtype (`ref.rope_cos_sin`), R even, ≤ D;
+    D a power of 2. Returns a contiguous [T, H, D] tensor in x.dtype. Source: spec §6.2–6.3,
+    reference `ref.rms_norm_1p` + `ref.apply_partial_rope`.
+    """
+    T, H, D = x.shape
+    R = cos.shape[-1]
+    if (x.stride(2) != 1 or D & (D - 1) or R % 2 or R > D or cos.shape != (T, R)
+            or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride()):
+        raise ValueError(f"qk_norm_rope: x{tuple(x.shape)} stride {x.stride()}, "
+                         f"cos{tuple(cos.shape)}, sin{tuple(sin.shape)}")
+    out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    _qk_norm_rope_kernel[(T, H)](x, weight, cos, sin, out, eps, x.stride(0), x.stride(1),
+                                 cos.stride(0), out.stride(0), out.stride(1), D=D, R=R,
+                                 num_warps=2 if D <= 256 else 4)
+    return out
