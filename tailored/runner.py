@@ -127,6 +127,7 @@ class ModelRunner:
         timer = self.timer
         events = None
         if timer is not None:
+            timer.runner_ms = {}  # a failed previous step must not leak its phases into this one
             t = timer.runner_phase("build", t)
             if self.device.type == "cuda":  # GPU span forward → logits, read after the sampler's sync
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

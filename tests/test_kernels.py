@@ -236,7 +236,7 @@ def test_qk_norm_rope(dtype, T, H, D, R):
     qg = (3 * torch.randn(T, H, 2 * D, generator=g)).to(DEV, dtype)
     x = qg[..., :D]  # stride (H·2D, 2D, 1), as in the attention layer
     w = (0.2 * torch.randn(D, generator=g)).to(DEV, dtype)
-    pos = torch.tensor([0, 5, 17, 1000, 4095, 70000, 3][:T], device=DEV)
+    pos = torch.tensor([1000, 5, 17, 0, 4095, 70000, 3][:T], device=DEV)  # T=1 not at cos=1
     cos, sin = ref.rope_cos_sin(pos, R, 1e7, dtype)
     out = qk_norm_rope(x, w, cos, sin, 1e-6)
     want = ref.apply_partial_rope(ref.rms_norm_1p(x, w, 1e-6), cos, sin)

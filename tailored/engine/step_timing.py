@@ -30,6 +30,7 @@ class _Kind:
     tokens: int = 0
     ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     gpu_ms: float = 0.0
+    gpu_steps: int = 0  # steps with a GPU span (not: CPU, or no sampled row)
 
 
 class StepTimer:
@@ -61,7 +62,9 @@ class StepTimer:
         other = (t_exec - t_sched) * 1e3 - sum(self.runner_ms.get(n, 0.0) for n in ("build", "launch", "wait"))
         ms["launch"] += max(other, 0.0)  # a runner without phases: all of execute counts as launch
         ms["finish"] += (t_end - t_exec) * 1e3
-        k.gpu_ms += self.runner_ms.get("gpu", 0.0)
+        if "gpu" in self.runner_ms:
+            k.gpu_ms += self.runner_ms["gpu"]
+            k.gpu_steps += 1
         self.runner_ms = {}
         self._last_end = t_end
 
@@ -77,7 +80,7 @@ class StepTimer:
             phases = " ".join(f"{p} {k.ms[p] / n:.2f}" for p in PHASES)
             parts.append(f"{name}: {k.steps} steps, {k.rows / n:.1f} rows, {k.tokens / n:.0f} tokens, "
                          f"ms/step {sum(k.ms.values()) / n:.2f} = {phases}"
-                         + (f" (gpu {k.gpu_ms / n:.2f})" if k.gpu_ms else ""))
+                         + (f" (gpu {k.gpu_ms / k.gpu_steps:.2f})" if k.gpu_steps else ""))
         return "; ".join(parts)
 
     def reset(self) -> None:

@@ -6,7 +6,10 @@ end: seven eager PyTorch kernels per layer (sum, cast, silu, mul, sigmoid, mul, 
 layers in every decode step's graph. These two kernels do the same with the reference's casts:
   silu_mul:    dt(dt(silu(g)) · u)                      (F.silu then *, each rounded to dt)
   moe_combine: dt(dt(Σ_k pairs) + dt(dt(sigmoid(s)) · shared))
-where dt is the model dtype and the maths between roundings is fp32. Reference:
+where dt is the model dtype and the maths between roundings is fp32. Compiled with
+`enable_fp_fusion=False` (an FMA would skip the rounding of `dt(sigmoid)·shared` before the add)
+and exact division; `tl.exp` is the fast approximation where PyTorch uses `expf`, which can
+flip a bf16 rounding rarely. Reference:
 `tailored.model.fast.FastPath._moe` before fusion = `ref` ops; tests/test_kernels.py.
 """
 
@@ -26,7 +29,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o,
     dt = out_ptr.dtype.element_ty
     g = tl.load(g_ptr + t * stride_g + c, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + t * stride_u + c, mask=ok, other=0.0).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(dt)
+    a = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dt)  # exact division, as PyTorch's silu
     tl.store(out_ptr + t * stride_o + c, (a.to(tl.float32) * u).to(dt), mask=ok)
 
 
@@ -41,7 +44,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(N))
     _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, out, N, gate.stride(0), up.stride(0),
-                                                 out.stride(0), BLOCK=block, num_warps=4)
+                                                 out.stride(0), BLOCK=block, num_warps=4,
+                                                 enable_fp_fusion=False)
     return out
 
 
@@ -57,7 +61,7 @@ def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, H, stride_s, stride_sh, s
         acc += tl.load(p_ptr + (t * K + j) * H + c, mask=ok, other=0.0)
     routed = acc.to(dt).to(tl.float32)
     s = tl.load(s_ptr + t * stride_s).to(tl.float32)
-    gate = (1.0 / (1.0 + tl.exp(-s))).to(dt).to(tl.float32)
+    gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-s)).to(dt).to(tl.float32)
     sh = tl.load(sh_ptr + t * stride_sh + c, mask=ok, other=0.0).to(tl.float32)
     shared = (gate * sh).to(dt).to(tl.float32)
     tl.store(out_ptr + t * stride_o + c, (routed + shared).to(dt), mask=ok)
@@ -81,5 +85,5 @@ def moe_combine(pairs: torch.Tensor, k: int, shared_gate: torch.Tensor,
     block = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, triton.cdiv(H, block))](
         pairs, shared_gate, shared, out, H, shared_gate.stride(0), shared.stride(0), out.stride(0),
-        K=k, BLOCK=block, num_warps=4)
+        K=k, BLOCK=block, num_warps=4, enable_fp_fusion=False)  # no FMA: keep each rounding
     return out

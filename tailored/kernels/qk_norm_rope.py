@@ -8,7 +8,8 @@ launch per tensor, one program per (token, head).
 
 Casts follow the reference exactly: the norm in fp32, rounded to the model dtype; then the
 rotation in that dtype as PyTorch's eager ops round it (`x·cos` rounded, `rot·sin` rounded,
-their sum rounded). The rotation partner of dim d (d ± R/2) is recomputed from the input, not
+their sum rounded). Compiled with `enable_fp_fusion=False`: ptxas would otherwise fuse
+`x·cos + b` into one bf16 FMA and skip a rounding (found by compiling for sm_90, session 5). The rotation partner of dim d (d ± R/2) is recomputed from the input, not
 gathered from registers — the same fp32 ops give the same value.
 """
 
@@ -67,5 +68,6 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
         return out
     _qk_norm_rope_kernel[(T, H)](x, weight, cos, sin, out, eps, x.stride(0), x.stride(1),
                                  cos.stride(0), out.stride(0), out.stride(1), D=D, R=R,
-                                 num_warps=2 if D <= 256 else 4)
+                                 num_warps=2 if D <= 256 else 4,
+                                 enable_fp_fusion=False)  # no FMA: keep each rounding
     return out
