@@ -1,0 +1,180 @@
+"""Every Triton kernel compiles for the H200 (sm_90) — checked on the CPU, before device time.
+
+The interpreter (tests/test_kernels.py) checks what the kernels compute, not that compiled
+Triton accepts them or what ptxas makes of them: session 5 found, by compiling for sm_90 on the
+CPU, that ptxas fused multiply-adds the reference rounds twice (kb/0012). Here each kernel
+wrapper runs on CPU tensors — fp32, bf16 and FP8 weights, decode and prefill sizes — with its
+launches recorded instead of interpreted; a subprocess without the interpreter then compiles
+every recorded launch (signature from the arguments' dtypes, the same constexprs and launch
+options) for GPUTarget("cuda", 90, 32) with Triton's bundled ptxas, and checks the PTX of the
+kernels that must keep their roundings for fused bf16 FMAs. Skips on a GPU machine (the real
+tests compile there) and when Triton has no CUDA backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tailored import kernels
+
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile them"),
+    pytest.mark.skipif(not kernels.available(), reason="triton not installed"),
+]
+
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32",
+         torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.bool: "*i1"}
+NO_FMA = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel"}
+
+COMPILE = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import importlib
+out = []
+for r in json.loads(sys.stdin.read()):
+    fn = getattr(importlib.import_module(r["module"]), r["name"])
+    if not isinstance(fn, triton.runtime.JITFunction):  # an autotuner wraps the JITFunction
+        fn = fn.fn
+    try:
+        k = triton.compile(ASTSource(fn, r["signature"], r["constexprs"]),
+                           target=GPUTarget("cuda", 90, 32), options=r["options"])
+        ptx = k.asm["ptx"]
+        out.append({"key": r["key"], "ok": True, "bf16_fma": "fma.rn.bf16" in ptx})
+    except Exception as e:  # report every failure, not only the first
+        out.append({"key": r["key"], "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]})
+print(json.dumps(out))
+'''
+
+
+def _record(calls) -> list[dict]:
+    """Run each wrapper call with interpreted launches replaced by a recorder."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    recs, seen = [], set()
+    orig = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup=False, **kwargs):
+        names = self.arg_names
+        bound = dict(zip(names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        sig, consts = {}, {}
+        for p in inspect.signature(self.fn).parameters.values():
+            v = bound[p.name]
+            if p.annotation in (tl.constexpr, "tl.constexpr", "constexpr"):
+                sig[p.name], consts[p.name] = "constexpr", v
+            elif isinstance(v, torch.Tensor):
+                sig[p.name] = TYPES[v.dtype]
+            elif isinstance(v, bool):
+                sig[p.name] = "i1"
+            elif isinstance(v, int):
+                sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            elif isinstance(v, float):
+                sig[p.name] = "fp32"
+            else:
+                raise TypeError(f"{self.fn.__name__}: argument {p.name}={v!r}")
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages",
+                                                            "enable_fp_fusion")}
+        key = json.dumps([self.fn.__name__, sig, {k: str(v) for k, v in consts.items()}, options],
+                         sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            recs.append({"key": key, "module": self.fn.__module__, "name": self.fn.__name__,
+                         "signature": sig, "constexprs": consts, "options": options})
+
+    InterpretedFunction.run = run
+    try:
+        for call in calls:
+            call()
+    finally:
+        InterpretedFunction.run = orig
+    return recs
+
+
+def _calls():
+    from tailored.kernels.attention_decode import paged_decode_attention
+    from tailored.kernels.fp8_linear import fp8_linear
+    from tailored.kernels.gdn_decode import conv_step, recurrent_step
+    from tailored.kernels.moe import fused_moe, route_align
+    from tailored.kernels.moe_combine import moe_combine, silu_mul
+    from tailored.kernels.norm import add_rms_norm_1p
+    from tailored.kernels.qk_norm_rope import qk_norm_rope
+    from tailored.ops import reference as ref
+
+    f8 = torch.float8_e4m3fn
+    H, I, E, K = 2048, 512, 256, 8  # the model's MoE dims (spec §7)
+    calls = []
+    for dt in (torch.float32, torch.bfloat16):
+        for T in (1, 40):  # a decode batch and a prefill chunk
+            x = torch.randn(T, H, dtype=dt)
+            calls.append(lambda x=x: add_rms_norm_1p(x, x, torch.zeros(H, dtype=dt), 1e-6))
+            qg = torch.randn(T, 16, 512, dtype=dt)
+            cos, sin = ref.rope_cos_sin(torch.arange(T), 64, 1e7, dt)
+            calls.append(lambda qg=qg, cos=cos, sin=sin: qk_norm_rope(
+                qg[..., :256], torch.zeros(256, dtype=dt), cos, sin, 1e-6))
+            r = torch.randn(T, E + 2 * I + 1, dtype=dt)
+            calls.append(lambda r=r: silu_mul(r[:, E:E + I], r[:, E + I:E + 2 * I]))
+            calls.append(lambda r=r, T=T: moe_combine(torch.zeros(T * K, H), K, r[:, -1:],
+                                                      torch.zeros(T, H, dtype=dt)))
+            ids = torch.randint(0, E, (T, K))
+            w = torch.rand(T, K, dtype=dt)
+            for wdt in (dt, f8):
+                gu = torch.zeros(E, 2 * I, H, dtype=wdt)
+                dn = torch.zeros(E, H, I, dtype=wdt)
+                sc = ((torch.ones(E, 2 * I, H // 128), torch.ones(E, H, I // 128)) if wdt == f8
+                      else (None, None))
+                calls.append(lambda x=x, w=w, ids=ids, gu=gu, dn=dn, sc=sc: fused_moe(
+                    x, w, ids, gu, dn, None, *sc))
+            wl = torch.zeros(1024, H, dtype=f8)
+            calls.append(lambda x=x, wl=wl: fp8_linear(x, wl, torch.ones(1024, H // 128)))
+        rl = torch.randn(1, E, dtype=dt)
+        calls.append(lambda rl=rl: route_align(rl, K))
+        B, S = 3, 5
+        qkv = torch.randn(B, 8192, dtype=dt)
+        conv_state = torch.zeros(S, 8192, 3, dtype=dt)
+        slots = torch.tensor([1, 2, 4], dtype=torch.int32)
+        calls.append(lambda: conv_step(qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots))
+        rec = torch.zeros(S, 32, 128, 128)
+        calls.append(lambda: recurrent_step(
+            qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
+            torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
+            torch.ones(128, dtype=dt), 16, 1e-6))
+        kc = torch.zeros(9, 16, 2, 256, dtype=dt)
+        calls.append(lambda: paged_decode_attention(
+            torch.randn(B, 16, 256, dtype=dt), kc, kc, torch.zeros(B, 4, dtype=torch.int32),
+            torch.tensor([1, 17, 40], dtype=torch.int32)))
+    return calls
+
+
+def test_every_kernel_compiles_for_sm90():
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's bundled ptxas is not installed")
+    recs = _record(_calls())
+    names = {r["name"] for r in recs}
+    assert {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_gate_up_kernel",
+            "_down_kernel", "_fp8_linear_kernel", "_add_rms_norm_kernel", "_attn_split_kernel",
+            "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
+            "_recurrent_kernel"} <= names, names
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    p = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(recs), text=True,
+                       capture_output=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    bad = [r for r in res if not r["ok"]]
+    assert not bad, "\n".join(f"{r['key']}\n  {r['error']}" for r in bad)
+    fma = [r["key"] for r in res if r["bf16_fma"] and json.loads(r["key"])[0] in NO_FMA]
+    assert not fma, f"bf16 FMA in a kernel that must round like the eager ops: {fma}"
