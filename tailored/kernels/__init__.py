@@ -42,6 +42,13 @@ def unavailable_reason(device_type: str, dtype) -> str | None:
     return None
 
 
+def autotune_enabled() -> bool:
+    """Autotuned launch configs on CUDA (default). TAILORED_AUTOTUNE=0 uses the fixed configs
+    the interpreter uses: the GPU kernel tests set it, because tuning every odd test shape took
+    longer than the tests (logs/gpu/2026-11-29-s5/run1); the served path keeps tuning."""
+    return os.environ.get("TAILORED_AUTOTUNE", "1") != "0"
+
+
 def dot_precision(dtype) -> str:
     """tl.dot input precision: exact fp32 products for fp32 inputs (no silent TF32)."""
     import torch

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import dot_precision
+from tailored.kernels import autotune_enabled, dot_precision
 
 SCALE_BLOCK = 128
 
@@ -109,10 +109,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
     args = (x, weight, scale_rows, y, M, N, K, x.stride(0), weight.stride(0),
             scale_rows.stride(0), y.stride(0), bucket)
     prec = dot_precision(x.dtype)
-    if x.is_cuda:
+    if x.is_cuda and autotune_enabled():
         _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
             *args, BLOCK_M=bm, DOT_PREC=prec)
-    else:  # Triton's interpreter (CPU tests): a fixed choice
+    else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
             *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec)

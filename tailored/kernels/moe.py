@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import dot_precision
+from tailored.kernels import autotune_enabled, dot_precision
 from tailored.kernels.fp8_linear import tile_dot
 
 
@@ -262,13 +262,13 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu)
     dn_args = (act, down, order, offsets, rw, y, down_scale,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
-    if x.is_cuda:  # autotuned block sizes
+    if x.is_cuda and autotune_enabled():  # autotuned block sizes
         decode = bm == 16
         _launcher("gate_up", decode, fp8)[lambda m: (E, triton.cdiv(I, m["BLOCK_N"]))](
             *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8)
         _launcher("down", decode, fp8)[lambda m: (E, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8)
-    else:  # Triton's interpreter (tests on the CPU): the fixed choice
+    else:  # Triton's interpreter (tests on the CPU), or TAILORED_AUTOTUNE=0: the fixed choice
         _gate_up_kernel[(E, triton.cdiv(I, bn))](
             *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec,
             PAIRS_BUCKET=bucket, W_FP8=fp8, num_warps=warps)
