@@ -11,7 +11,8 @@
 # golden: scripts/make_golden.py on the full-size gate fixture → $OUT/golden-full/ (reason: GOLDEN_REASON).
 # probe: scripts/gate_chaos_probe.py (transformers SDPA vs eager on the same bf16 weights, per
 # dummy init: how much two correct implementations disagree; kb/0008).
-# GATE_ARGS: extra gate flags, e.g. "--dummy-init stable" (the full-size fixture, kb/0008).
+# GATE_ARGS: extra gate flags, e.g. "--only code,json" (the stable full-size fixture of kb/0008 is
+# already the default for --load-format dummy).
 source "$(dirname "$0")/device_env.sh" gpu_gate
 PARTS=${*:-tests bf16 fp8}
 GATE_ARGS=${GATE_ARGS:-}

@@ -62,6 +62,9 @@ def _synth_parser(sub) -> None:
                         "per-expert experts, quantization_config): the bf16 values quantized")
 
 
+MAX_STEP_TOKENS = 65536  # largest --max-num-batched-tokens (16 GiB of activation reserve)
+
+
 def _check_serve_args(args) -> None:
     """Reject bad flag values in one line before anything slow (weights) happens."""
     for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
@@ -71,6 +74,11 @@ def _check_serve_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens > MAX_STEP_TOKENS:
+        # the activation reserve grows 256 KiB per budget token (runner.plan_cache): a typo
+        # here would only fail after the weights load, naming other flags
+        raise ValueError(f"--max-num-batched-tokens must be <= {MAX_STEP_TOKENS}, "
+                         f"got {args.max_num_batched_tokens}")
     if args.gil_switch_interval_ms is not None and not 0 < args.gil_switch_interval_ms <= 1000:
         raise ValueError(f"--gil-switch-interval-ms must be in (0, 1000], got {args.gil_switch_interval_ms}")
     if not 0 < args.port < 65536:
@@ -140,6 +148,12 @@ def cmd_serve(args) -> int:
     app = build_app(AsyncEngine(stack.engine), stack.tokenizer,
                     args.served_model_name or DEFAULT_MODEL_NAME,
                     stack.engine_config.max_model_len, sampling_defaults=defaults)
+    ec = stack.engine_config
+    logging.getLogger("tailored").info(
+        "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d%s",
+        ec.max_model_len, ec.max_num_seqs, ec.max_num_batched_tokens, ec.page_size,
+        f", GIL switch interval {sys.getswitchinterval() * 1e3:g} ms"
+        if args.gil_switch_interval_ms is not None else "")
     logging.getLogger("tailored").info("serving on http://%s:%d/v1", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False)

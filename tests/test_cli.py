@@ -21,6 +21,7 @@ from tailored.stack import build_stack
     (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization must be in"),
     (["--device", "tpu"], "--device must be"),
     (["--gil-switch-interval-ms", "0"], "--gil-switch-interval-ms must be in"),
+    (["--max-num-batched-tokens", "99999999999"], "--max-num-batched-tokens must be <= 65536"),
 ])
 def test_bad_serve_flags(tiny_ckpt, capsys, flags, msg):
     assert main(["serve", str(tiny_ckpt), "--port", "8197", *flags]) == 2

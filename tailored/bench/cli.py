@@ -6,8 +6,7 @@
     tailored bench roofline --preset full --precision bf16|fp8 --batch 1 [--ctx-len N]
     tailored bench summary --results-dir DIR [--latest bench/results/latest.json]
 
-The lead wires it as: `from tailored.bench import cli as bench_cli; bench_cli.add_parser(sub)`
-and dispatches `bench_cli.run(args)`. `python -m tailored.bench ...` works without the wiring.
+`tailored bench ...` and `python -m tailored.bench ...` are the same command.
 """
 
 from __future__ import annotations

@@ -246,10 +246,12 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 if not self.engine.has_unfinished():
+                    self._log_timing(idle=True)  # the busy spell's last window, not stale later
                     # Ordering: wait -> clear -> drain. A command put after the drain sets the
                     # event, so the next wait returns at once; nothing can be missed.
                     self._wake.wait()
                     self._wake.clear()
+                    self._timing_t0 = time.monotonic()  # idle time is not part of a window
                     continue
                 self._dispatch(self.engine.step())
                 self._log_timing()
@@ -259,10 +261,12 @@ class AsyncEngine:
         finally:
             self._fail_everything(reason)
 
-    def _log_timing(self) -> None:
+    def _log_timing(self, idle: bool = False) -> None:
         timer = getattr(self.engine, "timer", None)
         now = time.monotonic()
-        if timer is None or now - self._timing_t0 < self._timing_log_s:
+        # busy: every timing_log_s; going idle: flush a window of ≥ 1 s (not a line per request)
+        if timer is None or now - self._timing_t0 < (min(1.0, self._timing_log_s) if idle
+                                                      else self._timing_log_s):
             return
         if timer.steps:
             logger.info("step timing over %.0f s: %s", now - self._timing_t0, timer.summary())
