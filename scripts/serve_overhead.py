@@ -38,6 +38,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode-ms", default="5.2,14.5", help="step time at B=1,B=32 (H200, graphs)")
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.113)
+    ap.add_argument("--host-ms", default="0,0",
+                    help="host work per decode step at B=1,B=32 (Python holding the GIL before "
+                         "the sleep, as the runner's build + launch; H200 run 3: 0.5,2.7)")
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--num-prompts", default="4,64")
     ap.add_argument("--input-len", type=int, default=256)
@@ -47,6 +50,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     d1, d32 = (float(x) for x in a.decode_ms.split(","))
+    h1, h32 = (float(x) for x in a.host_ms.split(","))
 
     import torch
     import uvicorn
@@ -67,20 +71,32 @@ def main() -> int:
         dec = sum(1 for s in sched.seqs if len(s.token_ids) == 1)
         pre = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
         ms = (d1 + (d32 - d1) * (max(dec, 1) - 1) / 31 if dec else 0.0) + pre * a.prefill_ms_per_token
+        host = (h1 + (h32 - h1) * (max(dec, 1) - 1) / 31) if dec else 0.0
+        t_host = time.perf_counter() + host / 1e3
+        while time.perf_counter() < t_host:  # build + launch: Python holding the GIL
+            pass
+        on_launch = getattr(st.engine.runner, "on_launch", None)
+        if on_launch is not None:  # as the real runner: the forward is enqueued
+            on_launch()
         time.sleep(ms / 1e3)  # the GPU: the GIL is free meanwhile
         out = ModelOutput(token_ids={s.request_id: 100 + (s.start_pos * 7919) % (vocab - 200)
                                      for s in sched.seqs if s.sample})
-        steps.append((dec, pre, (time.perf_counter() - t0) * 1e3 - ms))
+        steps.append((dec, pre, (time.perf_counter() - t0) * 1e3 - ms - host))
         return out
+
 
     st.engine.runner.execute = execute
     step_ms: list[tuple[int, float]] = []  # (decode rows, engine.step wall ms minus the sleep)
     real_step = st.engine.step
 
-    def step():
+    cpu = {"engine": 0.0}
+
+    def step(**kw):
         n = len(steps)
         t0 = time.perf_counter()
-        outs = real_step()
+        c0 = time.thread_time()
+        outs = real_step(**kw)
+        cpu["engine"] += time.thread_time() - c0
         if len(steps) > n and steps[-1][1] == 0:
             d = steps[-1][0]
             sim = d1 + (d32 - d1) * (d - 1) / 31
@@ -90,6 +106,7 @@ def main() -> int:
     st.engine.step = step
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
+    st.engine.timer.reset = lambda: None  # keep every window for the summary printed below
     app = build_app(AsyncEngine(st.engine, timing_log_s=1e9), st.tokenizer, "m", 4096)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -98,6 +115,7 @@ def main() -> int:
     th.start()
     while not server.started:
         time.sleep(0.05)
+    p0 = time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "tailored.bench", "run", "--base-url", f"http://127.0.0.1:{port}",
@@ -110,6 +128,7 @@ def main() -> int:
             print(r.stdout[-3000:], r.stderr[-3000:])
             return 1
         res = json.loads(out.read_text())
+    p_total = time.process_time() - p0
     server.should_exit = True
     th.join(10)
     rows = []
@@ -121,6 +140,10 @@ def main() -> int:
                      "tpot_p50_ms": tpot, "overhead_itl_ms": round(itl - sim, 2),
                      "ttft_p50_ms": run["p50_ttft_ms"], "output_tok_s": run["output_throughput"]})
     dec_host = [h for d, p, h in steps if d and not p]
+    n_tok = sum(1 for d, p, h in steps for _ in range(max(d, 1)))
+    print(f"process CPU {p_total:.2f} s, engine thread CPU in step() {cpu['engine']:.2f} s, "
+          f"the rest (HTTP thread, uvicorn) {p_total - cpu['engine']:.2f} s = "
+          f"{(p_total - cpu['engine']) / max(n_tok, 1) * 1e6:.0f} us per output token")
     print(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms; engine steps {len(steps)}, "
           f"stub host ms per decode step p50 {sorted(dec_host)[len(dec_host) // 2]:.3f}")
     for lo, hi in ((1, 1), (32, 32)):
