@@ -1082,3 +1082,26 @@ def test_client_disconnect_aborts_live_server():
         assert not engine.reqs
         ok = client.post("/v1/completions", json={"prompt": "SAY:ok"})
         assert ok.json()["choices"][0]["text"] == "ok"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_chunk_template_equals_the_models(chat, include_usage):
+    """_Formatter.chunk fills a template for text-only chunks; it must say what the pydantic
+    models say (JSON-equal, same keys in the same order), for any text."""
+    import json as _json
+
+    from tailored.server.app import _Formatter
+
+    f = _Formatter("cmpl-x", "m", chat, 7, include_usage)
+    for text in ["hi", 'q"uote\\ back\nnew\ttab\x01ctl', "é中文😀", "@@tailored-text@@", " "]:
+        fast, slow = f.chunk(text, None), f._render(text, None)
+        assert fast.startswith("data: ") and fast.endswith("\n\n")
+        a, b = _json.loads(fast[6:]), _json.loads(slow[6:])
+        a.pop("created"), b.pop("created")
+        assert list(a) == list(b) and a == b
+    assert _json.loads(f.chunk("", "stop")[6:])["choices"][0]["finish_reason"] == "stop"
+    # a model named like the placeholder: the template is not unique, the models render
+    g = _Formatter("cmpl-y", "@@tailored-text@@", chat, 7, include_usage)
+    assert _json.loads(g.chunk("ok", None)[6:])["model"] == "@@tailored-text@@"
+    assert g._template == []

@@ -369,6 +369,7 @@ class _Formatter:
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         # OpenAI sends "usage": null on every chunk only when include_usage is set.
         self._exclude = None if include_usage else {"usage"}
+        self._template: list[str] | None = None  # chunk() before / after the text
 
     def _envelope(self, choices):
         cls = ChatCompletionChunk if self.chat else CompletionStreamResponse
@@ -380,7 +381,22 @@ class _Formatter:
         choice = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
         return _sse(self._envelope([choice]), self._exclude)
 
+    _TEXT = "@@tailored-text@@"  # placeholder: plain ASCII, survives JSON encoding unchanged
+
     def chunk(self, text: str, finish: str | None) -> str:
+        """One SSE event with a token's text. The common case (some text, no finish) fills a
+        template rendered once per request by the same pydantic models: the HTTP thread pays
+        ~140 µs of CPU per streamed token and shares the GIL with the engine (kb/0011)."""
+        if text and finish is None:
+            if self._template is None:
+                parts = self._render(self._TEXT, None).split(f'"{self._TEXT}"')
+                self._template = parts if len(parts) == 2 else []  # [] = placeholder not unique
+            if self._template:
+                head, tail = self._template
+                return head + json.dumps(text, ensure_ascii=False) + tail
+        return self._render(text, finish)
+
+    def _render(self, text: str, finish: str | None) -> str:
         if self.chat:
             delta = DeltaMessage(content=text) if text else DeltaMessage()
             choice = ChatChunkChoice(delta=delta, finish_reason=finish)
