@@ -164,3 +164,21 @@ def steps_leave_other_slots_and_pages_bit_identical(make, quick: bool = False) -
     drain(e)
     assert not seen["wrote_outside"], f"steps wrote outside their slots/pages: {seen['wrote_outside']}"
     assert seen["running_skipped"], seen
+
+
+def long_generation_equals_one_prefill(make, *, n: int, tol: float) -> None:
+    """failure-cases §7 (a model repeating one character after ~5k generated tokens): n decode
+    steps — the GDN states updated n times in place, KV over n/16 pages — compute what one
+    teacher-forced prefill of the same tokens computes, at spot positions from the prompt to the
+    last decode step; and the prefill's next token is the generation's last."""
+    P = ids(17, 7000)
+    max_len = len(P) + n + 16
+    t1, h1 = engine_greedy(make(max_num_seqs=1, max_model_len=max_len), {"g": P}, n,
+                           capture=True)
+    full = P + t1["g"][:-1]  # every token the decode steps consumed
+    t2, h2 = engine_greedy(make(budget=len(full), max_num_seqs=1, max_model_len=max_len),
+                           {"g": full}, 1, capture=True)
+    assert t2["g"] == t1["g"][-1:]
+    # prompt end, page and chunk edges, mid-generation, the last decode step
+    rows = torch.tensor(sorted({0, 16, 17, 255, 256, 1023, 1024, n // 2, len(full) - 1}))
+    assert rel(h1["g"][rows], h2["g"][rows]) <= tol

@@ -104,6 +104,11 @@ def test_steps_leave_other_slots_and_pages_bit_identical(model, tok):
     C.steps_leave_other_slots_and_pages_bit_identical(lambda **kw: engine(model, tok, **kw))
 
 
+def test_long_generation_equals_one_prefill_at_spot_positions(model, tok):
+    """failure-cases §7: 8192 decode steps through the CUDA graphs vs one eager prefill."""
+    C.long_generation_equals_one_prefill(lambda **kw: engine(model, tok, **kw), n=8192, tol=TOL)
+
+
 def test_abort_frees_pages_and_slots(model, tok):
     C.abort_frees_pages_and_slots(engine(model, tok, budget=32, max_num_seqs=3, max_model_len=128,
                                          num_pages=30))

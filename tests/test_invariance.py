@@ -89,6 +89,12 @@ def test_4097_chunked_prefill_decode_equals_single_pass(tiny_model, tok):
     assert rel_err(h1["q"][rows], h2["q"][rows]) <= TOL
 
 
+def test_long_generation_equals_one_prefill_at_spot_positions(tiny_model, tok):
+    """failure-cases §7: 2000 decode steps on the CPU (the GPU suite runs 8192)."""
+    C.long_generation_equals_one_prefill(
+        lambda **kw: make_engine(tiny_model, tok, **kw), n=2000, tol=TOL)
+
+
 def test_steps_leave_other_slots_and_pages_bit_identical(tiny_model, tok):
     """Every step — prefill-only with several new requests, mixed prefill+decode, a step that
     skips a live running request — leaves each slot and KV page it does not name bit-identical
