@@ -6,9 +6,10 @@
 #
 # Prepare here: bash scripts/fetch_wheels.sh   (.whl/, git-ignored; fla-core for bf16 prefill)
 # Run there:    device run, carry [".whl"],
-#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [invariance] [probe] [bf16] [fp8] [golden]
+#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [invariance] [probe] [bf16] [fp8] [soak] [golden]
 # invariance: tests/test_gpu_invariance.py (engine-level invariances, kernel path + graphs).
 # golden: scripts/make_golden.py on the full-size gate fixture → $OUT/golden-full/ (reason: GOLDEN_REASON).
+# soak: tailored.bench.soak against a served fp32 full-width model (failure-cases §9).
 # probe: scripts/gate_chaos_probe.py (transformers SDPA vs eager on the same bf16 weights, per
 # dummy init: how much two correct implementations disagree; kb/0008).
 # GATE_ARGS: extra gate flags, e.g. "--only code,json" (the stable full-size fixture of kb/0008 is
@@ -42,6 +43,23 @@ for prec in bf16 fp8; do
         --log-level info $GATE_ARGS 2>&1 | grep -v "Warning\|warn" | tail -40
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
+if [[ " $PARTS " == *" soak "* ]]; then
+    # failure-cases §9: answers at concurrency 32 == the same requests alone, through the served
+    # kernel path with CUDA graphs; fp32 at full width (4 layers) so that batching cannot
+    # legitimately change a greedy token
+    stamp "soak: serve full width 4 layers fp32, 48 prompts x 3 rounds at c=32"
+    python3 -m tailored serve /tmp/full --load-format dummy --num-layers 4 --dtype float32 \
+        --max-model-len 1024 --max-num-seqs 32 --port 8001 > "$OUT/server-soak.log" 2>&1 &
+    spid=$!
+    for _ in $(seq 1 180); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8001/health', timeout=2)" 2>/dev/null && break
+        kill -0 $spid 2>/dev/null || { echo "soak server died"; tail -20 "$OUT/server-soak.log"; break; }
+        sleep 1
+    done
+    timeout 240 python3 -m tailored.bench.soak --base-url http://127.0.0.1:8001 --prompts 48 \
+        --concurrency 32 --rounds 3 --max-tokens 64 --json "$OUT/soak.json" 2>&1 | tail -8
+    kill $spid; wait $spid 2>/dev/null
+fi
 if [[ " $PARTS " == *" golden "* ]]; then
     stamp "full-size goldens (dummy, stable init, seed 0, bf16 reference)"
     timeout 300 python3 scripts/make_golden.py /tmp/full --load-format dummy --dummy-init stable \

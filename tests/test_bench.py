@@ -371,3 +371,17 @@ def test_live_failures_are_counted_not_raised(live):
     run = asyncio.run(loadgen.run_once(w))
     assert (run["completed"], run["failed"]) == (0, 3)
     assert run["errors"][0]["count"] == 3 and "HTTP 400" in run["errors"][0]["error"]
+
+
+def test_soak_answers_under_concurrency_equal_the_answers_alone(live):
+    """failure-cases §9: the soak tool against the real app (CPU plain path, fp32): every
+    answer at concurrency 8 equals the same request's answer alone, streamed or not."""
+    from tailored.bench.soak import soak
+
+    import asyncio
+
+    url, (_, hi) = live
+    res = asyncio.run(soak(url, prompts=10, concurrency=8, rounds=2, max_tokens=12,
+                           token_id_range=(1, hi), max_prompt_len=150))
+    assert res.ok, (res.errors[:3], res.mismatches[:3])
+    assert res.requests == 30
