@@ -105,3 +105,26 @@ def test_route_topk_renormalises():
     w, ids = ref.route_topk(logits, 2)
     assert torch.allclose(w.sum(-1), torch.ones(3))
     assert torch.equal(ids[:, 0], logits.argmax(-1))
+
+
+def test_pad_rows_with_zero_beta_and_g_leave_the_gdn_state_alone():
+    """kb/0013 (prefill graphs at padded token counts): rows with β = 0 and g = 0 neither write
+    nor decay the recurrent state, whatever their q, k, v — so a fixed-length chunked pass over
+    T real + pad rows ends in the state after the T real rows, and real outputs are unchanged."""
+    g_ = torch.Generator().manual_seed(13)
+    T, P, HK, HV, Dk, Dv = 37, 27, 2, 4, 16, 8
+    q = torch.randn(T + P, HK, Dk, generator=g_)
+    k = torch.randn(T + P, HK, Dk, generator=g_)
+    v = torch.randn(T + P, HV, Dv, generator=g_)
+    g = -torch.rand(T + P, HV, generator=g_)
+    beta = torch.rand(T + P, HV, generator=g_)
+    g[T:], beta[T:] = 0.0, 0.0
+    s0 = torch.randn(HV, Dk, Dv, generator=g_)
+    o_real, s_real = ref.gated_delta_rule_chunked(q[:T], k[:T], v[:T], g[:T], beta[:T], s0)
+    o_pad, s_pad = ref.gated_delta_rule_chunked(q, k, v, g, beta, s0)
+    assert torch.allclose(s_pad, s_real, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(o_pad[:T], o_real, atol=1e-5, rtol=1e-5)
+    # and the token-by-token oracle agrees
+    _, s_rec = ref.gated_delta_rule_recurrent(q[None], k[None], v[None], g[None], beta[None],
+                                              s0[None])
+    assert torch.allclose(s_rec[0], s_real, atol=1e-4, rtol=1e-4)
