@@ -49,11 +49,7 @@ if [[ " $PARTS " == *" serve "* ]]; then
     python3 -m tailored serve "$(ckpt $prec)" --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
         --port 8000 ${SERVE_ARGS:-} > "$OUT/server-$prec.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 240); do
-        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
-        kill -0 $pid 2>/dev/null || { echo "server died"; tail -40 "$OUT/server-$prec.log"; break; }
-        sleep 1
-    done
+    wait_for_server 8000 $pid "$OUT/server-$prec.log"
     stamp "server ready"
     timeout 200 python3 -m tailored bench run --base-url http://127.0.0.1:8000 --concurrency 1,32 \
         --num-prompts 6,64 --input-len 1024 --output-len 512 --ignore-eos --num-warmups 1 \

@@ -51,11 +51,7 @@ if [[ " $PARTS " == *" soak "* ]]; then
     python3 -m tailored serve /tmp/full --load-format dummy --num-layers 4 --dtype float32 \
         --max-model-len 1024 --max-num-seqs 32 --port 8001 > "$OUT/server-soak.log" 2>&1 &
     spid=$!
-    for _ in $(seq 1 180); do
-        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8001/health', timeout=2)" 2>/dev/null && break
-        kill -0 $spid 2>/dev/null || { echo "soak server died"; tail -20 "$OUT/server-soak.log"; break; }
-        sleep 1
-    done
+    wait_for_server 8001 $spid "$OUT/server-soak.log" 180
     timeout 240 python3 -m tailored.bench.soak --base-url http://127.0.0.1:8001 --prompts 48 \
         --concurrency 32 --rounds 3 --max-tokens 64 --json "$OUT/soak.json" 2>&1 | tail -8
     kill $spid; wait $spid 2>/dev/null
