@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tailored.config import ModelConfig
@@ -96,8 +97,15 @@ class HybridCache:
         rec = n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         return conv + rec
 
+    @staticmethod
+    def kv_rows(page_ids, start: int, end: int, page_size: int) -> np.ndarray:
+        """Flat KV row indices (page·page_size + offset) of positions [start, end) of a sequence
+        owning `page_ids`, int64 on the host (the kernel path's StepPlan sends many of them in
+        one copy)."""
+        pos = np.arange(start, end, dtype=np.int64)
+        return np.asarray(page_ids, dtype=np.int64)[pos // page_size] * page_size + pos % page_size
+
     def token_index(self, seq: SeqInfo, start: int, end: int) -> torch.Tensor:
         """Flat KV row indices (page*page_size + offset) of positions [start, end) of `seq`."""
-        pos = torch.arange(start, end)
-        pages = torch.tensor(seq.page_ids, dtype=torch.long)[pos // self.page_size]
-        return (pages * self.page_size + pos % self.page_size).to(self.k.device)
+        return torch.from_numpy(self.kv_rows(seq.page_ids, start, end, self.page_size)).to(
+            self.k.device)

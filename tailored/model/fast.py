@@ -133,9 +133,11 @@ def h2d(a: np.ndarray, device) -> torch.Tensor:
     return t
 
 
-def _kv_rows(page_ids, start: int, end: int, page_size: int) -> np.ndarray:
-    pos = np.arange(start, end, dtype=np.int64)
-    return np.asarray(page_ids, dtype=np.int64)[pos // page_size] * page_size + pos % page_size
+def _token_rows(seqs) -> np.ndarray:
+    """Batch rows of these sequences' tokens, in order (int64, host)."""
+    if not seqs:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(q.q_start, q.q_start + q.num_tokens) for q in seqs])
 
 
 def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
@@ -150,13 +152,12 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
         size[0] += len(a)
         return size[0] - len(a), size[0]
 
-    r_rows = add(np.concatenate([np.arange(q.q_start, q.q_start + q.num_tokens) for q in pre])
-                 if pre else [])
+    r_rows = add(_token_rows(pre))
     r_slots = add([q.slot for q in pre])
     r_reset = add([int(q.reset_state) for q in pre])
-    r_new = [add(_kv_rows(q.page_ids, q.start_pos, q.end_pos, page_size)) for q in seqs]
-    r_ctx = [add(_kv_rows(q.page_ids, 0, q.end_pos, page_size)) if q.start_pos else None
-             for q in seqs]
+    rows = HybridCache.kv_rows
+    r_new = [add(rows(q.page_ids, q.start_pos, q.end_pos, page_size)) for q in seqs]
+    r_ctx = [add(rows(q.page_ids, 0, q.end_pos, page_size)) if q.start_pos else None for q in seqs]
     r_dec = add([q.q_start for q in dec])
     r_dslot = add([q.slot for q in dec])
     buf = h2d(np.concatenate(parts), device)
@@ -457,9 +458,7 @@ class FastPath:
                           device=batch.input_ids.device)
         out[rows_d] = self.forward_decode_graph(sub_d)
         hp = self.forward_eager(sub_p)
-        rows_p = h2d(np.concatenate([np.arange(batch.seqs[j].q_start,
-                                               batch.seqs[j].q_start + batch.seqs[j].num_tokens)
-                                     for j in range(len(batch.seqs)) if j not in dec_set]), dev)
+        rows_p = h2d(_token_rows([s for j, s in enumerate(batch.seqs) if j not in dec_set]), dev)
         out[rows_p] = hp
         return out
 
