@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 PHASES = ("gap", "schedule", "build", "launch", "wait", "finish")
+RUNNER_PHASES = ("build", "launch", "wait")  # reported by the runner through runner_phase()
 
 
 @dataclass
@@ -57,10 +58,13 @@ class StepTimer:
         if self._last_end is not None and t_start - self._last_end < 1.0:  # not an idle gap
             ms["gap"] += (t_start - self._last_end) * 1e3
         ms["schedule"] += (t_sched - t_start) * 1e3
-        for name in ("build", "launch", "wait"):
-            ms[name] += self.runner_ms.get(name, 0.0)
-        other = (t_exec - t_sched) * 1e3 - sum(self.runner_ms.get(n, 0.0) for n in ("build", "launch", "wait"))
-        ms["launch"] += max(other, 0.0)  # a runner without phases: all of execute counts as launch
+        named = 0.0
+        for name in RUNNER_PHASES:
+            v = self.runner_ms.get(name, 0.0)
+            ms[name] += v
+            named += v
+        # execute's time outside the runner's named phases (all of it for a runner without them)
+        ms["launch"] += max((t_exec - t_sched) * 1e3 - named, 0.0)
         ms["finish"] += (t_end - t_exec) * 1e3
         if "gpu" in self.runner_ms:
             k.gpu_ms += self.runner_ms["gpu"]
