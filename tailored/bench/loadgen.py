@@ -230,7 +230,7 @@ class RequestResult:
         return tpot_s(self.e2e_s, self.ttft_s, self.output_tokens)
 
 
-def _chunk_text(obj: dict[str, Any]) -> tuple[str | None, str | None]:
+def chunk_text(obj: dict[str, Any]) -> tuple[str | None, str | None]:
     """(output text carried by a chunk, finish_reason) for completions and chat chunks."""
     choices = obj.get("choices")
     if not choices:
@@ -286,7 +286,7 @@ async def send_request(client, root: str, req: PreparedRequest, t_run0: float) -
                         err = obj["error"]
                         res.error = f"in-band error: {err.get('message', err) if isinstance(err, dict) else err}"
                         continue
-                    text, finish = _chunk_text(obj)
+                    text, finish = chunk_text(obj)
                     if text:
                         res.text_chunks += 1
                         if res.ttft_s is None:

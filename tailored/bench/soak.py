@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from tailored.bench.loadgen import api_root, chunk_text, discover_model, make_client
 
 
 @dataclass
@@ -42,17 +42,18 @@ class SoakResult:
         return not self.errors and not self.mismatches
 
 
-async def _complete(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+async def _complete(client, root: str, model: str, prompt: list[int], max_tokens: int,
                     stream: bool) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": stream}
+    url = f"{root}/v1/completions"
     if not stream:
-        r = await client.post("/v1/completions", json=body)
+        r = await client.post(url, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
         return r.json()["choices"][0]["text"]
     parts = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -61,7 +62,7 @@ async def _complete(client: httpx.AsyncClient, model: str, prompt: list[int], ma
             ev = json.loads(line[6:])
             if "error" in ev:
                 raise RuntimeError(f"in-band error: {ev['error']}")
-            parts.extend(c.get("text", "") for c in ev.get("choices", []))
+            parts.append(chunk_text(ev)[0] or "")
     return "".join(parts)
 
 
@@ -79,13 +80,13 @@ async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, round
           for _ in range(prompts)]
     res = SoakResult()
     t0 = time.monotonic()
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    root = api_root(base_url)
+    async with make_client(concurrency, timeout) as client:
+        model = await discover_model(client, root)
         ref: list[str | None] = []
         for i, p in enumerate(ps):  # one at a time: nothing else in the batch
             try:
-                ref.append(await _complete(client, model, p, max_tokens, stream=False))
+                ref.append(await _complete(client, root, model, p, max_tokens, stream=False))
             except Exception as e:  # noqa: BLE001 - reported, the soak goes on
                 res.errors.append(f"reference {i}: {e}")
                 ref.append(None)
@@ -95,7 +96,7 @@ async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, round
         async def one(rnd: int, i: int, stream: bool) -> None:
             async with sem:
                 try:
-                    got = await _complete(client, model, ps[i], max_tokens, stream)
+                    got = await _complete(client, root, model, ps[i], max_tokens, stream)
                 except Exception as e:  # noqa: BLE001
                     res.errors.append(f"round {rnd} prompt {i}: {e}")
                     return
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("prompts", "concurrency", "rounds", "max_tokens", "max_prompt_len"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    res = asyncio.run(soak(a.base_url.rstrip("/").removesuffix("/v1"), prompts=a.prompts,
+    res = asyncio.run(soak(a.base_url, prompts=a.prompts,
                            concurrency=a.concurrency, rounds=a.rounds, max_tokens=a.max_tokens,
                            token_id_range=(lo, hi), seed=a.seed, max_prompt_len=a.max_prompt_len))
     print(f"soak: {res.requests} requests in {res.seconds:.1f} s, {len(res.errors)} errors, "
