@@ -126,10 +126,6 @@ def test_engine_greedy_same_with_kernels_on_and_off(precision, tiny_ckpt, tiny_f
 def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny_ckpt):
     """The slot/page isolation check of the invariance suite on the kernel path (eager: the
     interpreter has no graphs; tests/test_gpu_invariance.py runs it with graphs)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     import invariance_checks as C
 
     from tailored.stack import build_stack
