@@ -52,6 +52,11 @@ def main() -> int:
     d1, d32 = (float(x) for x in a.decode_ms.split(","))
     h1, h32 = (float(x) for x in a.host_ms.split(","))
 
+    def decode_ms(b: int) -> tuple[float, float]:
+        """(simulated GPU ms, emulated host ms) of a B=b decode step, linear between B=1, 32."""
+        f = (max(b, 1) - 1) / 31
+        return d1 + (d32 - d1) * f, h1 + (h32 - h1) * f
+
     import torch
     import uvicorn
 
@@ -70,37 +75,31 @@ def main() -> int:
         t0 = time.perf_counter()
         dec = sum(1 for s in sched.seqs if len(s.token_ids) == 1)
         pre = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
-        ms = (d1 + (d32 - d1) * (max(dec, 1) - 1) / 31 if dec else 0.0) + pre * a.prefill_ms_per_token
-        host = (h1 + (h32 - h1) * (max(dec, 1) - 1) / 31) if dec else 0.0
+        ms, host = decode_ms(dec) if dec else (0.0, 0.0)
+        ms += pre * a.prefill_ms_per_token
         t_host = time.perf_counter() + host / 1e3
         while time.perf_counter() < t_host:  # build + launch: Python holding the GIL
             pass
-        on_launch = getattr(st.engine.runner, "on_launch", None)
-        if on_launch is not None:  # as the real runner: the forward is enqueued
-            on_launch()
         time.sleep(ms / 1e3)  # the GPU: the GIL is free meanwhile
         out = ModelOutput(token_ids={s.request_id: 100 + (s.start_pos * 7919) % (vocab - 200)
                                      for s in sched.seqs if s.sample})
         steps.append((dec, pre, (time.perf_counter() - t0) * 1e3 - ms - host))
         return out
 
-
     st.engine.runner.execute = execute
     step_ms: list[tuple[int, float]] = []  # (decode rows, engine.step wall ms minus the sleep)
     real_step = st.engine.step
-
     cpu = {"engine": 0.0}
 
-    def step(**kw):
+    def step():
         n = len(steps)
         t0 = time.perf_counter()
         c0 = time.thread_time()
-        outs = real_step(**kw)
+        outs = real_step()
         cpu["engine"] += time.thread_time() - c0
         if len(steps) > n and steps[-1][1] == 0:
             d = steps[-1][0]
-            sim = d1 + (d32 - d1) * (d - 1) / 31
-            step_ms.append((d, (time.perf_counter() - t0) * 1e3 - sim))
+            step_ms.append((d, (time.perf_counter() - t0) * 1e3 - decode_ms(d)[0]))
         return outs
 
     st.engine.step = step
@@ -134,22 +133,22 @@ def main() -> int:
     rows = []
     for run in res["runs"]:
         c = run["max_concurrency"]
-        sim = d1 + (d32 - d1) * (c - 1) / 31
+        sim = sum(decode_ms(c))  # the simulated step: GPU sleep + emulated host work
         itl, tpot = run["p50_itl_ms"], run["p50_tpot_ms"]
         rows.append({"concurrency": c, "sim_decode_ms": round(sim, 2), "itl_p50_ms": itl,
                      "tpot_p50_ms": tpot, "overhead_itl_ms": round(itl - sim, 2),
                      "ttft_p50_ms": run["p50_ttft_ms"], "output_tok_s": run["output_throughput"]})
     dec_host = [h for d, p, h in steps if d and not p]
-    n_tok = sum(1 for d, p, h in steps for _ in range(max(d, 1)))
+    n_tok = sum(max(d, 1) for d, _, _ in steps)
     print(f"process CPU {p_total:.2f} s, engine thread CPU in step() {cpu['engine']:.2f} s, "
           f"the rest (HTTP thread, uvicorn) {p_total - cpu['engine']:.2f} s = "
           f"{(p_total - cpu['engine']) / max(n_tok, 1) * 1e6:.0f} us per output token")
     print(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms; engine steps {len(steps)}, "
           f"stub host ms per decode step p50 {sorted(dec_host)[len(dec_host) // 2]:.3f}")
-    for lo, hi in ((1, 1), (32, 32)):
-        v = sorted(h for d, h in step_ms if lo <= d <= hi)
+    for b in (1, 32):
+        v = sorted(h for d, h in step_ms if d == b)
         if v:
-            print(f"decode B={lo}: engine.step host ms p50 {v[len(v) // 2]:.3f} (n={len(v)})")
+            print(f"decode B={b}: engine.step host ms p50 {v[len(v) // 2]:.3f} (n={len(v)})")
     print("engine step timing (all runs):", st.engine.timer.summary().replace("; ", "\n  "))
     print("| conc | simulated step ms | ITL p50 | overhead | TPOT p50 | TTFT p50 | out tok/s |")
     print("|---|---|---|---|---|---|---|")
