@@ -42,10 +42,18 @@ def unavailable_reason(device_type: str, dtype) -> str | None:
     return None
 
 
-def autotune_enabled() -> bool:
+def autotune_enabled(dtype=None) -> bool:
     """Autotuned launch configs on CUDA (default). TAILORED_AUTOTUNE=0 uses the fixed configs
     the interpreter uses: the GPU kernel tests set it, because tuning every odd test shape took
-    longer than the tests (logs/gpu/2026-11-29-s5/run1); the served path keeps tuning."""
+    longer than the tests (logs/gpu/2026-11-29-s5/run1); the served path keeps tuning.
+
+    fp32 activations never tune: fp32 is the reference/test dtype (exact "ieee" dots, which
+    ptxas compiles slowly), and tuning one fp32 FP8 linear took over 4 minutes of compiles on
+    the H200 (logs/gpu/2026-11-30-s6/run3/fp8fp32.log)."""
+    import torch
+
+    if dtype == torch.float32:
+        return False
     return os.environ.get("TAILORED_AUTOTUNE", "1") != "0"
 
 

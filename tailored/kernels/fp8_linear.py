@@ -109,7 +109,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
     args = (x, weight, scale_rows, y, M, N, K, x.stride(0), weight.stride(0),
             scale_rows.stride(0), y.stride(0), bucket)
     prec = dot_precision(x.dtype)
-    if x.is_cuda and autotune_enabled():
+    if x.is_cuda and autotune_enabled(x.dtype):
         _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
             *args, BLOCK_M=bm, DOT_PREC=prec)
     else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice

@@ -262,7 +262,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu)
     dn_args = (act, down, order, offsets, rw, y, down_scale,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
-    if x.is_cuda and autotune_enabled():  # autotuned block sizes
+    if x.is_cuda and autotune_enabled(x.dtype):  # autotuned block sizes
         decode = bm == 16
         _launcher("gate_up", decode, fp8)[lambda m: (E, triton.cdiv(I, m["BLOCK_N"]))](
             *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8)
