@@ -34,6 +34,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _decode_ms(b: int, d1: float, d32: float, h1: float, h32: float) -> tuple[float, float]:
+    """(simulated GPU ms, emulated host ms) of a B=b decode step, linear between B=1, 32."""
+    f = (max(b, 1) - 1) / 31
+    return d1 + (d32 - d1) * f, h1 + (h32 - h1) * f
+
+
+def build_stub(d1: float, d32: float, h1: float, h32: float, prefill_ms_per_token: float):
+    """The embedded engine with its runner's execute replaced by the simulated step; module
+    level so that --engine-process can build it in the child (spawn imports this file)."""
+    import torch
+
+    from tailored.engine.types import ModelOutput
+    from tailored.stack import build_stack
+
+    torch.set_num_threads(1)
+    st = build_stack(None, device="cpu", max_model_len=4096, max_num_seqs=64,
+                     max_num_batched_tokens=2048, kernels="off")
+    vocab = st.model_config.vocab_size
+    steps: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, host ms)
+
+    def execute(sched):
+        t0 = time.perf_counter()
+        dec = sum(1 for s in sched.seqs if len(s.token_ids) == 1)
+        pre = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
+        ms, host = _decode_ms(dec, d1, d32, h1, h32) if dec else (0.0, 0.0)
+        ms += pre * prefill_ms_per_token
+        t_host = time.perf_counter() + host / 1e3
+        while time.perf_counter() < t_host:  # build + launch: Python holding the GIL
+            pass
+        time.sleep(ms / 1e3)  # the GPU: the GIL is free meanwhile
+        out = ModelOutput(token_ids={s.request_id: 100 + (s.start_pos * 7919) % (vocab - 200)
+                                     for s in sched.seqs if s.sample})
+        steps.append((dec, pre, (time.perf_counter() - t0) * 1e3 - ms - host))
+        return out
+
+    st.engine.runner.execute = execute
+    st.engine.sim_steps = steps
+    return st
+
+
+def build_stub_engine(**kw):
+    return build_stub(**kw).engine
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode-ms", default="5.2,14.5", help="step time at B=1,B=32 (H200, graphs)")
@@ -47,66 +91,60 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the server (default: the server's own)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="run the engine in a child process, as `tailored serve` does by default "
+                         "(kb/0014); the engine-thread figures are then not printed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     d1, d32 = (float(x) for x in a.decode_ms.split(","))
     h1, h32 = (float(x) for x in a.host_ms.split(","))
+    stub_kw = dict(d1=d1, d32=d32, h1=h1, h32=h32, prefill_ms_per_token=a.prefill_ms_per_token)
 
     def decode_ms(b: int) -> tuple[float, float]:
-        """(simulated GPU ms, emulated host ms) of a B=b decode step, linear between B=1, 32."""
-        f = (max(b, 1) - 1) / 31
-        return d1 + (d32 - d1) * f, h1 + (h32 - h1) * f
+        return _decode_ms(b, d1, d32, h1, h32)
 
-    import torch
     import uvicorn
 
-    from tailored.engine.types import ModelOutput
     from tailored.server.app import build_app
     from tailored.server.async_engine import AsyncEngine
-    from tailored.stack import build_stack
 
-    torch.set_num_threads(1)
-    st = build_stack(None, device="cpu", max_model_len=4096, max_num_seqs=64,
-                     max_num_batched_tokens=2048, kernels="off")
-    vocab = st.model_config.vocab_size
-    steps: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, host ms)
-
-    def execute(sched):
-        t0 = time.perf_counter()
-        dec = sum(1 for s in sched.seqs if len(s.token_ids) == 1)
-        pre = sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1)
-        ms, host = decode_ms(dec) if dec else (0.0, 0.0)
-        ms += pre * a.prefill_ms_per_token
-        t_host = time.perf_counter() + host / 1e3
-        while time.perf_counter() < t_host:  # build + launch: Python holding the GIL
-            pass
-        time.sleep(ms / 1e3)  # the GPU: the GIL is free meanwhile
-        out = ModelOutput(token_ids={s.request_id: 100 + (s.start_pos * 7919) % (vocab - 200)
-                                     for s in sched.seqs if s.sample})
-        steps.append((dec, pre, (time.perf_counter() - t0) * 1e3 - ms - host))
-        return out
-
-    st.engine.runner.execute = execute
-    step_ms: list[tuple[int, float]] = []  # (decode rows, engine.step wall ms minus the sleep)
-    real_step = st.engine.step
-    cpu = {"engine": 0.0}
-
-    def step():
-        n = len(steps)
-        t0 = time.perf_counter()
-        c0 = time.thread_time()
-        outs = real_step()
-        cpu["engine"] += time.thread_time() - c0
-        if len(steps) > n and steps[-1][1] == 0:
-            d = steps[-1][0]
-            step_ms.append((d, (time.perf_counter() - t0) * 1e3 - decode_ms(d)[0]))
-        return outs
-
-    st.engine.step = step
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
-    st.engine.timer.reset = lambda: None  # keep every window for the summary printed below
-    app = build_app(AsyncEngine(st.engine, timing_log_s=1e9), st.tokenizer, "m", 4096)
+    if a.engine_process:
+        from tailored.server.engine_process import EngineProcess
+        from tailored.config import ModelConfig
+        from tailored.stack import embedded_checkpoint
+        from tailored.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(embedded_checkpoint())
+        vocab = ModelConfig.from_dir(embedded_checkpoint()).vocab_size
+        aengine = EngineProcess(build_stub_engine, stub_kw, timing_log_s=1e9,
+                                switch_interval_s=a.switch_interval)
+        aengine.start()
+        steps, step_ms, st = [], [], None
+        cpu = {"engine": 0.0}
+    else:
+        st = build_stub(**stub_kw)
+        vocab, steps, tok = st.model_config.vocab_size, st.engine.sim_steps, st.tokenizer
+        step_ms: list[tuple[int, float]] = []  # (decode rows, engine.step wall ms minus the sleep)
+        real_step = st.engine.step
+        cpu = {"engine": 0.0}
+
+        def step():
+            n = len(steps)
+            t0 = time.perf_counter()
+            c0 = time.thread_time()
+            outs = real_step()
+            cpu["engine"] += time.thread_time() - c0
+            if len(steps) > n and steps[-1][1] == 0:
+                d = steps[-1][0]
+                step_ms.append((d, (time.perf_counter() - t0) * 1e3 - decode_ms(d)[0]))
+            return outs
+
+        st.engine.step = step
+        st.engine.timer.reset = lambda: None  # keep every window for the summary printed below
+        aengine = AsyncEngine(st.engine, timing_log_s=1e9)
+    app = build_app(aengine, tok, "m", 4096)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False))
@@ -138,18 +176,22 @@ def main() -> int:
         rows.append({"concurrency": c, "sim_decode_ms": round(sim, 2), "itl_p50_ms": itl,
                      "tpot_p50_ms": tpot, "overhead_itl_ms": round(itl - sim, 2),
                      "ttft_p50_ms": run["p50_ttft_ms"], "output_tok_s": run["output_throughput"]})
-    dec_host = [h for d, p, h in steps if d and not p]
-    n_tok = sum(max(d, 1) for d, _, _ in steps)
-    print(f"process CPU {p_total:.2f} s, engine thread CPU in step() {cpu['engine']:.2f} s, "
-          f"the rest (HTTP thread, uvicorn) {p_total - cpu['engine']:.2f} s = "
-          f"{(p_total - cpu['engine']) / max(n_tok, 1) * 1e6:.0f} us per output token")
-    print(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms; engine steps {len(steps)}, "
-          f"stub host ms per decode step p50 {sorted(dec_host)[len(dec_host) // 2]:.3f}")
-    for b in (1, 32):
-        v = sorted(h for d, h in step_ms if d == b)
-        if v:
-            print(f"decode B={b}: engine.step host ms p50 {v[len(v) // 2]:.3f} (n={len(v)})")
-    print("engine step timing (all runs):", st.engine.timer.summary().replace("; ", "\n  "))
+    if st is None:  # --engine-process: the engine's figures stayed in the child
+        print(f"engine in a child process; this (HTTP) process CPU {p_total:.2f} s")
+        aengine.shutdown()
+    else:
+        dec_host = [h for d, p, h in steps if d and not p]
+        n_tok = sum(max(d, 1) for d, _, _ in steps)
+        print(f"process CPU {p_total:.2f} s, engine thread CPU in step() {cpu['engine']:.2f} s, "
+              f"the rest (HTTP thread, uvicorn) {p_total - cpu['engine']:.2f} s = "
+              f"{(p_total - cpu['engine']) / max(n_tok, 1) * 1e6:.0f} us per output token")
+        print(f"switch interval {sys.getswitchinterval() * 1e3:.2f} ms; engine steps {len(steps)}, "
+              f"stub host ms per decode step p50 {sorted(dec_host)[len(dec_host) // 2]:.3f}")
+        for b in (1, 32):
+            v = sorted(h for d, h in step_ms if d == b)
+            if v:
+                print(f"decode B={b}: engine.step host ms p50 {v[len(v) // 2]:.3f} (n={len(v)})")
+        print("engine step timing (all runs):", st.engine.timer.summary().replace("; ", "\n  "))
     print("| conc | simulated step ms | ITL p50 | overhead | TPOT p50 | TTFT p50 | out tok/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -44,6 +44,10 @@ def _serve_parser(sub) -> None:
                    help="sys.setswitchinterval for the server process (Python's default 5 ms): "
                         "how long the engine thread may wait for the GIL held by the HTTP thread "
                         "after each GPU sync (an experiment knob, kb/0011)")
+    p.add_argument("--engine-process", choices=["on", "off"], default="on",
+                   help="on: the engine loop runs in its own process, so the HTTP server's "
+                        "Python and the engine's do not share one GIL (kb/0014); off: a thread "
+                        "of the server process")
     p.add_argument("--log-level", default="info")
 
 
@@ -135,23 +139,41 @@ def cmd_serve(args) -> int:
         kernels=args.kernels,
         enforce_eager=args.enforce_eager,
     )
-    stack = build_stack(args.checkpoint_dir, load_format=args.load_format,
-                        num_layers=args.num_layers,
+    build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,
                         dtype=args.dtype, seed=args.seed, **kw)
-    gen_cfg = stack.checkpoint_dir / "generation_config.json"
+    if args.engine_process == "on":
+        from tailored.server.engine_process import EngineProcess
+        from tailored.stack import build_engine, embedded_checkpoint
+        from tailored.tokenizer import load_tokenizer
+
+        # the embedded checkpoint is generated (once) here, before the child looks for it
+        ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir is not None else embedded_checkpoint()
+        tokenizer = load_tokenizer(ckpt)
+        async_engine = EngineProcess(
+            build_engine, dict(checkpoint_dir=args.checkpoint_dir, **build_kwargs),
+            switch_interval_s=None if args.gil_switch_interval_ms is None
+            else args.gil_switch_interval_ms / 1e3)
+        async_engine.start()  # builds the model in the child; raises its build error here
+        max_model_len = kw["max_model_len"]
+    else:
+        stack = build_stack(args.checkpoint_dir, **build_kwargs)
+        ckpt, tokenizer = stack.checkpoint_dir, stack.tokenizer
+        async_engine = AsyncEngine(stack.engine)
+        max_model_len = stack.engine_config.max_model_len
+    gen_cfg = ckpt / "generation_config.json"
     defaults = None
     if gen_cfg.is_file():
         g = json.loads(gen_cfg.read_text())
         # OpenAI semantics: an omitted temperature means 1.0; take the model's top_k/top_p like vLLM
         defaults = {k: g[k] for k in ("temperature", "top_p", "top_k") if k in g}
-    app = build_app(AsyncEngine(stack.engine), stack.tokenizer,
-                    args.served_model_name or DEFAULT_MODEL_NAME,
-                    stack.engine_config.max_model_len, sampling_defaults=defaults)
-    ec = stack.engine_config
+    app = build_app(async_engine, tokenizer, args.served_model_name or DEFAULT_MODEL_NAME,
+                    max_model_len, sampling_defaults=defaults)
     logging.getLogger("tailored").info(
-        "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d%s",
-        ec.max_model_len, ec.max_num_seqs, ec.max_num_batched_tokens, ec.page_size,
+        "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d, "
+        "engine loop in %s%s",
+        max_model_len, kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["page_size"],
+        f"process {async_engine.pid}" if args.engine_process == "on" else "a thread",
         f", GIL switch interval {sys.getswitchinterval() * 1e3:g} ms"
         if args.gil_switch_interval_ms is not None else "")
     logging.getLogger("tailored").info("serving on http://%s:%d/v1", args.host, args.port)

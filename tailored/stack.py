@@ -116,3 +116,9 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     runner = ModelRunner(model, cfg, ec, dev, dt)
     engine = Engine(cfg, ec, runner, tok)
     return Stack(engine, tok, cfg, ec, ckpt)
+
+
+def build_engine(checkpoint_dir: str | Path | None, **kwargs) -> Engine:
+    """`build_stack(...).engine`: what the engine process builds (server/engine_process.py);
+    the HTTP process loads only the tokenizer."""
+    return build_stack(checkpoint_dir, **kwargs).engine

@@ -1,0 +1,375 @@
+"""The engine loop in its own process, so the HTTP server and the engine stop sharing one GIL.
+
+Why (kb/0014): on the H200 a served c=32 decode step waited 18.7 ms for a 14.1 ms GPU step,
+and the HTTP side (uvicorn, SSE framing, pydantic) spends ~120 µs of Python per streamed token
+(~3.8 ms per B=32 step, kb/0011). In one process that Python holds the GIL the engine thread
+needs right after each GPU sync; in two processes each has its own GIL and core. vLLM v1 splits
+the same way (AsyncLLM front end, EngineCore process).
+
+`EngineProcess` is a drop-in for `AsyncEngine` (generate / abort / stats / start / shutdown /
+healthy / dead_reason, the same `RequestStream`s). The child builds the engine itself (CUDA is
+initialized there only; the "spawn" start method), then loops: drain commands, step, send
+outputs. Messages are tuples over one duplex `multiprocessing.Pipe`:
+
+    parent -> child   ("add", rid, prompt_ids, sampling) | ("abort", rid) | ("stats", key)
+                      | ("shutdown",)
+    child -> parent   ("ready",) | ("failed", exc_type, message)   (once, after the build)
+                      ("added", rid, None | (exc_type, message))    (per add, before its outputs)
+                      ("out", [RequestOutput, ...])                 (per step with outputs)
+                      ("stats", key, dict | message) | ("died", reason)
+
+Errors: a bad request's add error comes back as the engine raised it (ValueError -> 400); a
+failed build raises in `start()` (ValueError stays ValueError: `tailored serve` prints one
+line); if the child dies every pending request ends with an ERROR output and `healthy` turns
+False, as with AsyncEngine. The child ignores SIGINT (Ctrl-C reaches the whole process group;
+the parent shuts it down in order) and exits when the parent's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
+from tailored.server.async_engine import (
+    EngineDeadError,
+    RequestStream,
+    _final_output,
+    _post,
+    _put_all,
+    _resolve,
+    _Stream,
+)
+
+logger = logging.getLogger(__name__)
+
+_EXC_TYPES = {"ValueError": ValueError, "RuntimeError": RuntimeError, "OSError": OSError}
+
+
+def _exc(exc_type: str, message: str) -> BaseException:
+    """Rebuild an exception sent by the child (only its type name and message travel)."""
+    return _EXC_TYPES.get(exc_type, RuntimeError)(message)
+
+
+class EngineProcess:
+    """Runs the engine loop in a child process; fans its outputs out to asyncio callers.
+
+    build: a module-level function (picklable by name) returning an `Engine`-like object
+        (add_request, abort_request, step, has_unfinished, stats; optional `timer`), called in
+        the child with build_kwargs.
+    switch_interval_s: sys.setswitchinterval in the child (None: Python's default).
+    timing_log_s: the child logs engine.timer every this many seconds while busy.
+    """
+
+    def __init__(self, build: Callable[..., Any], build_kwargs: dict | None = None, *,
+                 timing_log_s: float = 10.0, switch_interval_s: float | None = None,
+                 log_level: str | int | None = None, ready_timeout_s: float | None = None) -> None:
+        self._build = build
+        self._build_kwargs = dict(build_kwargs or {})
+        self._timing_log_s = timing_log_s
+        self._switch_interval_s = switch_interval_s
+        self._log_level = log_level if log_level is not None else logging.getLogger().level
+        self._ready_timeout_s = ready_timeout_s
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn = None
+        self._reader: threading.Thread | None = None
+        # Sends go through a queue and one sender thread: a full pipe (the child reads only
+        # between steps; an 8k-token prompt pickles to ~40 KB) must block neither an event loop
+        # nor the reader, or parent and child could wait on each other.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        # _lock guards _streams and _pending: request handlers (event loop threads) register,
+        # the reader thread dispatches and unregisters
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._pending: dict[Any, tuple[asyncio.Future, str | None]] = {}  # add/stats replies
+        self._keys = itertools.count()
+        self._dead: str | None = "engine process not started"
+        self._stopping = False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the child and wait until its engine is built (minutes on the GPU: weights,
+        kernel warm-up, CUDA graphs). Idempotent. Raises the build's error (ValueError for bad
+        settings) or RuntimeError when the child dies or times out before it is ready."""
+        if self._proc is not None:
+            return
+        ctx = mp.get_context("spawn")
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=_child_main, name="tailored-engine", daemon=True,
+            args=(child_end, self._build, self._build_kwargs, self._log_level,
+                  self._switch_interval_s, self._timing_log_s),
+        )
+        proc.start()
+        child_end.close()  # the child's copy keeps it open; ours would hide the child's death
+        self._proc, self._conn = proc, parent_end
+        deadline = None if self._ready_timeout_s is None else time.monotonic() + self._ready_timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = parent_end.poll(left if left is not None else 1.0)
+            except (EOFError, OSError):
+                ready = True  # recv below reports the death
+            if ready:
+                try:
+                    msg = parent_end.recv()
+                except (EOFError, OSError):
+                    proc.join(5)
+                    self._dead = f"engine process exited with code {proc.exitcode} while starting"
+                    raise RuntimeError(self._dead) from None
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                proc.kill()
+                self._dead = "engine process not ready in time"
+                raise RuntimeError(self._dead)
+            if not proc.is_alive() and not parent_end.poll(0):
+                self._dead = f"engine process exited with code {proc.exitcode} while starting"
+                raise RuntimeError(self._dead)
+        if msg[0] == "failed":
+            proc.join(10)
+            self._dead = f"engine build failed: {msg[1]}: {msg[2]}"
+            raise _exc(msg[1], msg[2])
+        self._dead = None
+        self._reader = threading.Thread(target=self._read, name="tailored-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+        self._sender = threading.Thread(target=self._send_loop, name="tailored-engine-sender",
+                                        daemon=True)
+        self._sender.start()
+        logger.info("engine running in process %d", proc.pid)
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the child after its current step; pending requests end with an ERROR output."""
+        if self._proc is None or self._stopping:
+            return
+        self._stopping = True
+        self._outbox.put(("shutdown",))
+        self._outbox.put(None)  # the sender's last message
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5)
+        self._fail_everything("engine is shutting down")
+
+    @property
+    def healthy(self) -> bool:
+        return (self._proc is not None and self._proc.is_alive() and self._dead is None
+                and not self._stopping)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    # ---- request API (any thread / event loop) -----------------------------------------
+    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
+        """Submit a request; returns a RequestStream (await it to surface add errors early)."""
+        return RequestStream(self, request_id, prompt_ids, sampling)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its final ABORT output is queued now; the child frees its pages
+        and slot before its next step. No-op when unknown, finished or dead. Thread-safe."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                return
+            self._send(("abort", request_id))
+        _post(stream.loop, _put_all,
+              [(stream.queue, _final_output(request_id, stream, FinishReason.ABORT, None))])
+
+    async def stats(self) -> dict:
+        """engine.stats(), fetched in the child between steps."""
+        fut = asyncio.get_running_loop().create_future()
+        key = ("stats", next(self._keys))
+        with self._lock:
+            self._check_alive()
+            self._pending[key] = (fut, None)
+            self._send(("stats", key))
+        return await fut
+
+    def _submit(self, cmd: tuple) -> None:
+        """RequestStream's entry point: ("add", rid, prompt_ids, sampling, stream, fut)."""
+        _, rid, prompt_ids, sampling, stream, fut = cmd
+        with self._lock:
+            self._check_alive()
+            if rid in self._streams or ("add", rid) in self._pending:
+                raise ValueError(f"duplicate request id {rid!r}")
+            self._streams[rid] = stream
+            self._pending[("add", rid)] = (fut, rid)
+            self._send(("add", rid, prompt_ids, sampling))
+
+    def _check_alive(self) -> None:
+        if self._proc is None:
+            raise EngineDeadError("engine process not started")
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError(self._dead or "engine is shutting down")
+
+    def _send(self, msg: tuple) -> None:
+        """Queue a message for the child; order is kept (one sender thread)."""
+        self._outbox.put(msg)
+
+    def _send_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):
+                return  # the child is gone: the reader sees EOF and fails the requests
+
+    # ---- reader thread -----------------------------------------------------------------
+    def _read(self) -> None:
+        reason = "engine process exited"
+        try:
+            while True:
+                msg = self._conn.recv()  # releases the GIL while waiting
+                kind = msg[0]
+                if kind == "out":
+                    self._dispatch(msg[1])
+                elif kind == "added":
+                    self._added(msg[1], msg[2])
+                elif kind == "stats":
+                    with self._lock:
+                        fut, _ = self._pending.pop(msg[1], (None, None))
+                    if fut is not None:
+                        exc = _exc("RuntimeError", msg[2]) if isinstance(msg[2], str) else None
+                        _post(fut.get_loop(), _resolve, fut, None if exc else msg[2], exc)
+                elif kind == "died":
+                    reason = msg[1]
+        except (EOFError, OSError):
+            if self._proc is not None:
+                self._proc.join(2)
+                if self._proc.exitcode not in (0, None) and reason == "engine process exited":
+                    reason = f"engine process exited with code {self._proc.exitcode}"
+        except BaseException as exc:  # noqa: BLE001 - a reader crash must fail the requests
+            logger.exception("engine reader thread died")
+            reason = f"engine reader died: {type(exc).__name__}: {exc}"
+        if not self._stopping:
+            logger.error("%s", reason)
+        self._fail_everything(reason)
+
+    def _added(self, rid: str, err) -> None:
+        with self._lock:
+            fut, _ = self._pending.pop(("add", rid), (None, None))
+            if err is not None:
+                self._streams.pop(rid, None)
+        if fut is not None:
+            _post(fut.get_loop(), _resolve, fut, None, None if err is None else _exc(*err))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:  # aborted here already: its consumer is gone
+                    continue
+                stream.num_output_tokens = out.num_output_tokens
+                if out.finished:
+                    del self._streams[out.request_id]
+                per_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in per_loop.items():
+            _post(loop, _put_all, items)
+
+    def _fail_everything(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = reason
+            streams, self._streams = self._streams, {}
+            pending, self._pending = self._pending, {}
+        dead = EngineDeadError(self._dead)
+        for fut, _ in pending.values():
+            _post(fut.get_loop(), _resolve, fut, None, dead)
+        for rid, stream in streams.items():
+            out = _final_output(rid, stream, FinishReason.ERROR, self._dead)
+            _post(stream.loop, _put_all, [(stream.queue, out)])
+
+
+# ---- the child -----------------------------------------------------------------------------
+def _child_main(conn, build, build_kwargs, log_level, switch_interval_s, timing_log_s) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us in order
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
+    try:
+        engine = build(**build_kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        logger.debug("engine build failed", exc_info=True)
+        try:
+            conn.send(("failed", type(e).__name__, str(e)))
+        finally:
+            conn.close()
+        return
+    conn.send(("ready",))
+    try:
+        _child_loop(conn, engine, timing_log_s)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone
+    except BaseException as e:  # noqa: BLE001
+        logger.exception("engine loop died")
+        try:
+            conn.send(("died", f"engine loop died: {type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+
+
+def _child_loop(conn, engine, timing_log_s: float) -> None:
+    timer = getattr(engine, "timer", None)
+    t0 = time.monotonic()
+
+    def log_timing(idle: bool) -> None:
+        nonlocal t0
+        now = time.monotonic()
+        # busy: every timing_log_s; going idle: flush a window of >= 1 s (as AsyncEngine)
+        if timer is None or now - t0 < (min(1.0, timing_log_s) if idle else timing_log_s):
+            return
+        if timer.steps:
+            logging.getLogger("tailored.server.async_engine").info(
+                "step timing over %.0f s: %s", now - t0, timer.summary())
+            timer.reset()
+        t0 = now
+
+    while True:
+        if not engine.has_unfinished():
+            log_timing(idle=True)
+            conn.poll(None)  # sleep until a command arrives
+            t0 = time.monotonic()  # idle time is not part of a window
+        while conn.poll(0):
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt_ids, sampling = msg
+                try:
+                    engine.add_request(rid, prompt_ids, sampling)
+                    conn.send(("added", rid, None))
+                except Exception as e:  # noqa: BLE001 - ValueError = bad input
+                    conn.send(("added", rid, (type(e).__name__, str(e))))
+            elif kind == "abort":
+                try:
+                    engine.abort_request(msg[1])
+                except Exception:  # a failed abort must not kill the loop
+                    logger.exception("engine.abort_request(%r) failed", msg[1])
+            elif kind == "stats":
+                try:
+                    conn.send(("stats", msg[1], engine.stats()))
+                except Exception as e:  # noqa: BLE001
+                    conn.send(("stats", msg[1], f"{type(e).__name__}: {e}"))
+            elif kind == "shutdown":
+                return
+        if engine.has_unfinished():
+            outputs = engine.step()
+            if outputs:
+                conn.send(("out", outputs))
+            log_timing(idle=False)

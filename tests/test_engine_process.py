@@ -1,0 +1,221 @@
+"""The engine loop in a child process (server/engine_process.py): the same contract as the
+in-thread AsyncEngine — outputs, add errors, aborts, stats, a dying engine — across a process
+boundary, through the app, and with the real engine (same greedy tokens as in-thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from test_server import (
+    MAX_LEN,
+    MODEL,
+    FakeEngine,
+    FakeTokenizer,
+    assert_openai_error,
+    completion,
+    sse_events,
+)
+
+from tailored.engine.types import FinishReason, SamplingParams
+from tailored.server.app import build_app
+from tailored.server.async_engine import AsyncEngine, EngineDeadError
+from tailored.server.engine_process import EngineProcess
+
+
+def fake_engine(delay_s: float = 0.0) -> FakeEngine:
+    """The child's build (spawn imports this module by name)."""
+    return FakeEngine(delay_s)
+
+
+def failing_build() -> FakeEngine:
+    raise ValueError("--max-model-len 5 is too small for this test")
+
+
+def _proc(delay_s: float = 0.0) -> EngineProcess:
+    return EngineProcess(fake_engine, {"delay_s": delay_s}, ready_timeout_s=120)
+
+
+async def _wait_stats(ep: EngineProcess, want: dict, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await ep.stats()
+        if got == want or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.01)
+
+
+def test_generate_abort_errors_and_stats_across_the_process():
+    asyncio.run(_generate_abort_errors_and_stats())
+
+
+async def _generate_abort_errors_and_stats():
+    ep = _proc(delay_s=0.002)
+    with pytest.raises(EngineDeadError):
+        await ep.generate("early", [1], SamplingParams())
+    ep.start()
+    try:
+        assert ep.healthy and ep.pid != os.getpid()
+        with pytest.raises(ValueError, match="rejected"):  # the engine's own error, rebuilt
+            await ep.generate("bad", list(b"REJECT"), SamplingParams())
+        sp = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        stream = await ep.generate("long", list(b"SAY:abc"), sp)
+        with pytest.raises(ValueError, match="duplicate"):
+            await ep.generate("long", list(b"SAY:x"), SamplingParams())
+        got = [await anext(stream) for _ in range(3)]
+        assert "".join(o.delta_text for o in got) == "abc"
+        await stream.aclose()  # early close aborts in the child
+        assert await _wait_stats(ep, {"running": 0}) == {"running": 0}
+        outs = [o async for o in ep.generate("short", list(b"SAY:hi"), SamplingParams())]
+        assert outs[-1].finished and outs[-1].finish_reason == FinishReason.STOP
+        assert "".join(o.delta_text for o in outs) == "hi"
+        # many at once, each gets its own text
+        texts = await asyncio.gather(*(_text(ep, f"r{i}", f"SAY:answer-{i}") for i in range(40)))
+        assert texts == [f"answer-{i}" for i in range(40)]
+    finally:
+        ep.shutdown()
+    assert not ep.healthy
+    with pytest.raises(EngineDeadError):
+        await ep.generate("late", [1], SamplingParams())
+
+
+async def _text(ep, rid, prompt):
+    return "".join([o.delta_text async for o in ep.generate(rid, list(prompt.encode()),
+                                                             SamplingParams())])
+
+
+def test_app_over_the_engine_process():
+    ep = _proc(delay_s=0.001)
+    app = build_app(ep, FakeTokenizer(), MODEL, MAX_LEN)
+    with TestClient(app) as client:  # the lifespan starts and stops the child
+        assert client.get("/health").json() == {"status": "ok"}
+        r = completion(client, prompt="SAY:hello")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
+        r = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "SAY:hey"}], "stream": True})
+        chunks = sse_events(r.text)
+        assert chunks[-1] == "DONE"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "hey"
+        assert_openai_error(completion(client, prompt="REJECT"), 400, "rejected")
+        assert completion(client, prompt="SAY:still fine").json()["choices"][0]["text"] == "still fine"
+    assert not ep.healthy
+
+
+def test_engine_crash_in_the_child_fails_pending_and_health_503():
+    ep = _proc(delay_s=0.01)
+    app = build_app(ep, FakeTokenizer(), MODEL, MAX_LEN)
+    with TestClient(app) as client:
+        err = assert_openai_error(completion(client, prompt="SAY:CRASH"), 500, "engine loop died")
+        assert err["type"] == "server_error" and "fake engine crashed" in err["message"]
+        health = client.get("/health")
+        assert health.status_code == 503 and "fake engine crashed" in health.json()["message"]
+        assert_openai_error(completion(client, prompt="SAY:a"), 503, "engine unavailable")
+
+
+def test_killed_child_ends_every_pending_request_with_an_error():
+    asyncio.run(_killed_child())
+
+
+async def _killed_child():
+    ep = _proc(delay_s=0.005)
+    ep.start()
+    try:
+        sp = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        streams = [await ep.generate(f"s{i}", list(b"SAY:xyz"), sp) for i in range(3)]
+        await anext(streams[0])
+        os.kill(ep.pid, signal.SIGKILL)
+        for s in streams:
+            last = [o async for o in s][-1]
+            assert last.finish_reason == FinishReason.ERROR and "code -9" in last.error
+        assert not ep.healthy and "code -9" in ep.dead_reason
+        with pytest.raises(EngineDeadError):
+            await ep.generate("after", [1], SamplingParams())
+    finally:
+        ep.shutdown()
+
+
+def test_build_error_raises_in_start_with_its_type():
+    ep = EngineProcess(failing_build, ready_timeout_s=120)
+    with pytest.raises(ValueError, match="too small for this test"):
+        ep.start()
+    assert not ep.healthy and "too small" in ep.dead_reason
+
+
+def test_real_engine_in_a_process_equals_in_thread():
+    """The embedded model, greedy, 6 concurrent prompts: the same tokens as the in-thread
+    AsyncEngine (both build the same weights; batching is the engine's, not the transport's)."""
+    from tailored.stack import build_engine, build_stack
+
+    kw = dict(device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128)
+    prompts = [[100 + 13 * i + j for j in range(5 + 7 * i)] for i in range(6)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def run(engine) -> list[list[int]]:
+        async def one(i):
+            ids = []
+            async for o in engine.generate(f"p{i}", prompts[i], sp):
+                ids += o.delta_token_ids
+            return ids
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    thread = AsyncEngine(build_stack(None, **kw).engine)
+    thread.start()
+    try:
+        want = asyncio.run(run(thread))
+    finally:
+        thread.shutdown()
+    ep = EngineProcess(build_engine, dict(checkpoint_dir=None, **kw), ready_timeout_s=240)
+    ep.start()
+    try:
+        got = asyncio.run(run(ep))
+        # a second wave reuses slots and pages freed by the first, in the child
+        again = asyncio.run(run(ep))
+    finally:
+        ep.shutdown()
+    assert all(len(t) == 12 for t in want)
+    assert got == want and again == want
+
+
+def test_serve_cli_runs_the_engine_in_a_child(tmp_path):
+    """`tailored serve` (default --engine-process on) answers over HTTP; its health reports ok."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "TAILORED_CACHE": str(tmp_path / "cache")}
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "tailored", "serve", "--port", str(port),
+                              "--max-model-len", "512"], stdout=f, stderr=subprocess.STDOUT,
+                             env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 5},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert "engine loop in process" in log.read_text()
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    assert p.returncode == 0, log.read_text()[-3000:]
