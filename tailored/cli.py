@@ -40,6 +40,10 @@ def _serve_parser(sub) -> None:
                    help="Triton kernel path: auto = on CUDA only; off = plain PyTorch path")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (kernel path only)")
+    p.add_argument("--prefill-graphs", choices=["on", "off"], default="off",
+                   help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
+                        "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kb/0013; "
+                        "kernel path with graphs only)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for the server process (Python's default 5 ms): "
                         "how long the engine thread may wait for the GIL held by the HTTP thread "
@@ -138,6 +142,7 @@ def cmd_serve(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kernels=args.kernels,
         enforce_eager=args.enforce_eager,
+        prefill_graphs=args.prefill_graphs == "on",
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

@@ -242,6 +242,8 @@ class EngineConfig:
       path on the CPU; 'on' forces the kernel path (on the CPU through Triton's interpreter:
       TRITON_INTERPRET=1 and fp32 only, for tests); 'off' forces the plain path.
     enforce_eager: never replay CUDA graphs (kernel path only).
+    prefill_graphs: replay CUDA graphs for a fresh prompt alone in its step, padded to a token
+        bucket (kb/0013; kernel path with graphs only; off until measured on the H200).
     """
 
     page_size: int = 16
@@ -254,3 +256,4 @@ class EngineConfig:
     dtype: str = "bfloat16"
     kernels: str = "auto"  # auto: Triton kernel path on CUDA; on: also on CPU (interpreter); off
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    prefill_graphs: bool = False  # CUDA graphs for single-prompt prefill (kb/0013)

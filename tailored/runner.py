@@ -103,11 +103,15 @@ class ModelRunner:
             fast.warmup_prefill([min(1024, ec.max_num_batched_tokens), ec.max_num_batched_tokens])
             if fast.use_graphs:
                 fast.capture()
+                if ec.prefill_graphs:
+                    fast.capture_prefill(min(ec.max_num_batched_tokens, ec.max_model_len))
             log.info("kernels warmed up%s in %.1f s",
-                     " and decode CUDA graphs captured" if fast.use_graphs else "",
+                     " and CUDA graphs captured" if fast.use_graphs else "",
                      time.monotonic() - t0)
-        log.info("kernel path on (CUDA graphs %s, GDN prefill %s)",
-                 "on" if fast.use_graphs else "off", "fla-core" if fast.fla else "reference")
+        log.info("kernel path on (CUDA graphs %s, prefill graphs %s, GDN prefill %s)",
+                 "on" if fast.use_graphs else "off",
+                 f"{len(fast.prefill_graphs)} buckets" if fast.prefill_graphs else "off",
+                 "fla-core" if fast.fla else "reference")
         return fast
 
     timer = None  # engine.step_timing.StepTimer, set by the Engine: build/launch/wait phases

@@ -136,3 +136,48 @@ def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny_ckpt):
                            max_model_len=max_model_len, num_pages=num_pages).engine
 
     C.steps_leave_other_slots_and_pages_bit_identical(make, quick=True)
+
+
+@pytest.mark.parametrize("T,n", [(3, 16), (65, 128)])
+def test_prefill_graph_body_equals_eager_prefill(pair, T, n):
+    """The body a prefill CUDA graph captures (kb/0013), run eagerly on n ≥ T padded rows,
+    computes what the eager prefill of the T-token prompt computes: hidden rows, the slot's
+    conv and recurrent states, the prompt's KV rows; pads touch only the sinks (slot 0, page 0)."""
+    _, fastm, cache = pair
+    if fastm.config.fp8 is not None and T != 65:
+        pytest.skip("FP8 weights: one case is enough (the interpreter is slow)")
+    fast = fastm.fast
+    ps, slot = cache.page_size, 3
+    pages = [5 + j for j in range(T // ps + 1)]
+    layout = [(_ids(T, 100 + T), 0, slot, True, pages)]
+    g = torch.Generator().manual_seed(T)
+    for t in (cache.conv, cache.rec, cache.k, cache.v):  # stale state the prompt must ignore
+        t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    before = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
+    want = fast.forward_eager(ForwardBatch.build(layout, [T - 1], "cpu"))
+    after_eager = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
+    for t, b in zip((cache.conv, cache.rec, cache.k, cache.v), before):
+        t.copy_(b)
+    fast._alloc_prefill_static(128)
+    fast._fill_prefill_static(ForwardBatch.build(layout, [T - 1], "cpu"), n)
+    got = fast._prefill_body(n)
+    assert got.shape[0] == n
+    assert rel_err(got[:T], want) < 1e-5
+    conv, rec, k, v = cache.conv, cache.rec, cache.k, cache.v
+    e_conv, e_rec, e_k, e_v = after_eager
+    assert rel_err(conv[:, slot], e_conv[:, slot]) < 1e-5  # later layers' inputs differ ~1e-6
+    assert rel_err(rec[:, slot], e_rec[:, slot]) < 1e-5
+    for j, p in enumerate(pages):  # the prompt's KV rows
+        rows = slice(0, min(ps, T - j * ps))
+        assert rel_err(k[:, p, rows], e_k[:, p, rows]) < 1e-5
+        assert rel_err(v[:, p, rows], e_v[:, p, rows]) < 1e-5
+    # everything else is bit-identical to before, except the sinks (slot 0, page 0)
+    others = [s for s in range(conv.shape[1]) if s not in (0, slot)]
+    assert torch.equal(conv[:, others], before[0][:, others])
+    assert torch.equal(rec[:, others], before[1][:, others])
+    used = set(pages) | {0}
+    free = [p for p in range(k.shape[1]) if p not in used]
+    assert torch.equal(k[:, free], before[2][:, free]) and torch.equal(v[:, free], before[3][:, free])
+    last = pages[-1]
+    tail = slice(T - (len(pages) - 1) * ps, ps)  # unused rows of the prompt's last page
+    assert torch.equal(k[:, last, tail], before[2][:, last, tail])

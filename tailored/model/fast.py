@@ -42,6 +42,8 @@ from tailored.ops import reference as ref
 log = logging.getLogger("tailored.fast")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+# prefill graphs (kb/0013): one per padded token count; padding costs ≤ 1/8 of the work to 2048
+PREFILL_BUCKETS = tuple(range(128, 2049, 128)) + (3072, 4096, 6144, 8192)
 
 
 def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
@@ -221,6 +223,9 @@ class FastPath:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self._static = None
+        # prefill graph state (kb/0013): single fresh prompts padded to a bucket
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pstatic = None
         self._fla_ctx = None  # (lens, cu_seqlens, cu_seqlens_cpu, chunk_indices) of this forward
         self._plan: StepPlan | None = None  # index tensors of the current eager forward
 
@@ -435,6 +440,8 @@ class FastPath:
         result: the decode rows' pages and slots are disjoint from the prefills')."""
         if not self.use_graphs:
             return self.forward_eager(batch)
+        if self.prefill_graphs and self.prefill_graph_fits(batch):
+            return self.forward_prefill_graph(batch)
         dec = [j for j, s in enumerate(batch.seqs) if s.num_tokens == 1 and not s.reset_state]
         if not dec or len(dec) > self.max_batch:
             return self.forward_eager(batch)
@@ -564,3 +571,168 @@ class FastPath:
         g, out = self.graphs[n]
         g.replay()
         return out[:B]
+
+    # -------------------------------------------------------------------------------------------
+    # CUDA graphs for single-prompt prefill (kb/0013)
+    # -------------------------------------------------------------------------------------------
+    # A fresh prompt alone in its step (the c=1 TTFT case) is padded to a bucket of tokens and
+    # replayed from a graph: its eager forward is host-bound (~150 ms of Python and launches for
+    # ~58 ms of GPU work at 1024 tokens, kb/0010). Pad rows come after the real ones, so every
+    # causal operation leaves the real rows exact; pads write KV into the sink page 0, and have
+    # g = 0, β = 0 in the delta rule (decay 1, no write), so the state after the bucket is the
+    # state after the prompt (tests/test_ops_reference.py pins that property).
+    def prefill_graph_fits(self, batch: ForwardBatch) -> bool:
+        """One sequence, a fresh prompt (position 0, state reset) of 2..largest-bucket tokens."""
+        if len(batch.seqs) != 1:
+            return False
+        s = batch.seqs[0]
+        return (s.start_pos == 0 and s.reset_state and s.num_tokens > 1
+                and s.num_tokens <= max(self.prefill_graphs))
+
+    def _alloc_prefill_static(self, n_max: int) -> None:
+        dev, W = self.device, self.cfg.linear_conv_kernel_dim
+        self._pstatic = {
+            "ids": torch.zeros(n_max, dtype=torch.long, device=dev),
+            "pos": torch.zeros(n_max, dtype=torch.long, device=dev),
+            "valid": torch.zeros(n_max, dtype=torch.bool, device=dev),
+            "kv": torch.zeros(n_max, dtype=torch.long, device=dev),  # flat KV row per token
+            "slot": torch.zeros(1, dtype=torch.long, device=dev),
+            "conv_rows": torch.arange(W - 1, dtype=torch.long, device=dev),
+        }
+
+    def _fill_prefill_static(self, batch: ForwardBatch, n: int) -> None:
+        """The prompt's ids/positions (device-to-device) and one host-to-device copy of the
+        rest: KV rows (pads → row 0 of the sink page 0), the slot, the rows T..T+W-2 of the
+        zero-prefixed conv input that become the carried conv state, and the valid mask."""
+        s = batch.seqs[0]
+        T, W, ps = s.num_tokens, self.cfg.linear_conv_kernel_dim, self.cache.page_size
+        st = self._pstatic
+        st["ids"][:T].copy_(batch.input_ids)
+        st["pos"][:T].copy_(batch.positions)
+        st["ids"][T:n].zero_()
+        st["pos"][T:n].zero_()
+        meta = np.zeros(2 * n + W, dtype=np.int64)
+        meta[:T] = HybridCache.kv_rows(s.page_ids, 0, T, ps)
+        meta[n] = s.slot
+        meta[n + 1:n + W] = T + np.arange(W - 1)
+        meta[n + W:n + W + T] = 1
+        m = h2d(meta, self.device)
+        st["kv"][:n].copy_(m[:n])
+        st["slot"].copy_(m[n:n + 1])
+        st["conv_rows"].copy_(m[n + 1:n + W])
+        st["valid"][:n].copy_(m[n + W:] != 0)
+
+    def _gdn_prefill_static(self, i: int, x: torch.Tensor, valid, slot, conv_rows):
+        """GDN over the bucket for one fresh sequence: the eager prefill's computation with
+        zero initial states, pads neutralized (g = 0, β = 0), states written with device
+        indices (nothing in here depends on the prompt length on the host)."""
+        cfg, m = self.cfg, self.model.model.layers[i].linear_attn
+        li = self.cache.gdn_index[i]
+        n = x.shape[0]
+        HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv, z, b, a = self.p_in[i](x)
+        w = m.conv1d.weight[:, 0, :]
+        conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
+        zero = torch.zeros(conv_cache.shape[1:], dtype=conv_cache.dtype, device=x.device)
+        y, _ = ref.causal_conv1d(qkv, zero, w)
+        # carried conv state: the last W-1 real inputs, as causal_conv1d casts them
+        xin = torch.cat([zero.t().to(w.dtype), qkv.to(w.dtype)])  # [W-1+n, C]
+        conv_cache.index_copy_(0, slot, xin[conv_rows].t().to(conv_cache.dtype).unsqueeze(0))
+        g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
+        keep = valid[:, None]
+        g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        h0 = torch.zeros(1, HV, Dk, Dv, dtype=torch.float32, device=x.device)
+        if self.fla is not None:
+            o, hT = self.fla(q.reshape(1, n, HK, Dk), k.reshape(1, n, HK, Dk),
+                             v.reshape(1, n, HV, Dv), g.unsqueeze(0), beta.unsqueeze(0),
+                             initial_state=h0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+            o = o[0]
+        else:
+            o, hT = ref.gated_delta_rule_chunked(q.view(n, HK, Dk), k.view(n, HK, Dk),
+                                                 v.view(n, HV, Dv), g, beta, h0[0])
+        rec_cache.index_copy_(0, slot, hT.float().reshape(1, HV, Dk, Dv))
+        out = ref.gated_rms_norm(o.reshape(n, HV, Dv).to(x.dtype), z.reshape(n, HV, Dv),
+                                 m.norm.weight, m.norm.eps)
+        return self.p_out[i](out.reshape(n, -1))
+
+    def _attn_prefill_static(self, i: int, x: torch.Tensor, cos, sin, kv_rows):
+        """Attention over the bucket for one fresh sequence: KV written by device rows (pads
+        into the sink), causal SDPA over the chunk itself (pads come last: real rows never
+        see them)."""
+        li = self.cache.attn_index[i]
+        q, k, v, gate = self._attn_qkv(i, x, cos, sin)
+        kc, vc = self.cache.k[li], self.cache.v[li]
+        kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_rows, k)
+        vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_rows, v)
+        rep = q.shape[1] // k.shape[1]
+        qt = q.transpose(0, 1).unsqueeze(0)
+        kt = k.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+        vt = v.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)[0].transpose(0, 1)
+        return self.p_out[i](o.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+
+    def _prefill_body(self, n: int) -> torch.Tensor:
+        """Final-normed hidden states [n, H] of the static prefill buffers' first n rows."""
+        st, cfg = self._pstatic, self.cfg
+        ids, pos, valid, kv = st["ids"][:n], st["pos"][:n], st["valid"][:n], st["kv"][:n]
+        x = self.model.model.embed_tokens(ids)
+        cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+
+        def mixer(i, hn):
+            if self.model.model.layers[i].layer_type == "linear_attention":
+                return self._gdn_prefill_static(i, hn, valid, st["slot"], st["conv_rows"])
+            return self._attn_prefill_static(i, hn, cos, sin, kv)
+
+        return self._layers(x, cos, sin, mixer)
+
+    def capture_prefill(self, max_tokens: int, buckets=None) -> None:
+        """Capture one prefill graph per bucket up to max_tokens (largest first, in the decode
+        graphs' memory pool). A failed capture (an op that syncs or allocates on the host
+        inside FLA or torch) logs a warning and leaves prefill eager: never an error."""
+        if not self.use_graphs:
+            return
+        sizes = sorted({b for b in (buckets or PREFILL_BUCKETS) if b <= max_tokens}, reverse=True)
+        if not sizes:
+            return
+        if self._pstatic is None:
+            self._alloc_prefill_static(sizes[0])
+        st = self._pstatic
+        st["valid"].fill_(True)  # warm-up/capture content: all rows real, KV and state → sinks
+        st["kv"].zero_()
+        st["slot"].zero_()
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for n in sizes:  # compile and autotune every variant outside the capture
+                    self._prefill_body(n)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            for n in sizes:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    out = self._prefill_body(n)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.prefill_graphs[n] = (g, out)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - serving continues with eager prefill
+            log.warning("prefill CUDA graphs not captured (%s: %s); prefill stays eager",
+                        type(e).__name__, e)
+            self.prefill_graphs.clear()
+            torch.cuda.synchronize()
+            return
+        log.info("captured prefill CUDA graphs for %d..%d tokens (%d buckets)",
+                 sizes[-1], sizes[0], len(sizes))
+
+    def forward_prefill_graph(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, H] of one fresh prompt, replayed from the smallest bucket ≥ T."""
+        T = batch.seqs[0].num_tokens
+        n = min(b for b in self.prefill_graphs if b >= T)
+        self._fill_prefill_static(batch, n)
+        g, out = self.prefill_graphs[n]
+        g.replay()
+        return out[:T]
