@@ -41,6 +41,9 @@ def main():
     ap.add_argument("--prefill-batch", type=int, default=0,
                     help="also time one prefill step of this many ctx-token prompts (e.g. 8: the "
                          "8192-token step of serve's default budget)")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="capture prefill CUDA graphs (kb/0013); the prefill is then timed both "
+                         "replayed and eager")
     ap.add_argument("--profile-host", action="store_true",
                     help="cProfile of one ctx-token prefill forward: host time by function")
     a = ap.parse_args()
@@ -48,7 +51,8 @@ def main():
     Bmax = max(batches)
     t0 = time.monotonic()
     st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16", progress=False,
-                     max_model_len=a.ctx + 512, max_num_seqs=max(Bmax, 1) + 1, num_pages=None)
+                     max_model_len=a.ctx + 512, max_num_seqs=max(Bmax, 1) + 1, num_pages=None,
+                     prefill_graphs=a.prefill_graphs)
     print(f"stack built in {time.monotonic() - t0:.1f} s", flush=True)
     runner = st.engine.runner
     model, cache, fast = runner.model, runner.cache, runner.model.fast
@@ -70,6 +74,17 @@ def main():
             pre()  # warm (triton compiles, fla autotune)
             res["prefill_ms"] = timed(pre, 3)
             print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms", flush=True)
+            if fast.prefill_graphs:
+                def pre_eager():
+                    h = fast.forward_eager(batch)
+                    return model.compute_logits(h[batch.logits_rows]).argmax(-1).tolist()
+
+                res["prefill_graph_buckets"] = sorted(fast.prefill_graphs)
+                res["prefill_eager_ms"] = timed(pre_eager, 3)
+                res["prefill_graph_equals_eager_token"] = pre() == pre_eager()
+                print(f"prefill {a.ctx} tokens: graph {res['prefill_ms']:.1f} ms, eager "
+                      f"{res['prefill_eager_ms']:.1f} ms; same next token: "
+                      f"{res['prefill_graph_equals_eager_token']}", flush=True)
         else:
             pre()
         seqs.append([a.ctx, b + 1, pages])

@@ -111,8 +111,8 @@ def main() -> int:
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     if a.engine_process:
-        from tailored.server.engine_process import EngineProcess
         from tailored.config import ModelConfig
+        from tailored.server.engine_process import EngineProcess
         from tailored.stack import embedded_checkpoint
         from tailored.tokenizer import load_tokenizer
 

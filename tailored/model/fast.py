@@ -544,23 +544,29 @@ class FastPath:
             self._alloc_static()
         sizes = sorted({b for b in (sizes or GRAPH_BATCH_SIZES) if b <= self.max_batch}
                        | {self.max_batch}, reverse=True)
-        # warm up: compile every kernel variant outside the capture
+        self._capture_into(self.graphs, sizes, self._decode_body)
+        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+
+    def _capture_into(self, graphs: dict, sizes, body) -> None:
+        """graphs[n] = (graph, output) of body(n) for each size, largest first, all in one
+        memory pool (self.pool, shared by decode and prefill graphs: they never replay at
+        once, and each keeps its output alive). Every size runs once on a side stream first,
+        so Triton compiles and autotuners run outside the capture."""
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for n in sizes:
-                self._decode_body(n)
+                body(n)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         for n in sizes:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                out = self._decode_body(n)
+                out = body(n)
             if self.pool is None:
                 self.pool = g.pool()
-            self.graphs[n] = (g, out)
+            graphs[n] = (g, out)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
 
     def forward_decode_graph(self, batch: ForwardBatch) -> torch.Tensor:
         if not self.graphs:
@@ -704,21 +710,7 @@ class FastPath:
         st["kv"].zero_()
         st["slot"].zero_()
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for n in sizes:  # compile and autotune every variant outside the capture
-                    self._prefill_body(n)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            for n in sizes:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    out = self._prefill_body(n)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.prefill_graphs[n] = (g, out)
-            torch.cuda.synchronize()
+            self._capture_into(self.prefill_graphs, sizes, self._prefill_body)
         except Exception as e:  # noqa: BLE001 - serving continues with eager prefill
             log.warning("prefill CUDA graphs not captured (%s: %s); prefill stays eager",
                         type(e).__name__, e)

@@ -70,6 +70,22 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         q.put_nowait(out)
 
 
+def _route(streams: dict[str, _Stream], outputs: list[RequestOutput]) -> dict:
+    """Group a step's outputs by their consumer's event loop: {loop: [(queue, output)]}.
+    Outputs of unknown ids (aborted: the consumer is gone) are dropped; a finished request's
+    stream is removed from `streams`."""
+    per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for out in outputs:
+        stream = streams.get(out.request_id)
+        if stream is None:
+            continue
+        stream.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            del streams[out.request_id]
+        per_loop.setdefault(stream.loop, []).append((stream.queue, out))
+    return per_loop
+
+
 def _final_output(request_id: str, stream: _Stream, reason: FinishReason, error: str | None):
     return RequestOutput(
         request_id=request_id,
@@ -317,16 +333,7 @@ class AsyncEngine:
         _post(stream.loop, _put_all, [(stream.queue, out)])
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted: its consumer is gone
-                continue
-            stream.num_output_tokens = out.num_output_tokens
-            if out.finished:
-                del self._streams[out.request_id]
-            per_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in per_loop.items():
+        for loop, items in _route(self._streams, outputs).items():
             _post(loop, _put_all, items)
 
     def _fail_everything(self, reason: str) -> None:

@@ -46,6 +46,7 @@ from tailored.server.async_engine import (
     _post,
     _put_all,
     _resolve,
+    _route,
     _Stream,
 )
 
@@ -269,16 +270,8 @@ class EngineProcess:
             _post(fut.get_loop(), _resolve, fut, None, None if err is None else _exc(*err))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:  # aborted here already: its consumer is gone
-                    continue
-                stream.num_output_tokens = out.num_output_tokens
-                if out.finished:
-                    del self._streams[out.request_id]
-                per_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            per_loop = _route(self._streams, outputs)
         for loop, items in per_loop.items():
             _post(loop, _put_all, items)
 
