@@ -68,6 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "are sampled evenly, continuation positions always kept)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="engine step budget = teacher-forced prefill chunk")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="engine with prefill CUDA graphs (kb/0013): a prompt's first chunk, "
+                        "alone in its step, replays a graph")
     p.add_argument("--reference-weights", choices=["auto", "checkpoint", "shared"],
                    default="auto", help="checkpoint: a second load (CPU default); shared: adopt "
                    "the engine's tensors, no second copy (cuda default)")
@@ -299,7 +302,7 @@ def _run(args) -> int:
     lens = [len(i) for i in all_ids]
     stack = build_stack(ckpt, load_format=args.load_format, num_layers=args.num_layers,
                         device=str(dev), dtype=dtype, seed=args.seed, progress=False,
-                        dummy_init=args.dummy_init,
+                        dummy_init=args.dummy_init, prefill_graphs=args.prefill_graphs,
                         **gate_engine_kwargs(lens, args.max_new_tokens,
                                              max_num_batched_tokens=args.max_num_batched_tokens))
     cfg = stack.model_config
