@@ -42,23 +42,42 @@ if [[ " $PARTS " == *" micro "* ]]; then
 fi
 
 if [[ " $PARTS " == *" serve "* ]]; then
+  # SERVE_VARIANTS: ';'-separated serve flag sets run one after another in this call (A/B in
+  # one run, e.g. "--prefill-graphs on;--engine-process off"); default: one run with SERVE_ARGS.
+  # The second server starts faster (Triton's cache is warm). Each variant's flags go into its
+  # result's manifest; a table of all variants is printed last.
+  IFS=';' read -r -a VARIANTS <<< "${SERVE_VARIANTS:-${SERVE_ARGS:-}}"
+  [ ${#VARIANTS[@]} -eq 0 ] && VARIANTS=("")
   for prec in $PRECISIONS; do
-    stamp "serve full-size dummy $prec"
-    # SERVE_ARGS: extra serve flags (A/B runs, e.g. "--gil-switch-interval-ms 0.5"); recorded
-    # in the result's manifest with the fixed ones
-    python3 -m tailored serve "$(ckpt $prec)" --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
-        --port 8000 ${SERVE_ARGS:-} > "$OUT/server-$prec.log" 2>&1 &
-    pid=$!
-    wait_for_server 8000 $pid "$OUT/server-$prec.log"
-    stamp "server ready"
-    timeout 200 python3 -m tailored bench run --base-url http://127.0.0.1:8000 --concurrency 1,32 \
-        --num-prompts 6,64 --input-len 1024 --output-len 512 --ignore-eos --num-warmups 1 \
-        --precision $prec --checkpoint-dir "$(ckpt $prec)" --label tailored-$prec \
-        --engine-config "{\"serve_args\": \"--load-format dummy --max-model-len 4096 --max-num-seqs 64 ${SERVE_ARGS:-}\", \"max_num_batched_tokens\": \"serve default (8192 on cuda)\"}" \
-        --out "$OUT/tailored-$prec.json" 2>&1 | tail -30
-    kill $pid; wait $pid 2>/dev/null
-    grep -i "error\|traceback" "$OUT/server-$prec.log" | head -5
-    tail -3 "$OUT/server-$prec.log"
+    for vi in "${!VARIANTS[@]}"; do
+      va="${VARIANTS[$vi]}"
+      tag=$prec; [ ${#VARIANTS[@]} -gt 1 ] && tag=$prec-v$vi
+      stamp "serve full-size dummy $prec [${va:-defaults}]"
+      python3 -m tailored serve "$(ckpt $prec)" --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
+          --port 8000 $va > "$OUT/server-$tag.log" 2>&1 &
+      pid=$!
+      wait_for_server 8000 $pid "$OUT/server-$tag.log" || { kill $pid 2>/dev/null; continue; }
+      stamp "server ready"
+      timeout 200 python3 -m tailored bench run --base-url http://127.0.0.1:8000 --concurrency 1,32 \
+          --num-prompts 6,64 --input-len 1024 --output-len 512 --ignore-eos --num-warmups 1 \
+          --precision $prec --checkpoint-dir "$(ckpt $prec)" --label "tailored-$prec${va:+ [$va]}" \
+          --engine-config "{\"serve_args\": \"--load-format dummy --max-model-len 4096 --max-num-seqs 64 $va\", \"max_num_batched_tokens\": \"serve default (8192 on cuda)\"}" \
+          --out "$OUT/tailored-$tag.json" 2>&1 | tail -${BENCH_TAIL:-30}
+      kill $pid; wait $pid 2>/dev/null
+      grep -i "error\|traceback\|warning" "$OUT/server-$tag.log" | head -5
+      grep "step timing" "$OUT/server-$tag.log" | tail -2
+    done
   done
+  python3 - "$OUT" <<'PY'
+import glob, json, sys
+print("| run | c=1 tok/s | TTFT p50 ms | c=32 tok/s | c=32 ITL p50 ms |")
+print("|---|---|---|---|---|")
+for f in sorted(glob.glob(f"{sys.argv[1]}/tailored-*.json")):
+    r = json.load(open(f))
+    by = {x["max_concurrency"]: x for x in r["runs"]}
+    c1, c32 = by.get(1, {}), by.get(32, {})
+    print(f"| {r['label']} | {c1.get('output_throughput', 0):.1f} | {c1.get('p50_ttft_ms', 0):.1f} | "
+          f"{c32.get('output_throughput', 0):.1f} | {c32.get('p50_itl_ms', 0):.2f} |")
+PY
 fi
 stamp "done"
