@@ -21,8 +21,9 @@ outputs. Messages are tuples over one duplex `multiprocessing.Pipe`:
 Errors: a bad request's add error comes back as the engine raised it (ValueError -> 400); a
 failed build raises in `start()` (ValueError stays ValueError: `tailored serve` prints one
 line); if the child dies every pending request ends with an ERROR output and `healthy` turns
-False, as with AsyncEngine. The child ignores SIGINT (Ctrl-C reaches the whole process group;
-the parent shuts it down in order) and exits when the parent's end of the pipe closes.
+False, as with AsyncEngine. The child ignores SIGINT and SIGTERM (both reach the whole process
+group: Ctrl-C, systemd; the parent shuts it down in order) and exits when the parent's end of
+the pipe closes. It is spawned with OMP_WAIT_POLICY=PASSIVE unless the user set a policy.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import sys
@@ -104,13 +106,24 @@ class EngineProcess:
         if self._proc is not None:
             return
         ctx = mp.get_context("spawn")
+        # The child inherits the environment at spawn. OpenMP workers that spin while waiting
+        # made the child's CPU torch ops 10-20x slower whenever another process wanted the
+        # cores (2-core machine, an attack run; kb/0014); passive waiting fixes it and costs
+        # nothing on the GPU path. Only when the user has not chosen a policy.
+        env_set = "OMP_WAIT_POLICY" not in os.environ
+        if env_set:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         parent_end, child_end = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=_child_main, name="tailored-engine", daemon=True,
             args=(child_end, self._build, self._build_kwargs, self._log_level,
                   self._switch_interval_s, self._timing_log_s),
         )
-        proc.start()
+        try:
+            proc.start()
+        finally:
+            if env_set:
+                del os.environ["OMP_WAIT_POLICY"]
         child_end.close()  # the child's copy keeps it open; ours would hide the child's death
         self._proc, self._conn = proc, parent_end
         deadline = None if self._ready_timeout_s is None else time.monotonic() + self._ready_timeout_s
@@ -291,7 +304,10 @@ class EngineProcess:
 
 # ---- the child -----------------------------------------------------------------------------
 def _child_main(conn, build, build_kwargs, log_level, switch_interval_s, timing_log_s) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us in order
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the parent stops
+    # us in order (in-flight requests finish), and a dead parent closes the pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if switch_interval_s is not None:
         sys.setswitchinterval(switch_interval_s)
