@@ -144,8 +144,9 @@ def test_prefill_graph_body_equals_eager_prefill(pair, T, n):
     computes what the eager prefill of the T-token prompt computes: hidden rows, the slot's
     conv and recurrent states, the prompt's KV rows; pads touch only the sinks (slot 0, page 0)."""
     _, fastm, cache = pair
-    if fastm.config.fp8 is not None and T != 65:
-        pytest.skip("FP8 weights: one case is enough (the interpreter is slow)")
+    if fastm.config.fp8 is not None:
+        pytest.skip("bf16 layout only: the body's FP8 projections are the eager path's (covered "
+                    "above), and the interpreter is slow (CI time)")
     fast = fastm.fast
     ps, slot = cache.page_size, 3
     pages = [5 + j for j in range(T // ps + 1)]
