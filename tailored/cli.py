@@ -45,9 +45,9 @@ def _serve_parser(sub) -> None:
                         "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kb/0013; "
                         "kernel path with graphs only)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
-                   help="sys.setswitchinterval for the server process (Python's default 5 ms): "
-                        "how long the engine thread may wait for the GIL held by the HTTP thread "
-                        "after each GPU sync (an experiment knob, kb/0011)")
+                   help="sys.setswitchinterval in the server and engine processes (Python's "
+                        "default 5 ms): how long the engine loop may wait for the GIL held by "
+                        "the HTTP side after each GPU sync (an experiment knob, kb/0011)")
     p.add_argument("--engine-process", choices=["on", "off"], default="on",
                    help="on: the engine loop runs in its own process, so the HTTP server's "
                         "Python and the engine's do not share one GIL (kb/0014); off: a thread "

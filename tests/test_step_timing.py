@@ -2,7 +2,7 @@
 
 import time
 
-from tailored.engine.step_timing import PHASES, StepTimer
+from tailored.engine.step_timing import PHASES, StepTimer, TimingLog
 from tailored.engine.types import SamplingParams
 from tailored.stack import build_stack
 
@@ -45,3 +45,37 @@ def test_gpu_span_is_reported_apart_from_the_phases():
     k = t.kinds["decode"]
     assert abs(sum(k.ms.values()) - 7.0) < 1e-6 and k.gpu_ms == 5.5
     assert "(gpu 5.50)" in t.summary()
+
+
+def test_timing_log_windows():
+    """TimingLog (both engine loops): a line every every_s while busy, a last window of >= 1 s
+    on going idle, nothing without steps, and idle time left out of the next window."""
+    lines = []
+
+    class Log:
+        def info(self, fmt, *args):
+            lines.append(fmt % args)
+
+    timer = StepTimer()
+    log = TimingLog(timer, 10.0, Log())
+    t = time.perf_counter()
+    timer.record("decode", 1, 1, t, t, t, t)
+    log.after_step()
+    log.going_idle()
+    assert lines == []  # under both windows
+    log.t0 -= 2.0
+    log.after_step()
+    assert lines == []  # busy: 2 s < 10 s
+    log.going_idle()
+    assert len(lines) == 1 and lines[0].startswith("step timing over 2 s: decode: 1 steps")
+    assert timer.steps == 0  # reset after logging
+    log.t0 -= 20.0
+    log.after_step()
+    assert len(lines) == 1  # no steps in the window: nothing to say
+    log.waking()
+    timer.record("decode", 1, 1, t, t, t, t)
+    log.going_idle()
+    assert len(lines) == 1  # the idle time before waking does not count
+    log.t0 -= 11.0
+    log.after_step()
+    assert len(lines) == 2

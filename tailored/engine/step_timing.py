@@ -89,3 +89,32 @@ class StepTimer:
 
     def reset(self) -> None:
         self.kinds = {}
+
+
+class TimingLog:
+    """When to log a StepTimer: every `every_s` while the engine is busy, and once more when it
+    goes idle (a last window of ≥ 1 s, not a line per request). Idle time is not part of a
+    window. Used by the engine loop in a thread (server/async_engine.py) and in a process
+    (server/engine_process.py). timer None (an engine without one): never logs."""
+
+    def __init__(self, timer: StepTimer | None, every_s: float, logger) -> None:
+        self.timer, self.every_s, self.logger = timer, every_s, logger
+        self.t0 = time.monotonic()
+
+    def after_step(self) -> None:
+        self._maybe_log(self.every_s)
+
+    def going_idle(self) -> None:
+        self._maybe_log(min(1.0, self.every_s))
+
+    def waking(self) -> None:
+        self.t0 = time.monotonic()
+
+    def _maybe_log(self, window_s: float) -> None:
+        now = time.monotonic()
+        if self.timer is None or now - self.t0 < window_s:
+            return
+        if self.timer.steps:
+            self.logger.info("step timing over %.0f s: %s", now - self.t0, self.timer.summary())
+            self.timer.reset()
+        self.t0 = now

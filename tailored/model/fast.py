@@ -142,6 +142,23 @@ def _token_rows(seqs) -> np.ndarray:
     return np.concatenate([np.arange(q.q_start, q.q_start + q.num_tokens) for q in seqs])
 
 
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one sequence's L new queries over its S ≥ L context (the queries
+    are the context's last L positions: bottom-right mask). q [L, Hq, D]; k, v [S, Hkv, D]
+    with Hq a multiple of Hkv (GQA). Returns [L, Hq, D]. SDPA takes [1, heads, len, D], the
+    layout of its flash/efficient kernels on the GPU."""
+    L, S, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+    vt = v.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
+    if L == S:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    else:
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    return o[0].transpose(0, 1)
+
+
 def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
     """StepPlan for an eager forward over `seqs` (all), `pre` (prefill-path seqs) and `dec`
     (decode rows); one host-to-device copy."""
@@ -355,13 +372,10 @@ class FastPath:
         return q, k, v, gate
 
     def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):
-        li = self.cache.attn_index[i]
         q, k, v, gate = self._attn_qkv(i, x, cos, sin)
-        kc, vc = self.cache.k[li], self.cache.v[li]
-        kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_rows, k)
-        vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_rows, v)
+        kc, vc = self._store_kv(i, kv_rows, k, v)
         o = paged_decode_attention(q.contiguous(), kc, vc, table, lens)
-        return self.p_out[i](o.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+        return self._attn_out(i, o, gate)
 
     def _attn_eager(self, i, x, cos, sin, batch: ForwardBatch):
         li = self.cache.attn_index[i]
@@ -369,7 +383,6 @@ class FastPath:
         kf = self.cache.k[li].view(-1, *self.cache.k.shape[-2:])
         vf = self.cache.v[li].view(-1, *self.cache.v.shape[-2:])
         out = torch.empty_like(q)
-        rep = q.shape[1] // k.shape[1]
         plan = self._plan
         for j, s in enumerate(batch.seqs):
             r = slice(s.q_start, s.q_start + s.num_tokens)
@@ -380,19 +393,22 @@ class FastPath:
             else:
                 idx = plan.kv_ctx[j]
                 kk, vv = kf[idx], vf[idx]
-            # SDPA (flash/efficient kernels on the GPU); bottom-right causal mask for a chunk
-            # [1, heads, len, D]: the 4-D layout SDPA's flash/efficient kernels take
-            qt = q[r].transpose(0, 1).unsqueeze(0)
-            kt = kk.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-            vt = vv.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-            L, S = s.num_tokens, s.end_pos
-            if L == S:
-                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-            else:
-                mask = torch.ones(L, S, dtype=torch.bool, device=x.device).tril(S - L)
-                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
-            out[r] = o[0].transpose(0, 1)
-        return self.p_out[i](out.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+            out[r] = _causal_sdpa(q[r], kk, vv)
+        return self._attn_out(i, out, gate)
+
+    def _store_kv(self, i, kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [T, Hkv, D] at flat KV rows (device int64 [T]) of layer i's cache;
+        returns that layer's (k, v) cache tensors [pages, page_size, Hkv, D]."""
+        li = self.cache.attn_index[i]
+        kc, vc = self.cache.k[li], self.cache.v[li]
+        kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_rows, k)
+        vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_rows, v)
+        return kc, vc
+
+    def _attn_out(self, i, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o_proj(attention output · sigmoid(gate)) (spec §6.5). o [T, Hq, D] or [T, Hq·D];
+        gate [T, Hq·D]."""
+        return self.p_out[i](o.reshape(o.shape[0], -1) * torch.sigmoid(gate))
 
     # -------------------------------------------------------------------------------------------
     # forward
@@ -668,17 +684,9 @@ class FastPath:
         """Attention over the bucket for one fresh sequence: KV written by device rows (pads
         into the sink), causal SDPA over the chunk itself (pads come last: real rows never
         see them)."""
-        li = self.cache.attn_index[i]
         q, k, v, gate = self._attn_qkv(i, x, cos, sin)
-        kc, vc = self.cache.k[li], self.cache.v[li]
-        kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_rows, k)
-        vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_rows, v)
-        rep = q.shape[1] // k.shape[1]
-        qt = q.transpose(0, 1).unsqueeze(0)
-        kt = k.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-        vt = v.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)[0].transpose(0, 1)
-        return self.p_out[i](o.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+        self._store_kv(i, kv_rows, k, v)
+        return self._attn_out(i, _causal_sdpa(q, k, v), gate)
 
     def _prefill_body(self, n: int) -> torch.Tensor:
         """Final-normed hidden states [n, H] of the static prefill buffers' first n rows."""

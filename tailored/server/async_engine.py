@@ -24,10 +24,10 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Self
 
+from tailored.engine.step_timing import TimingLog
 from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -186,8 +186,7 @@ class AsyncEngine:
                  timing_log_s: float = 10.0) -> None:
         self.engine = engine
         # engine.timer (engine/step_timing.py), logged at INFO every timing_log_s while busy
-        self._timing_log_s = timing_log_s
-        self._timing_t0 = time.monotonic()
+        self._timing = TimingLog(getattr(engine, "timer", None), timing_log_s, logger)
         self._thread_name = thread_name
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -262,32 +261,20 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 if not self.engine.has_unfinished():
-                    self._log_timing(idle=True)  # the busy spell's last window, not stale later
+                    self._timing.going_idle()  # the busy spell's last window, not stale later
                     # Ordering: wait -> clear -> drain. A command put after the drain sets the
                     # event, so the next wait returns at once; nothing can be missed.
                     self._wake.wait()
                     self._wake.clear()
-                    self._timing_t0 = time.monotonic()  # idle time is not part of a window
+                    self._timing.waking()
                     continue
                 self._dispatch(self.engine.step())
-                self._log_timing()
+                self._timing.after_step()
         except BaseException as exc:  # any crash must fail the pending requests
             logger.exception("engine loop died")
             reason = f"engine loop died: {type(exc).__name__}: {exc}"
         finally:
             self._fail_everything(reason)
-
-    def _log_timing(self, idle: bool = False) -> None:
-        timer = getattr(self.engine, "timer", None)
-        now = time.monotonic()
-        # busy: every timing_log_s; going idle: flush a window of ≥ 1 s (not a line per request)
-        if timer is None or now - self._timing_t0 < (min(1.0, self._timing_log_s) if idle
-                                                      else self._timing_log_s):
-            return
-        if timer.steps:
-            logger.info("step timing over %.0f s: %s", now - self._timing_t0, timer.summary())
-            timer.reset()
-        self._timing_t0 = now
 
     def _drain_commands(self) -> None:
         while True:

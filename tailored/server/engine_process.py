@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from tailored.engine.step_timing import TimingLog
 from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
 from tailored.server.async_engine import (
     EngineDeadError,
@@ -335,26 +336,14 @@ def _child_main(conn, build, build_kwargs, log_level, switch_interval_s, timing_
 
 
 def _child_loop(conn, engine, timing_log_s: float) -> None:
-    timer = getattr(engine, "timer", None)
-    t0 = time.monotonic()
-
-    def log_timing(idle: bool) -> None:
-        nonlocal t0
-        now = time.monotonic()
-        # busy: every timing_log_s; going idle: flush a window of >= 1 s (as AsyncEngine)
-        if timer is None or now - t0 < (min(1.0, timing_log_s) if idle else timing_log_s):
-            return
-        if timer.steps:
-            logging.getLogger("tailored.server.async_engine").info(
-                "step timing over %.0f s: %s", now - t0, timer.summary())
-            timer.reset()
-        t0 = now
-
+    # the same log lines and windows as the in-thread loop (AsyncEngine)
+    timing = TimingLog(getattr(engine, "timer", None), timing_log_s,
+                       logging.getLogger("tailored.server.async_engine"))
     while True:
         if not engine.has_unfinished():
-            log_timing(idle=True)
+            timing.going_idle()
             conn.poll(None)  # sleep until a command arrives
-            t0 = time.monotonic()  # idle time is not part of a window
+            timing.waking()
         while conn.poll(0):
             msg = conn.recv()
             kind = msg[0]
@@ -381,4 +370,4 @@ def _child_loop(conn, engine, timing_log_s: float) -> None:
             outputs = engine.step()
             if outputs:
                 conn.send(("out", outputs))
-            log_timing(idle=False)
+            timing.after_step()
