@@ -163,6 +163,17 @@ async def _killed_child():
         ep.shutdown()
 
 
+def dying_build() -> FakeEngine:
+    os._exit(3)  # a crash (segfault, OOM kill) before the child can report anything
+
+
+def test_child_dying_while_starting_raises_in_start():
+    ep = EngineProcess(dying_build, ready_timeout_s=120)
+    with pytest.raises(RuntimeError, match="exited with code 3 while starting"):
+        ep.start()
+    assert not ep.healthy
+
+
 def test_build_error_raises_in_start_with_its_type():
     ep = EngineProcess(failing_build, ready_timeout_s=120)
     with pytest.raises(ValueError, match="too small for this test"):

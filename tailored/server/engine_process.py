@@ -94,7 +94,7 @@ class EngineProcess:
         # the reader thread dispatches and unregisters
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        self._pending: dict[Any, tuple[asyncio.Future, str | None]] = {}  # add/stats replies
+        self._pending: dict[tuple, asyncio.Future] = {}  # awaited add/stats replies, by key
         self._keys = itertools.count()
         self._dead: str | None = "engine process not started"
         self._stopping = False
@@ -128,27 +128,18 @@ class EngineProcess:
         child_end.close()  # the child's copy keeps it open; ours would hide the child's death
         self._proc, self._conn = proc, parent_end
         deadline = None if self._ready_timeout_s is None else time.monotonic() + self._ready_timeout_s
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ready = parent_end.poll(left if left is not None else 1.0)
-            except (EOFError, OSError):
-                ready = True  # recv below reports the death
-            if ready:
-                try:
-                    msg = parent_end.recv()
-                except (EOFError, OSError):
-                    proc.join(5)
-                    self._dead = f"engine process exited with code {proc.exitcode} while starting"
-                    raise RuntimeError(self._dead) from None
-                break
+        # a child that dies closes its end: poll() turns true and recv() raises EOFError
+        while not parent_end.poll(1.0):
             if deadline is not None and time.monotonic() >= deadline:
                 proc.kill()
                 self._dead = "engine process not ready in time"
                 raise RuntimeError(self._dead)
-            if not proc.is_alive() and not parent_end.poll(0):
-                self._dead = f"engine process exited with code {proc.exitcode} while starting"
-                raise RuntimeError(self._dead)
+        try:
+            msg = parent_end.recv()
+        except (EOFError, OSError):
+            proc.join(5)
+            self._dead = f"engine process exited with code {proc.exitcode} while starting"
+            raise RuntimeError(self._dead) from None
         if msg[0] == "failed":
             proc.join(10)
             self._dead = f"engine build failed: {msg[1]}: {msg[2]}"
@@ -212,7 +203,7 @@ class EngineProcess:
         key = ("stats", next(self._keys))
         with self._lock:
             self._check_alive()
-            self._pending[key] = (fut, None)
+            self._pending[key] = fut
             self._send(("stats", key))
         return await fut
 
@@ -224,7 +215,7 @@ class EngineProcess:
             if rid in self._streams or ("add", rid) in self._pending:
                 raise ValueError(f"duplicate request id {rid!r}")
             self._streams[rid] = stream
-            self._pending[("add", rid)] = (fut, rid)
+            self._pending[("add", rid)] = fut
             self._send(("add", rid, prompt_ids, sampling))
 
     def _check_alive(self) -> None:
@@ -257,7 +248,7 @@ class EngineProcess:
                     self._added(msg[1], msg[2])
                 elif kind == "stats":
                     with self._lock:
-                        fut, _ = self._pending.pop(msg[1], (None, None))
+                        fut = self._pending.pop(msg[1], None)
                     if fut is not None:
                         exc = _exc("RuntimeError", msg[2]) if isinstance(msg[2], str) else None
                         _post(fut.get_loop(), _resolve, fut, None if exc else msg[2], exc)
@@ -277,7 +268,7 @@ class EngineProcess:
 
     def _added(self, rid: str, err) -> None:
         with self._lock:
-            fut, _ = self._pending.pop(("add", rid), (None, None))
+            fut = self._pending.pop(("add", rid), None)
             if err is not None:
                 self._streams.pop(rid, None)
         if fut is not None:
@@ -296,7 +287,7 @@ class EngineProcess:
             streams, self._streams = self._streams, {}
             pending, self._pending = self._pending, {}
         dead = EngineDeadError(self._dead)
-        for fut, _ in pending.values():
+        for fut in pending.values():
             _post(fut.get_loop(), _resolve, fut, None, dead)
         for rid, stream in streams.items():
             out = _final_output(rid, stream, FinishReason.ERROR, self._dead)
