@@ -36,7 +36,7 @@ fi
 if [[ " $PARTS " == *" micro "* ]]; then
     for prec in $PRECISIONS; do
         stamp "in-process step timings ($prec)"
-        timeout 240 python3 scripts/bench_decode.py "$(ckpt $prec)" --batches 1,8,32 \
+        timeout ${MICRO_TIMEOUT:-240} python3 scripts/bench_decode.py "$(ckpt $prec)" --batches ${MICRO_BATCHES:-1,8,32} \
             --json "$OUT/micro-$prec.json" ${MICRO_ARGS:-} 2>&1 | tail -${MICRO_TAIL:-20}
     done
 fi
