@@ -5,7 +5,7 @@
 #
 # Prepare here: bash scripts/fetch_wheels.sh   (writes .whl/, git-ignored; includes fla-core)
 # Run there:    device run, carry [".whl"],
-#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_fast.sh [tests|micro|serve]...
+#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_fast.sh [tests|moe|micro|serve]...
 # Output: $OUT/gpu_fast.log, $OUT/*.json; the summary is printed last.
 source "$(dirname "$0")/device_env.sh" gpu_fast
 PARTS=${*:-tests micro serve}
@@ -31,6 +31,11 @@ if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels, fast path, graphs"
     timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 \
         | grep -v "^$" | grep -v "Warning\|warn" | tail -40
+fi
+
+if [[ " $PARTS " == *" moe "* ]]; then
+    stamp "routed-expert MoE per layer, full vs compact expert grid (kb/0016)"
+    timeout 240 python3 scripts/bench_moe.py --json "$OUT/moe.json" 2>&1 | tail -12
 fi
 
 if [[ " $PARTS " == *" micro "* ]]; then

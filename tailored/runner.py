@@ -42,8 +42,11 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
         used_elsewhere = total - free
         budget = int(total * ec.gpu_memory_utilization) - used_elsewhere
         # activations of the largest step: 2 GiB (plain PyTorch path, generous) + 256 KiB per
-        # token of the step budget (the MoE's fp32 [tokens·8, 2048] output alone is 64 KiB)
-        budget -= 2 * 1024**3 + ec.max_num_batched_tokens * 256 * 1024
+        # token of the step budget (the MoE's fp32 [tokens·8, 2048] output alone is 64 KiB);
+        # prefill CUDA graphs keep their largest bucket's activations in their own pool: as much
+        # again
+        act = ec.max_num_batched_tokens * 256 * 1024
+        budget -= 2 * 1024**3 + act * (2 if ec.prefill_graphs else 1)
     else:
         budget = CPU_CACHE_BYTES
     budget -= num_slots * per_slot
@@ -105,9 +108,11 @@ class ModelRunner:
                 fast.capture()
                 if ec.prefill_graphs:
                     fast.capture_prefill(min(ec.max_num_batched_tokens, ec.max_model_len))
-            log.info("kernels warmed up%s in %.1f s",
-                     " and CUDA graphs captured" if fast.use_graphs else "",
-                     time.monotonic() - t0)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            log.info("kernels warmed up%s in %.1f s; %.2f GiB of GPU memory free, %.2f GiB "
+                     "reserved by this process", " and CUDA graphs captured" if fast.use_graphs
+                     else "", time.monotonic() - t0, free / 1024**3,
+                     torch.cuda.memory_reserved(self.device) / 1024**3)
         log.info("kernel path on (CUDA graphs %s, prefill graphs %s, GDN prefill %s)",
                  "on" if fast.use_graphs else "off",
                  f"{len(fast.prefill_graphs)} buckets" if fast.prefill_graphs else "off",

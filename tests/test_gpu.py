@@ -235,16 +235,22 @@ def test_eager_prefill_forward_barely_syncs(precision):
     assert len(syncs) <= 6, [str(x.message)[:120] for x in syncs]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_prefill_graph_replay_equals_its_body_and_tracks_eager(precision):
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
+                                             (torch.bfloat16, "fp8")])
+@torch.no_grad()
+def test_prefill_graph_replay_equals_its_body_and_tracks_eager(dtype, precision):
     """Prefill CUDA graphs (kb/0013): the replay computes exactly its body, and the padded
-    body tracks the eager varlen prefill (bf16: FLA fixed-length vs varlen, GEMMs at another
-    row count; a near-tie router flip moves one token, kb/0001) in hidden rows and states."""
+    body tracks the eager varlen prefill in hidden rows and states. fp32 (no FLA, exact
+    kernels): the pads must be neutral to 1e-4. bf16: GEMMs at another row count, the MoE's
+    prefill kernel instead of its decode one at T=5 and FLA fixed-length vs varlen round
+    differently, and a random-weight model amplifies that (a near-tie router flip moves a
+    whole token, kb/0001): the bound is the bf16 fast-vs-plain one (max 0.3), with a median
+    bound loose enough for 5 tokens (H200, session 7: T=5 median 0.078)."""
     from tailored.model.fast import FastPath
 
-    model = _full4(torch.bfloat16, seed=3, precision=precision)
+    model = _full4(dtype, seed=3, precision=precision)
     cfg = model.config
-    cache = HybridCache(cfg, 160, 16, 5, torch.bfloat16, "cuda")
+    cache = HybridCache(cfg, 160, 16, 5, dtype, "cuda")
     fast = FastPath(model, cache, max_batch=4, max_pages=80, use_graphs=True)
     model.fast = fast
     fast.capture(sizes=[4])
@@ -274,7 +280,10 @@ def test_prefill_graph_replay_equals_its_body_and_tracks_eager(precision):
             assert torch.equal(t[:, 1:], s[:, 1:]), T  # slot/page 0: the pad sinks
         tok = (graph.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
         rec = rel_err(cache.rec[:, 2], after_eager[1][:, 2])
-        print(f"prefill graph vs eager ({precision}, T={T}): per-token rel err median "
+        print(f"prefill graph vs eager ({dtype}, {precision}, T={T}): per-token rel err median "
               f"{tok.median().item():.2e} max {tok.max().item():.2e}; rec state {rec:.2e}")
-        assert tok.median() <= 3e-2 and tok.max() <= 0.3, (T, tok)
-        assert rec <= 5e-2
+        if dtype == torch.float32:
+            assert tok.max() <= 1e-4 and rec <= 1e-4, (T, tok, rec)
+        else:
+            assert tok.median() <= 0.12 and tok.max() <= 0.3, (T, tok)
+            assert rec <= 5e-2

@@ -33,8 +33,10 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 2, 64, 32), (5, 8, 2, 64, 48), (37, 16, 4, 128, 64)])
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 2, 64, 32), (3, 32, 4, 64, 48), (5, 8, 2, 64, 48),
+                                       (37, 16, 4, 128, 64)])
 def test_fused_moe(dtype, T, E, k, H, I):
+    """T·k < E (the first two cases): the compact expert grid (kb/0016)."""
     from tailored.kernels.moe import fused_moe
 
     g = torch.Generator().manual_seed(T * 100 + E)
@@ -119,10 +121,10 @@ def test_moe_align_groups_pairs_by_expert():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (33, 256, 8), (64, 256, 8)])
 def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
-    from tailored.kernels.moe import moe_align, route_align
+    from tailored.kernels.moe import expert_partition_ref, moe_align, route_align
 
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * E)).to(DEV, dtype)
-    w, ids, order, offsets = route_align(logits, k)
+    w, ids, order, offsets, experts = route_align(logits, k)
     w_ref, ids_ref = ref.route_topk(logits, k)
     # bf16 logits tie often; tied experts may come in another order (same set, same weights)
     a, ia = ids.sort(dim=-1)
@@ -132,6 +134,42 @@ def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
     assert torch.allclose(w.gather(1, ia).float(), w_ref.gather(1, ib).float(), rtol=1e-6)
     o_ref, off_ref = moe_align(ids, E)  # the pair order must be that of our own ids
     assert torch.equal(offsets, off_ref) and torch.equal(order, o_ref)
+    assert torch.equal(experts, expert_partition_ref(offsets))
+
+
+@pytest.mark.parametrize("E,T,k", [(8, 1, 2), (16, 3, 4), (200, 5, 8), (256, 1, 8), (256, 40, 8)])
+def test_expert_partition(E, T, k):
+    """Active experts first, then the empty ones, each ascending; a permutation of 0..E-1."""
+    from tailored.kernels.moe import expert_partition, expert_partition_ref, moe_align
+
+    ids = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(E + T)).to(DEV)
+    _, offsets = moe_align(ids, E)
+    got = expert_partition(offsets)
+    want = expert_partition_ref(offsets)
+    assert torch.equal(got, want)
+    assert sorted(got.tolist()) == list(range(E))
+    n_active = len(set(ids.flatten().tolist()))
+    assert set(got[:n_active].tolist()) == set(ids.flatten().tolist())
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 16, 4), (3, 32, 4), (6, 32, 4)])
+def test_fused_moe_compact_grid_is_bitwise_the_full_grid(T, E, k, monkeypatch):
+    """The compact grid (T·k programs over the active-first experts) changes which program
+    computes an expert, never how: results are bitwise those of one program per expert, with
+    the experts from route_align or from expert_partition."""
+    from tailored.kernels import moe
+
+    g = torch.Generator().manual_seed(T + E)
+    H, I = 64, 32
+    x = torch.randn(T, H, generator=g).to(DEV)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(DEV)
+    down = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(DEV)
+    w, ids, *aligned = moe.route_align(torch.randn(T, E, generator=g).to(DEV), k)
+    compact = moe.fused_moe(x, w, ids, gate_up, down, aligned, reduce=False)
+    compact2 = moe.fused_moe(x, w, ids, gate_up, down, None, reduce=False)
+    monkeypatch.setattr(moe, "COMPACT_GRID", False)
+    full = moe.fused_moe(x, w, ids, gate_up, down, aligned, reduce=False)
+    assert torch.equal(compact, full) and torch.equal(compact2, full)
 
 
 def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):

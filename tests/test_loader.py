@@ -112,3 +112,13 @@ def test_text_only_config_accepted():
     mc = ModelConfig.from_dict(json.loads(json.dumps(cfg)))
     assert mc.attn_layers == (3, 7) and mc.gdn_layers == (0, 1, 2, 4, 5, 6)
     assert mc.rotary_dim == 8
+
+
+def test_model_parameters_never_require_grad(tiny_cfg):
+    """Startup forwards (CUDA-graph warm-up and capture) run outside inference_mode: a
+    parameter with requires_grad would make them keep autograd's saved activations (~60 GB at a
+    4096-token prefill bucket on the H200, session 7)."""
+    for fp8 in (False, True):
+        cfg = ModelConfig.from_dict(preset_config("tiny", precision="fp8")) if fp8 else tiny_cfg
+        m = build_empty_model(cfg, "cpu", torch.bfloat16)
+        assert not any(p.requires_grad for p in m.parameters())

@@ -39,12 +39,46 @@ def moe_align(ids: torch.Tensor, num_experts: int):
     return order.to(torch.int32), offsets.to(torch.int32)
 
 
+def expert_partition_ref(offsets: torch.Tensor) -> torch.Tensor:
+    """Reference of `expert_partition`: expert ids [E] int32, the ones with pairs first, then
+    the empty ones, each group ascending (a stable partition)."""
+    counts = offsets[1:] - offsets[:-1]
+    return torch.argsort((counts == 0).to(torch.int8), stable=True).to(torch.int32)
+
+
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr, ws_ptr,
+def _partition_kernel(offsets_ptr, experts_ptr, E, BLOCK_E: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    counts = tl.load(offsets_ptr + e + 1, mask=ok, other=0) - tl.load(offsets_ptr + e, mask=ok, other=0)
+    has = (counts > 0).to(tl.int32)
+    before = tl.cumsum(has, 0) - has  # active experts before e
+    n_active = tl.sum(has, 0)
+    # active e → its rank among the active; empty e → after all active, by its rank among the empty
+    place = tl.where(has > 0, before, n_active + e - before)
+    tl.store(experts_ptr + place, e, mask=ok)
+
+
+def expert_partition(offsets: torch.Tensor) -> torch.Tensor:
+    """Experts with pairs first: [E] int32 from `moe_align`'s offsets [E+1] (one launch,
+    graph-safe). A decode step of T·k < E pairs launches its expert GEMMs over only T·k
+    programs per N-block, program i taking the i-th expert of this list: every expert with
+    pairs is among the first T·k, and the rest of those are empty (they exit at once)."""
+    E = offsets.numel() - 1
+    experts = torch.empty(E, dtype=torch.int32, device=offsets.device)
+    _partition_kernel[(1,)](offsets, experts, E, BLOCK_E=max(2, triton.next_power_of_2(E)))
+    return experts
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, ws_ptr,
                     TOPK, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr):
-    e = tl.program_id(0)
+                    DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr, COMPACT: tl.constexpr):
+    if COMPACT:  # program → the expert at its place in the active-first list
+        e = tl.load(experts_ptr + tl.program_id(0))
+    else:
+        e = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
@@ -79,11 +113,14 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, act_ptr, ws_ptr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, rw_ptr, y_ptr, ws_ptr,
+def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_ptr, ws_ptr,
                  stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr):
-    e = tl.program_id(0)
+                 DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr, COMPACT: tl.constexpr):
+    if COMPACT:  # program → the expert at its place in the active-first list
+        e = tl.load(experts_ptr + tl.program_id(0))
+    else:
+        e = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
@@ -139,6 +176,7 @@ def _tuned(kernel, decode: bool, fp8: bool = False):
 
 
 _LAUNCHERS: dict = {}
+COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
 
 def _launcher(name: str, decode: bool, fp8: bool = False):
@@ -150,7 +188,7 @@ def _launcher(name: str, decode: bool, fp8: bool = False):
 
 
 @triton.jit
-def _route_align_kernel(logits_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, T, stride_l,
+def _route_align_kernel(logits_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, experts_ptr, T, stride_l,
                         E: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.arange(0, BLOCK_T)
     e = tl.arange(0, E)
@@ -182,6 +220,11 @@ def _route_align_kernel(logits_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, T, s
     pos = (incl - counts)[None, :] + rank
     pair = t[:, None] * K + (sel - 1)
     tl.store(order_ptr + pos, pair, mask=chosen > 0)
+    # experts with pairs first (expert_partition), for the compact expert-GEMM grid
+    has = (counts > 0).to(tl.int32)
+    before = tl.cumsum(has, 0) - has
+    place = tl.where(has > 0, before, tl.sum(has, 0) + e - before)
+    tl.store(experts_ptr + place, e)
 
 
 ROUTE_ALIGN_MAX_TOKENS = 64  # one program holds [T, E] tiles: decode batches only
@@ -192,8 +235,9 @@ def route_align(router_logits: torch.Tensor, top_k: int):
     """Routing and `moe_align` in one kernel launch (decode batches, T ≤ 64).
 
     router_logits: [T, E]. Returns (weights [T, k] in the logits dtype, ids [T, k] int64,
-    order [T·k] int32, offsets [E+1] int32) — equal to `ref.route_topk` then `moe_align`
-    (softmax in fp32, top-k largest first, renormalised, then cast).
+    order [T·k] int32, offsets [E+1] int32, experts [E] int32) — equal to `ref.route_topk`
+    then `moe_align` and `expert_partition` (softmax in fp32, top-k largest first,
+    renormalised, then cast).
     """
     T, E = router_logits.shape
     if T > ROUTE_ALIGN_MAX_TOKENS or E & (E - 1):
@@ -203,10 +247,12 @@ def route_align(router_logits: torch.Tensor, top_k: int):
     ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     order = torch.empty(T * top_k, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    experts = torch.empty(E, dtype=torch.int32, device=dev)
     bt = max(2, triton.next_power_of_2(T))
-    _route_align_kernel[(1,)](router_logits, w, ids, order, offsets, T, router_logits.stride(0),
-                              E=E, K=top_k, BLOCK_T=bt, num_warps=4 if bt <= 8 else 8)
-    return w, ids, order, offsets
+    _route_align_kernel[(1,)](router_logits, w, ids, order, offsets, experts, T,
+                              router_logits.stride(0), E=E, K=top_k, BLOCK_T=bt,
+                              num_warps=4 if bt <= 8 else 8)
+    return w, ids, order, offsets, experts
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -217,7 +263,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
     x: [T, H] (bf16/fp32, row stride free, unit column stride); weights: [T, k] routing weights;
     ids: [T, k] int64; gate_up: [E, 2I, H] gate rows first; down: [E, H, I].
-    aligned: (order, offsets) from `route_align` (else `moe_align` runs here).
+    aligned: (order, offsets) or (order, offsets, experts) from `route_align` (else
+    `moe_align` runs here). With T·k < E pairs (decode) the expert GEMMs run over T·k
+    programs per N-block instead of E, taking experts from `expert_partition` (kb/0016): at
+    B=1 that is 8 programs where 248 of 256 had nothing to do. COMPACT_GRID = False restores
+    the one-program-per-expert grid (A/B benchmarks); the results are bitwise the same.
     Block-FP8 experts (spec §9.1): gate_up/down float8_e4m3fn with per-row scales
     gate_up_scale [E, 2I, ceil(H/128)] and down_scale [E, H, ceil(I/128)] fp32
     (`fp8.row_scales`); the reference is `ref.moe_experts` over `fp8.DequantExperts`.
@@ -249,7 +299,10 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
-    order, offsets = aligned if aligned is not None else moe_align(ids, E)
+    order, offsets, *rest = aligned if aligned is not None else moe_align(ids, E)
+    compact = COMPACT_GRID and T * k < E
+    experts = (rest[0] if rest else expert_partition(offsets)) if compact else offsets
+    grid_e = T * k if compact else E
     bm, bn, bk, warps = _blocks(T * k, E)
     prec = dot_precision(x.dtype)
     # decode: one tuning per power-of-2 pair count; prefill: one for all sizes (tuning mid-serve
@@ -258,22 +311,24 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).contiguous()
-    gu_args = (x, gate_up, order, offsets, act, gate_up_scale, k,
+    gu_args = (x, gate_up, order, offsets, experts, act, gate_up_scale, k,
                x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu)
-    dn_args = (act, down, order, offsets, rw, y, down_scale,
+    dn_args = (act, down, order, offsets, experts, rw, y, down_scale,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
     if x.is_cuda and autotune_enabled(x.dtype):  # autotuned block sizes
         decode = bm == 16
-        _launcher("gate_up", decode, fp8)[lambda m: (E, triton.cdiv(I, m["BLOCK_N"]))](
-            *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8)
-        _launcher("down", decode, fp8)[lambda m: (E, triton.cdiv(H, m["BLOCK_N"]))](
-            *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8)
+        _launcher("gate_up", decode, fp8)[lambda m: (grid_e, triton.cdiv(I, m["BLOCK_N"]))](
+            *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
+            COMPACT=compact)
+        _launcher("down", decode, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
+            *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
+            COMPACT=compact)
     else:  # Triton's interpreter (tests on the CPU), or TAILORED_AUTOTUNE=0: the fixed choice
-        _gate_up_kernel[(E, triton.cdiv(I, bn))](
+        _gate_up_kernel[(grid_e, triton.cdiv(I, bn))](
             *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec,
-            PAIRS_BUCKET=bucket, W_FP8=fp8, num_warps=warps)
-        _down_kernel[(E, triton.cdiv(H, bn))](
+            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps)
+        _down_kernel[(grid_e, triton.cdiv(H, bn))](
             *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=min(bk, triton.next_power_of_2(I)), DOT_PREC=prec, PAIRS_BUCKET=bucket,
-            W_FP8=fp8, num_warps=warps)
+            W_FP8=fp8, COMPACT=compact, num_warps=warps)
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y

@@ -19,6 +19,7 @@ Triton interpreter, fp32) and tests/test_gpu.py (H200, bf16 and fp32, graphs vs 
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -254,8 +255,7 @@ class FastPath:
         E = cfg.num_experts
         r, sg, su, seg = self.p_moe[i](x)
         if x.shape[0] <= ROUTE_ALIGN_USE_UP_TO and not E & (E - 1):  # small decode: one launch
-            w, ids, order, offsets = route_align(r, cfg.num_experts_per_tok)
-            aligned = (order, offsets)
+            w, ids, *aligned = route_align(r, cfg.num_experts_per_tok)  # order, offsets, experts
         else:
             w, ids = ref.route_topk(r, cfg.num_experts_per_tok)
             aligned = None
@@ -485,6 +485,7 @@ class FastPath:
         out[rows_p] = hp
         return out
 
+    @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def warmup_prefill(self, lengths) -> None:
         """Run prefills of these lengths into the pad sinks (slot 0, page 0) so that Triton
         compiles and FLA/MoE autotuning happen at startup, not in a user's first request."""
@@ -552,6 +553,7 @@ class FastPath:
         st["slots"][:n].copy_(m[1])
         st["kv_rows"][:n].copy_(m[2])
 
+    @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def capture(self, sizes=None):
         """Capture one decode graph per padded batch size (largest first, one memory pool)."""
         if not self.use_graphs:
@@ -702,6 +704,7 @@ class FastPath:
 
         return self._layers(x, cos, sin, mixer)
 
+    @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def capture_prefill(self, max_tokens: int, buckets=None) -> None:
         """Capture one prefill graph per bucket up to max_tokens (largest first, in the decode
         graphs' memory pool). A failed capture (an op that syncs or allocates on the host
@@ -723,7 +726,13 @@ class FastPath:
             log.warning("prefill CUDA graphs not captured (%s: %s); prefill stays eager",
                         type(e).__name__, e)
             self.prefill_graphs.clear()
+            del e
+            # the traceback's frames form a cycle that holds the failed warm-up's tensors until
+            # Python's cyclic GC runs (GPU memory is no pressure for it): collect now, or an
+            # out-of-memory capture leaves that memory taken for the whole serve
+            gc.collect()
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             return
         log.info("captured prefill CUDA graphs for %d..%d tokens (%d buckets)",
                  sizes[-1], sizes[0], len(sizes))
