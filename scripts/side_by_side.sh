@@ -24,6 +24,10 @@
 #  5  carry [".baseline-kit", ".whl"]                            TAILORED_COMMIT=<sha> bash scripts/side_by_side.sh vllm fp8    (~7 min)
 #  6  carry [".baseline-kit", ".whl"]                            TAILORED_COMMIT=<sha> bash scripts/side_by_side.sh tailored fp8
 #  7  carry [".baseline-kit", ".whl"]                            bash scripts/side_by_side.sh summary                          (seconds)
+#  The device tool refuses a call whose tree + carry is over 64 MiB: chunk1 (55 MiB) + this tree
+#  (9.5 MiB with the nano model) is just over (session 7). Then run `bash scripts/side_by_side.sh
+#  split-chunks` here once and stage .baseline-wheels/chunk1a, chunk1b, chunk2a, chunk2b (four
+#  calls of seconds each); `stage` joins the halves back on the GPU machine.
 #  Calls 1-3 must follow each other within ~30 s (the kit's rule: /tmp is forgotten when the
 #  machine idles). If the machine was released after call 3, repeat 1-3 (phase `vllm` installs
 #  only when /tmp/site lacks vLLM, and stages chunk3 when it is carried). The tailored phases
@@ -106,7 +110,30 @@ wait_health() {  # PORT PID LOG
 phase_stage() {  # DIR: add a chunk's files to the kit's stage folder (no kit needed)
   local src=${1:?usage: stage DIR}
   [ -d "$src" ] || die "stage: no folder $src (carry it)"
-  mkdir -p "$BTMP/stage" && cp -r "$src"/. "$BTMP/stage/" && ls -la "$BTMP/stage"
+  mkdir -p "$BTMP/stage" && cp -r "$src"/. "$BTMP/stage/" || return 1
+  # pieces from `split-chunks` (NAME.KofN): once all N are here, join them back into NAME
+  local first base n k ok
+  for first in "$BTMP"/stage/*.1of*; do
+    [ -e "$first" ] || continue
+    base=${first%.1of*}; n=${first##*.1of}; ok=1
+    for k in $(seq 1 "$n"); do [ -f "$base.${k}of$n" ] || ok=0; done
+    if [ "$ok" = 1 ]; then
+      for k in $(seq 1 "$n"); do cat "$base.${k}of$n"; done > "$base" && rm -f "$base".*of"$n"
+    fi
+  done
+  ls -la "$BTMP/stage"
+}
+
+phase_split_chunks() {  # here: chunk1/chunk2 (55 MiB each) → halves, so tree + one piece < 64 MiB
+  local c f
+  for c in chunk1 chunk2; do
+    f=$(ls .baseline-wheels/$c/vllm.whl.part?? 2>/dev/null) || die "no .baseline-wheels/$c (run fetch.sh)"
+    mkdir -p ".baseline-wheels/${c}a" ".baseline-wheels/${c}b"
+    local size half; size=$(stat -c %s "$f"); half=$(( (size + 1) / 2 ))
+    head -c "$half" "$f" > ".baseline-wheels/${c}a/$(basename "$f").1of2"
+    tail -c +$(( half + 1 )) "$f" > ".baseline-wheels/${c}b/$(basename "$f").2of2"
+  done
+  ls -la .baseline-wheels/chunk?[ab]
 }
 
 install_vllm() {
@@ -221,6 +248,7 @@ phase_summary() {
 cmd=${1:-}; shift || true
 case "$cmd" in
   stage) phase_stage "$@" ;;
+  split-chunks) phase_split_chunks ;;
   vllm) phase_vllm "$@" ;;
   tailored) phase_tailored "$@" ;;
   summary) phase_summary ;;

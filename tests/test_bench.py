@@ -254,6 +254,39 @@ def live():
         yield srv.url, (0, hi)
 
 
+def _sse(*objs, done=True) -> bytes:
+    lines = [b"data: " + json.dumps(o).encode() for o in objs]
+    return b"\n\n".join(lines + ([b"data: [DONE]"] if done else [])) + b"\n\n"
+
+
+@pytest.mark.parametrize("usage_tokens,want_ok", [(3, True), (0, False), (None, False)])
+def test_stream_of_empty_texts_counts_when_the_server_reports_tokens(usage_tokens, want_ok):
+    """A random-weight model can stream tokens that all detokenize to "" (vLLM, session 7:
+    2 of 256 requests). With [DONE] and usage.completion_tokens > 0 the request is counted, its
+    TTFT at the first chunk; with no token reported it stays a failure."""
+    import asyncio
+
+    import httpx
+
+    chunk = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
+    last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": usage_tokens}}
+    body = _sse(chunk, chunk, last, usage) if usage_tokens is not None else _sse(chunk, last)
+
+    async def go():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            req = loadgen.PreparedRequest("completions", {"prompt": [1, 2, 3, 4]}, 4, 3)
+            return await loadgen.send_request(client, "http://x", req, 0.0)
+
+    res = asyncio.run(go())
+    assert res.ok is want_ok, res.error
+    if want_ok:
+        assert res.ttft_s is not None and res.output_tokens == 3
+    else:
+        assert res.error == "no output text in the stream"
+
+
 def test_live_random_token_run_counts_everything(live):
     live_url, ids = live
     w = Workload(
