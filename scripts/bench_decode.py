@@ -38,9 +38,13 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-batch", type=int, default=1,
+                    help="decode batch of the --profile kernel table (one of --batches)")
     ap.add_argument("--prefill-batch", type=int, default=0,
                     help="also time one prefill step of this many ctx-token prompts (e.g. 8: the "
                          "8192-token step of serve's default budget)")
+    ap.add_argument("--decode-linear", action="store_true",
+                    help="then time the same batches again with kernels/decode_linear.py (kb/0017)")
     ap.add_argument("--prefill-graphs", action="store_true",
                     help="capture prefill CUDA graphs (kb/0013); the prefill is then timed both "
                          "replayed and eager")
@@ -164,10 +168,29 @@ def main():
         print(f"B={B}: graph {ms_graph:.2f} ms/step ({1e3 * B / ms_graph:.0f} tok/s), "
               f"eager kernels {ms_eager:.2f} ms/step", flush=True)
     res["decode"] = [dict(batch=B, graph_ms=g_, tok_s=t, eager_ms=e) for B, g_, t, e in rows]
+    if a.decode_linear:  # A/B: the ≤ 16-row projections through kernels/decode_linear.py
+        from tailored.kernels import decode_linear
+
+        decode_linear.ENABLED = True
+        fast.graphs.clear()
+        fast.capture()  # re-capture: the graphs bake in the GEMM they were captured with
+        res["decode_linear"] = []
+        for B in batches:
+            f = step_fn(B)
+            f()
+            ms = timed(f, a.steps)
+            res["decode_linear"].append(dict(batch=B, graph_ms=ms, tok_s=1e3 * B / ms))
+            print(f"B={B}: graph {ms:.2f} ms/step with decode_linear"
+                  f"{' (> 16 rows: cuBLAS as before)' if B > decode_linear.MAX_M else ''}",
+                  flush=True)
+        decode_linear.ENABLED = False
+        fast.graphs.clear()
+        fast.capture()
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        f = step_fn(1)
+        f = step_fn(a.profile_batch)
+        print(f"B={a.profile_batch} decode step profile (5 steps):")
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 f()
@@ -180,9 +203,11 @@ def main():
             model.compute_logits(model(batch, cache)[batch.logits_rows]).argmax(-1).tolist()
         print(f"prefill {a.ctx} tokens profile:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
-    print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step |\n|---|---|---|---|")
+    dl = {r["batch"]: r["graph_ms"] for r in res.get("decode_linear", [])}
+    print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step | with decode_linear |\n"
+          "|---|---|---|---|---|")
     for B, g_, t, e in rows:
-        print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} |")
+        print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} | {f'{dl[B]:.2f}' if B in dl else '-'} |")
     print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms")
     if a.json:
         with open(a.json, "w") as fh:

@@ -58,7 +58,13 @@ def test_fused_weights_are_views_with_the_same_values(pair):
         assert len(fastm.fast.p_in[0].parts) == 2
 
 
-def test_steps_match_plain_path(pair):
+@pytest.mark.parametrize("decode_lin", [False, True], ids=["cublas", "decode_linear"])
+def test_steps_match_plain_path(pair, decode_lin, monkeypatch):
+    """decode_linear (kb/0017, off by default): the ≤ 16-row projections through the Triton
+    decode GEMM instead of F.linear."""
+    from tailored.kernels import decode_linear
+
+    monkeypatch.setattr(decode_linear, "ENABLED", decode_lin)
     plain, fastm, fcache = pair
     cfg = plain.config
     fcache.rec.zero_(), fcache.conv.zero_(), fcache.k.zero_(), fcache.v.zero_()

@@ -109,6 +109,44 @@ def test_fp8_linear(dtype, M, N, K):
         fp8_linear(x, q, fp8.row_scales(s, N)[:, :1] if K > 128 else s[:0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 300, 200), (3, 64, 96), (16, 257, 512), (1, 2048, 4096),
+                                   (5, 1281, 2048)])
+def test_decode_linear(dtype, M, N, K):
+    """bf16/fp32 decode linear (kb/0017) vs F.linear: strided input (a column slice, as the
+    kernel path passes views), weight rows sliced from a bigger fused weight, odd N and K."""
+    from tailored.kernels.decode_linear import decode_linear
+
+    if DEV == "cpu" and N * K > 1 << 20:
+        pytest.skip("full-size case: GPU only")
+    g = torch.Generator().manual_seed(M * 13 + N)
+    x = torch.randn(M, K + 7, generator=g).to(DEV, dtype)[:, 5:K + 5]
+    w = (torch.randn(N + 9, K, generator=g) * K ** -0.5).to(DEV, dtype)[9:]
+    got = decode_linear(x, w)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    assert got.shape == (M, N) and got.dtype == dtype and torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="decode_linear"):
+        decode_linear(torch.randn(17, K).to(DEV, dtype), w)
+    with pytest.raises(ValueError, match="decode_linear"):
+        decode_linear(x, w[:, :-1])
+
+
+def test_decode_linear_is_off_by_default_and_only_for_small_batches(monkeypatch):
+    """The fast path's projections take decode_linear only when enabled, for 1..16 rows of a
+    bf16/fp32 weight (FP8 weights keep fp8_linear)."""
+    from tailored.kernels import decode_linear as dl
+
+    w = torch.zeros(8, 4)
+    assert not dl.use_decode_linear(torch.zeros(1, 4), w) or dl.ENABLED
+    monkeypatch.setattr(dl, "ENABLED", True)
+    assert dl.use_decode_linear(torch.zeros(1, 4), w)
+    assert dl.use_decode_linear(torch.zeros(16, 4), w)
+    assert not dl.use_decode_linear(torch.zeros(17, 4), w)
+    assert not dl.use_decode_linear(torch.zeros(0, 4), w)
+    assert not dl.use_decode_linear(torch.zeros(1, 4), w.to(torch.float8_e4m3fn))
+
+
 def test_moe_align_groups_pairs_by_expert():
     from tailored.kernels.moe import moe_align
 

@@ -42,7 +42,7 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                        stride_xm, stride_wn, stride_sn, stride_ym,
                        M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                       BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, W_FP8: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,7 +57,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC, True)
+        acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8)
     tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -111,9 +111,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
     prec = dot_precision(x.dtype)
     if x.is_cuda and autotune_enabled(x.dtype):
         _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
-            *args, BLOCK_M=bm, DOT_PREC=prec)
+            *args, BLOCK_M=bm, DOT_PREC=prec, W_FP8=True)
     else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec)
+            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, W_FP8=True)
     return y

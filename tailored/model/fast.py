@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tailored.kernels import decode_linear
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
@@ -73,6 +74,8 @@ class Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
+        if decode_linear.use_decode_linear(x, self.weight):  # off by default (kb/0017)
+            return decode_linear.decode_linear(x, self.weight)
         return F.linear(x, self.weight)
 
 
