@@ -71,7 +71,6 @@ T0=$(date +%s)
 stamp() { echo "[sbs +$(( $(date +%s) - T0 ))s] $*"; }
 die() { echo "side_by_side.sh: $*" >&2; exit 1; }
 
-mkdir -p "$SBS"
 sync_out() {
   if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/sbs" && cp -r "$SBS"/. "$OUT/sbs/" 2>/dev/null; fi
   return 0
@@ -108,7 +107,8 @@ wait_health() {  # PORT PID LOG
 
 # ---- phases -----------------------------------------------------------------------------------
 phase_stage() {  # DIR: add a chunk's files to the kit's stage folder (no kit needed)
-  local src=${1:?usage: stage DIR}
+  [ $# -ge 1 ] || die "usage: stage DIR (a chunk folder, carried)"
+  local src=$1
   [ -d "$src" ] || die "stage: no folder $src (carry it)"
   mkdir -p "$BTMP/stage" && cp -r "$src"/. "$BTMP/stage/" || return 1
   # pieces from `split-chunks` (NAME.KofN): once all N are here, join them back into NAME
@@ -128,6 +128,7 @@ phase_split_chunks() {  # here: chunk1/chunk2 (55 MiB each) → halves, so tree 
   local c f
   for c in chunk1 chunk2; do
     f=$(ls .baseline-wheels/$c/vllm.whl.part?? 2>/dev/null) || die "no .baseline-wheels/$c (run fetch.sh)"
+    [ "$(echo "$f" | wc -l)" = 1 ] && [ -s "$f" ] || die "split-chunks: expected one non-empty vllm.whl.part?? in .baseline-wheels/$c, found: $f"
     mkdir -p ".baseline-wheels/${c}a" ".baseline-wheels/${c}b"
     local size half; size=$(stat -c %s "$f"); half=$(( (size + 1) / 2 ))
     head -c "$half" "$f" > ".baseline-wheels/${c}a/$(basename "$f").1of2"
@@ -246,6 +247,7 @@ phase_summary() {
 }
 
 cmd=${1:-}; shift || true
+case "$cmd" in stage|vllm|tailored|summary|all) mkdir -p "$SBS" ;; esac
 case "$cmd" in
   stage) phase_stage "$@" ;;
   split-chunks) phase_split_chunks ;;
@@ -259,5 +261,5 @@ case "$cmd" in
       (phase_tailored "$prec") || echo "tailored $prec failed"
     done
     phase_summary ;;
-  *) sed -n '2,46p' "$0"; exit 1 ;;
+  *) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d'; exit 1 ;;  # the header above
 esac

@@ -43,7 +43,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--prefill-graphs", choices=["on", "off"], default="off",
                    help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
                         "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kb/0013; "
-                        "kernel path with graphs only)")
+                        "kernel path with graphs only; default off until gated with it)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "
@@ -51,7 +51,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--engine-process", choices=["on", "off"], default="on",
                    help="on: the engine loop runs in its own process, so the HTTP server's "
                         "Python and the engine's do not share one GIL (kb/0014); off: a thread "
-                        "of the server process")
+                        "of the server process (default on)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds that SIGTERM or a first Ctrl-C lets in-flight requests run "
+                        "before they end with an error event (default 30; a second Ctrl-C "
+                        "exits at once)")
     p.add_argument("--log-level", default="info")
 
 
@@ -80,6 +84,8 @@ def _check_serve_args(args) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens > MAX_STEP_TOKENS:
@@ -182,9 +188,42 @@ def cmd_serve(args) -> int:
         f", GIL switch interval {sys.getswitchinterval() * 1e3:g} ms"
         if args.gil_switch_interval_ms is not None else "")
     logging.getLogger("tailored").info("serving on http://%s:%d/v1", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False,
+                            # a backstop: the engine shutdown below ends every stream first
+                            timeout_graceful_shutdown=args.shutdown_timeout + 15)
+    _bounded_shutdown_server(config, async_engine, args.shutdown_timeout).run()
     return 0
+
+
+def _bounded_shutdown_server(config, async_engine, timeout_s: float):
+    """uvicorn's Server with a bound on its graceful shutdown: uvicorn waits for open
+    connections with no limit, and a stream can run for max_model_len tokens. The first exit
+    signal starts a timer; when it fires, the engine shuts down, which ends every pending
+    request with an ERROR output (an error event and [DONE] on a stream, a 500 otherwise), so
+    the connections close and uvicorn finishes. A request that ends before the timer is
+    untouched."""
+    import threading
+
+    import uvicorn
+
+    log = logging.getLogger("tailored")
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                log.info("shutting down: in-flight requests have %g s to finish", timeout_s)
+
+                def stop():
+                    log.info("shutdown timeout: ending the requests still in flight")
+                    async_engine.shutdown()
+
+                t = threading.Timer(timeout_s, stop)
+                t.daemon = True
+                t.start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def cmd_synth(args) -> int:

@@ -92,8 +92,10 @@ class ModelRunner:
                 log.warning("kernel path unavailable (%s): running the plain PyTorch path", why)
                 want = False
         if not want:
-            log.info("plain PyTorch path (kernels=%s on %s)%s", ec.kernels, self.device.type,
-                     "; --enforce-eager has no effect" if ec.enforce_eager else "")
+            log.info("plain PyTorch path (kernels=%s on %s)%s%s", ec.kernels, self.device.type,
+                     "; --enforce-eager has no effect" if ec.enforce_eager else "",
+                     "; --prefill-graphs has no effect (kernel path on CUDA only)"
+                     if ec.prefill_graphs else "")
             return None
         from tailored.model.fast import FastPath
 
@@ -101,6 +103,9 @@ class ModelRunner:
                         max_pages=math.ceil(ec.max_model_len / ec.page_size) + 1,
                         use_graphs=not ec.enforce_eager)
         self.model.fast = fast
+        if ec.prefill_graphs and (self.device.type != "cuda" or ec.enforce_eager):
+            log.info("--prefill-graphs has no effect %s", "with --enforce-eager"
+                     if ec.enforce_eager else "on the CPU (CUDA graphs)")
         if self.device.type == "cuda":
             t0 = time.monotonic()
             fast.warmup_prefill([min(1024, ec.max_num_batched_tokens), ec.max_num_batched_tokens])

@@ -272,3 +272,62 @@ def test_serve_cli_runs_the_engine_in_a_child(tmp_path):
     text = log.read_text()
     assert p.returncode in (0, -signal.SIGTERM), text[-3000:]  # uvicorn re-raises SIGTERM
     assert "engine process exited" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_serve_sigterm_ends_a_long_stream_after_the_shutdown_timeout(tmp_path, mode):
+    """uvicorn alone waits for open connections with no limit (a stream can run for
+    max_model_len tokens): after --shutdown-timeout the engine stops and the stream ends
+    with an error event and [DONE], and the server exits."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "TAILORED_CACHE": str(tmp_path / "cache")}
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "tailored", "serve", "--port", str(port),
+                              "--max-model-len", "4096", "--shutdown-timeout", "1",
+                              "--engine-process", mode], stdout=f, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        done = {}
+
+        def in_flight():
+            done["r"] = httpx.post(f"{url}/v1/completions", timeout=300, json={
+                "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True})
+
+        th = threading.Thread(target=in_flight)
+        th.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.killpg(p.pid, signal.SIGTERM)
+        th.join(120)
+        took = time.monotonic() - t0
+        body = done["r"].text
+        assert body.rstrip().endswith("data: [DONE]"), body[-500:]
+        assert '"error"' in body and "shutting down" in body, body[-500:]
+        assert took < 30, took
+    finally:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    text = log.read_text()
+    assert p.returncode in (0, -signal.SIGTERM), text[-3000:]
+    assert "shutdown timeout: ending the requests still in flight" in text, text[-3000:]

@@ -430,6 +430,9 @@ MSGS = [{"role": "user", "content": "SAY:x"}]
 BAD_REQUESTS = [
     # (path, body or raw bytes, status, substrings of the message, param)
     ("c", b"{not json", 400, ["malformed JSON"], None),
+    # an integer over Python's 4300-digit str->int limit is a ValueError, not a JSONDecodeError
+    ("c", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, ["malformed JSON"], None),
+    ("c", b'{"prompt": "x", "zzz": ' + b"9" * 5000 + b"}", 400, ["malformed JSON"], None),
     ("c", b"[1, 2]", 400, ["JSON object"], None),
     ("c", {"prompt": "x", "temperature": "hot"}, 400, ["temperature"], "temperature"),
     ("c", {"prompt": "x", "max_tokens": "ten"}, 400, ["max_tokens"], "max_tokens"),

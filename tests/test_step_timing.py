@@ -79,3 +79,26 @@ def test_timing_log_windows():
     log.t0 -= 11.0
     log.after_step()
     assert len(lines) == 2
+
+
+def test_timing_log_window_counts_short_busy_periods_it_carried():
+    """Busy periods too short to log keep their steps in the timer; the line that finally
+    reports them names their summed busy time, not only the last period's (attack run,
+    session 7: "over 2 s" for ~6 s of steps)."""
+    lines = []
+
+    class Log:
+        def info(self, fmt, *args):
+            lines.append(fmt % args)
+
+    timer = StepTimer()
+    log = TimingLog(timer, 10.0, Log())
+    t = time.perf_counter()
+    for _ in range(3):  # three 0.7 s bursts, idle in between
+        log.waking()
+        timer.record("decode", 1, 1, t, t, t, t)
+        log.t0 -= 0.7
+        log.going_idle()
+    # the 2nd burst brings the busy sum to 1.4 s >= 1 s: one line for both bursts' steps
+    assert len(lines) == 1 and lines[0].startswith("step timing over 1 s: decode: 2 steps"), lines
+    assert timer.steps == 1 and abs(log.carried_s - 0.7) < 0.05

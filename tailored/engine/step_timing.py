@@ -100,21 +100,25 @@ class TimingLog:
     def __init__(self, timer: StepTimer | None, every_s: float, logger) -> None:
         self.timer, self.every_s, self.logger = timer, every_s, logger
         self.t0 = time.monotonic()
+        self.carried_s = 0.0  # busy time of earlier short busy periods not logged yet
 
     def after_step(self) -> None:
         self._maybe_log(self.every_s)
 
     def going_idle(self) -> None:
-        self._maybe_log(min(1.0, self.every_s))
+        if not self._maybe_log(min(1.0, self.every_s)):
+            self.carried_s += time.monotonic() - self.t0  # its steps stay in the timer
 
     def waking(self) -> None:
         self.t0 = time.monotonic()
 
-    def _maybe_log(self, window_s: float) -> None:
+    def _maybe_log(self, window_s: float) -> bool:
         now = time.monotonic()
-        if self.timer is None or now - self.t0 < window_s:
-            return
+        busy = self.carried_s + now - self.t0  # the window: busy time only, idle left out
+        if self.timer is None or busy < window_s:
+            return False
         if self.timer.steps:
-            self.logger.info("step timing over %.0f s: %s", now - self.t0, self.timer.summary())
+            self.logger.info("step timing over %.0f s: %s", busy, self.timer.summary())
             self.timer.reset()
-        self.t0 = now
+        self.t0, self.carried_s = now, 0.0
+        return True

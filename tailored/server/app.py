@@ -166,7 +166,7 @@ class _Server:
             raise too_deep
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, and ints over Python's 4300-digit limit
             raise OpenAIError(f"malformed JSON body: {e}") from None
         except RecursionError:
             raise too_deep from None

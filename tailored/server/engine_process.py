@@ -264,6 +264,8 @@ class EngineProcess:
             reason = f"engine reader died: {type(exc).__name__}: {exc}"
         if not self._stopping:
             logger.error("%s", reason)
+        elif reason.startswith("engine process exited"):
+            reason = "engine is shutting down"  # we stopped it: the same words as in a thread
         self._fail_everything(reason)
 
     def _added(self, rid: str, err) -> None:
