@@ -216,14 +216,12 @@ def test_real_engine_in_a_process_equals_in_thread():
     assert got == want and again == want
 
 
-def test_serve_cli_runs_the_engine_in_a_child(tmp_path):
-    """`tailored serve` (default --engine-process on) answers over HTTP; a SIGTERM to its whole
-    process group (systemd, `timeout`) lets the in-flight request finish: the child ignores
-    the signal and is stopped by the parent in order."""
+def _serve(tmp_path, *flags):
+    """`tailored serve` (the embedded nano model) in its own session on a free port, until
+    /health answers. Returns (process, base url, log path)."""
     import socket
     import subprocess
     import sys
-    import threading
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,32 +230,58 @@ def test_serve_cli_runs_the_engine_in_a_child(tmp_path):
     env = {**os.environ, "TAILORED_CACHE": str(tmp_path / "cache")}
     with open(log, "w") as f:
         p = subprocess.Popen([sys.executable, "-m", "tailored", "serve", "--port", str(port),
-                              "--max-model-len", "512"], stdout=f, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
+                              *flags], stdout=f, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
         while True:
             assert p.poll() is None, log.read_text()[-3000:]
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
+                    return p, url, log
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
+    except BaseException:
+        p.kill()
+        raise
+
+
+def _stream_in_flight(url: str, body: dict, done: dict):
+    """A thread streaming one completion into done["r"]; started, and returned for join()."""
+    import threading
+
+    def run():
+        done["r"] = httpx.post(f"{url}/v1/completions", timeout=300, json={**body, "stream": True})
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th
+
+
+def _wait_exit(p) -> None:
+    import subprocess
+
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
+def test_serve_cli_runs_the_engine_in_a_child(tmp_path):
+    """`tailored serve` (default --engine-process on) answers over HTTP; a SIGTERM to its whole
+    process group (systemd, `timeout`) lets the in-flight request finish: the child ignores
+    the signal and is stopped by the parent in order."""
+    p, url, log = _serve(tmp_path, "--max-model-len", "512")
+    try:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 5},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert "engine loop in process" in log.read_text()
         done = {}
-
-        def in_flight():
-            done["r"] = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                "prompt": "x", "max_tokens": 150, "ignore_eos": True, "stream": True})
-
-        th = threading.Thread(target=in_flight)
-        th.start()
+        th = _stream_in_flight(url, {"prompt": "x", "max_tokens": 150, "ignore_eos": True}, done)
         time.sleep(1.0)
         os.killpg(p.pid, signal.SIGTERM)
         th.join(120)
@@ -265,10 +289,7 @@ def test_serve_cli_runs_the_engine_in_a_child(tmp_path):
         assert done["r"].status_code == 200 and body.rstrip().endswith("data: [DONE]"), body[-500:]
         assert '"error"' not in body, body[-500:]
     finally:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        _wait_exit(p)
     text = log.read_text()
     assert p.returncode in (0, -signal.SIGTERM), text[-3000:]  # uvicorn re-raises SIGTERM
     assert "engine process exited" not in text, text[-3000:]
@@ -279,41 +300,11 @@ def test_serve_sigterm_ends_a_long_stream_after_the_shutdown_timeout(tmp_path, m
     """uvicorn alone waits for open connections with no limit (a stream can run for
     max_model_len tokens): after --shutdown-timeout the engine stops and the stream ends
     with an error event and [DONE], and the server exits."""
-    import socket
-    import subprocess
-    import sys
-    import threading
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "serve.log"
-    env = {**os.environ, "TAILORED_CACHE": str(tmp_path / "cache")}
-    with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, "-m", "tailored", "serve", "--port", str(port),
-                              "--max-model-len", "4096", "--shutdown-timeout", "1",
-                              "--engine-process", mode], stdout=f, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
+    p, url, log = _serve(tmp_path, "--max-model-len", "4096", "--shutdown-timeout", "1",
+                         "--engine-process", mode)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert p.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
         done = {}
-
-        def in_flight():
-            done["r"] = httpx.post(f"{url}/v1/completions", timeout=300, json={
-                "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True})
-
-        th = threading.Thread(target=in_flight)
-        th.start()
+        th = _stream_in_flight(url, {"prompt": "x", "max_tokens": 4000, "ignore_eos": True}, done)
         time.sleep(1.0)
         t0 = time.monotonic()
         os.killpg(p.pid, signal.SIGTERM)
@@ -324,10 +315,7 @@ def test_serve_sigterm_ends_a_long_stream_after_the_shutdown_timeout(tmp_path, m
         assert '"error"' in body and "shutting down" in body, body[-500:]
         assert took < 30, took
     finally:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        _wait_exit(p)
     text = log.read_text()
     assert p.returncode in (0, -signal.SIGTERM), text[-3000:]
     assert "shutdown timeout: ending the requests still in flight" in text, text[-3000:]

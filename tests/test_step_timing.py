@@ -47,9 +47,8 @@ def test_gpu_span_is_reported_apart_from_the_phases():
     assert "(gpu 5.50)" in t.summary()
 
 
-def test_timing_log_windows():
-    """TimingLog (both engine loops): a line every every_s while busy, a last window of >= 1 s
-    on going idle, nothing without steps, and idle time left out of the next window."""
+def _timing_log():
+    """(lines logged, StepTimer, TimingLog every 10 s writing into lines)."""
     lines = []
 
     class Log:
@@ -57,7 +56,13 @@ def test_timing_log_windows():
             lines.append(fmt % args)
 
     timer = StepTimer()
-    log = TimingLog(timer, 10.0, Log())
+    return lines, timer, TimingLog(timer, 10.0, Log())
+
+
+def test_timing_log_windows():
+    """TimingLog (both engine loops): a line every every_s while busy, a last window of >= 1 s
+    on going idle, nothing without steps, and idle time left out of the next window."""
+    lines, timer, log = _timing_log()
     t = time.perf_counter()
     timer.record("decode", 1, 1, t, t, t, t)
     log.after_step()
@@ -85,14 +90,7 @@ def test_timing_log_window_counts_short_busy_periods_it_carried():
     """Busy periods too short to log keep their steps in the timer; the line that finally
     reports them names their summed busy time, not only the last period's (attack run,
     session 7: "over 2 s" for ~6 s of steps)."""
-    lines = []
-
-    class Log:
-        def info(self, fmt, *args):
-            lines.append(fmt % args)
-
-    timer = StepTimer()
-    log = TimingLog(timer, 10.0, Log())
+    lines, timer, log = _timing_log()
     t = time.perf_counter()
     for _ in range(3):  # three 0.7 s bursts, idle in between
         log.waking()
