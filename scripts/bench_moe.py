@@ -6,7 +6,7 @@ in bf16) come from HBM, not from the 50 MB L2. Each variant is autotuned on its 
 CUDA graph of the eight layers is replayed; prints µs per layer and the achieved HBM bandwidth
 over the routed experts' bytes (8 experts' gate_up + down per token, distinct experts counted
 once). Routing (route_align up to B=8, else route_topk) is in
-both variants. Usage: python scripts/bench_moe.py [--batches 1,8,32] [--json F]
+both variants. Usage: python scripts/bench_moe.py [--batches 1,8,32] [--fp8] [--json F]
 """
 
 from __future__ import annotations
@@ -27,11 +27,24 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8,16,32")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-FP8 experts (W8A16, per-row scales): half the bytes per expert")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     gu = [torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5 for _ in range(LAYERS)]
     dn = [torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5 for _ in range(LAYERS)]
+    scales = [(None, None)] * LAYERS
+    if a.fp8:
+        from tailored.model import fp8
+
+        for li in range(LAYERS):
+            qgu, sgu = fp8.quantize_experts(gu[li], True)
+            qdn, sdn = fp8.quantize_experts(dn[li], False)
+            gu[li], dn[li] = qgu, qdn
+            scales[li] = (fp8.expert_row_scales(sgu, 2 * I, True),
+                          fp8.expert_row_scales(sdn, H, False))
+    wbytes = 1 if a.fp8 else 2
     rows = []
     for B in [int(b) for b in a.batches.split(",")]:
         x = torch.randn(B, H, device=dev, dtype=dt, generator=g)
@@ -50,7 +63,8 @@ def main() -> None:
                     else:
                         w, ids = ref.route_topk(logits[li], K)
                         al = None
-                    ys.append(moe.fused_moe(x, w, ids, gu[li], dn[li], al, reduce=False))
+                    ys.append(moe.fused_moe(x, w, ids, gu[li], dn[li], al, *scales[li],
+                                            reduce=False))
                 return ys
 
             step()  # autotune outside the capture
@@ -75,7 +89,7 @@ def main() -> None:
             outs[compact] = [y.clone() for y in ys]
             distinct = sum(len(set(torch.topk(lg.float(), K).indices.flatten().tolist()))
                            for lg in logits) / LAYERS
-            bytes_ = distinct * 3 * H * I * 2
+            bytes_ = distinct * 3 * H * I * wbytes
             res["compact" if compact else "full"] = {"us_per_layer": us,
                                                      "tb_s": bytes_ / (us * 1e-6) / 1e12}
         same = all(torch.equal(p, q) for p, q in zip(outs[False], outs[True]))

@@ -35,7 +35,7 @@ fi
 
 if [[ " $PARTS " == *" moe "* ]]; then
     stamp "routed-expert MoE per layer, full vs compact expert grid (kb/0016)"
-    timeout 240 python3 scripts/bench_moe.py --json "$OUT/moe.json" 2>&1 | tail -12
+    timeout 240 python3 scripts/bench_moe.py --json "$OUT/moe.json" ${MOE_ARGS:-} 2>&1 | tail -12
 fi
 
 if [[ " $PARTS " == *" micro "* ]]; then
