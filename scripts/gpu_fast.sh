@@ -34,8 +34,11 @@ if [[ " $PARTS " == *" tests "* ]]; then
 fi
 
 if [[ " $PARTS " == *" moe "* ]]; then
-    stamp "routed-expert MoE per layer, full vs compact expert grid (kb/0016)"
-    timeout 240 python3 scripts/bench_moe.py --json "$OUT/moe.json" ${MOE_ARGS:-} 2>&1 | tail -12
+    for prec in $PRECISIONS; do
+        stamp "routed-expert MoE per layer ($prec experts), full vs compact expert grid (kb/0016)"
+        timeout 240 python3 scripts/bench_moe.py --json "$OUT/moe-$prec.json" \
+            $([ "$prec" = fp8 ] && echo --fp8) ${MOE_ARGS:-} 2>&1 | tail -12
+    done
 fi
 
 if [[ " $PARTS " == *" micro "* ]]; then
