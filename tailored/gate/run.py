@@ -379,7 +379,8 @@ def _run(args) -> int:
             prompt_ids_sha256=ids_sha256(all_ids),
             extra={"options": {k: v for k, v in vars(args).items() if k != "func"},
                    "precision": cfg.precision, "reference_weights": mode,
-                   "thresholds_file_sha256": sha256_file(args.thresholds)}),
+                   "thresholds_file_sha256": sha256_file(args.thresholds),
+                   "kernel_switches": _kernel_switches()}),
         "thresholds": {"file": str(args.thresholds), "section": section, **th},  # tie gap as used
         "overall": o,
         "noise_floor": floor,
@@ -395,6 +396,16 @@ def _run(args) -> int:
         Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False))
     _print_summary(report)
     return 0 if passed else 1
+
+
+def _kernel_switches() -> dict:
+    """Module switches that change the kernel path's numerics or launch shapes (recorded so a
+    report says which variant it gated: kb/0016, kb/0017)."""
+    try:
+        from tailored.kernels import decode_linear, moe
+    except ImportError:  # no triton: the plain path ran
+        return {}
+    return {"decode_linear": decode_linear.ENABLED, "moe_compact_grid": moe.COMPACT_GRID}
 
 
 def _free(dev) -> None:
