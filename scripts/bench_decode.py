@@ -53,15 +53,22 @@ def main():
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     Bmax = max(batches)
+    if a.profile and not 1 <= a.profile_batch <= Bmax:
+        ap.error(f"--profile-batch must be in 1..{Bmax} (the largest of --batches)")
+    # positions per sequence: the context plus every decode step sequence 0 takes part in
+    # (each batch size: 1 + steps graph + 1 + 3 eager; again 1 + steps with --decode-linear;
+    # 5 for --profile), with margin; max_model_len sizes the page table and the page pool
+    n_dec = len(batches) * (a.steps + 5) * (2 if a.decode_linear else 1) + 5 * a.profile
     t0 = time.monotonic()
     st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16", progress=False,
-                     max_model_len=a.ctx + 512, max_num_seqs=max(Bmax, 1) + 1, num_pages=None,
+                     max_model_len=max(a.ctx + 512, a.ctx + n_dec + 64 + 16),
+                     max_num_seqs=max(Bmax, 1) + 1, num_pages=None,
                      prefill_graphs=a.prefill_graphs)
     print(f"stack built in {time.monotonic() - t0:.1f} s", flush=True)
     runner = st.engine.runner
     model, cache, fast = runner.model, runner.cache, runner.model.fast
     ps = cache.page_size
-    P = math.ceil((a.ctx + 400) / ps)
+    P = math.ceil((a.ctx + n_dec + 64) / ps)
     g = torch.Generator().manual_seed(0)
     seqs = []
     res = {"ctx": a.ctx}

@@ -92,17 +92,24 @@ def main() -> None:
             bytes_ = distinct * 3 * H * I * wbytes
             res["compact" if compact else "full"] = {"us_per_layer": us,
                                                      "tb_s": bytes_ / (us * 1e-6) / 1e12}
+        # each variant tunes its own configs: a different BLOCK_K changes the fp32 sum order,
+        # so "equal" can be False without a bug; the relative difference says how far
         same = all(torch.equal(p, q) for p, q in zip(outs[False], outs[True]))
-        row = {"batch": B, "experts_touched": distinct, **res, "bitwise_equal": same}
+        rel = max(((p - q).norm() / q.norm().clamp_min(1e-30)).item()
+                  for p, q in zip(outs[False], outs[True]))
+        row = {"batch": B, "experts_touched": distinct, **res, "bitwise_equal": same,
+               "max_rel_diff": rel, "compact_applies": B * K < E}
         rows.append(row)
         print(f"B={B}: {distinct:.0f} experts; full grid {res['full']['us_per_layer']:.1f} us "
               f"({res['full']['tb_s']:.2f} TB/s), compact {res['compact']['us_per_layer']:.1f} us "
-              f"({res['compact']['tb_s']:.2f} TB/s); bitwise equal {same}", flush=True)
+              f"({res['compact']['tb_s']:.2f} TB/s); bitwise equal {same} (rel diff {rel:.1e})"
+              f"{'' if B * K < E else '; T*k >= E: both run the full grid'}", flush=True)
     print("\n| batch | experts | full grid us/layer | compact us/layer | TB/s compact | equal |")
     print("|---|---|---|---|---|---|")
     for r in rows:
+        cu = f"{r['compact']['us_per_layer']:.1f}" if r["compact_applies"] else "n/a (T·k ≥ E)"
         print(f"| {r['batch']} | {r['experts_touched']:.0f} | {r['full']['us_per_layer']:.1f} | "
-              f"{r['compact']['us_per_layer']:.1f} | {r['compact']['tb_s']:.2f} | {r['bitwise_equal']} |")
+              f"{cu} | {r['compact']['tb_s']:.2f} | {r['bitwise_equal']} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

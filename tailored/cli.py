@@ -192,36 +192,41 @@ def cmd_serve(args) -> int:
                             access_log=False,
                             # a backstop: the engine shutdown below ends every stream first
                             timeout_graceful_shutdown=args.shutdown_timeout + 15)
-    _bounded_shutdown_server(config, async_engine, args.shutdown_timeout).run()
+    try:
+        _bounded_shutdown_server(config, async_engine, args.shutdown_timeout).run()
+    finally:
+        # a second Ctrl-C makes uvicorn skip the app's shutdown: stop the engine here (a no-op
+        # after a normal shutdown), or the engine process would keep the interpreter's exit
+        # waiting on it
+        async_engine.shutdown(timeout=2)
     return 0
 
 
 def _bounded_shutdown_server(config, async_engine, timeout_s: float):
     """uvicorn's Server with a bound on its graceful shutdown: uvicorn waits for open
-    connections with no limit, and a stream can run for max_model_len tokens. The first exit
-    signal starts a timer; when it fires, the engine shuts down, which ends every pending
-    request with an ERROR output (an error event and [DONE] on a stream, a 500 otherwise), so
-    the connections close and uvicorn finishes. A request that ends before the timer is
-    untouched."""
+    connections with no limit, and a stream can run for max_model_len tokens. When uvicorn
+    starts shutting down (first SIGTERM / Ctrl-C), a timer is set on the event loop (not in
+    the signal handler: starting a thread there can deadlock on threading's own lock); when
+    it fires, the engine shuts down in a worker thread, which ends every pending request with
+    an ERROR output (an error event and [DONE] on a stream, a 500 otherwise), so the
+    connections close and uvicorn finishes. A request that ends before the timer is untouched."""
+    import asyncio
     import threading
 
     import uvicorn
 
     log = logging.getLogger("tailored")
 
+    def stop():
+        log.info("shutdown timeout: ending the requests still in flight")
+        async_engine.shutdown()
+
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if not self.should_exit:
-                log.info("shutting down: in-flight requests have %g s to finish", timeout_s)
-
-                def stop():
-                    log.info("shutdown timeout: ending the requests still in flight")
-                    async_engine.shutdown()
-
-                t = threading.Timer(timeout_s, stop)
-                t.daemon = True
-                t.start()
-            super().handle_exit(sig, frame)
+        async def shutdown(self, sockets=None):
+            log.info("shutting down: in-flight requests have %g s to finish", timeout_s)
+            asyncio.get_running_loop().call_later(
+                timeout_s, lambda: threading.Thread(target=stop, daemon=True).start())
+            await super().shutdown(sockets=sockets)
 
     return Server(config)
 

@@ -259,17 +259,20 @@ def _sse(*objs, done=True) -> bytes:
     return b"\n\n".join(lines + ([b"data: [DONE]"] if done else [])) + b"\n\n"
 
 
-@pytest.mark.parametrize("usage_tokens,want_ok", [(3, True), (0, False), (None, False)])
-def test_stream_of_empty_texts_counts_when_the_server_reports_tokens(usage_tokens, want_ok):
+@pytest.mark.parametrize("usage_tokens,finish,want_ok", [
+    (3, "length", True), (0, "length", False), (None, "length", False), (3, "abort", False)])
+def test_stream_of_empty_texts_counts_when_the_server_reports_tokens(usage_tokens, finish,
+                                                                     want_ok):
     """A random-weight model can stream tokens that all detokenize to "" (vLLM, session 7:
-    2 of 256 requests). With [DONE] and usage.completion_tokens > 0 the request is counted, its
-    TTFT at the first chunk; with no token reported it stays a failure."""
+    2 of 256 requests). With [DONE] and usage.completion_tokens > 0 the request counts for
+    throughput, with no TTFT (nothing marks its first token); with no token reported, or an
+    aborted stream, it is a failure."""
     import asyncio
 
     import httpx
 
     chunk = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
-    last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    last = {"choices": [{"index": 0, "text": "", "finish_reason": finish}]}
     usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": usage_tokens}}
     body = _sse(chunk, chunk, last, usage) if usage_tokens is not None else _sse(chunk, last)
 
@@ -282,7 +285,11 @@ def test_stream_of_empty_texts_counts_when_the_server_reports_tokens(usage_token
     res = asyncio.run(go())
     assert res.ok is want_ok, res.error
     if want_ok:
-        assert res.ttft_s is not None and res.output_tokens == 3
+        assert res.ttft_s is None and res.tpot_s is None and res.output_tokens == 3
+        summary = loadgen.summarize([res], 1.0, 1)
+        assert summary["completed"] == 1 and summary["total_output_tokens"] == 3
+    elif finish == "abort":
+        assert "finish_reason 'abort'" in res.error
     else:
         assert res.error == "no output text in the stream"
 

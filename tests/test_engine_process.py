@@ -254,11 +254,29 @@ def _stream_in_flight(url: str, body: dict, done: dict):
     import threading
 
     def run():
-        done["r"] = httpx.post(f"{url}/v1/completions", timeout=300, json={**body, "stream": True})
+        try:
+            done["r"] = httpx.post(f"{url}/v1/completions", timeout=300,
+                                   json={**body, "stream": True})
+        except httpx.HTTPError as e:  # a forced exit cuts the stream
+            done["err"] = e
 
     th = threading.Thread(target=run)
     th.start()
     return th
+
+
+def _long_stream_then(p, url: str, *signals):
+    """Start a 4000-token stream, then send `signals` to the server's process group 0.5 s
+    apart. Returns (done dict of the stream, its thread, the time of the first signal)."""
+    done: dict = {}
+    th = _stream_in_flight(url, {"prompt": "x", "max_tokens": 4000, "ignore_eos": True}, done)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    for i, sig in enumerate(signals):
+        if i:
+            time.sleep(0.5)
+        os.killpg(p.pid, sig)
+    return done, th, t0
 
 
 def _wait_exit(p) -> None:
@@ -303,11 +321,7 @@ def test_serve_sigterm_ends_a_long_stream_after_the_shutdown_timeout(tmp_path, m
     p, url, log = _serve(tmp_path, "--max-model-len", "4096", "--shutdown-timeout", "1",
                          "--engine-process", mode)
     try:
-        done = {}
-        th = _stream_in_flight(url, {"prompt": "x", "max_tokens": 4000, "ignore_eos": True}, done)
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        os.killpg(p.pid, signal.SIGTERM)
+        done, th, t0 = _long_stream_then(p, url, signal.SIGTERM)
         th.join(120)
         took = time.monotonic() - t0
         body = done["r"].text
@@ -319,3 +333,24 @@ def test_serve_sigterm_ends_a_long_stream_after_the_shutdown_timeout(tmp_path, m
     text = log.read_text()
     assert p.returncode in (0, -signal.SIGTERM), text[-3000:]
     assert "shutdown timeout: ending the requests still in flight" in text, text[-3000:]
+
+
+def test_serve_second_ctrl_c_exits_at_once_with_the_engine_process(tmp_path):
+    """A second Ctrl-C makes uvicorn skip the app's shutdown; the engine process must still be
+    stopped (else the interpreter's exit waits on it): exit within seconds, not after
+    --shutdown-timeout, with no engine process left behind."""
+    p, url, log = _serve(tmp_path, "--max-model-len", "4096", "--shutdown-timeout", "60")
+    try:
+        _, th, t0 = _long_stream_then(p, url, signal.SIGINT, signal.SIGINT)
+        p.wait(30)
+        took = time.monotonic() - t0
+        th.join(30)
+    finally:
+        _wait_exit(p)
+    text = log.read_text()
+    assert took < 20, (took, text[-2000:])
+    pid = next((int(w) for line in text.splitlines() if "engine running in process" in line
+                for w in line.split() if w.isdigit()), None)
+    assert pid is not None, text[-2000:]
+    time.sleep(1.0)
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower(), pid

@@ -261,7 +261,6 @@ async def send_request(client, root: str, req: PreparedRequest, t_run0: float) -
     st = time.perf_counter()
     res.start_s = st - t_run0
     last = None
-    first_choice = None  # arrival of the first chunk with a choice, text or not
     try:
         async with client.stream("POST", url, json=req.body) as resp:
             if resp.status_code != 200:
@@ -288,8 +287,6 @@ async def send_request(client, root: str, req: PreparedRequest, t_run0: float) -
                         res.error = f"in-band error: {err.get('message', err) if isinstance(err, dict) else err}"
                         continue
                     text, finish = chunk_text(obj)
-                    if first_choice is None and obj.get("choices"):
-                        first_choice = now - st
                     if text:
                         res.text_chunks += 1
                         if res.ttft_s is None:
@@ -308,13 +305,16 @@ async def send_request(client, root: str, req: PreparedRequest, t_run0: float) -
                 if done:
                     break
         res.e2e_s = time.perf_counter() - st
-        if (res.error is None and res.ttft_s is None and done and first_choice is not None
-                and (res.usage_output_tokens or 0) > 0):
-            # tokens that all detokenize to "" (a random-weight model repeating a special
-            # token: 2 of 256 vLLM requests, session 7): the server did generate them, so
-            # the request counts, with TTFT at its first chunk (as `vllm bench serve` does)
-            res.ttft_s = first_choice
-        if res.error is None and res.ttft_s is None:
+        if res.error is None and res.finish_reason in ("abort", "error"):
+            res.error = f"stream finished with finish_reason {res.finish_reason!r}"
+        # A stream with no text at all fails, unless the server reports generated tokens in
+        # `usage`: tokens that all detokenize to "" (a random-weight model repeating a special
+        # token: 2 of 256 vLLM requests, session 7). That request counts for throughput and
+        # E2E; its TTFT/TPOT/ITL stay unknown (no chunk marks a first token: chat sends a role
+        # chunk before prefill, completions may send only the final chunk), so the latency
+        # percentiles leave it out.
+        empty_but_generated = done and (res.usage_output_tokens or 0) > 0
+        if res.error is None and res.ttft_s is None and not empty_but_generated:
             res.error = "no output text in the stream"
         if res.error is None and not done:
             res.error = "stream ended without [DONE]"
@@ -363,7 +363,7 @@ def summarize(results: list[RequestResult], duration_s: float, concurrency: int)
         "output_tokens_from_usage": all(r.usage_output_tokens is not None for r in ok),
         "short_outputs": sum(1 for r in ok if r.output_tokens < r.max_tokens),
     }
-    d.update(describe([r.ttft_s for r in ok], "ttft"))
+    d.update(describe([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"))
     d.update(describe([t for r in ok if (t := r.tpot_s) is not None], "tpot"))
     d.update(describe([g for r in ok for g in r.itl_s], "itl"))
     d.update(describe([r.e2e_s for r in ok], "e2el"))

@@ -177,7 +177,8 @@ def _tuned(kernel, decode: bool, fp8: bool = False):
         # BLOCK_N 64, 80 KB at 128 → at most 4 resp. 2 stages in the H200's 228 KB
         cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128}, num_warps=w, num_stages=st)
                  for bn, w, st in ((64, 4, 4), (64, 8, 3), (128, 8, 2))]
-    return triton.autotune(configs=cfgs, key=["H", "I", "BLOCK_M", "PAIRS_BUCKET"],
+    # COMPACT in the key: bucket 256 holds both T=17..31 (compact grid) and T=32 (full grid)
+    return triton.autotune(configs=cfgs, key=["H", "I", "BLOCK_M", "PAIRS_BUCKET", "COMPACT"],
                            warmup=5, rep=20)(kernel)
 
 

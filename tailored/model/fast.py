@@ -563,6 +563,13 @@ class FastPath:
             return
         if self._static is None:
             self._alloc_static()
+        # warm-up and capture run real forwards over the static buffers: after served steps
+        # they hold live sequences' slots, pages and KV rows, so point every row at the sinks
+        # (slot 0, page 0, length 1) first, or a re-capture would advance those sequences
+        st = self._static
+        for name in ("ids", "pos", "slots", "table", "kv_rows"):
+            st[name].zero_()
+        st["lens"].fill_(1)
         sizes = sorted({b for b in (sizes or GRAPH_BATCH_SIZES) if b <= self.max_batch}
                        | {self.max_batch}, reverse=True)
         self._capture_into(self.graphs, sizes, self._decode_body)
@@ -723,16 +730,19 @@ class FastPath:
         st["valid"].fill_(True)  # warm-up/capture content: all rows real, KV and state → sinks
         st["kv"].zero_()
         st["slot"].zero_()
+        failed = None
         try:
             self._capture_into(self.prefill_graphs, sizes, self._prefill_body)
         except Exception as e:  # noqa: BLE001 - serving continues with eager prefill
-            log.warning("prefill CUDA graphs not captured (%s: %s); prefill stays eager",
-                        type(e).__name__, e)
+            failed = f"{type(e).__name__}: {e}"
+        if failed is not None:
+            # after the except block: inside it the exception being handled still holds the
+            # failed warm-up's frames (and tensors) through its traceback; those frames form a
+            # cycle that only the cyclic GC frees (GPU memory is no pressure for it), so collect
+            # now, or an out-of-memory capture leaves that memory taken for the whole serve.
+            # (Memory a failed *capture* took stays in the pool shared with the decode graphs.)
+            log.warning("prefill CUDA graphs not captured (%s); prefill stays eager", failed)
             self.prefill_graphs.clear()
-            del e
-            # the traceback's frames form a cycle that holds the failed warm-up's tensors until
-            # Python's cyclic GC runs (GPU memory is no pressure for it): collect now, or an
-            # out-of-memory capture leaves that memory taken for the whole serve
             gc.collect()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

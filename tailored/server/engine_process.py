@@ -155,9 +155,10 @@ class EngineProcess:
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the child after its current step; pending requests end with an ERROR output."""
-        if self._proc is None or self._stopping:
-            return
-        self._stopping = True
+        with self._lock:  # the shutdown timer's thread and the app's lifespan may both call
+            if self._proc is None or self._stopping:
+                return
+            self._stopping = True
         self._outbox.put(("shutdown",))
         self._outbox.put(None)  # the sender's last message
         self._proc.join(timeout)
@@ -262,10 +263,14 @@ class EngineProcess:
         except BaseException as exc:  # noqa: BLE001 - a reader crash must fail the requests
             logger.exception("engine reader thread died")
             reason = f"engine reader died: {type(exc).__name__}: {exc}"
-        if not self._stopping:
+        # we stopped it: a clean exit, one still under way (None), or shutdown()'s kill after
+        # its join timeout; any other exit code during shutdown is a crash worth logging
+        ours = (self._stopping and reason.startswith("engine process exited")
+                and self._proc is not None and self._proc.exitcode in (0, None, -signal.SIGKILL))
+        if ours:  # the same words as the engine in a thread
+            reason = "engine is shutting down"
+        else:
             logger.error("%s", reason)
-        elif reason.startswith("engine process exited"):
-            reason = "engine is shutting down"  # we stopped it: the same words as in a thread
         self._fail_everything(reason)
 
     def _added(self, rid: str, err) -> None:
