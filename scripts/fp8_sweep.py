@@ -70,7 +70,7 @@ def run_scale(x, q, rows, bm, bn, bk, warps, stages):
     _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, q, rows, y, M, N, K, x.stride(0), q.stride(0), rows.stride(0), y.stride(0), 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC="tf32" if x.dtype != torch.float32 else "ieee",
-        W_FP8=True, num_warps=warps, num_stages=stages)
+        KB=min(bk, 128), W_FP8=True, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -86,6 +86,24 @@ def test_fused_moe_fp8(dtype, T, E, k, H, I):
         fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV))
 
 
+def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):
+    """FP8 experts with 256 of K per iteration as two 128-wide dots (the decode configs added
+    in session 7) accumulate exactly as one 128-wide dot per iteration."""
+    from tailored.kernels import moe
+
+    g = torch.Generator().manual_seed(11)
+    T, E, k, H, I = 3, 8, 2, 512, 384
+    x = torch.randn(T, H, generator=g).to(DEV)
+    qgu, qd, _, (rgu, rd) = _fp8_experts(E, H, I, g)
+    w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
+    outs = []
+    for bk in (128, 256):
+        monkeypatch.setattr(moe, "_blocks", lambda pairs, experts, bk=bk: (16, 32, bk, 4))
+        outs.append(moe.fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV),
+                                  rd.to(DEV), reduce=False))
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N,K", [(1, 300, 200), (5, 64, 64), (33, 256, 384), (130, 192, 256),
                                    (1, 4608, 2048), (64, 2048, 4096)])
@@ -107,6 +125,30 @@ def test_fp8_linear(dtype, M, N, K):
     assert rel_err(got, want) < TOL[dtype]
     with pytest.raises(ValueError, match="fp8_linear"):
         fp8_linear(x, q, fp8.row_scales(s, N)[:, :1] if K > 128 else s[:0])
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 96, 512), (5, 40, 384)])
+def test_fp8_linear_wide_k_iterations_are_bitwise_the_128_ones(M, N, K):
+    """256 of K per iteration as two 128-wide dots (the small-M configs, kb/0009's latency
+    floor) accumulate in the same order as one 128-wide dot per iteration: bitwise equal,
+    K not a multiple of 256 included."""
+    import triton
+
+    from tailored.kernels.fp8_linear import _fp8_linear_kernel
+    from tailored.model import fp8
+
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    q, sc = fp8.quantize_block(torch.randn(N, K, generator=g) * K ** -0.5)
+    q, rows = q.to(DEV), fp8.row_scales(sc, N).to(DEV)
+    outs = []
+    for bk, kb in ((128, 128), (256, 128)):
+        y = torch.empty(M, N, device=DEV)
+        _fp8_linear_kernel[(1, triton.cdiv(N, 32))](
+            x, q, rows, y, M, N, K, x.stride(0), q.stride(0), rows.stride(0), y.stride(0), 0,
+            BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk, KB=kb, DOT_PREC="ieee", W_FP8=True)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -34,7 +34,8 @@ def _tuned():
     """Autotuned launcher: narrow N tiles (more CTAs), wide K tiles (more bytes in flight per
     CTA); 8 configs per distinct K (K is a compile-time constant), tuned at warm-up."""
     if "k" not in _TUNED:
-        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
+        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": bk}, num_warps=4,
+                              num_stages=st)
                 for bn in (16, 32) for bk in (256, 512) for st in (3, 4)]
         _TUNED["k"] = triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
                                       warmup=5, rep=20)(_fp8_linear_kernel)
@@ -71,5 +72,5 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     else:  # Triton's interpreter (CPU tests), fp32, or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(256, max(16, triton.next_power_of_2(K)))
         _fp8_linear_kernel[(1, triton.cdiv(N, bn))](
-            *args, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, W_FP8=False)
+            *args, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, W_FP8=False)
     return y

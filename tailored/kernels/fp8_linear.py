@@ -42,7 +42,13 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                        stride_xm, stride_wn, stride_sn, stride_ym,
                        M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, W_FP8: tl.constexpr):
+                       BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
+                       W_FP8: tl.constexpr):
+    # BLOCK_K of K per loop iteration, as BLOCK_K // KB dots of KB each (FP8: KB ≤ 128, one
+    # scale per row and dot). The dots of one iteration are independent and their loads issue
+    # together: at M ≤ 32 the K loop is a chain of dependent iterations (16 of 128 at K = 2048
+    # set an ~11 µs floor, kb/0009), and 256-wide iterations halve it with the same sequence
+    # of accumulations, so the result is bitwise that of BLOCK_K = KB.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -51,13 +57,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
     n_ok = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8)
+        for j in tl.static_range(BLOCK_K // KB):
+            kk = k0 + j * KB + tl.arange(0, KB)
+            k_ok = kk < K
+            a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
+                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC, W_FP8)
     tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -75,11 +82,13 @@ def _tuned(small: bool):
     config sets (memory-bound rows ≤ 64: narrow N tiles for more CTAs; prefill: wide tiles),
     since every config is one more compile at server start."""
     if small not in _TUNED:
-        if small:
-            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128}, num_warps=4, num_stages=st)
-                    for bn in (16, 32, 64) for st in (3, 4)]
+        if small:  # 128 or 256 of K per iteration (two 128-wide dots: kb/0009's floor)
+            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": 128}, num_warps=4,
+                                  num_stages=st)
+                    for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
         else:
-            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": bk}, num_warps=w,
+                                  num_stages=3)
                     for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
         _TUNED[small] = triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
                                         warmup=5, rep=20)(_fp8_linear_kernel)
@@ -115,5 +124,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
     else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, W_FP8=True)
+            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, W_FP8=True)
     return y

@@ -74,7 +74,8 @@ def expert_partition(offsets: torch.Tensor) -> torch.Tensor:
 def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, ws_ptr,
                     TOPK, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr, COMPACT: tl.constexpr):
+                    KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
+                    COMPACT: tl.constexpr):
     if COMPACT:  # program → the expert at its place in the active-first list
         e = tl.load(experts_ptr + tl.program_id(0))
     else:
@@ -95,17 +96,19 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < H
-            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + kk[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
-                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None],
-                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_g = tile_dot(acc_g, x, wg, ws_base, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8)
-            acc_u = tile_dot(acc_u, x, wu, ws_base + I * stride_sn, n, n_ok, stride_sn, k0,
-                             DOT_PREC, W_FP8)
+            for j in tl.static_range(BLOCK_K // KB):  # KB-wide dots (FP8: one scale each)
+                kk = k0 + j * KB + tl.arange(0, KB)
+                k_ok = kk < H
+                x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_xt + kk[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
+                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None],
+                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                acc_g = tile_dot(acc_g, x, wg, ws_base, n, n_ok, stride_sn, k0 + j * KB,
+                                 DOT_PREC, W_FP8)
+                acc_u = tile_dot(acc_u, x, wu, ws_base + I * stride_sn, n, n_ok, stride_sn,
+                                 k0 + j * KB, DOT_PREC, W_FP8)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -116,7 +119,8 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
 def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_ptr, ws_ptr,
                  stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr, COMPACT: tl.constexpr):
+                 KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
+                 COMPACT: tl.constexpr):
     if COMPACT:  # program → the expert at its place in the active-first list
         e = tl.load(experts_ptr + tl.program_id(0))
     else:
@@ -135,13 +139,15 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
         pair = tl.load(order_ptr + m, mask=m_ok, other=0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < I
-            a = tl.load(act_ptr + pair[:, None].to(tl.int64) * stride_at + kk[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
-                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8)
+            for j in tl.static_range(BLOCK_K // KB):
+                kk = k0 + j * KB + tl.arange(0, KB)
+                k_ok = kk < I
+                a = tl.load(act_ptr + pair[:, None].to(tl.int64) * stride_at + kk[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
+                            mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC,
+                               W_FP8)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -162,20 +168,25 @@ def _blocks(num_pairs: int, num_experts: int):
 def _tuned(kernel, decode: bool, fp8: bool = False):
     """Autotuned launcher (CUDA only) keyed on the model dims, BLOCK_M and the pair-count
     bucket; tuned when first seen (the runner warms every decode batch size up before CUDA
-    graph capture, so no tuning ever happens inside a capture). FP8 weights: BLOCK_K ≤ 128 (one
-    scale per row and K tile)."""
+    graph capture, so no tuning ever happens inside a capture). FP8 weights: dots of KB ≤ 128 (one
+    scale per row and dot), BLOCK_K // KB of them per K iteration."""
     if decode:
-        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                for bn in (16, 32, 64) for bk in ((64, 128) if fp8 else (128, 256))
+        # FP8: K per iteration 128 or 256 as 128-wide dots (one scale each; two independent
+        # dots per iteration halve the dependent K chain, kb/0009); bf16: one dot per iteration
+        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": min(bk, 128) if fp8 else bk},
+                              num_warps=w, num_stages=st)
+                for bn in (16, 32, 64) for bk in ((128, 256) if fp8 else (128, 256))
                 for w in (4,) for st in (3, 4)]
     else:
         # prefill runs at ~57 % of HBM bandwidth with these (1024 tokens: gate_up 441 µs for
         # 1 GB, H200 session 7): deeper K tiles / pipelines added for the tuner to try (kb/0016)
-        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64}, num_warps=w, num_stages=3)
+        cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64, "KB": 64}, num_warps=w,
+                              num_stages=3)
                 for bn in (64, 128) for w in (4, 8)]
         # shared memory per stage of gate_up (BLOCK_M ≤ 64, two weight tiles): 48 KB at
         # BLOCK_N 64, 80 KB at 128 → at most 4 resp. 2 stages in the H200's 228 KB
-        cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128}, num_warps=w, num_stages=st)
+        cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "KB": 128}, num_warps=w,
+                               num_stages=st)
                  for bn, w, st in ((64, 4, 4), (64, 8, 3), (128, 8, 2))]
     # COMPACT in the key: bucket 256 holds both T=17..31 (compact grid) and T=32 (full grid)
     return triton.autotune(configs=cfgs, key=["H", "I", "BLOCK_M", "PAIRS_BUCKET", "COMPACT"],
@@ -331,11 +342,12 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
             COMPACT=compact)
     else:  # Triton's interpreter (tests on the CPU), or TAILORED_AUTOTUNE=0: the fixed choice
+        kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
         _gate_up_kernel[(grid_e, triton.cdiv(I, bn))](
-            *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec,
+            *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=kb, DOT_PREC=prec,
             PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps)
+        bk_dn = min(bk, triton.next_power_of_2(I))
         _down_kernel[(grid_e, triton.cdiv(H, bn))](
-            *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=min(bk, triton.next_power_of_2(I)), DOT_PREC=prec, PAIRS_BUCKET=bucket,
-            W_FP8=fp8, COMPACT=compact, num_warps=warps)
+            *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
+            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps)
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y
