@@ -71,18 +71,24 @@ def expert_partition(offsets: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _program_expert(offsets_ptr, experts_ptr, COMPACT: tl.constexpr):
+    """(expert, its first pair, one past its last) for this program: program i takes expert i,
+    or with the compact grid the i-th of the active-first list (kb/0016)."""
+    if COMPACT:
+        e = tl.load(experts_ptr + tl.program_id(0))
+    else:
+        e = tl.program_id(0)
+    return e, tl.load(offsets_ptr + e), tl.load(offsets_ptr + e + 1)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, ws_ptr,
                     TOPK, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
                     COMPACT: tl.constexpr):
-    if COMPACT:  # program → the expert at its place in the active-first list
-        e = tl.load(experts_ptr + tl.program_id(0))
-    else:
-        e = tl.program_id(0)
+    e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     w_base = w_ptr + e.to(tl.int64) * stride_we
@@ -121,13 +127,8 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
                  COMPACT: tl.constexpr):
-    if COMPACT:  # program → the expert at its place in the active-first list
-        e = tl.load(experts_ptr + tl.program_id(0))
-    else:
-        e = tl.program_id(0)
+    e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     w_base = w_ptr + e.to(tl.int64) * stride_we
