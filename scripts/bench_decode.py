@@ -21,6 +21,66 @@ from tailored.model.batch import ForwardBatch
 from tailored.stack import build_stack
 
 
+def _set_decode_linear(on):
+    from tailored.kernels import decode_linear
+
+    old = decode_linear.ENABLED
+    decode_linear.ENABLED = on
+    return lambda: setattr(decode_linear, "ENABLED", old)
+
+
+def _set_shared_in_moe(on):
+    from tailored.model import fast
+
+    old = fast.SHARED_IN_MOE
+    fast.SHARED_IN_MOE = on
+    return lambda: setattr(fast, "SHARED_IN_MOE", old)
+
+
+def _set_route_warps(n):
+    from tailored.kernels import moe
+
+    old = dict(moe.ROUTE_ALIGN_WARPS)
+    moe.ROUTE_ALIGN_WARPS.update({bt: n for bt in (1, 2, 4, 8)})
+    return lambda: moe.ROUTE_ALIGN_WARPS.update(old)
+
+
+def _set_attn_splits(on):
+    from tailored.kernels import attention_decode
+
+    old = attention_decode.ADAPTIVE_SPLITS
+    attention_decode.ADAPTIVE_SPLITS = on
+    return lambda: setattr(attention_decode, "ADAPTIVE_SPLITS", old)
+
+
+# kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
+VARIANTS = {
+    "decode_linear": lambda: _set_decode_linear(True),  # kb/0017
+    "no_decode_linear": lambda: _set_decode_linear(False),
+    "shared_in_moe": lambda: _set_shared_in_moe(True),  # kb/0019
+    "no_shared_in_moe": lambda: _set_shared_in_moe(False),
+    "attn_splits": lambda: _set_attn_splits(True),  # kb/0019
+    "no_attn_splits": lambda: _set_attn_splits(False),
+    "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
+    "route_warps2": lambda: _set_route_warps(2),
+}
+
+
+def switch(spec: str, fast):
+    """Apply the '+'-joined switches in spec, re-capture the decode graphs; returns the undo
+    (which re-captures with the previous settings)."""
+    undos = [VARIANTS[p]() for p in spec.split("+")]
+    fast.graphs.clear()
+    fast.capture()
+
+    def undo():
+        for u in reversed(undos):
+            u()
+        fast.graphs.clear()
+        fast.capture()
+    return undo
+
+
 def timed(fn, n):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -43,8 +103,12 @@ def main():
     ap.add_argument("--prefill-batch", type=int, default=0,
                     help="also time one prefill step of this many ctx-token prompts (e.g. 8: the "
                          "8192-token step of serve's default budget)")
-    ap.add_argument("--decode-linear", action="store_true",
-                    help="then time the same batches again with kernels/decode_linear.py (kb/0017)")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated kernel switches to time the same batches with, each "
+                         "after a re-capture: " + ", ".join(VARIANTS) + " ('+' joins several, "
+                         "e.g. decode_linear+shared_in_moe)")
+    ap.add_argument("--profile-variant", default="",
+                    help="the switches (as in --variants) the --profile kernel table runs with")
     ap.add_argument("--prefill-graphs", action="store_true",
                     help="capture prefill CUDA graphs (kb/0013); the prefill is then timed both "
                          "replayed and eager")
@@ -56,9 +120,14 @@ def main():
     if a.profile and not 1 <= a.profile_batch <= Bmax:
         ap.error(f"--profile-batch must be in 1..{Bmax} (the largest of --batches)")
     # positions per sequence: the context plus every decode step sequence 0 takes part in
-    # (each batch size: 1 + steps graph + 1 + 3 eager; again 1 + steps with --decode-linear;
+    # (each batch size: 1 + steps graph + 1 + 3 eager; again 1 + steps per variant;
     # 5 for --profile), with margin; max_model_len sizes the page table and the page pool
-    n_dec = len(batches) * (a.steps + 5) * (2 if a.decode_linear else 1) + 5 * a.profile
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants + ([a.profile_variant] if a.profile_variant else []):
+        for part in v.split("+"):
+            if part not in VARIANTS:
+                ap.error(f"unknown variant {part!r}: one of {', '.join(VARIANTS)}")
+    n_dec = len(batches) * (a.steps + 5) * (1 + len(variants)) + 5 * a.profile
     t0 = time.monotonic()
     st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16", progress=False,
                      max_model_len=max(a.ctx + 512, a.ctx + n_dec + 64 + 16),
@@ -175,34 +244,31 @@ def main():
         print(f"B={B}: graph {ms_graph:.2f} ms/step ({1e3 * B / ms_graph:.0f} tok/s), "
               f"eager kernels {ms_eager:.2f} ms/step", flush=True)
     res["decode"] = [dict(batch=B, graph_ms=g_, tok_s=t, eager_ms=e) for B, g_, t, e in rows]
-    if a.decode_linear:  # A/B: the ≤ 16-row projections through kernels/decode_linear.py
-        from tailored.kernels import decode_linear
-
-        decode_linear.ENABLED = True
-        fast.graphs.clear()
-        fast.capture()  # re-capture: the graphs bake in the GEMM they were captured with
-        res["decode_linear"] = []
+    res["variants"] = {}
+    for v in variants:  # A/B: the same batches with kernel switches on, graphs re-captured
+        undo = switch(v, fast)
+        res["variants"][v] = []
         for B in batches:
             f = step_fn(B)
             f()
             ms = timed(f, a.steps)
-            res["decode_linear"].append(dict(batch=B, graph_ms=ms, tok_s=1e3 * B / ms))
-            print(f"B={B}: graph {ms:.2f} ms/step with decode_linear"
-                  f"{' (> 16 rows: cuBLAS as before)' if B > decode_linear.MAX_M else ''}",
-                  flush=True)
-        decode_linear.ENABLED = False
-        fast.graphs.clear()
-        fast.capture()
+            res["variants"][v].append(dict(batch=B, graph_ms=ms, tok_s=1e3 * B / ms))
+            print(f"B={B}: graph {ms:.2f} ms/step with {v}", flush=True)
+        undo()
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        undo = switch(a.profile_variant, fast) if a.profile_variant else (lambda: None)
         f = step_fn(a.profile_batch)
-        print(f"B={a.profile_batch} decode step profile (5 steps):")
+        f()
+        print(f"B={a.profile_batch} decode step profile (5 steps, switches: "
+              f"{a.profile_variant or 'defaults'}):")
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 f()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=26))
+        undo()
         ids = torch.randint(0, 248044, (a.ctx,), generator=g).tolist()
         pages = list(range(1 + Bmax * P, 1 + (Bmax + 1) * P))
         batch = ForwardBatch.build([(ids, 0, Bmax + 1, True, pages)], [a.ctx - 1], "cuda")
@@ -210,11 +276,12 @@ def main():
             model.compute_logits(model(batch, cache)[batch.logits_rows]).argmax(-1).tolist()
         print(f"prefill {a.ctx} tokens profile:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
-    dl = {r["batch"]: r["graph_ms"] for r in res.get("decode_linear", [])}
-    print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step | with decode_linear |\n"
-          "|---|---|---|---|---|")
+    vms = {v: {r["batch"]: r["graph_ms"] for r in rs} for v, rs in res["variants"].items()}
+    print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step |"
+          + "".join(f" {v} |" for v in vms) + "\n|---|---|---|---|" + "---|" * len(vms))
     for B, g_, t, e in rows:
-        print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} | {f'{dl[B]:.2f}' if B in dl else '-'} |")
+        print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} |"
+              + "".join(f" {m[B]:.2f} ({m[B] / g_ - 1:+.1%}) |" for m in vms.values()))
     print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms")
     if a.json:
         with open(a.json, "w") as fh:

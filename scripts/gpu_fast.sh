@@ -5,7 +5,7 @@
 #
 # Prepare here: bash scripts/fetch_wheels.sh   (writes .whl/, git-ignored; includes fla-core)
 # Run there:    device run, carry [".whl"],
-#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_fast.sh [tests|moe|micro|serve]...
+#               command: TAILORED_COMMIT=<sha> bash scripts/gpu_fast.sh [tests|moe|route|micro|serve]...
 # Output: $OUT/gpu_fast.log, $OUT/*.json; the summary is printed last.
 source "$(dirname "$0")/device_env.sh" gpu_fast
 PARTS=${*:-tests micro serve}
@@ -39,6 +39,11 @@ if [[ " $PARTS " == *" moe "* ]]; then
         timeout 240 python3 scripts/bench_moe.py --json "$OUT/moe-$prec.json" \
             $([ "$prec" = fp8 ] && echo --fp8) ${MOE_ARGS:-} 2>&1 | tail -12
     done
+fi
+
+if [[ " $PARTS " == *" route "* ]]; then
+    stamp "route_align µs by batch, warps, shared expert as expert E (kb/0019)"
+    timeout 180 python3 scripts/bench_route.py --json "$OUT/route.json" ${ROUTE_ARGS:-} 2>&1 | tail -12
 fi
 
 if [[ " $PARTS " == *" micro "* ]]; then

@@ -52,19 +52,35 @@ def test_fused_weights_are_views_with_the_same_values(pair):
     assert idx[:2] == [0, 1]  # qkv|z are one GEMM in both precisions
     assert m.in_proj_qkv.weight.untyped_storage().data_ptr() == \
         proj.weight.untyped_storage().data_ptr()
+    # the shared expert as expert E (kb/0019): the routed experts are views of the stack
+    mlp = fastm.model.layers[0].mlp
+    st, E = fastm.fast.stacks[0], mlp.experts.gate_up_proj.shape[0]
+    assert st.gate_up.shape[0] == st.down.shape[0] == E + 1
+    assert mlp.experts.gate_up_proj.data_ptr() == st.gate_up.data_ptr()
+    assert mlp.experts.down_proj.data_ptr() == st.down.data_ptr()
+    se = mlp.shared_expert
+    assert torch.equal(st.gate_up[E], torch.cat([se.gate_proj.weight, se.up_proj.weight]))
+    assert torch.equal(st.down[E], se.down_proj.weight)
+    assert (st.gate_up_scale is None) == (plain.config.fp8 is None)
     if plain.config.fp8 is not None:
         assert m.in_proj_qkv.weight.dtype == torch.float8_e4m3fn and proj.fp8
         assert m.in_proj_a.weight.dtype == torch.float32  # not converted (spec §9.1)
         assert len(fastm.fast.p_in[0].parts) == 2
 
 
-@pytest.mark.parametrize("decode_lin", [False, True], ids=["cublas", "decode_linear"])
-def test_steps_match_plain_path(pair, decode_lin, monkeypatch):
+@pytest.mark.parametrize("variant", ["cublas", "decode_linear", "shared_in_moe"])
+def test_steps_match_plain_path(pair, variant, monkeypatch):
     """decode_linear (kb/0017, off by default): the ≤ 16-row projections through the Triton
-    decode GEMM instead of F.linear."""
+    decode GEMM instead of F.linear. shared_in_moe (kb/0019): the shared expert as routed
+    expert E in decode-sized batches (here every step: the mixed ones have 70 ≤ 32 rows
+    only with the threshold raised)."""
     from tailored.kernels import decode_linear
+    from tailored.model import fast as fastmod
 
-    monkeypatch.setattr(decode_linear, "ENABLED", decode_lin)
+    monkeypatch.setattr(decode_linear, "ENABLED", variant == "decode_linear")
+    monkeypatch.setattr(fastmod, "SHARED_IN_MOE", variant == "shared_in_moe")
+    if variant == "shared_in_moe":
+        monkeypatch.setattr(fastmod, "SHARED_IN_MOE_UP_TO", 4096)
     plain, fastm, fcache = pair
     cfg = plain.config
     fcache.rec.zero_(), fcache.conv.zero_(), fcache.k.zero_(), fcache.v.zero_()

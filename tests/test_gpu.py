@@ -132,12 +132,23 @@ def _steps(T_a=130, T_b=77):
     ], {1: (T_a, pa), 2: (T_b, pb), 3: (1, [20, 21])}
 
 
+@pytest.mark.parametrize("switches", ["default", "new"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_path_matches_plain_full_width(dtype, precision):
+def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypatch):
     """Published dims, 4 layers: prefill (FLA when installed), mixed steps, graph decode steps.
-    fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul)."""
+    fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul).
+    switches "new": the kernel switches not yet on by default — decode_linear (kb/0017), the
+    shared expert inside the fused MoE and attention splits by batch (kb/0019)."""
+    from tailored.kernels import decode_linear
+    from tailored.model import fast as fastmod
     from tailored.model.fast import FastPath
+
+    from tailored.kernels import attention_decode
+
+    monkeypatch.setattr(decode_linear, "ENABLED", switches == "new")
+    monkeypatch.setattr(fastmod, "SHARED_IN_MOE", switches == "new")
+    monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", switches == "new")
 
     model = _full4(dtype, precision=precision)
     cfg = model.config

@@ -217,6 +217,31 @@ def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
     assert torch.equal(experts, expert_partition_ref(offsets))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (7, 256, 8), (33, 256, 8)])
+def test_route_align_with_the_shared_expert(dtype, T, E, k):
+    """shared_gate: expert E joins as slot k of every token with weight sigmoid(gate) — what
+    route_topk with that extra column gives through moe_align(ids, E+1) and the partition."""
+    from tailored.kernels.moe import expert_partition_ref, moe_align, route_align
+
+    g = torch.Generator().manual_seed(T + E + 1)
+    logits = torch.randn(T, E, generator=g).to(DEV, dtype)
+    # a strided [T, 1] view, as the fused router|shared-gate GEMM gives it
+    seg = torch.randn(T, 3, generator=g).to(DEV, dtype)[:, 1:2]
+    w, ids, order, offsets, experts = route_align(logits, k, shared_gate=seg)
+    w0, ids0, *_ = route_align(logits, k)
+    assert w.shape == ids.shape == (T, k + 1) and w.dtype == logits.dtype
+    assert torch.equal(ids[:, :k], ids0) and torch.equal(w[:, :k], w0)
+    assert (ids[:, k] == E).all()
+    assert torch.allclose(w[:, k].float(), torch.sigmoid(seg.float())[:, 0].to(dtype).float(),
+                          rtol=1e-6, atol=0)
+    o_ref, off_ref = moe_align(ids, E + 1)
+    assert torch.equal(offsets, off_ref) and torch.equal(order, o_ref)
+    assert torch.equal(experts, expert_partition_ref(offsets))
+    with pytest.raises(ValueError):
+        route_align(logits, k, shared_gate=seg[:1] if T > 1 else seg.expand(T, 2))
+
+
 @pytest.mark.parametrize("E,T,k", [(8, 1, 2), (16, 3, 4), (200, 5, 8), (256, 1, 8), (256, 40, 8)])
 def test_expert_partition(E, T, k):
     """Active experts first, then the empty ones, each ascending; a permutation of 0..E-1."""
@@ -300,13 +325,19 @@ def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv):
     assert conv_state[others].isnan().all() and rec_state[others].isnan().all()  # untouched
 
 
+@pytest.mark.parametrize("splits", [3, 16, 32, "by_batch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page,lens", [(16, [1, 17, 100]), (4, [7, 64, 129, 2]), (16, [300])])
-def test_paged_decode_attention(dtype, page, lens):
+def test_paged_decode_attention(dtype, page, lens, splits, monkeypatch):
+    """splits: key ranges per (sequence, KV head); 16 and 32 run 32-key blocks and the merge
+    over D in programs; "by_batch" = splits_for with ADAPTIVE_SPLITS on (kb/0019)."""
+    from tailored.kernels import attention_decode
     from tailored.kernels.attention_decode import paged_decode_attention
 
+    monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", True)
+
     g = torch.Generator().manual_seed(page + len(lens))
-    Hq, Hkv, D = 4, 2, 32
+    Hq, Hkv, D = 4, 2, 128 if splits == 32 else 32  # D 128: the merge runs 2 programs over D
     B = len(lens)
     pages_per = [-(-n // page) for n in lens]
     num_pages = sum(pages_per) + 5
@@ -327,7 +358,8 @@ def test_paged_decode_attention(dtype, page, lens):
         want.append(ref.causal_attention(q[i : i + 1].float(), kk.float(), vv.float(), n - 1)[0])
     # partial last pages hold NaN past the length: the kernel must never read them
     out = paged_decode_attention(q, kc, vc, table.to(DEV),
-                                 torch.tensor(lens, dtype=torch.int32, device=DEV), num_splits=3)
+                                 torch.tensor(lens, dtype=torch.int32, device=DEV),
+                                 num_splits=None if splits == "by_batch" else splits)
     assert torch.isfinite(out).all()
     assert rel_err(out, torch.stack(want)) < TOL[dtype]
 
@@ -399,3 +431,24 @@ def test_moe_glue(dtype, T, H, k, N):
         assert (act == want_act).float().mean() > 0.95 and (out == want).float().mean() > 0.95
     with pytest.raises(ValueError):
         moe_combine(pairs[:-1], k, seg, shared)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,k", [(1, 2048, 8), (5, 96, 3), (33, 200, 8)])
+def test_moe_combine_folded(dtype, T, H, k):
+    """The shared expert's weighted term as each token's last pair row (kb/0019):
+    dt(dt(Σ_{j<k}) + dt(row k)), NaN in no output, no row of another token read."""
+    from tailored.kernels.moe_combine import moe_combine_folded
+
+    g = torch.Generator().manual_seed(T + H)
+    pairs = torch.randn(T * (k + 1), H, generator=g).to(DEV)
+    out = moe_combine_folded(pairs, k, dtype)
+    p = pairs.view(T, k + 1, H)
+    want = (p[:, :k].sum(1).to(dtype).float() + p[:, k].to(dtype).float()).to(dtype)
+    assert out.shape == (T, H) and out.dtype == dtype and not out.isnan().any()
+    if dtype == torch.float32:
+        assert rel_err(out, want) < 1e-6
+    else:
+        assert rel_err(out, want) < 1e-2 and (out == want).float().mean() > 0.95
+    with pytest.raises(ValueError):
+        moe_combine_folded(pairs[:-1], k, dtype)

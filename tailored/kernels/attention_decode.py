@@ -59,52 +59,74 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, a
         m_i = m_new
         start += BLOCK_N
     base = (b * tl.num_programs(1) + hk) * NUM_SPLITS + sp
-    tl.store(m_ptr + base * BLOCK_G + g, m_i)
-    tl.store(l_ptr + base * BLOCK_G + g, l_i)
-    tl.store(acc_ptr + (base * BLOCK_G + g)[:, None] * D + d[None, :], acc)
+    tl.store(m_ptr + base * BLOCK_G + g, m_i, mask=g_ok)
+    tl.store(l_ptr + base * BLOCK_G + g, l_i, mask=g_ok)
+    tl.store(acc_ptr + (base * BLOCK_G + g)[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
 
 
 @triton.jit
 def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr):
+                       BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, D)
+    g_ok = g < GROUP
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # many splits: D over programs
     base = (b * tl.num_programs(1) + hk) * NUM_SPLITS
     m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     for sp in tl.static_range(NUM_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + (base + sp) * BLOCK_G + g))
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (base + sp) * BLOCK_G + g, mask=g_ok,
+                                          other=float("-inf")))
     l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for sp in tl.static_range(NUM_SPLITS):
-        m = tl.load(m_ptr + (base + sp) * BLOCK_G + g)
+        m = tl.load(m_ptr + (base + sp) * BLOCK_G + g, mask=g_ok, other=float("-inf"))
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # empty split: weight 0
-        l_all += tl.load(l_ptr + (base + sp) * BLOCK_G + g) * w
-        acc += tl.load(acc_ptr + ((base + sp) * BLOCK_G + g)[:, None] * D + d[None, :]) * w[:, None]
-    o = acc / l_all[:, None]
+        l_all += tl.load(l_ptr + (base + sp) * BLOCK_G + g, mask=g_ok, other=0.0) * w
+        acc += tl.load(acc_ptr + ((base + sp) * BLOCK_G + g)[:, None] * D + d[None, :],
+                       mask=g_ok[:, None], other=0.0) * w[:, None]
+    o = acc / tl.where(g_ok, l_all, 1.0)[:, None]
     tl.store(out_ptr + b * stride_ob + (hk * GROUP + g)[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+             o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+# splits by batch (kb/0019): enough (sequence, KV head, split) programs to fill the H200's 132
+# SMs at small batches (B=1 had 16 programs for 12.8 µs), 8 from B=8 up; off = always 8
+ADAPTIVE_SPLITS = False
+
+
+def splits_for(batch: int, kv_heads: int) -> int:
+    """Key ranges per (sequence, KV head): 8, or with ADAPTIVE_SPLITS the power of 2 in 8..32
+    that brings batch·kv_heads·splits to ≥ 128 programs."""
+    if not ADAPTIVE_SPLITS:
+        return 8
+    s = 8
+    while s < 32 and batch * kv_heads * s < 128:
+        s *= 2
+    return s
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor,
-                           num_splits: int = 8) -> torch.Tensor:
+                           num_splits: int | None = None) -> torch.Tensor:
     """softmax(q Kᵀ/√D) V for one query per sequence over its cached keys 0..len−1.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D] (one layer; the new token's
     K/V already written); page_table: [B, max_pages] int32; seq_lens: [B] int32 (≥ 1);
     num_splits: key ranges per (sequence, KV head), each ⌈len/num_splits⌉ rounded up to BLOCK_N
-    (computed on the device, so one captured graph serves every length). Returns [B, Hq, D]
-    in q.dtype.
+    (computed on the device, so one captured graph serves every length); None = `splits_for`.
+    BLOCK_N (keys per iteration) is 64, or 32 with ≥ 16 splits so that a 1024-token context
+    still reaches 32 splits. Returns [B, Hq, D] in q.dtype.
     """
     B, Hq, D = q.shape
     _, page, Hkv, D2 = k_cache.shape
     assert D2 == D and q.stride(2) == 1 and k_cache.stride(3) == 1
     group = Hq // Hkv
     block_g = max(16, triton.next_power_of_2(group))
-    block_n = 64  # keys per iteration; may span several pages (looked up per key)
+    if num_splits is None:
+        num_splits = splits_for(B, Hkv)
+    block_n = 32 if num_splits >= 16 else 64  # keys per iteration; may span several pages
     m = torch.empty(B * Hkv * num_splits * block_g, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty(B * Hkv * num_splits * block_g, D, dtype=torch.float32, device=q.device)
@@ -116,6 +138,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_G=block_g, D=D, PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PREC=prec, num_warps=4)
     out = torch.empty_like(q)
-    _attn_merge_kernel[(B, Hkv)](m, l_, acc, out, out.stride(0), out.stride(1),
-                                GROUP=group, BLOCK_G=block_g, D=D, NUM_SPLITS=num_splits)
+    block_d = D if num_splits <= 8 else min(D, 64)  # many splits: more merge programs
+    _attn_merge_kernel[(B, Hkv, D // block_d)](m, l_, acc, out, out.stride(0), out.stride(1),
+                                               GROUP=group, BLOCK_G=block_g, D=D,
+                                               BLOCK_D=block_d, NUM_SPLITS=num_splits)
     return out

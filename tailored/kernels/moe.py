@@ -47,14 +47,17 @@ def expert_partition_ref(offsets: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _store_active_first(experts_ptr, e, counts, ok):
+def _store_active_first(experts_ptr, e, counts, ok, EXTRA: tl.constexpr = 0):
     """Write expert ids e (a [BLOCK_E] range) to experts_ptr, the ones with counts > 0 first:
     an active e goes to its rank among the active, an empty e after all active, by its rank
-    among the empty (a stable partition). Shared by `expert_partition` and `route_align`."""
+    among the empty (a stable partition). EXTRA leaves that many places free between the
+    active and the empty ones (route_align puts the shared expert there). Shared by
+    `expert_partition` and `route_align`."""
     has = (counts > 0).to(tl.int32)
     before = tl.cumsum(has, 0) - has  # active experts before e
-    place = tl.where(has > 0, before, tl.sum(has, 0) + e - before)
+    place = tl.where(has > 0, before, tl.sum(has, 0) + EXTRA + e - before)
     tl.store(experts_ptr + place, e, mask=ok)
+    return tl.sum(has, 0)
 
 
 @triton.jit
@@ -213,27 +216,37 @@ def _launcher(name: str, decode: bool, fp8: bool = False):
 
 
 @triton.jit
-def _route_align_kernel(logits_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, experts_ptr, T, stride_l,
-                        E: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr):
+def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, experts_ptr,
+                        T, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
     t = tl.arange(0, BLOCK_T)
     e = tl.arange(0, E)
     t_ok = t < T
+    S: tl.constexpr = K + 1 if SHARED else K  # pair slots per token
     x = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=t_ok[:, None],
                 other=0.0).to(tl.float32)
     p = tl.exp(x - tl.max(x, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]  # softmax over all experts (fp32)
     sel = tl.zeros([BLOCK_T, E], dtype=tl.int32)  # slot j+1 of a chosen expert, 0 = not chosen
+    c = tl.arange(0, BLOCK_S)  # pair slot
+    wt = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)  # chosen probabilities by slot
+    it = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.int64)  # chosen experts by slot
     q = p
-    for j in tl.static_range(K):  # top-k, largest first, by repeated argmax
-        idx = tl.argmax(q, 1)
+    for j in tl.static_range(K):  # top-k, largest first, by repeated argmax (ties: lowest id)
+        v, idx = tl.max(q, 1, return_indices=True, return_indices_tie_break_left=True)
         hit = e[None, :] == idx[:, None]
         sel = tl.where(hit, j + 1, sel)
         q = tl.where(hit, -1.0, q)
-        tl.store(ids_ptr + t * K + j, idx.to(ids_ptr.dtype.element_ty), mask=t_ok)
-    wsum = tl.sum(tl.where(sel > 0, p, 0.0), 1)
-    for j in tl.static_range(K):  # renormalised over the k chosen
-        wj = tl.sum(tl.where(sel == j + 1, p, 0.0), 1) / wsum
-        tl.store(w_ptr + t * K + j, wj.to(w_ptr.dtype.element_ty), mask=t_ok)
+        wt = tl.where(c[None, :] == j, v[:, None], wt)
+        it = tl.where(c[None, :] == j, idx[:, None].to(tl.int64), it)
+    wt = wt / tl.sum(wt, 1)[:, None]  # renormalised over the k chosen
+    if SHARED:  # expert E (the shared one): every token's slot K, weight sigmoid(shared gate)
+        s = tl.load(seg_ptr + t * stride_s, mask=t_ok, other=0.0).to(tl.float32)
+        wt = tl.where(c[None, :] == K, tl.math.div_rn(1.0, 1.0 + tl.exp(-s))[:, None], wt)
+        it = tl.where(c[None, :] == K, E, it)
+    out_ok = t_ok[:, None] & (c[None, :] < S)
+    tl.store(w_ptr + t[:, None] * S + c[None, :], wt.to(w_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(ids_ptr + t[:, None] * S + c[None, :], it, mask=out_ok)
     # counting sort of the pairs by expert: offsets = exclusive cumsum of per-expert counts,
     # a pair's place within its expert = how many earlier tokens chose the same expert
     chosen = ((sel > 0) & t_ok[:, None]).to(tl.int32)
@@ -243,37 +256,55 @@ def _route_align_kernel(logits_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, expe
     tl.store(offsets_ptr + e, 0, mask=e == 0)
     rank = tl.cumsum(chosen, 0) - chosen
     pos = (incl - counts)[None, :] + rank
-    pair = t[:, None] * K + (sel - 1)
+    pair = t[:, None] * S + (sel - 1)
     tl.store(order_ptr + pos, pair, mask=chosen > 0)
     # experts with pairs first (expert_partition), for the compact expert-GEMM grid
-    _store_active_first(experts_ptr, e, counts, e < E)
+    n_active = _store_active_first(experts_ptr, e, counts, e < E, 1 if SHARED else 0)
+    if SHARED:  # the shared expert's pairs t·S + K come last, in token order
+        tl.store(order_ptr + T * K + t, t * S + K, mask=t_ok)
+        tl.store(offsets_ptr + E + 1 + t, tl.zeros([BLOCK_T], tl.int32) + T * S, mask=t == 0)
+        tl.store(experts_ptr + n_active + t, tl.zeros([BLOCK_T], tl.int32) + E, mask=t == 0)
 
 
 ROUTE_ALIGN_MAX_TOKENS = 64  # one program holds [T, E] tiles: decode batches only
 ROUTE_ALIGN_USE_UP_TO = 8  # the model uses it up to here (H200: B=32 step 14.0 -> 17.8 ms with it, kb/0007)
+# warps of the one route_align program by BLOCK_T (a reduction across warps costs a shared-
+# memory round trip and a barrier; one program runs ~25 of them): measured on the H200
+ROUTE_ALIGN_WARPS = {1: 4, 2: 4, 4: 4, 8: 4, 16: 8, 32: 8, 64: 8}
 
 
-def route_align(router_logits: torch.Tensor, top_k: int):
+def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tensor | None = None):
     """Routing and `moe_align` in one kernel launch (decode batches, T ≤ 64).
 
     router_logits: [T, E]. Returns (weights [T, k] in the logits dtype, ids [T, k] int64,
     order [T·k] int32, offsets [E+1] int32, experts [E] int32) — equal to `ref.route_topk`
     then `moe_align` and `expert_partition` (softmax in fp32, top-k largest first,
     renormalised, then cast).
+    shared_gate [T, 1] (row stride free): the shared expert joins as expert E, slot k of every
+    token, with weight sigmoid(shared_gate) (spec §7.4): weights/ids [T, k+1], order [T·(k+1)],
+    offsets [E+2], experts [E+1] — what the same routing with a (k+1)-th column gives through
+    `moe_align(ids, E+1)` and `expert_partition`. For `fused_moe` over experts stacked with
+    the shared one (`FastPath`, kb/0019).
     """
     T, E = router_logits.shape
     if T > ROUTE_ALIGN_MAX_TOKENS or E & (E - 1):
         raise ValueError(f"route_align: T={T} > {ROUTE_ALIGN_MAX_TOKENS} or E={E} not a power of 2")
+    shared = shared_gate is not None
+    if shared and (shared_gate.shape != (T, 1)):
+        raise ValueError(f"route_align: shared_gate{tuple(shared_gate.shape)}, want ({T}, 1)")
+    S, En = (top_k + 1, E + 1) if shared else (top_k, E)
     dev = router_logits.device
-    w = torch.empty(T, top_k, dtype=router_logits.dtype, device=dev)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
-    order = torch.empty(T * top_k, dtype=torch.int32, device=dev)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    experts = torch.empty(E, dtype=torch.int32, device=dev)
+    w = torch.empty(T, S, dtype=router_logits.dtype, device=dev)
+    ids = torch.empty(T, S, dtype=torch.int64, device=dev)
+    order = torch.empty(T * S, dtype=torch.int32, device=dev)
+    offsets = torch.empty(En + 1, dtype=torch.int32, device=dev)
+    experts = torch.empty(En, dtype=torch.int32, device=dev)
     bt = max(2, triton.next_power_of_2(T))
-    _route_align_kernel[(1,)](router_logits, w, ids, order, offsets, experts, T,
-                              router_logits.stride(0), E=E, K=top_k, BLOCK_T=bt,
-                              num_warps=4 if bt <= 8 else 8)
+    seg = shared_gate if shared else router_logits
+    _route_align_kernel[(1,)](router_logits, seg, w, ids, order, offsets, experts, T,
+                              router_logits.stride(0), seg.stride(0), E=E, K=top_k, BLOCK_T=bt,
+                              BLOCK_S=triton.next_power_of_2(S), SHARED=shared,
+                              num_warps=ROUTE_ALIGN_WARPS.get(bt, 8))
     return w, ids, order, offsets, experts
 
 

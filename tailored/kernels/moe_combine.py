@@ -51,19 +51,23 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, H, stride_s, stride_sh, stride_o,
-                        K: tl.constexpr, BLOCK: tl.constexpr):
+                        K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < H
     dt = out_ptr.dtype.element_ty
+    S: tl.constexpr = K + 1 if FOLDED else K  # pair rows per token
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
-        acc += tl.load(p_ptr + (t * K + j) * H + c, mask=ok, other=0.0)
+        acc += tl.load(p_ptr + (t * S + j) * H + c, mask=ok, other=0.0)
     routed = acc.to(dt).to(tl.float32)
-    s = tl.load(s_ptr + t * stride_s).to(tl.float32)
-    gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-s)).to(dt).to(tl.float32)
-    sh = tl.load(sh_ptr + t * stride_sh + c, mask=ok, other=0.0).to(tl.float32)
-    shared = (gate * sh).to(dt).to(tl.float32)
+    if FOLDED:  # the shared expert's weighted term is the token's last pair row
+        shared = tl.load(p_ptr + (t * S + K) * H + c, mask=ok, other=0.0).to(dt).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + t * stride_s).to(tl.float32)
+        gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-s)).to(dt).to(tl.float32)
+        sh = tl.load(sh_ptr + t * stride_sh + c, mask=ok, other=0.0).to(tl.float32)
+        shared = (gate * sh).to(dt).to(tl.float32)
     tl.store(out_ptr + t * stride_o + c, (routed + shared).to(dt), mask=ok)
 
 
@@ -85,5 +89,29 @@ def moe_combine(pairs: torch.Tensor, k: int, shared_gate: torch.Tensor,
     block = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, triton.cdiv(H, block))](
         pairs, shared_gate, shared, out, H, shared_gate.stride(0), shared.stride(0), out.stride(0),
-        K=k, BLOCK=block, num_warps=4, enable_fp_fusion=False)  # no FMA: keep each rounding
+        K=k, BLOCK=block, FOLDED=False, num_warps=4,
+        enable_fp_fusion=False)  # no FMA: keep each rounding
+    return out
+
+
+def moe_combine_folded(pairs: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """dt(dt(Σ_{j<k} pairs[t, j]) + dt(pairs[t, k])): the MoE block's output when the shared
+    expert ran inside `fused_moe` as slot k with weight sigmoid(shared gate) (`route_align`'s
+    shared_gate, kb/0019), so its weighted term is already a pair row.
+
+    pairs: [T·(k+1), H] fp32 contiguous, (token, slot) order. Returns [T, H] in dtype.
+    Raises ValueError on other shapes/dtypes. The roundings are those of `moe_combine` after
+    the shared expert's own (it is rounded once, from fp32, like a routed expert's output).
+    """
+    if pairs.dim() != 2 or pairs.shape[0] % (k + 1) or pairs.dtype != torch.float32 \
+            or not pairs.is_contiguous():
+        raise ValueError(f"moe_combine_folded: pairs{tuple(pairs.shape)} {pairs.dtype} k={k}")
+    T, H = pairs.shape[0] // (k + 1), pairs.shape[1]
+    out = torch.empty(T, H, dtype=dtype, device=pairs.device)
+    if T == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(H))
+    _moe_combine_kernel[(T, triton.cdiv(H, block))](
+        pairs, pairs, pairs, out, H, 0, 0, out.stride(0), K=k, BLOCK=block, FOLDED=True,
+        num_warps=4, enable_fp_fusion=False)
     return out

@@ -2,7 +2,7 @@
 
 Same computation as the plain path in `qwen36.py` (spec §3–§7), arranged for the GPU:
   * projections that read the same input are one GEMM: GDN in_proj_qkv|z|b|a, attention
-    q|k|v, and router|shared gate|shared up|shared-expert gate. The module weights become views
+    q|k|v, and router|shared-expert gate|shared gate|shared up. The module weights become views
     into the fused tensors, so the plain path and the checkpoint names still work, with no copy;
   * residual add + RMSNorm fused (`kernels.norm`), routed experts as grouped GEMMs
     (`kernels.moe`), the GDN decode step over state slots in place (`kernels.gdn_decode`), paged
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,12 +34,13 @@ from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels.moe import ROUTE_ALIGN_USE_UP_TO, fused_moe, route_align
-from tailored.kernels.moe_combine import moe_combine, silu_mul
+from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import qk_norm_rope
 from tailored.model import fp8
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
 from tailored.model.fp8 import Fp8Linear
+from tailored.model.moe_stack import ExpertStack, stack_shared_expert
 from tailored.ops import reference as ref
 
 log = logging.getLogger("tailored.fast")
@@ -46,6 +48,11 @@ log = logging.getLogger("tailored.fast")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 # prefill graphs (kb/0013): one per padded token count; padding costs ≤ 1/8 of the work to 2048
 PREFILL_BUCKETS = tuple(range(128, 2049, 128)) + (3072, 4096, 6144, 8192)
+# the shared expert as routed expert E in batches of up to SHARED_IN_MOE_UP_TO rows (kb/0019).
+# Above that its one program per N block would walk many times the rows of any routed
+# expert's (prefill: 1024 rows against ~32), so prefill keeps it a separate GEMM.
+SHARED_IN_MOE = os.environ.get("TAILORED_SHARED_IN_MOE", "0") == "1"
+SHARED_IN_MOE_UP_TO = 32
 
 
 def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
@@ -71,6 +78,15 @@ class Proj:
         self.scale = (torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in mods])
                       if self.fp8 else None)
 
+    def leading(self, sizes: list[int]) -> "Proj":
+        """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
+        n = sum(sizes)
+        p = Proj.__new__(Proj)
+        p.fp8, p.sizes = self.fp8, list(sizes)
+        p.weight = self.weight[:n]
+        p.scale = self.scale[:n] if self.fp8 else None
+        return p
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
@@ -90,6 +106,14 @@ class ProjGroup:
             kinds.setdefault(isinstance(m, Fp8Linear), []).append(j)
         self.parts = [(Proj([mods[j] for j in idx]), idx) for idx in kinds.values()]
         self.n = len(mods)
+
+    def leading(self, n: int) -> Proj:
+        """The first n modules' rows as one GEMM: they must be of one kind (one part) and lead
+        it. E.g. the router and shared-expert gate without the shared expert's gate/up rows."""
+        proj, idx = self.parts[0]
+        if idx[:n] != list(range(n)):
+            raise ValueError(f"ProjGroup.leading({n}): modules {idx} lead the first GEMM")
+        return proj.leading(proj.sizes[:n])
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         out: list = [None] * self.n
@@ -213,11 +237,14 @@ class FastPath:
         self.fla = (_fla_chunk() if (use_fla and self.device.type == "cuda"
                                      and self.dtype != torch.float32) else None)
         # per layer: the input projections (one GEMM per weight kind), the mixer's output
-        # projection, the MoE's router|shared gate|shared up|shared-expert gate, shared down
+        # projection, the MoE's router|shared-expert gate|shared gate|shared up, shared down
         self.p_in: dict[int, ProjGroup] = {}
         self.p_out: dict[int, Proj] = {}
         self.p_moe: dict[int, ProjGroup] = {}
+        self.p_route: dict[int, Proj] = {}  # router|shared-expert gate rows of p_moe's GEMM
         self.p_down: dict[int, Proj] = {}
+        # routed experts + the shared one as expert E (kb/0019; FP8: with per-row scales)
+        self.stacks: dict[int, ExpertStack] = {}
         self.experts: dict[int, tuple] = {}  # FP8 experts: per-row scales (gate_up, down)
         for i, layer in enumerate(model.model.layers):
             if layer.layer_type == "linear_attention":
@@ -229,14 +256,24 @@ class FastPath:
                 self.p_in[i] = ProjGroup([m.q_proj, m.k_proj, m.v_proj])
                 self.p_out[i] = Proj([m.o_proj])
             mlp = layer.mlp
-            self.p_moe[i] = ProjGroup([mlp.gate, mlp.shared_expert.gate_proj,
-                                       mlp.shared_expert.up_proj, mlp.shared_expert_gate])
+            # router and shared-expert gate lead the fused GEMM (bf16 in both precisions), so
+            # the decode path can run just those rows when the shared expert is a routed one
+            self.p_moe[i] = ProjGroup([mlp.gate, mlp.shared_expert_gate,
+                                       mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj])
+            self.p_route[i] = self.p_moe[i].leading(2)
             self.p_down[i] = Proj([mlp.shared_expert.down_proj])
             ex = mlp.experts
+            scales = None
             if fp8.is_fp8_experts(ex):
-                self.experts[i] = (
+                scales = (
                     fp8.expert_row_scales(ex.gate_up_proj_scale_inv, ex.gate_up_proj.shape[1], True),
                     fp8.expert_row_scales(ex.down_proj_scale_inv, ex.down_proj.shape[1], False))
+            stack = stack_shared_expert(mlp, scales)
+            if stack is not None:
+                self.stacks[i] = stack
+                scales = stack.routed_scales() if scales is not None else None
+            if scales is not None:
+                self.experts[i] = scales
         # decode graph state
         self.max_batch = max_batch
         self.max_pages = max_pages
@@ -255,18 +292,33 @@ class FastPath:
     # -------------------------------------------------------------------------------------------
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg, mlp = self.cfg, self.model.model.layers[i].mlp
-        E = cfg.num_experts
-        r, sg, su, seg = self.p_moe[i](x)
-        if x.shape[0] <= ROUTE_ALIGN_USE_UP_TO and not E & (E - 1):  # small decode: one launch
-            w, ids, *aligned = route_align(r, cfg.num_experts_per_tok)  # order, offsets, experts
+        E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]
+        one_launch = T <= ROUTE_ALIGN_USE_UP_TO and not E & (E - 1)  # small decode batches
+        stack = self.stacks.get(i)
+        if SHARED_IN_MOE and stack is not None and T <= SHARED_IN_MOE_UP_TO:
+            # the shared expert as expert E: slot k of every token, weight sigmoid(gate)
+            r, seg = torch.split(self.p_route[i](x), [E, 1], dim=-1)
+            if one_launch:
+                w, ids, *aligned = route_align(r, k, shared_gate=seg)
+            else:
+                w, ids = ref.route_topk(r, k)
+                w = torch.cat([w, torch.sigmoid(seg).to(w.dtype)], 1)
+                ids = torch.cat([ids, ids.new_full((T, 1), E)], 1)
+                aligned = None
+            pairs = fused_moe(x, w, ids, stack.gate_up, stack.down, aligned,
+                              stack.gate_up_scale, stack.down_scale, reduce=False)
+            return moe_combine_folded(pairs, k, x.dtype)
+        r, seg, sg, su = self.p_moe[i](x)
+        if one_launch:
+            w, ids, *aligned = route_align(r, k)  # order, offsets, experts
         else:
-            w, ids = ref.route_topk(r, cfg.num_experts_per_tok)
+            w, ids = ref.route_topk(r, k)
             aligned = None
         pairs = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned,
                           *self.experts.get(i, (None, None)), reduce=False)
         shared = self.p_down[i](silu_mul(sg, su))
         # Σ_k pairs + sigmoid(seg)·shared in one launch instead of five (kernels/moe_combine.py)
-        return moe_combine(pairs, cfg.num_experts_per_tok, seg, shared)
+        return moe_combine(pairs, k, seg, shared)
 
     def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
         """x [T, H] normed. dec_rows/dec_slots: device tensors of the decode rows (all rows in

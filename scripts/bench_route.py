@@ -1,0 +1,78 @@
+"""route_align on the GPU: µs per launch by batch rows, warps of its one program and with or
+without the shared expert as expert E (kb/0019). 40 launches (one per layer) in a CUDA graph,
+replayed; prints a table. Usage: python scripts/bench_route.py [--batches 1,2,4,8] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from tailored.kernels import moe
+
+E, K, LAYERS = 256, 8, 40
+
+
+def time_graph(fn, reps: int) -> float:
+    """µs per call of fn (which runs LAYERS launches), through one captured graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / reps / LAYERS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--warps", default="1,2,4,8")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for B in [int(b) for b in a.batches.split(",")]:
+        logits = [torch.randn(B, E + 1, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(LAYERS)]
+        bt = max(2, 1 << (B - 1).bit_length())
+        for shared in (False, True):
+            ref_out = None
+            for w in [int(x) for x in a.warps.split(",")]:
+                moe.ROUTE_ALIGN_WARPS[bt] = w
+
+                def fn():
+                    return [moe.route_align(lg[:, :E], K, lg[:, E:] if shared else None)
+                            for lg in logits]
+
+                us = time_graph(fn, a.reps)
+                out = fn()
+                same = ref_out is None or all(
+                    all(torch.equal(p, q) for p, q in zip(o, r)) for o, r in zip(out, ref_out))
+                ref_out = ref_out or out
+                rows.append(dict(batch=B, shared=shared, warps=w, us=us, same_as_first=same))
+                print(f"B={B} shared={shared} warps={w}: {us:.2f} us (outputs equal to the "
+                      f"first warps setting: {same})", flush=True)
+    print("\n| batch | shared | " + " | ".join(f"{w} warps µs" for w in a.warps.split(",")) + " |")
+    print("|---|---|" + "---|" * len(a.warps.split(",")))
+    for B in sorted({r["batch"] for r in rows}):
+        for shared in (False, True):
+            rs = [r for r in rows if r["batch"] == B and r["shared"] == shared]
+            print(f"| {B} | {shared} | " + " | ".join(f"{r['us']:.2f}" for r in rs) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
