@@ -70,13 +70,13 @@ def switch(spec: str, fast):
     """Apply the '+'-joined switches in spec, re-capture the decode graphs; returns the undo
     (which re-captures with the previous settings)."""
     undos = [VARIANTS[p]() for p in spec.split("+")]
-    fast.graphs.clear()
+    fast.drop_decode_graphs()
     fast.capture()
 
     def undo():
         for u in reversed(undos):
             u()
-        fast.graphs.clear()
+        fast.drop_decode_graphs()
         fast.capture()
     return undo
 

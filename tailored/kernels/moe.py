@@ -268,9 +268,10 @@ def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_
 
 ROUTE_ALIGN_MAX_TOKENS = 64  # one program holds [T, E] tiles: decode batches only
 ROUTE_ALIGN_USE_UP_TO = 8  # the model uses it up to here (H200: B=32 step 14.0 -> 17.8 ms with it, kb/0007)
-# warps of the one route_align program by BLOCK_T (a reduction across warps costs a shared-
-# memory round trip and a barrier; one program runs ~25 of them): measured on the H200
-ROUTE_ALIGN_WARPS = {1: 4, 2: 4, 4: 4, 8: 4, 16: 8, 32: 8, 64: 8}
+# warps of the one route_align program by BLOCK_T, from scripts/bench_route.py on the H200
+# (session 8, µs per launch for 1/2/4/8 warps): T=1 5.2/4.8/4.6/5.0, T=2 6.2/5.3/5.4/5.4,
+# T=4 9.9/7.9/7.3/7.3, T=8 27.7/10.9/13.2/12.6; the shared expert adds ≤ 0.5
+ROUTE_ALIGN_WARPS = {1: 4, 2: 2, 4: 4, 8: 2, 16: 8, 32: 8, 64: 8}
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tensor | None = None):

@@ -627,6 +627,17 @@ class FastPath:
         self._capture_into(self.graphs, sizes, self._decode_body)
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
 
+    def drop_decode_graphs(self) -> None:
+        """Forget the decode graphs, e.g. to capture again with other kernel switches (A/B
+        benchmarks). Their memory pool goes too unless prefill graphs still use it: capturing
+        into a pool whose graphs are all gone trips an allocator assert in torch 2.11
+        ("use_count > 0", H200 session 8)."""
+        self.graphs.clear()
+        if not self.prefill_graphs:
+            self.pool = None
+            gc.collect()
+            torch.cuda.empty_cache()
+
     def _capture_into(self, graphs: dict, sizes, body) -> None:
         """graphs[n] = (graph, output) of body(n) for each size, largest first, all in one
         memory pool (self.pool, shared by decode and prefill graphs: they never replay at
