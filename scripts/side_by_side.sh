@@ -214,7 +214,9 @@ phase_tailored() {  # PREC
   # shellcheck disable=SC2206
   local extra=(${TAILORED_SERVE_ARGS:-})
   stamp "start tailored serve $prec on :$TAILORED_PORT: $ckpt ${flags[*]} ${extra[*]}"
-  PYTHONPATH="$TSITE:$ROOT" setsid nohup python3 -m tailored serve "$ckpt" "${flags[@]}" "${extra[@]}" \
+  # the launch configs tuned at this start are saved next to the results (kernels/tuning.py):
+  # commit them as tailored/kernels/tuned.json and later starts on an H200 skip the tuning
+  TAILORED_TUNING_DUMP="$SBS/tuned-$prec.json" PYTHONPATH="$TSITE:$ROOT" setsid nohup python3 -m tailored serve "$ckpt" "${flags[@]}" "${extra[@]}" \
       > "$log" 2>&1 < /dev/null &
   TPID=$!
   trap 'stop_tailored; sync_out' EXIT

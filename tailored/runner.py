@@ -113,6 +113,14 @@ class ModelRunner:
                 fast.capture()
                 if ec.prefill_graphs:
                     fast.capture_prefill(min(ec.max_num_batched_tokens, ec.max_model_len))
+            # TAILORED_TUNING_DUMP=PATH: save the launch configs tuned at this warm-up, for
+            # the next start to skip tuning (kernels/tuning.py)
+            from tailored.kernels import tuning
+
+            tuning.dump_if_requested({"max_num_seqs": ec.max_num_seqs,
+                                      "max_num_batched_tokens": ec.max_num_batched_tokens,
+                                      "prefill_graphs": ec.prefill_graphs,
+                                      "fp8": self.cfg.fp8 is not None})
             free, _ = torch.cuda.mem_get_info(self.device)
             log.info("kernels warmed up%s in %.1f s; %.2f GiB of GPU memory free, %.2f GiB "
                      "reserved by this process", " and CUDA graphs captured" if fast.use_graphs

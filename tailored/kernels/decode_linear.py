@@ -21,7 +21,7 @@ import os
 import torch
 import triton
 
-from tailored.kernels import autotune_enabled, dot_precision
+from tailored.kernels import autotune_enabled, dot_precision, tuning
 from tailored.kernels.fp8_linear import _fp8_linear_kernel
 
 ENABLED = os.environ.get("TAILORED_DECODE_LINEAR", "0") == "1"
@@ -37,8 +37,9 @@ def _tuned():
         cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": bk}, num_warps=4,
                               num_stages=st)
                 for bn in (16, 32) for bk in (256, 512) for st in (3, 4)]
-        _TUNED["k"] = triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
-                                      warmup=5, rep=20)(_fp8_linear_kernel)
+        _TUNED["k"] = tuning.register(
+            "decode_linear", triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
+                                             warmup=5, rep=20)(_fp8_linear_kernel))
     return _TUNED["k"]
 
 

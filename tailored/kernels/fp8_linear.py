@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import autotune_enabled, dot_precision
+from tailored.kernels import autotune_enabled, dot_precision, tuning
 
 SCALE_BLOCK = 128
 
@@ -90,8 +90,10 @@ def _tuned(small: bool):
             cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": bk}, num_warps=w,
                                   num_stages=3)
                     for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
-        _TUNED[small] = triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
-                                        warmup=5, rep=20)(_fp8_linear_kernel)
+        _TUNED[small] = tuning.register(
+            f"fp8_linear/{'small' if small else 'large'}",
+            triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"], warmup=5,
+                            rep=20)(_fp8_linear_kernel))
     return _TUNED[small]
 
 

@@ -1,0 +1,85 @@
+"""kernels/tuning.py: saved autotune choices pre-fill a launcher's cache (CPU: a stand-in tuner
+with Triton's `configs`/`cache` attributes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import triton
+
+from tailored.kernels import tuning
+
+
+class FakeTuner:
+    """What tuning uses of triton's Autotuner: its candidate configs and its key → config cache."""
+
+    def __init__(self, configs):
+        self.configs = configs
+        self.cache = {}
+
+
+def _cfgs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128}, num_warps=4, num_stages=st)
+            for bn in (16, 32) for st in (3, 4)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(tuning, "_REGISTRY", {})
+    monkeypatch.setattr(tuning, "_TABLE", None)
+
+
+def _write(path, gpu, entries):
+    path.write_text(json.dumps({"gpu": gpu, "triton": triton.__version__,
+                                "launchers": {"lin": entries}}))
+
+
+def test_table_prefills_known_keys_with_offered_configs_only(tmp_path, monkeypatch):
+    p = tmp_path / "t.json"
+    _write(p, tuning._device_name(), [
+        {"key": [2048, 4096, 16, 1, "torch.bfloat16"], "kwargs": {"BLOCK_N": 32, "BLOCK_K": 128},
+         "num_warps": 4, "num_stages": 4},
+        # a config the launcher no longer offers: ignored (that key tunes as usual)
+        {"key": [2048, 4096, 16, 2, "torch.bfloat16"], "kwargs": {"BLOCK_N": 64, "BLOCK_K": 128},
+         "num_warps": 4, "num_stages": 4},
+        {"bad": "entry"},
+    ])
+    monkeypatch.setenv("TAILORED_TUNING", str(p))
+    t = tuning.register("lin", FakeTuner(_cfgs()))
+    assert list(t.cache) == [(2048, 4096, 16, 1, "torch.bfloat16")]
+    c = t.cache[(2048, 4096, 16, 1, "torch.bfloat16")]
+    assert c.kwargs == {"BLOCK_N": 32, "BLOCK_K": 128} and c.num_warps == 4 and c.num_stages == 4
+
+
+def test_table_of_another_gpu_or_off_or_missing_is_not_used(tmp_path, monkeypatch):
+    p = tmp_path / "t.json"
+    _write(p, "some other GPU", [{"key": [1], "kwargs": {"BLOCK_N": 16, "BLOCK_K": 128},
+                                  "num_warps": 4, "num_stages": 3}])
+    for env in (str(p), "off", str(tmp_path / "missing.json")):
+        monkeypatch.setenv("TAILORED_TUNING", env)
+        monkeypatch.setattr(tuning, "_TABLE", None)
+        assert tuning.register("lin", FakeTuner(_cfgs())).cache == {}
+    (tmp_path / "junk.json").write_text("{not json")
+    monkeypatch.setenv("TAILORED_TUNING", str(tmp_path / "junk.json"))
+    monkeypatch.setattr(tuning, "_TABLE", None)
+    assert tuning.register("lin", FakeTuner(_cfgs())).cache == {}
+
+
+def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAILORED_TUNING", "off")
+    a = tuning.register("lin", FakeTuner(_cfgs()))
+    a.cache[(2048, 4096, 16, 1, "torch.bfloat16", True)] = _cfgs()[3]
+    p = tmp_path / "t.json"
+    assert tuning.dump(p, {"commit": "x"}) == 1
+    # a second process tunes another key: the file keeps both
+    monkeypatch.setattr(tuning, "_REGISTRY", {})
+    b = tuning.register("lin", FakeTuner(_cfgs()))
+    b.cache[(512, 2048, 16, 1, "torch.bfloat16", False)] = _cfgs()[0]
+    assert tuning.dump(p) == 2
+    monkeypatch.setenv("TAILORED_TUNING", str(p))
+    monkeypatch.setattr(tuning, "_TABLE", None)
+    c = tuning.register("lin", FakeTuner(_cfgs()))
+    assert set(c.cache) == {(2048, 4096, 16, 1, "torch.bfloat16", True),
+                            (512, 2048, 16, 1, "torch.bfloat16", False)}
+    assert c.cache[(2048, 4096, 16, 1, "torch.bfloat16", True)].num_stages == 4
