@@ -1,5 +1,6 @@
-"""route_align on the GPU: µs per launch by batch rows, warps of its one program and with or
-without the shared expert as expert E (kb/0019). 40 launches (one per layer) in a CUDA graph,
+"""route_align on the GPU: µs per launch by batch rows, warps of its (align) program and with
+or without the shared expert as expert E (kb/0019), against the torch path (route_topk +
+moe_align + expert_partition) that the model takes above ROUTE_ALIGN_USE_UP_TO (kb/0021). 40 launches (one per layer) in a CUDA graph,
 replayed; prints a table. Usage: python scripts/bench_route.py [--batches 1,2,4,8] [--json F]
 """
 
@@ -35,7 +36,7 @@ def time_graph(fn, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--warps", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
@@ -63,12 +64,31 @@ def main() -> None:
                 rows.append(dict(batch=B, shared=shared, warps=w, us=us, same_as_first=same))
                 print(f"B={B} shared={shared} warps={w}: {us:.2f} us (outputs equal to the "
                       f"first warps setting: {same})", flush=True)
+    torch_us = {}
+    for B in [int(b) for b in a.batches.split(",")]:  # the torch path the model takes above 8
+        from tailored.ops import reference as ref
+
+        logits = [torch.randn(B, E, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(LAYERS)]
+
+        def tfn():
+            out = []
+            for lg in logits:
+                w, ids = ref.route_topk(lg, K)
+                order, offsets = moe.moe_align(ids, E)
+                out.append((w, ids, order, offsets, moe.expert_partition(offsets)))
+            return out
+
+        torch_us[B] = time_graph(tfn, a.reps)
+        print(f"B={B} torch route_topk + moe_align + expert_partition: {torch_us[B]:.2f} us",
+              flush=True)
     print("\n| batch | shared | " + " | ".join(f"{w} warps µs" for w in a.warps.split(",")) + " |")
     print("|---|---|" + "---|" * len(a.warps.split(",")))
     for B in sorted({r["batch"] for r in rows}):
         for shared in (False, True):
             rs = [r for r in rows if r["batch"] == B and r["shared"] == shared]
             print(f"| {B} | {shared} | " + " | ".join(f"{r['us']:.2f}" for r in rs) + " |")
+        print(f"| {B} | torch path | {torch_us[B]:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -221,39 +221,50 @@ def _launcher(name: str, decode: bool, fp8: bool = False):
 
 
 @triton.jit
-def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, experts_ptr,
-                        T, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
-    t = tl.arange(0, BLOCK_T)
+def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, stride_l, stride_s,
+               E: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
+    """Routing of the token rows t (spec §7.2): softmax over the E experts (fp32), top-k by
+    repeated max (largest first, ties to the lowest id), renormalised over the k, stored as
+    w/ids [T, S] (S = k, or k+1 with the shared expert as expert E in slot k, weight
+    sigmoid(shared gate)). Returns sel [rows, E]: slot+1 of each chosen expert, 0 elsewhere."""
     e = tl.arange(0, E)
-    t_ok = t < T
     S: tl.constexpr = K + 1 if SHARED else K  # pair slots per token
     x = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=t_ok[:, None],
                 other=0.0).to(tl.float32)
     p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]  # softmax over all experts (fp32)
-    sel = tl.zeros([BLOCK_T, E], dtype=tl.int32)  # slot j+1 of a chosen expert, 0 = not chosen
+    p = p / tl.sum(p, 1)[:, None]
+    sel = tl.zeros(p.shape, dtype=tl.int32)
     c = tl.arange(0, BLOCK_S)  # pair slot
-    wt = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)  # chosen probabilities by slot
-    it = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.int64)  # chosen experts by slot
+    wt = tl.zeros([p.shape[0], BLOCK_S], dtype=tl.float32)  # chosen probabilities by slot
+    it = tl.zeros([p.shape[0], BLOCK_S], dtype=tl.int64)  # chosen experts by slot
     q = p
-    for j in tl.static_range(K):  # top-k, largest first, by repeated argmax (ties: lowest id)
+    for j in tl.static_range(K):
         v, idx = tl.max(q, 1, return_indices=True, return_indices_tie_break_left=True)
         hit = e[None, :] == idx[:, None]
         sel = tl.where(hit, j + 1, sel)
         q = tl.where(hit, -1.0, q)
         wt = tl.where(c[None, :] == j, v[:, None], wt)
         it = tl.where(c[None, :] == j, idx[:, None].to(tl.int64), it)
-    wt = wt / tl.sum(wt, 1)[:, None]  # renormalised over the k chosen
-    if SHARED:  # expert E (the shared one): every token's slot K, weight sigmoid(shared gate)
+    wt = wt / tl.sum(wt, 1)[:, None]
+    if SHARED:
         s = tl.load(seg_ptr + t * stride_s, mask=t_ok, other=0.0).to(tl.float32)
         wt = tl.where(c[None, :] == K, tl.math.div_rn(1.0, 1.0 + tl.exp(-s))[:, None], wt)
         it = tl.where(c[None, :] == K, E, it)
     out_ok = t_ok[:, None] & (c[None, :] < S)
     tl.store(w_ptr + t[:, None] * S + c[None, :], wt.to(w_ptr.dtype.element_ty), mask=out_ok)
     tl.store(ids_ptr + t[:, None] * S + c[None, :], it, mask=out_ok)
-    # counting sort of the pairs by expert: offsets = exclusive cumsum of per-expert counts,
-    # a pair's place within its expert = how many earlier tokens chose the same expert
+    return sel
+
+
+@triton.jit
+def _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E: tl.constexpr,
+                K: tl.constexpr, SHARED: tl.constexpr):
+    """moe_align + expert_partition of all T tokens from sel [BLOCK_T, E] (slot+1 per chosen
+    expert): a counting sort — offsets = exclusive cumsum of the per-expert counts, a pair's
+    place within its expert = how many earlier tokens chose that expert (stable, like the
+    sort) — and the active-first expert list. With SHARED, expert E's pairs t·S+K come last."""
+    e = tl.arange(0, E)
+    S: tl.constexpr = K + 1 if SHARED else K
     chosen = ((sel > 0) & t_ok[:, None]).to(tl.int32)
     counts = tl.sum(chosen, 0)
     incl = tl.cumsum(counts, 0)
@@ -263,16 +274,58 @@ def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_
     pos = (incl - counts)[None, :] + rank
     pair = t[:, None] * S + (sel - 1)
     tl.store(order_ptr + pos, pair, mask=chosen > 0)
-    # experts with pairs first (expert_partition), for the compact expert-GEMM grid
     n_active = _store_active_first(experts_ptr, e, counts, e < E, 1 if SHARED else 0)
-    if SHARED:  # the shared expert's pairs t·S + K come last, in token order
+    if SHARED:
         tl.store(order_ptr + T * K + t, t * S + K, mask=t_ok)
-        tl.store(offsets_ptr + E + 1 + t, tl.zeros([BLOCK_T], tl.int32) + T * S, mask=t == 0)
-        tl.store(experts_ptr + n_active + t, tl.zeros([BLOCK_T], tl.int32) + E, mask=t == 0)
+        tl.store(offsets_ptr + E + 1 + t, tl.zeros(t.shape, tl.int32) + T * S, mask=t == 0)
+        tl.store(experts_ptr + n_active + t, tl.zeros(t.shape, tl.int32) + E, mask=t == 0)
 
 
-ROUTE_ALIGN_MAX_TOKENS = 64  # one program holds [T, E] tiles: decode batches only
-ROUTE_ALIGN_USE_UP_TO = 8  # the model uses it up to here (H200: B=32 step 14.0 -> 17.8 ms with it, kb/0007)
+@triton.jit
+def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, experts_ptr,
+                        T, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
+    """Routing and alignment of all T tokens in one program (small batches)."""
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    sel = _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, stride_l, stride_s, E, K,
+                     BLOCK_S, SHARED)
+    _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E, K, SHARED)
+
+
+@triton.jit
+def _route_rows_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, T, stride_l, stride_s,
+                       E: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
+    """Routing of ROWS tokens per program (larger batches: the top-k reductions run per token
+    in parallel instead of over one [T, E] tile)."""
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t < T, stride_l, stride_s, E, K,
+               BLOCK_S, SHARED)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, order_ptr, offsets_ptr, experts_ptr, T, E: tl.constexpr,
+                  K: tl.constexpr, BLOCK_T: tl.constexpr, SHARED: tl.constexpr):
+    """Alignment of all T tokens' routed ids [T, S] in one program."""
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    e = tl.arange(0, E)
+    S: tl.constexpr = K + 1 if SHARED else K
+    sel = tl.zeros([BLOCK_T, E], dtype=tl.int32)
+    for j in tl.static_range(K):
+        idx = tl.load(ids_ptr + t * S + j, mask=t_ok, other=-1)
+        sel = tl.where(e[None, :] == idx[:, None], j + 1, sel)
+    _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E, K, SHARED)
+
+
+ROUTE_ALIGN_MAX_TOKENS = 64  # the align program holds [T, E] tiles: decode batches only
+# the model uses route_align up to here (H200: B=32 step 14.0 -> 17.8 ms with the one-program
+# kernel, kb/0007); beyond, ~10 torch kernels, ≈ 2 ms of a 32-row step (kb/0019). Up to
+# ROUTE_ONE_PROGRAM_UP_TO one program routes and aligns; above it top-k runs in T/2 programs
+# and one program aligns (kb/0021, to be measured before ROUTE_ALIGN_USE_UP_TO rises)
+ROUTE_ALIGN_USE_UP_TO = 8
+ROUTE_ONE_PROGRAM_UP_TO = 8
 # warps of the one route_align program by BLOCK_T, from scripts/bench_route.py on the H200
 # (session 8, µs per launch for 1/2/4/8 warps): T=1 5.2/4.8/4.6/5.0, T=2 6.2/5.3/5.4/5.4,
 # T=4 9.9/7.9/7.3/7.3, T=8 27.7/10.9/13.2/12.6; the shared expert adds ≤ 0.5
@@ -280,7 +333,8 @@ ROUTE_ALIGN_WARPS = {1: 4, 2: 2, 4: 4, 8: 2, 16: 8, 32: 8, 64: 8}
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tensor | None = None):
-    """Routing and `moe_align` in one kernel launch (decode batches, T ≤ 64).
+    """Routing and `moe_align` in one kernel launch (T ≤ ROUTE_ONE_PROGRAM_UP_TO) or two
+    (T ≤ 64: top-k in parallel programs, then the counting sort; kb/0021).
 
     router_logits: [T, E]. Returns (weights [T, k] in the logits dtype, ids [T, k] int64,
     order [T·k] int32, offsets [E+1] int32, experts [E] int32) — equal to `ref.route_topk`
@@ -307,10 +361,19 @@ def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tens
     experts = torch.empty(En, dtype=torch.int32, device=dev)
     bt = max(2, triton.next_power_of_2(T))
     seg = shared_gate if shared else router_logits
-    _route_align_kernel[(1,)](router_logits, seg, w, ids, order, offsets, experts, T,
-                              router_logits.stride(0), seg.stride(0), E=E, K=top_k, BLOCK_T=bt,
-                              BLOCK_S=triton.next_power_of_2(S), SHARED=shared,
-                              num_warps=ROUTE_ALIGN_WARPS.get(bt, 8))
+    bs = triton.next_power_of_2(S)
+    if T <= ROUTE_ONE_PROGRAM_UP_TO:
+        _route_align_kernel[(1,)](router_logits, seg, w, ids, order, offsets, experts, T,
+                                  router_logits.stride(0), seg.stride(0), E=E, K=top_k,
+                                  BLOCK_T=bt, BLOCK_S=bs, SHARED=shared,
+                                  num_warps=ROUTE_ALIGN_WARPS.get(bt, 8))
+    else:  # top-k per 2 tokens in parallel programs, then one counting-sort program
+        _route_rows_kernel[(triton.cdiv(T, 2),)](router_logits, seg, w, ids, T,
+                                                 router_logits.stride(0), seg.stride(0), E=E,
+                                                 K=top_k, ROWS=2, BLOCK_S=bs, SHARED=shared,
+                                                 num_warps=1)
+        _align_kernel[(1,)](ids, order, offsets, experts, T, E=E, K=top_k, BLOCK_T=bt,
+                            SHARED=shared, num_warps=ROUTE_ALIGN_WARPS.get(bt, 8))
     return w, ids, order, offsets, experts
 
 

@@ -33,7 +33,8 @@ from tailored.kernels import decode_linear
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
-from tailored.kernels.moe import ROUTE_ALIGN_USE_UP_TO, fused_moe, route_align
+from tailored.kernels import moe as moe_kernels
+from tailored.kernels.moe import fused_moe, route_align
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import qk_norm_rope
@@ -293,7 +294,8 @@ class FastPath:
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg, mlp = self.cfg, self.model.model.layers[i].mlp
         E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]
-        one_launch = T <= ROUTE_ALIGN_USE_UP_TO and not E & (E - 1)  # small decode batches
+        # decode batches: routing + align in one or two launches (read at call time: A/B)
+        one_launch = T <= moe_kernels.ROUTE_ALIGN_USE_UP_TO and not E & (E - 1)
         stack = self.stacks.get(i)
         if SHARED_IN_MOE and stack is not None and T <= SHARED_IN_MOE_UP_TO:
             # the shared expert as expert E: slot k of every token, weight sigmoid(gate)
