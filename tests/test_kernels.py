@@ -199,8 +199,9 @@ def test_moe_align_groups_pairs_by_expert():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (33, 256, 8), (64, 256, 8)])
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (12, 256, 8), (33, 256, 8), (64, 256, 8)])
 def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
+    """T ≤ 8: one program; above: top-k programs + the sorting align program (kb/0021)."""
     from tailored.kernels.moe import expert_partition_ref, moe_align, route_align
 
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * E)).to(DEV, dtype)

@@ -305,25 +305,31 @@ def _route_rows_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, T, stride_l, stride_
 
 
 @triton.jit
-def _align_kernel(ids_ptr, order_ptr, offsets_ptr, experts_ptr, T, E: tl.constexpr,
-                  K: tl.constexpr, BLOCK_T: tl.constexpr, SHARED: tl.constexpr):
-    """Alignment of all T tokens' routed ids [T, S] in one program."""
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    e = tl.arange(0, E)
-    S: tl.constexpr = K + 1 if SHARED else K
-    sel = tl.zeros([BLOCK_T, E], dtype=tl.int32)
-    for j in tl.static_range(K):
-        idx = tl.load(ids_ptr + t * S + j, mask=t_ok, other=-1)
-        sel = tl.where(e[None, :] == idx[:, None], j + 1, sel)
-    _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E, K, SHARED)
+def _align_sort_kernel(ids_ptr, order_ptr, offsets_ptr, experts_ptr, P, NE,
+                       BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """moe_align + expert_partition of P (token, slot) pairs with expert ids < NE, in one
+    program: sort the keys expert·BLOCK_P + pair (bitonic, `tl.sort`; the pair index in the
+    key keeps it stable), histogram of the experts, exclusive cumsum. Pads carry expert
+    BLOCK_E-1 ≥ NE, so they sort last and count nowhere. (The [T, E] tile and column cumsum of
+    `_align_tile` took 27.7 µs at T=32 on the H200, kb/0021.)"""
+    p = tl.arange(0, BLOCK_P)
+    ok = p < P
+    ex = tl.load(ids_ptr + p, mask=ok, other=BLOCK_E - 1).to(tl.int32)
+    key = tl.sort(ex * BLOCK_P + p)
+    tl.store(order_ptr + p, key % BLOCK_P, mask=ok)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.where(e < NE, tl.histogram(ex, BLOCK_E), 0)
+    incl = tl.cumsum(counts, 0)
+    tl.store(offsets_ptr + 1 + e, incl, mask=e < NE)
+    tl.store(offsets_ptr + e, 0, mask=e == 0)
+    _store_active_first(experts_ptr, e, counts, e < NE)
 
 
 ROUTE_ALIGN_MAX_TOKENS = 64  # the align program holds [T, E] tiles: decode batches only
 # the model uses route_align up to here (H200: B=32 step 14.0 -> 17.8 ms with the one-program
 # kernel, kb/0007); beyond, ~10 torch kernels, ≈ 2 ms of a 32-row step (kb/0019). Up to
 # ROUTE_ONE_PROGRAM_UP_TO one program routes and aligns; above it top-k runs in T/2 programs
-# and one program aligns (kb/0021, to be measured before ROUTE_ALIGN_USE_UP_TO rises)
+# and one program sorts the pairs (kb/0021, to be measured before ROUTE_ALIGN_USE_UP_TO rises)
 ROUTE_ALIGN_USE_UP_TO = 8
 ROUTE_ONE_PROGRAM_UP_TO = 8
 # warps of the one route_align program by BLOCK_T, from scripts/bench_route.py on the H200
@@ -334,7 +340,7 @@ ROUTE_ALIGN_WARPS = {1: 4, 2: 2, 4: 4, 8: 2, 16: 8, 32: 8, 64: 8}
 
 def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tensor | None = None):
     """Routing and `moe_align` in one kernel launch (T ≤ ROUTE_ONE_PROGRAM_UP_TO) or two
-    (T ≤ 64: top-k in parallel programs, then the counting sort; kb/0021).
+    (T ≤ 64: top-k in parallel programs, then one program sorts the pairs; kb/0021).
 
     router_logits: [T, E]. Returns (weights [T, k] in the logits dtype, ids [T, k] int64,
     order [T·k] int32, offsets [E+1] int32, experts [E] int32) — equal to `ref.route_topk`
@@ -367,13 +373,14 @@ def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tens
                                   router_logits.stride(0), seg.stride(0), E=E, K=top_k,
                                   BLOCK_T=bt, BLOCK_S=bs, SHARED=shared,
                                   num_warps=ROUTE_ALIGN_WARPS.get(bt, 8))
-    else:  # top-k per 2 tokens in parallel programs, then one counting-sort program
+    else:  # top-k per 2 tokens in parallel programs, then one sorting program
         _route_rows_kernel[(triton.cdiv(T, 2),)](router_logits, seg, w, ids, T,
                                                  router_logits.stride(0), seg.stride(0), E=E,
                                                  K=top_k, ROWS=2, BLOCK_S=bs, SHARED=shared,
                                                  num_warps=1)
-        _align_kernel[(1,)](ids, order, offsets, experts, T, E=E, K=top_k, BLOCK_T=bt,
-                            SHARED=shared, num_warps=ROUTE_ALIGN_WARPS.get(bt, 8))
+        _align_sort_kernel[(1,)](ids, order, offsets, experts, T * S, En,
+                                 BLOCK_P=triton.next_power_of_2(T * S),
+                                 BLOCK_E=triton.next_power_of_2(En + 1), num_warps=4)
     return w, ids, order, offsets, experts
 
 
