@@ -106,7 +106,8 @@ def _calls():
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.moe import fused_moe, route_align
-    from tailored.kernels.moe_combine import moe_combine, silu_mul
+    from tailored.kernels.decode_linear import decode_linear
+    from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.norm import add_rms_norm_1p
     from tailored.kernels.qk_norm_rope import qk_norm_rope
     from tailored.ops import reference as ref
@@ -137,8 +138,14 @@ def _calls():
                     x, w, ids, gu, dn, None, *sc))
             wl = torch.zeros(1024, H, dtype=f8)
             calls.append(lambda x=x, wl=wl: fp8_linear(x, wl, torch.ones(1024, H // 128)))
-        rl = torch.randn(1, E, dtype=dt)
-        calls.append(lambda rl=rl: route_align(rl, K))
+        for T in (1, 32):  # one program; top-k programs + the sorting align (kb/0021)
+            rl = torch.randn(T, E + 1, dtype=dt)
+            calls.append(lambda rl=rl: route_align(rl[:, :E], K))
+            calls.append(lambda rl=rl: route_align(rl[:, :E], K, shared_gate=rl[:, E:]))
+            calls.append(lambda T=T, dt=dt: moe_combine_folded(torch.zeros(T * (K + 1), H), K, dt))
+            xd = torch.randn(T, H, dtype=dt)
+            if T <= 16:
+                calls.append(lambda xd=xd, dt=dt: decode_linear(xd, torch.zeros(1024, H, dtype=dt)))
         B, S = 3, 5
         qkv = torch.randn(B, 8192, dtype=dt)
         conv_state = torch.zeros(S, 8192, 3, dtype=dt)
@@ -150,9 +157,10 @@ def _calls():
             torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
             torch.ones(128, dtype=dt), 16, 1e-6))
         kc = torch.zeros(9, 16, 2, 256, dtype=dt)
-        calls.append(lambda: paged_decode_attention(
-            torch.randn(B, 16, 256, dtype=dt), kc, kc, torch.zeros(B, 4, dtype=torch.int32),
-            torch.tensor([1, 17, 40], dtype=torch.int32)))
+        for splits in (8, 32):  # 32: 32-key blocks, merge over D (kb/0019)
+            calls.append(lambda splits=splits: paged_decode_attention(
+                torch.randn(B, 16, 256, dtype=dt), kc, kc, torch.zeros(B, 4, dtype=torch.int32),
+                torch.tensor([1, 17, 40], dtype=torch.int32), num_splits=splits))
     return calls
 
 
@@ -167,7 +175,7 @@ def test_every_kernel_compiles_for_sm90():
     assert {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_gate_up_kernel",
             "_down_kernel", "_fp8_linear_kernel", "_add_rms_norm_kernel", "_attn_split_kernel",
             "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
-            "_recurrent_kernel"} <= names, names
+            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     p = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(recs), text=True,
