@@ -21,11 +21,11 @@ from tailored.model.batch import ForwardBatch
 from tailored.stack import build_stack
 
 
-def _set_decode_linear(on):
+def _set_decode_linear(kinds):
     from tailored.kernels import decode_linear
 
     old = decode_linear.ENABLED
-    decode_linear.ENABLED = on
+    decode_linear.ENABLED = decode_linear._parse(kinds)
     return lambda: setattr(decode_linear, "ENABLED", old)
 
 
@@ -67,8 +67,13 @@ VARIANTS = {
     # B=32 for two switches that do nothing at B=32, so re-captured graphs (or drift) cost
     # that much; put control first (and last) and read the variants against it, not the first row
     "control": lambda: (lambda: None),
-    "decode_linear": lambda: _set_decode_linear(True),  # kb/0017
-    "no_decode_linear": lambda: _set_decode_linear(False),
+    "decode_linear": lambda: _set_decode_linear("1"),  # kb/0017: every projection kind
+    "no_decode_linear": lambda: _set_decode_linear("0"),
+    # one kind each: mixer input / output, router|shared gate|up, shared down (kb/0019)
+    "dl_in": lambda: _set_decode_linear("in"),
+    "dl_out": lambda: _set_decode_linear("out"),
+    "dl_router": lambda: _set_decode_linear("router"),
+    "dl_down": lambda: _set_decode_linear("down"),
     "shared_in_moe": lambda: _set_shared_in_moe(True),  # kb/0019
     "no_shared_in_moe": lambda: _set_shared_in_moe(False),
     "attn_splits": lambda: _set_attn_splits(True),  # kb/0019

@@ -77,7 +77,8 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     from tailored.kernels import decode_linear
     from tailored.model import fast as fastmod
 
-    monkeypatch.setattr(decode_linear, "ENABLED", variant == "decode_linear")
+    monkeypatch.setattr(decode_linear, "ENABLED",
+                        decode_linear.ALL if variant == "decode_linear" else frozenset())
     monkeypatch.setattr(fastmod, "SHARED_IN_MOE", variant == "shared_in_moe")
     if variant == "shared_in_moe":
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE_UP_TO", 4096)

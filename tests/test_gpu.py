@@ -146,7 +146,8 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
 
     from tailored.kernels import attention_decode
 
-    monkeypatch.setattr(decode_linear, "ENABLED", switches == "new")
+    monkeypatch.setattr(decode_linear, "ENABLED",
+                        decode_linear.ALL if switches == "new" else frozenset())
     monkeypatch.setattr(fastmod, "SHARED_IN_MOE", switches == "new")
     monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", switches == "new")
 

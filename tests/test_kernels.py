@@ -181,7 +181,13 @@ def test_decode_linear_is_off_by_default_and_only_for_small_batches(monkeypatch)
 
     w = torch.zeros(8, 4)
     assert not dl.use_decode_linear(torch.zeros(1, 4), w) or dl.ENABLED
-    monkeypatch.setattr(dl, "ENABLED", True)
+    monkeypatch.setattr(dl, "ENABLED", dl._parse("out,down"))  # by projection kind
+    assert dl.use_decode_linear(torch.zeros(1, 4), w, "out")
+    assert not dl.use_decode_linear(torch.zeros(1, 4), w, "in")
+    assert dl._parse("0") == frozenset() and dl._parse("") == frozenset()
+    with pytest.raises(ValueError):
+        dl._parse("out,sideways")
+    monkeypatch.setattr(dl, "ENABLED", dl._parse("1"))
     assert dl.use_decode_linear(torch.zeros(1, 4), w)
     assert dl.use_decode_linear(torch.zeros(16, 4), w)
     assert not dl.use_decode_linear(torch.zeros(17, 4), w)

@@ -72,7 +72,8 @@ def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
 class Proj:
     """One GEMM for linears of one kind (bf16, or block-FP8 via `fp8_linear`) sharing an input."""
 
-    def __init__(self, mods: list[nn.Module]):
+    def __init__(self, mods: list[nn.Module], kind: str = "in"):
+        self.kind = kind  # which projection: decode_linear.ENABLED picks by it
         self.fp8 = isinstance(mods[0], Fp8Linear)
         self.sizes = [m.weight.shape[0] for m in mods]
         self.weight = fuse_linears(mods) if len(mods) > 1 else mods[0].weight.data
@@ -83,7 +84,7 @@ class Proj:
         """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
         n = sum(sizes)
         p = Proj.__new__(Proj)
-        p.fp8, p.sizes = self.fp8, list(sizes)
+        p.fp8, p.sizes, p.kind = self.fp8, list(sizes), self.kind
         p.weight = self.weight[:n]
         p.scale = self.scale[:n] if self.fp8 else None
         return p
@@ -91,7 +92,7 @@ class Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
-        if decode_linear.use_decode_linear(x, self.weight):  # off by default (kb/0017)
+        if decode_linear.use_decode_linear(x, self.weight, self.kind):  # off (kb/0017, 0019)
             return decode_linear.decode_linear(x, self.weight)
         return F.linear(x, self.weight)
 
@@ -101,11 +102,11 @@ class ProjGroup:
     per kind for FP8, where the router, shared-expert gate and GDN a/b stay bf16). Calling it
     returns the modules' outputs in the given order (views of the GEMM outputs)."""
 
-    def __init__(self, mods: list[nn.Module]):
+    def __init__(self, mods: list[nn.Module], kind: str = "in"):
         kinds: dict[bool, list[int]] = {}
         for j, m in enumerate(mods):
             kinds.setdefault(isinstance(m, Fp8Linear), []).append(j)
-        self.parts = [(Proj([mods[j] for j in idx]), idx) for idx in kinds.values()]
+        self.parts = [(Proj([mods[j] for j in idx], kind), idx) for idx in kinds.values()]
         self.n = len(mods)
 
     def leading(self, n: int) -> Proj:
@@ -251,18 +252,19 @@ class FastPath:
             if layer.layer_type == "linear_attention":
                 m = layer.linear_attn
                 self.p_in[i] = ProjGroup([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-                self.p_out[i] = Proj([m.out_proj])
+                self.p_out[i] = Proj([m.out_proj], "out")
             else:
                 m = layer.self_attn
                 self.p_in[i] = ProjGroup([m.q_proj, m.k_proj, m.v_proj])
-                self.p_out[i] = Proj([m.o_proj])
+                self.p_out[i] = Proj([m.o_proj], "out")
             mlp = layer.mlp
             # router and shared-expert gate lead the fused GEMM (bf16 in both precisions), so
             # the decode path can run just those rows when the shared expert is a routed one
             self.p_moe[i] = ProjGroup([mlp.gate, mlp.shared_expert_gate,
-                                       mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj])
+                                       mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj],
+                                      "router")
             self.p_route[i] = self.p_moe[i].leading(2)
-            self.p_down[i] = Proj([mlp.shared_expert.down_proj])
+            self.p_down[i] = Proj([mlp.shared_expert.down_proj], "down")
             ex = mlp.experts
             scales = None
             if fp8.is_fp8_experts(ex):
