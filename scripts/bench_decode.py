@@ -61,6 +61,14 @@ def _set_route_up_to(n):
     return lambda: setattr(moe, "ROUTE_ALIGN_USE_UP_TO", old)
 
 
+def _set_gdn_split(n):
+    from tailored.kernels import gdn_decode
+
+    old = gdn_decode.DV_SPLIT
+    gdn_decode.DV_SPLIT = n
+    return lambda: setattr(gdn_decode, "DV_SPLIT", old)
+
+
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
 VARIANTS = {
     # a re-capture with nothing changed: the H200 run of session 8 measured +1.0 % and +2.3 % at
@@ -78,6 +86,8 @@ VARIANTS = {
     "no_shared_in_moe": lambda: _set_shared_in_moe(False),
     "attn_splits": lambda: _set_attn_splits(True),  # kb/0019
     "no_attn_splits": lambda: _set_attn_splits(False),
+    "gdn_split2": lambda: _set_gdn_split(2),  # GDN state columns over 2 / 4 programs, kb/0022
+    "gdn_split4": lambda: _set_gdn_split(4),
     "route64": lambda: _set_route_up_to(64),  # route_align's two-launch path up to 64 rows, kb/0021
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),

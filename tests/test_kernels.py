@@ -295,9 +295,12 @@ def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):
     return g, C, conv_state, rec_state, slots.to(DEV)
 
 
+@pytest.mark.parametrize("dv_split", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,HK,HV,Dk,Dv", [(1, 2, 4, 16, 16), (3, 4, 8, 32, 32), (5, 2, 4, 16, 32)])
-def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv):
+def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv, dv_split):
+    """dv_split > 1: each head's state columns over several programs, then the gated norm in its
+    own launch (kb/0022)."""
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
 
     num_slots = 9
@@ -322,7 +325,11 @@ def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv):
     out_ref = ref.gated_rms_norm(o_ref[:, 0], z.view(B, HV, Dv), norm_w, 1e-6).reshape(B, -1)
 
     y = conv_step(x, conv_state, weight, slots)
-    out = recurrent_step(y, a, b, z, rec_state, slots, A_log, dt_bias, norm_w, HK, 1e-6)
+    out = recurrent_step(y, a, b, z, rec_state, slots, A_log, dt_bias, norm_w, HK, 1e-6,
+                         dv_split=dv_split)
+    with pytest.raises(ValueError):
+        recurrent_step(y, a, b, z, rec_state.clone(), slots, A_log, dt_bias, norm_w, HK, 1e-6,
+                       dv_split=3)
     assert rel_err(y, y_ref) < TOL[dtype]
     assert rel_err(conv_state[slots], cs_ref) < TOL[dtype]
     assert rel_err(rec_state[slots], rs_ref) < TOL[dtype]

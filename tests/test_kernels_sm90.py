@@ -150,15 +150,18 @@ def _calls():
         qkv = torch.randn(B, 8192, dtype=dt)
         conv_state = torch.zeros(S, 8192, 3, dtype=dt)
         slots = torch.tensor([1, 2, 4], dtype=torch.int32)
-        calls.append(lambda: conv_step(qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots))
+        # default arguments bind this dtype's tensors (a bare closure would see the last loop's)
+        calls.append(lambda qkv=qkv, conv_state=conv_state, dt=dt: conv_step(
+            qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots))
         rec = torch.zeros(S, 32, 128, 128)
-        calls.append(lambda: recurrent_step(
-            qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
-            torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
-            torch.ones(128, dtype=dt), 16, 1e-6))
+        for split in (1, 4):  # 4: columns over programs + the gated-norm kernel (kb/0022)
+            calls.append(lambda split=split, dt=dt, qkv=qkv: recurrent_step(
+                qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
+                torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
+                torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split))
         kc = torch.zeros(9, 16, 2, 256, dtype=dt)
         for splits in (8, 32):  # 32: 32-key blocks, merge over D (kb/0019)
-            calls.append(lambda splits=splits: paged_decode_attention(
+            calls.append(lambda splits=splits, dt=dt, kc=kc: paged_decode_attention(
                 torch.randn(B, 16, 256, dtype=dt), kc, kc, torch.zeros(B, 4, dtype=torch.int32),
                 torch.tensor([1, 17, 40], dtype=torch.int32), num_splits=splits))
     return calls
@@ -175,7 +178,8 @@ def test_every_kernel_compiles_for_sm90():
     assert {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_gate_up_kernel",
             "_down_kernel", "_fp8_linear_kernel", "_add_rms_norm_kernel", "_attn_split_kernel",
             "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
-            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel"} <= names, names
+            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
+            "_gated_norm_kernel"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     p = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(recs), text=True,

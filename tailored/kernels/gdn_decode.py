@@ -63,13 +63,19 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                       A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr,
                       stride_cb, stride_ab, stride_bb, stride_zb, stride_ss, stride_ob,
                       KEY_DIM, eps, scale,
-                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BLOCK_V: tl.constexpr, FUSE_NORM: tl.constexpr):
+    """One (sequence, value head, BLOCK_V columns of the state) per program. The state's value
+    columns update independently (S[:, j] depends on v_j only), so a head may be split over
+    DV // BLOCK_V programs; the gated norm needs the whole head's output, so it is fused only
+    when BLOCK_V == DV (FUSE_NORM) and otherwise `_gated_norm_kernel` follows, reading the
+    rounded output from out_ptr."""
     bi = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     row = conv_ptr + bi * stride_cb
     q = tl.load(row + hk * DK + dk).to(tl.float32)
     k = tl.load(row + KEY_DIM + hk * DK + dk).to(tl.float32)
@@ -89,36 +95,74 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     S = S + k[:, None] * delta[None, :]
     tl.store(s_ptrs, S)
     o = tl.sum(S * q[:, None], 0)
-    # gated RMSNorm with the reference's casts: o rounds to the model dtype, normalise in fp32,
-    # round, scale by w in the model dtype, times silu(z) in fp32, round (ref.gated_rms_norm)
     dt = out_ptr.dtype.element_ty
-    o = o.to(dt).to(tl.float32)
+    if FUSE_NORM:
+        _gated_norm(o.to(dt).to(tl.float32), z_ptr + bi * stride_zb + h * DV, norm_w_ptr,
+                    out_ptr + bi * stride_ob + h * DV, eps, DV)
+    else:
+        tl.store(out_ptr + bi * stride_ob + h * DV + dv, o.to(dt))
+
+
+@triton.jit
+def _gated_norm(o, z_ptr, norm_w_ptr, out_ptr, eps, DV: tl.constexpr):
+    """Gated RMSNorm of one head's output o [DV] (fp32 holding model-dtype values) with the
+    reference's casts: normalise in fp32, round, scale by w in the model dtype, times silu(z)
+    in fp32, round (ref.gated_rms_norm)."""
+    dt = out_ptr.dtype.element_ty
+    dv = tl.arange(0, DV)
     y = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(dt)
     y = (tl.load(norm_w_ptr + dv).to(dt) * y).to(tl.float32)
-    z = tl.load(z_ptr + bi * stride_zb + h * DV + dv).to(tl.float32)
-    tl.store(out_ptr + bi * stride_ob + h * DV + dv, (y * (z * tl.sigmoid(z))).to(dt))
+    z = tl.load(z_ptr + dv).to(tl.float32)
+    tl.store(out_ptr + dv, (y * (z * tl.sigmoid(z))).to(dt))
+
+
+@triton.jit
+def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
+                       DV: tl.constexpr):
+    """The gated norm of one (sequence, head) after a split `_recurrent_kernel`, in place on
+    its rounded output."""
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    base = out_ptr + bi * stride_ob + h * DV
+    o = tl.load(base + tl.arange(0, DV)).to(tl.float32)
+    _gated_norm(o, z_ptr + bi * stride_zb + h * DV, norm_w_ptr, base, eps, DV)
+
+
+# value-column programs per (sequence, head) (kb/0022): 1 = one program per head with the norm
+# fused (32 programs at B=1: 2 MB of state in 6.7 µs on the H200); 2 or 4 spread the state over
+# more SMs and add a norm launch. Not yet measured: 1 until an A/B says otherwise
+DV_SPLIT = 1
 
 
 def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
                    state: torch.Tensor, slots: torch.Tensor, A_log: torch.Tensor,
                    dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int,
-                   eps: float) -> torch.Tensor:
+                   eps: float, dv_split: int | None = None) -> torch.Tensor:
     """Gates + delta-rule step + gated norm for one token per row; `state` updated in place.
 
     conv_out: [B, 2·HK·Dk + HV·Dv] = [q | k | v] after conv+SiLU; a, b: [B, HV] raw in_proj_a/b
     outputs; z: [B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32 contiguous per slot;
-    slots: [B]; A_log, dt_bias: [HV]; norm_weight: [Dv].
-    Returns [B, HV·Dv] in conv_out.dtype (input of out_proj).
+    slots: [B]; A_log, dt_bias: [HV]; norm_weight: [Dv]. dv_split: programs per (row, head)
+    over the value columns (None = DV_SPLIT; > 1 adds a gated-norm launch). Returns [B, HV·Dv]
+    in conv_out.dtype (input of out_proj). Raises ValueError for a split that does not divide
+    Dv into a power of 2.
     """
     B = conv_out.shape[0]
     _, HV, DK, DV = state.shape
     assert state.dtype == torch.float32 and state.stride(1) == DK * DV
     assert conv_out.stride(1) == 1 and z.stride(1) == 1
+    split = DV_SPLIT if dv_split is None else dv_split
+    if split < 1 or DV % split or (DV // split) & (DV // split - 1):
+        raise ValueError(f"recurrent_step: dv_split={split} must divide DV={DV} into a power of 2")
     key_dim = num_k_heads * DK
     out = torch.empty(B, HV * DV, dtype=conv_out.dtype, device=conv_out.device)
-    _recurrent_kernel[(B, HV)](
+    _recurrent_kernel[(B, HV, split)](
         conv_out, a, b, z, state, slots, A_log, dt_bias, norm_weight, out,
         conv_out.stride(0), a.stride(0), b.stride(0), z.stride(0), state.stride(0), out.stride(0),
         key_dim, eps, DK ** -0.5,
-        HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, num_warps=8)
+        HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, BLOCK_V=DV // split,
+        FUSE_NORM=split == 1, num_warps=8 if split == 1 else 4)
+    if split > 1:
+        _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
+                                    num_warps=1)
     return out
