@@ -52,6 +52,14 @@ def test_greedy_is_argmax_any_dtype():
         sample(logits.bfloat16(), [seq(temperature=0.0)] * 6)
         == logits.bfloat16().argmax(-1).tolist()
     )
+    # bf16 ties (many, from the rounding) go to the lowest id on the no-copy greedy path too
+    tied = torch.zeros(2, 50, dtype=torch.bfloat16)
+    tied[0, [7, 3, 30]] = 1.0
+    tied[1, [40, 41]] = torch.tensor([1.0001, 1.0002]).bfloat16()  # both round to 1.0
+    assert sample(tied, [seq(temperature=0.0)] * 2) == [3, 40]
+    # a greedy batch with a penalty row takes the float32 path: same choices where none applies
+    mixed = [seq(temperature=0.0)] * 5 + [seq(temperature=0.0, repetition_penalty=1.0001)]
+    assert sample(logits, mixed)[:5] == want[:5]
     before = logits.clone()
     sample(logits, [seq(temperature=1.0, repetition_penalty=2.0, prompt=(1, 2))] * 6)
     assert torch.equal(logits, before)  # input not modified

@@ -62,8 +62,13 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
     device = logits.device
 
     raw = logits  # the input, for the NaN fallback
-    logits = logits.to(torch.float32, copy=True)  # [B, V]
     params = [s.sampling for s in seqs]
+    if all(_is_greedy(p) and not _has_penalty(p) for p in params):
+        # the common serving case: argmax of the logits as they are. A float32 copy would
+        # change no order (every bf16 value is exact in fp32; ties go to the lowest id either
+        # way) and costs a [B, V] kernel each step
+        return _guarded(raw.argmax(dim=-1), raw.isnan().any(dim=-1), raw, seqs)
+    logits = logits.to(torch.float32, copy=True)  # [B, V]
 
     _apply_penalties(logits, seqs)
 
@@ -140,15 +145,13 @@ def _row_seed(seed: int, num_generated: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+def _has_penalty(p) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
     """In place on the rows whose request has a penalty on. logits: [B, V] float32."""
-    rows = [
-        i
-        for i, s in enumerate(seqs)
-        if s.sampling.repetition_penalty != 1.0
-        or s.sampling.presence_penalty != 0.0
-        or s.sampling.frequency_penalty != 0.0
-    ]
+    rows = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
     if not rows:
         return
     device, V = logits.device, logits.shape[1]
