@@ -419,6 +419,21 @@ def test_qk_norm_rope(dtype, T, H, D, R):
         # bf16 casts, so this runs on the GPU only)
         assert rel_err(out, want) < 1e-2
         assert (out == want).float().mean() > 0.95
+    # the KV store in the same launch: rows of a flat cache (NaN-poisoned), v copied alongside
+    N = 3 * T + 4
+    rows = torch.randperm(N, generator=g)[:T].to(DEV)
+    kc = torch.full((N, H, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    v = torch.randn(T, H, 2 * D, generator=g).to(DEV, dtype)[..., D:]  # strided, like qkv
+    got = qk_norm_rope(x, w, cos, sin, 1e-6, rows=rows, out=kc, v=v, v_out=vc)
+    assert got is kc and torch.equal(kc[rows], out) and torch.equal(vc[rows], v)
+    others = torch.ones(N, dtype=torch.bool, device=DEV)
+    others[rows] = False
+    assert kc[others].isnan().all() and vc[others].isnan().all()
+    with pytest.raises(ValueError):
+        qk_norm_rope(x, w, cos, sin, 1e-6, rows=rows)  # rows without out
+    with pytest.raises(ValueError):
+        qk_norm_rope(x, w, cos, sin, 1e-6, rows=rows, out=kc[:, :, : D // 2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -123,6 +123,10 @@ def _calls():
             cos, sin = ref.rope_cos_sin(torch.arange(T), 64, 1e7, dt)
             calls.append(lambda qg=qg, cos=cos, sin=sin: qk_norm_rope(
                 qg[..., :256], torch.zeros(256, dtype=dt), cos, sin, 1e-6))
+            kvc = torch.zeros(64, 2, 256, dtype=dt)  # decode keys: the KV store in the launch
+            calls.append(lambda qg=qg, cos=cos, sin=sin, kvc=kvc, T=T, dt=dt: qk_norm_rope(
+                qg[:, :2, :256], torch.zeros(256, dtype=dt), cos, sin, 1e-6,
+                rows=torch.arange(T), out=kvc, v=qg[:, :2, 256:], v_out=kvc))
             r = torch.randn(T, E + 2 * I + 1, dtype=dt)
             calls.append(lambda r=r: silu_mul(r[:, E:E + I], r[:, E + I:E + 2 * I]))
             calls.append(lambda r=r, T=T: moe_combine(torch.zeros(T * K, H), K, r[:, -1:],

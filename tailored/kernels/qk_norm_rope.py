@@ -21,9 +21,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps,
-                         stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-                         D: tl.constexpr, R: tl.constexpr):
+def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr, v_ptr, v_out_ptr,
+                         eps, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+                         stride_vt, stride_vh, stride_vot, stride_voh,
+                         D: tl.constexpr, R: tl.constexpr, TO_ROWS: tl.constexpr,
+                         COPY_V: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -45,17 +47,27 @@ def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps,
     a = (n.to(tl.float32) * c.to(tl.float32)).to(dt)
     b = (rot.to(tl.float32) * s.to(tl.float32)).to(dt)
     y = tl.where(in_rot, (a.to(tl.float32) + b.to(tl.float32)).to(dt), n)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, y)
+    o = tl.load(rows_ptr + t).to(tl.int64) if TO_ROWS else t  # KV cache row of this token
+    tl.store(out_ptr + o * stride_ot + h * stride_oh + d, y)
+    if COPY_V:  # the token's v head goes to the same cache row (one launch for the KV store)
+        vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+        tl.store(v_out_ptr + o * stride_vot + h * stride_voh + d, vv)
 
 
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None, v_out: torch.Tensor | None = None) -> torch.Tensor:
     """apply_partial_rope(rms_norm_1p(x, weight, eps), cos, sin) in one launch.
 
     x: [T, H, D] (unit stride on D; token and head strides free, e.g. a view of the fused qkv
     GEMM output); weight: [D]; cos, sin: [T, R] in x.dtype (`ref.rope_cos_sin`), R even, ≤ D;
-    D a power of 2. Returns a contiguous [T, H, D] tensor in x.dtype. Source: spec §6.2–6.3,
-    reference `ref.rms_norm_1p` + `ref.apply_partial_rope`.
+    D a power of 2. Returns a contiguous [T, H, D] tensor in x.dtype.
+    KV store in the same launch (decode keys, kb/0022): rows [T] int64 (device) and out
+    [N, H, D] (a layer's flat K cache, unit stride on D): token t's result goes to out[rows[t]]
+    and out is returned; with v [T, H, D] and v_out (the flat V cache), v[t] is copied to
+    v_out[rows[t]]. Rows may repeat only for pad rows (the sink: last writer wins).
+    Raises ValueError on mismatched shapes. Source: spec §6.2–6.3, reference
+    `ref.rms_norm_1p` + `ref.apply_partial_rope`.
     """
     T, H, D = x.shape
     R = cos.shape[-1]
@@ -63,11 +75,25 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
             or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride()):
         raise ValueError(f"qk_norm_rope: x{tuple(x.shape)} stride {x.stride()}, "
                          f"cos{tuple(cos.shape)}, sin{tuple(sin.shape)}")
-    out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    to_rows = rows is not None
+    if to_rows != (out is not None) or (v is None) != (v_out is None) or (v is not None and not to_rows):
+        raise ValueError("qk_norm_rope: rows and out go together, v and v_out too (with rows)")
+    if to_rows and (rows.shape != (T,) or out.shape[1:] != (H, D) or out.stride(2) != 1
+                    or out.dtype != x.dtype):
+        raise ValueError(f"qk_norm_rope: rows{tuple(rows.shape)} out{tuple(out.shape)} "
+                         f"stride {out.stride()} {out.dtype} for x{tuple(x.shape)} {x.dtype}")
+    if v is not None and (v.shape != x.shape or v.stride(2) != 1 or v_out.shape != out.shape
+                          or v_out.stride(2) != 1 or v.dtype != v_out.dtype):
+        raise ValueError(f"qk_norm_rope: v{tuple(v.shape)} v_out{tuple(v_out.shape)}")
+    if out is None:
+        out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    _qk_norm_rope_kernel[(T, H)](x, weight, cos, sin, out, eps, x.stride(0), x.stride(1),
-                                 cos.stride(0), out.stride(0), out.stride(1), D=D, R=R,
+    vv, vo = (v, v_out) if v is not None else (x, out)  # unused pointers without COPY_V
+    _qk_norm_rope_kernel[(T, H)](x, weight, cos, sin, out, rows if to_rows else x, vv, vo, eps,
+                                 x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
+                                 out.stride(1), vv.stride(0), vv.stride(1), vo.stride(0),
+                                 vo.stride(1), D=D, R=R, TO_ROWS=to_rows, COPY_V=v is not None,
                                  num_warps=2 if D <= 256 else 4,
                                  enable_fp_fusion=False)  # no FMA: keep each rounding
     return out

@@ -417,7 +417,10 @@ class FastPath:
                          cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices)
         return o[0], hT
 
-    def _attn_qkv(self, i, x, cos, sin):
+    def _attn_qkv(self, i, x, cos, sin, kv_rows=None):
+        """q, k, v [T, heads, D] and the output gate [T, Hq·D]. kv_rows (decode): k and v go
+        straight into layer i's KV cache rows in the k norm's launch; k and v are then that
+        layer's cache tensors [pages, page_size, Hkv, D]."""
         cfg, m = self.cfg, self.model.model.layers[i].self_attn
         T, D, Hq, Hkv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         qg, k, v = self.p_in[i](x)
@@ -427,12 +430,18 @@ class FastPath:
         v = v.view(T, Hkv, D)
         # per-head norm + partial RoPE: one launch per tensor (kernels/qk_norm_rope.py)
         q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
-        k = qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps)
-        return q, k, v, gate
+        if kv_rows is None:
+            k = qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps)
+            return q, k, v, gate
+        li = self.cache.attn_index[i]
+        kc, vc = self.cache.k[li], self.cache.v[li]
+        qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps, rows=kv_rows,
+                     out=kc.view(-1, *kc.shape[-2:]), v=v, v_out=vc.view(-1, *vc.shape[-2:]))
+        return q, kc, vc, gate
 
     def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):
-        q, k, v, gate = self._attn_qkv(i, x, cos, sin)
-        kc, vc = self._store_kv(i, kv_rows, k, v)
+        # the KV store rides in the k norm's launch (two index_copy_ launches fewer per layer)
+        q, kc, vc, gate = self._attn_qkv(i, x, cos, sin, kv_rows)
         o = paged_decode_attention(q.contiguous(), kc, vc, table, lens)
         return self._attn_out(i, o, gate)
 
