@@ -481,3 +481,36 @@ def test_moe_combine_folded(dtype, T, H, k):
         assert rel_err(out, want) < 1e-2 and (out == want).float().mean() > 0.95
     with pytest.raises(ValueError):
         moe_combine_folded(pairs[:-1], k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("folded", [False, True])
+@pytest.mark.parametrize("T,H,k", [(1, 2048, 8), (3, 96, 3), (5, 200, 8)])
+def test_moe_combine_with_the_next_norm(dtype, folded, T, H, k):
+    """norm=(residual, w, eps): (residual + out, rms_norm_1p of it) from the combine's launch
+    equal the combine then add_rms_norm_1p (kb/0023)."""
+    from tailored.kernels.moe_combine import moe_combine, moe_combine_folded
+    from tailored.kernels.norm import add_rms_norm_1p
+
+    g = torch.Generator().manual_seed(T + H + k + folded)
+    res = torch.randn(T, H, generator=g).to(DEV, dtype)
+    w = (0.3 * torch.randn(H, generator=g)).to(DEV, dtype)
+    if folded:
+        pairs = torch.randn(T * (k + 1), H, generator=g).to(DEV)
+        out = moe_combine_folded(pairs, k, dtype)
+        got_res, got = moe_combine_folded(pairs, k, dtype, (res, w, 1e-6))
+    else:
+        pairs = torch.randn(T * k, H, generator=g).to(DEV)
+        seg = torch.randn(T, 3, generator=g).to(DEV, dtype)[:, 1:2]
+        shared = torch.randn(T, H, generator=g).to(DEV, dtype)
+        out = moe_combine(pairs, k, seg, shared)
+        got_res, got = moe_combine(pairs, k, seg, shared, (res, w, 1e-6))
+    want_res, want = add_rms_norm_1p(res, out, w, 1e-6)
+    assert torch.equal(got_res, want_res)  # the add rounds the same way
+    assert not got.isnan().any()
+    if dtype == torch.float32:
+        assert rel_err(got, want) < 1e-6
+    else:  # FMA contraction differs between the two kernels: a few bf16 roundings may flip
+        assert rel_err(got, want) < 1e-2 and (got == want).float().mean() > 0.95
+    with pytest.raises(ValueError):
+        moe_combine_folded(torch.zeros(T * (k + 1), H, device=DEV), k, dtype, (res[:, :-1], w, 1e-6))

@@ -129,8 +129,12 @@ def _calls():
                 rows=torch.arange(T), out=kvc, v=qg[:, :2, 256:], v_out=kvc))
             r = torch.randn(T, E + 2 * I + 1, dtype=dt)
             calls.append(lambda r=r: silu_mul(r[:, E:E + I], r[:, E + I:E + 2 * I]))
-            calls.append(lambda r=r, T=T: moe_combine(torch.zeros(T * K, H), K, r[:, -1:],
-                                                      torch.zeros(T, H, dtype=dt)))
+            calls.append(lambda r=r, T=T, dt=dt: moe_combine(torch.zeros(T * K, H), K, r[:, -1:],
+                                                             torch.zeros(T, H, dtype=dt)))
+            # with the next layer's add + norm in the launch (kb/0023)
+            calls.append(lambda r=r, T=T, dt=dt: moe_combine(
+                torch.zeros(T * K, H), K, r[:, -1:], torch.zeros(T, H, dtype=dt),
+                (torch.zeros(T, H, dtype=dt), torch.zeros(H, dtype=dt), 1e-6)))
             ids = torch.randint(0, E, (T, K))
             w = torch.rand(T, K, dtype=dt)
             for wdt in (dt, f8):

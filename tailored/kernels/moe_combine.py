@@ -50,8 +50,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, H, stride_s, stride_sh, stride_o,
-                        K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr):
+def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, H, eps,
+                        stride_s, stride_sh, stride_o, stride_r, stride_ro,
+                        K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr,
+                        NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < H
@@ -68,50 +70,71 @@ def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, H, stride_s, stride_sh, s
         gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-s)).to(dt).to(tl.float32)
         sh = tl.load(sh_ptr + t * stride_sh + c, mask=ok, other=0.0).to(tl.float32)
         shared = (gate * sh).to(dt).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + c, (routed + shared).to(dt), mask=ok)
+    y = (routed + shared).to(dt)
+    if NORM:  # then kernels/norm.py's add + zero-centred RMSNorm of the next layer's input
+        x = (tl.load(res_ptr + t * stride_r + c, mask=ok, other=0.0).to(tl.float32)
+             + y.to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + t * stride_ro + c, x, mask=ok)
+        xf = x.to(tl.float32)
+        n = xf * tl.rsqrt(tl.sum(xf * xf, 0) / H + eps)
+        n = n * (1.0 + tl.load(nw_ptr + c, mask=ok, other=0.0).to(tl.float32))
+        tl.store(out_ptr + t * stride_o + c, n.to(dt), mask=ok)
+    else:
+        tl.store(out_ptr + t * stride_o + c, y, mask=ok)
+
+
+def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm):
+    """Shared launcher: out [T, H] (and the new residual with norm = (res, weight, eps))."""
+    out = torch.empty(T, H, dtype=dtype, device=pairs.device)
+    res_out = torch.empty(T, H, dtype=dtype, device=pairs.device) if norm else out
+    if T == 0:
+        return (res_out, out) if norm else out
+    # with the norm one program holds the whole row (the RMS needs it); else 1024 columns
+    block = triton.next_power_of_2(H) if norm else min(1024, triton.next_power_of_2(H))
+    res, w, eps = norm if norm else (out, out, 0.0)
+    if norm and (res.shape != (T, H) or res.stride(1) != 1 or res.dtype != dtype
+                 or w.shape != (H,)):
+        raise ValueError(f"moe_combine: residual{tuple(res.shape)} {res.dtype} weight"
+                         f"{tuple(w.shape)} for [{T}, {H}] {dtype}")
+    _moe_combine_kernel[(T, triton.cdiv(H, block))](
+        pairs, seg, shared, out, res, res_out, w, H, eps, seg.stride(0), shared.stride(0),
+        out.stride(0), res.stride(0), res_out.stride(0), K=k, BLOCK=block, FOLDED=folded,
+        NORM=bool(norm), num_warps=8 if block >= 2048 else 4,
+        enable_fp_fusion=False)  # no FMA: keep each rounding
+    return (res_out, out) if norm else out
 
 
 def moe_combine(pairs: torch.Tensor, k: int, shared_gate: torch.Tensor,
-                shared: torch.Tensor) -> torch.Tensor:
+                shared: torch.Tensor, norm: tuple | None = None):
     """Σ_k pairs + sigmoid(shared_gate) · shared, with the reference's roundings.
 
     pairs: [T·k, H] fp32 contiguous (`fused_moe(..., reduce=False)`); shared_gate: [T, 1] logits
     (row stride free); shared: [T, H] (unit column stride). Returns [T, H] in shared.dtype.
+    norm = (residual [T, H], weight [H], eps): also the next layer's input in the same launch,
+    as `add_rms_norm_1p(residual, moe_out, weight, eps)` computes it; returns (residual +
+    moe_out, its zero-centred RMSNorm) instead (kb/0023). Raises ValueError on bad shapes.
     """
     T, H = shared.shape
     if (pairs.shape != (T * k, H) or pairs.dtype != torch.float32 or not pairs.is_contiguous()
             or shared_gate.shape != (T, 1) or shared.stride(1) != 1):
         raise ValueError(f"moe_combine: pairs{tuple(pairs.shape)} {pairs.dtype} k={k} "
                          f"shared_gate{tuple(shared_gate.shape)} shared{tuple(shared.shape)}")
-    out = torch.empty(T, H, dtype=shared.dtype, device=shared.device)
-    if T == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, triton.cdiv(H, block))](
-        pairs, shared_gate, shared, out, H, shared_gate.stride(0), shared.stride(0), out.stride(0),
-        K=k, BLOCK=block, FOLDED=False, num_warps=4,
-        enable_fp_fusion=False)  # no FMA: keep each rounding
-    return out
+    return _launch(pairs, k, shared_gate, shared, T, H, shared.dtype, False, norm)
 
 
-def moe_combine_folded(pairs: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+def moe_combine_folded(pairs: torch.Tensor, k: int, dtype: torch.dtype,
+                       norm: tuple | None = None):
     """dt(dt(Σ_{j<k} pairs[t, j]) + dt(pairs[t, k])): the MoE block's output when the shared
     expert ran inside `fused_moe` as slot k with weight sigmoid(shared gate) (`route_align`'s
     shared_gate, kb/0019), so its weighted term is already a pair row.
 
-    pairs: [T·(k+1), H] fp32 contiguous, (token, slot) order. Returns [T, H] in dtype.
-    Raises ValueError on other shapes/dtypes. The roundings are those of `moe_combine` after
-    the shared expert's own (it is rounded once, from fp32, like a routed expert's output).
+    pairs: [T·(k+1), H] fp32 contiguous, (token, slot) order. Returns [T, H] in dtype; norm as
+    in `moe_combine`. Raises ValueError on other shapes/dtypes. The roundings are those of
+    `moe_combine` after the shared expert's own (it is rounded once, from fp32, like a routed
+    expert's output).
     """
     if pairs.dim() != 2 or pairs.shape[0] % (k + 1) or pairs.dtype != torch.float32 \
             or not pairs.is_contiguous():
         raise ValueError(f"moe_combine_folded: pairs{tuple(pairs.shape)} {pairs.dtype} k={k}")
     T, H = pairs.shape[0] // (k + 1), pairs.shape[1]
-    out = torch.empty(T, H, dtype=dtype, device=pairs.device)
-    if T == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, triton.cdiv(H, block))](
-        pairs, pairs, pairs, out, H, 0, 0, out.stride(0), K=k, BLOCK=block, FOLDED=True,
-        num_warps=4, enable_fp_fusion=False)
-    return out
+    return _launch(pairs, k, pairs, pairs, T, H, dtype, True, norm)

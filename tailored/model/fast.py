@@ -293,7 +293,10 @@ class FastPath:
     # -------------------------------------------------------------------------------------------
     # blocks
     # -------------------------------------------------------------------------------------------
-    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, i: int, x: torch.Tensor, norm: tuple | None = None):
+        """The MoE block of layer i on its normed input x [T, H]. norm = (residual, weight,
+        eps): returns (residual + block output, the next norm of it) from the combine's launch
+        (kb/0023) instead of the block output."""
         cfg, mlp = self.cfg, self.model.model.layers[i].mlp
         E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]
         # decode batches: routing + align in one or two launches (read at call time: A/B)
@@ -311,7 +314,7 @@ class FastPath:
                 aligned = None
             pairs = fused_moe(x, w, ids, stack.gate_up, stack.down, aligned,
                               stack.gate_up_scale, stack.down_scale, reduce=False)
-            return moe_combine_folded(pairs, k, x.dtype)
+            return moe_combine_folded(pairs, k, x.dtype, norm)
         r, seg, sg, su = self.p_moe[i](x)
         if one_launch:
             w, ids, *aligned = route_align(r, k)  # order, offsets, experts
@@ -322,7 +325,7 @@ class FastPath:
                           *self.experts.get(i, (None, None)), reduce=False)
         shared = self.p_down[i](silu_mul(sg, su))
         # Σ_k pairs + sigmoid(seg)·shared in one launch instead of five (kernels/moe_combine.py)
-        return moe_combine(pairs, k, seg, shared)
+        return moe_combine(pairs, k, seg, shared, norm)
 
     def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
         """x [T, H] normed. dec_rows/dec_slots: device tensors of the decode rows (all rows in
@@ -484,16 +487,17 @@ class FastPath:
     def _layers(self, x, cos, sin, mixer):
         """Residual stream through all layers; mixer(i, normed) → mixer output."""
         layers = self.model.model.layers
-        res, h = x, None
+        first = layers[0].input_layernorm
+        res, hn = add_rms_norm_1p(x, None, first.weight, first.eps)
         for i, layer in enumerate(layers):
-            res, hn = add_rms_norm_1p(res, h, layer.input_layernorm.weight,
-                                      layer.input_layernorm.eps)
             h = mixer(i, hn)
             res, hn = add_rms_norm_1p(res, h, layer.post_attention_layernorm.weight,
                                       layer.post_attention_layernorm.eps)
-            h = self._moe(i, hn)
-        norm = self.model.model.norm
-        return add_rms_norm_1p(res, h, norm.weight, norm.eps)[1]
+            # the MoE's combine also adds the residual and applies the next norm (the next
+            # layer's input norm, or the final norm): one launch fewer per layer (kb/0023)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.model.norm
+            res, hn = self._moe(i, hn, (res, nxt.weight, nxt.eps))
+        return hn
 
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
