@@ -69,6 +69,14 @@ def _set_gdn_split(n):
     return lambda: setattr(gdn_decode, "DV_SPLIT", old)
 
 
+def _set_next_norm(on):
+    from tailored.model import fast
+
+    old = fast.COMBINE_NEXT_NORM
+    fast.COMBINE_NEXT_NORM = on
+    return lambda: setattr(fast, "COMBINE_NEXT_NORM", old)
+
+
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
 VARIANTS = {
     # a re-capture with nothing changed: the H200 run of session 8 measured +1.0 % and +2.3 % at
@@ -88,6 +96,7 @@ VARIANTS = {
     "no_attn_splits": lambda: _set_attn_splits(False),
     "gdn_split2": lambda: _set_gdn_split(2),  # GDN state columns over 2 / 4 programs, kb/0022
     "gdn_split4": lambda: _set_gdn_split(4),
+    "next_norm": lambda: _set_next_norm(True),  # the MoE combine does the next norm, kb/0023
     "route64": lambda: _set_route_up_to(64),  # route_align's two-launch path up to 64 rows, kb/0021
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),

@@ -68,19 +68,21 @@ def test_fused_weights_are_views_with_the_same_values(pair):
         assert len(fastm.fast.p_in[0].parts) == 2
 
 
-@pytest.mark.parametrize("variant", ["cublas", "decode_linear", "shared_in_moe"])
+@pytest.mark.parametrize("variant", ["cublas", "decode_linear", "shared_in_moe+next_norm"])
 def test_steps_match_plain_path(pair, variant, monkeypatch):
     """decode_linear (kb/0017, off by default): the ≤ 16-row projections through the Triton
-    decode GEMM instead of F.linear. shared_in_moe (kb/0019): the shared expert as routed
-    expert E in decode-sized batches (here every step: the mixed ones have 70 ≤ 32 rows
-    only with the threshold raised)."""
+    decode GEMM instead of F.linear. shared_in_moe+next_norm: the shared expert as routed
+    expert E in decode-sized batches (kb/0019; here every step: the mixed ones have 70 ≤ 32
+    rows only with the threshold raised), and the combine doing the next add + norm
+    (kb/0023)."""
     from tailored.kernels import decode_linear
     from tailored.model import fast as fastmod
 
     monkeypatch.setattr(decode_linear, "ENABLED",
                         decode_linear.ALL if variant == "decode_linear" else frozenset())
-    monkeypatch.setattr(fastmod, "SHARED_IN_MOE", variant == "shared_in_moe")
-    if variant == "shared_in_moe":
+    monkeypatch.setattr(fastmod, "SHARED_IN_MOE", variant == "shared_in_moe+next_norm")
+    monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", variant == "shared_in_moe+next_norm")
+    if variant == "shared_in_moe+next_norm":
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE_UP_TO", 4096)
     plain, fastm, fcache = pair
     cfg = plain.config

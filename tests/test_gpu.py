@@ -140,7 +140,8 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
     fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul).
     switches "new": the kernel switches not yet on by default — decode_linear (kb/0017), the
     shared expert inside the fused MoE and attention splits by batch (kb/0019), route_align up
-    to 64 rows (kb/0021), the GDN step over 4 programs a head (kb/0022)."""
+    to 64 rows (kb/0021), the GDN step over 4 programs a head (kb/0022), the MoE combine with
+    the next norm (kb/0023)."""
     from tailored.kernels import decode_linear
     from tailored.model import fast as fastmod
     from tailored.model.fast import FastPath
@@ -154,6 +155,7 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
     from tailored.kernels import gdn_decode, moe
 
     monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4 if switches == "new" else 1)
+    monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", switches == "new")
     monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64 if switches == "new" else 8)
 
     model = _full4(dtype, precision=precision)

@@ -400,12 +400,17 @@ def _run(args) -> int:
 
 def _kernel_switches() -> dict:
     """Module switches that change the kernel path's numerics or launch shapes (recorded so a
-    report says which variant it gated: kb/0016, kb/0017)."""
+    report says which variant it gated: kb/0016, kb/0017, kb/0019–0023)."""
     try:
-        from tailored.kernels import decode_linear, moe
+        from tailored.kernels import attention_decode, decode_linear, gdn_decode, moe
+        from tailored.model import fast
     except ImportError:  # no triton: the plain path ran
         return {}
-    return {"decode_linear": decode_linear.ENABLED, "moe_compact_grid": moe.COMPACT_GRID}
+    return {"decode_linear": sorted(decode_linear.ENABLED), "moe_compact_grid": moe.COMPACT_GRID,
+            "shared_in_moe": fast.SHARED_IN_MOE, "attention_adaptive_splits":
+            attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
+            "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
+            "combine_next_norm": fast.COMBINE_NEXT_NORM}
 
 
 def _free(dev) -> None:

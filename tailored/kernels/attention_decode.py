@@ -12,6 +12,8 @@ page table zeros (the pad-sink page). Reference: `ref.causal_attention` with sta
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -93,7 +95,7 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
 
 # splits by batch (kb/0019): enough (sequence, KV head, split) programs to fill the H200's 132
 # SMs at small batches (B=1 had 16 programs for 12.8 µs), 8 from B=8 up; off = always 8
-ADAPTIVE_SPLITS = False
+ADAPTIVE_SPLITS = os.environ.get("TAILORED_ATTN_SPLITS", "0") == "1"
 
 
 def splits_for(batch: int, kv_heads: int) -> int:
