@@ -21,60 +21,28 @@ from tailored.model.batch import ForwardBatch
 from tailored.stack import build_stack
 
 
-def _set_decode_linear(kinds):
+def _set(module: str, attr: str, value):
+    """Set tailored.<module>.<attr> = value (read by the kernel path at call time); returns
+    the undo."""
+    import importlib
+
+    mod = importlib.import_module(f"tailored.{module}")
+    old = getattr(mod, attr)
+    setattr(mod, attr, value)
+    return lambda: setattr(mod, attr, old)
+
+
+def _set_decode_linear(kinds: str):
     from tailored.kernels import decode_linear
 
-    old = decode_linear.ENABLED
-    decode_linear.ENABLED = decode_linear._parse(kinds)
-    return lambda: setattr(decode_linear, "ENABLED", old)
-
-
-def _set_shared_in_moe(on):
-    from tailored.model import fast
-
-    old = fast.SHARED_IN_MOE
-    fast.SHARED_IN_MOE = on
-    return lambda: setattr(fast, "SHARED_IN_MOE", old)
+    return _set("kernels.decode_linear", "ENABLED", decode_linear._parse(kinds))
 
 
 def _set_route_warps(n):
     from tailored.kernels import moe
 
-    old = dict(moe.ROUTE_ALIGN_WARPS)
-    moe.ROUTE_ALIGN_WARPS.update({bt: n for bt in (1, 2, 4, 8)})
-    return lambda: moe.ROUTE_ALIGN_WARPS.update(old)
-
-
-def _set_attn_splits(on):
-    from tailored.kernels import attention_decode
-
-    old = attention_decode.ADAPTIVE_SPLITS
-    attention_decode.ADAPTIVE_SPLITS = on
-    return lambda: setattr(attention_decode, "ADAPTIVE_SPLITS", old)
-
-
-def _set_route_up_to(n):
-    from tailored.kernels import moe
-
-    old = moe.ROUTE_ALIGN_USE_UP_TO
-    moe.ROUTE_ALIGN_USE_UP_TO = n
-    return lambda: setattr(moe, "ROUTE_ALIGN_USE_UP_TO", old)
-
-
-def _set_gdn_split(n):
-    from tailored.kernels import gdn_decode
-
-    old = gdn_decode.DV_SPLIT
-    gdn_decode.DV_SPLIT = n
-    return lambda: setattr(gdn_decode, "DV_SPLIT", old)
-
-
-def _set_next_norm(on):
-    from tailored.model import fast
-
-    old = fast.COMBINE_NEXT_NORM
-    fast.COMBINE_NEXT_NORM = on
-    return lambda: setattr(fast, "COMBINE_NEXT_NORM", old)
+    warps = {**moe.ROUTE_ALIGN_WARPS, **{bt: n for bt in (1, 2, 4, 8)}}
+    return _set("kernels.moe", "ROUTE_ALIGN_WARPS", warps)
 
 
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
@@ -90,14 +58,14 @@ VARIANTS = {
     "dl_out": lambda: _set_decode_linear("out"),
     "dl_router": lambda: _set_decode_linear("router"),
     "dl_down": lambda: _set_decode_linear("down"),
-    "shared_in_moe": lambda: _set_shared_in_moe(True),  # kb/0019
-    "no_shared_in_moe": lambda: _set_shared_in_moe(False),
-    "attn_splits": lambda: _set_attn_splits(True),  # kb/0019
-    "no_attn_splits": lambda: _set_attn_splits(False),
-    "gdn_split2": lambda: _set_gdn_split(2),  # GDN state columns over 2 / 4 programs, kb/0022
-    "gdn_split4": lambda: _set_gdn_split(4),
-    "next_norm": lambda: _set_next_norm(True),  # the MoE combine does the next norm, kb/0023
-    "route64": lambda: _set_route_up_to(64),  # route_align's two-launch path up to 64 rows, kb/0021
+    "shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", True),  # kb/0019
+    "no_shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", False),
+    "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
+    "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
+    "gdn_split2": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 2),  # GDN state columns over 2 / 4 programs, kb/0022
+    "gdn_split4": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 4),
+    "next_norm": lambda: _set("model.fast", "COMBINE_NEXT_NORM", True),  # the MoE combine does the next norm, kb/0023
+    "route64": lambda: _set("kernels.moe", "ROUTE_ALIGN_USE_UP_TO", 64),  # route_align's two-launch path up to 64 rows, kb/0021
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),
 }
