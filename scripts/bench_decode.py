@@ -62,10 +62,13 @@ VARIANTS = {
     "no_shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", False),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
-    "gdn_split2": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 2),  # GDN state columns over 2 / 4 programs, kb/0022
+    # GDN state columns over 2 / 4 programs (kb/0022)
+    "gdn_split2": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 2),
     "gdn_split4": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 4),
-    "next_norm": lambda: _set("model.fast", "COMBINE_NEXT_NORM", True),  # the MoE combine does the next norm, kb/0023
-    "route64": lambda: _set("kernels.moe", "ROUTE_ALIGN_USE_UP_TO", 64),  # route_align's two-launch path up to 64 rows, kb/0021
+    # the MoE combine does the next add + norm (kb/0023)
+    "next_norm": lambda: _set("model.fast", "COMBINE_NEXT_NORM", True),
+    # route_align's two-launch path up to 64 rows (kb/0021)
+    "route64": lambda: _set("kernels.moe", "ROUTE_ALIGN_USE_UP_TO", 64),
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),
 }

@@ -1,7 +1,7 @@
 """route_align on the GPU: µs per launch by batch rows, warps of its (align) program and with
 or without the shared expert as expert E (kb/0019), against the torch path (route_topk +
-moe_align + expert_partition) that the model takes above ROUTE_ALIGN_USE_UP_TO (kb/0021). 40 launches (one per layer) in a CUDA graph,
-replayed; prints a table. Usage: python scripts/bench_route.py [--batches 1,2,4,8] [--json F]
+moe_align + expert_partition) that the model takes above ROUTE_ALIGN_USE_UP_TO (kb/0021).
+40 launches (one per layer) in a CUDA graph, replayed; prints a table. Usage: python scripts/bench_route.py [--batches 1,2,4,8] [--json F]
 """
 
 from __future__ import annotations
