@@ -68,22 +68,25 @@ def test_fused_weights_are_views_with_the_same_values(pair):
         assert len(fastm.fast.p_in[0].parts) == 2
 
 
-@pytest.mark.parametrize("variant", ["cublas", "decode_linear", "shared_in_moe+next_norm"])
+@pytest.mark.parametrize("variant", ["defaults", "switches"])
 def test_steps_match_plain_path(pair, variant, monkeypatch):
-    """decode_linear (kb/0017, off by default): the ≤ 16-row projections through the Triton
-    decode GEMM instead of F.linear. shared_in_moe+next_norm: the shared expert as routed
-    expert E in decode-sized batches (kb/0019; here every step: the mixed ones have 70 ≤ 32
-    rows only with the threshold raised), and the combine doing the next add + norm
-    (kb/0023)."""
-    from tailored.kernels import decode_linear
+    """switches: every kernel switch that is off by default, on at once (one variant, since
+    each costs minutes in the interpreter): decode_linear for every projection kind (kb/0017),
+    the shared expert as routed expert E (kb/0019; threshold raised so that the 80-row mixed
+    steps take it too), attention splits by batch (kb/0019), two-launch routing up to 64 rows
+    (kb/0021), the GDN step over 4 programs a head (kb/0022) and the combine doing the next
+    add + norm (kb/0023)."""
+    from tailored.kernels import attention_decode, decode_linear, gdn_decode, moe
     from tailored.model import fast as fastmod
 
-    monkeypatch.setattr(decode_linear, "ENABLED",
-                        decode_linear.ALL if variant == "decode_linear" else frozenset())
-    monkeypatch.setattr(fastmod, "SHARED_IN_MOE", variant == "shared_in_moe+next_norm")
-    monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", variant == "shared_in_moe+next_norm")
-    if variant == "shared_in_moe+next_norm":
-        monkeypatch.setattr(fastmod, "SHARED_IN_MOE_UP_TO", 4096)
+    on = variant == "switches"
+    monkeypatch.setattr(decode_linear, "ENABLED", decode_linear.ALL if on else frozenset())
+    monkeypatch.setattr(fastmod, "SHARED_IN_MOE", on)
+    monkeypatch.setattr(fastmod, "SHARED_IN_MOE_UP_TO", 4096 if on else 32)
+    monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", on)
+    monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", on)
+    monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4 if on else 1)
+    monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64 if on else 8)
     plain, fastm, fcache = pair
     cfg = plain.config
     fcache.rec.zero_(), fcache.conv.zero_(), fcache.k.zero_(), fcache.v.zero_()
