@@ -62,3 +62,20 @@ def dot_precision(dtype) -> str:
     import torch
 
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def env_int(name: str, default: int, lo: int, hi: int, power_of_2: bool = False) -> int:
+    """An integer kernel switch from the environment (kb/0019–0023), default when unset.
+    Raises ValueError naming the variable for a non-integer, out-of-range or (power_of_2)
+    non-power-of-2 value: a typo must not start a server on some other setting."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = None
+    if v is None or not lo <= v <= hi or (power_of_2 and v & (v - 1)):
+        kind = "a power of 2" if power_of_2 else "an integer"
+        raise ValueError(f"{name}={raw!r}: expected {kind} in [{lo}, {hi}]")
+    return v

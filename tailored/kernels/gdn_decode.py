@@ -13,11 +13,11 @@ read on the device). References: `ref.causal_conv1d_step`, `ref.gdn_gates`,
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from tailored.kernels import env_int
 
 
 @triton.jit
@@ -133,7 +133,7 @@ def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
 # value-column programs per (sequence, head) (kb/0022): 1 = one program per head with the norm
 # fused (32 programs at B=1: 2 MB of state in 6.7 µs on the H200); 2 or 4 spread the state over
 # more SMs and add a norm launch. Not yet measured: 1 until an A/B says otherwise
-DV_SPLIT = int(os.environ.get("TAILORED_GDN_DV_SPLIT", "1"))
+DV_SPLIT = env_int("TAILORED_GDN_DV_SPLIT", 1, 1, 16, power_of_2=True)
 
 
 def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,

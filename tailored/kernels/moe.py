@@ -17,13 +17,11 @@ Source: reference `tailored.ops.reference.moe_experts`; HF-MOD `Qwen3_5MoeExpert
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import autotune_enabled, dot_precision, tuning
+from tailored.kernels import autotune_enabled, dot_precision, env_int, tuning
 from tailored.kernels.fp8_linear import tile_dot
 
 
@@ -332,7 +330,7 @@ ROUTE_ALIGN_MAX_TOKENS = 64  # the align program holds [T, E] tiles: decode batc
 # kernel, kb/0007); beyond, ~10 torch kernels, ≈ 2 ms of a 32-row step (kb/0019). Up to
 # ROUTE_ONE_PROGRAM_UP_TO one program routes and aligns; above it top-k runs in T/2 programs
 # and one program sorts the pairs (kb/0021, to be measured before ROUTE_ALIGN_USE_UP_TO rises)
-ROUTE_ALIGN_USE_UP_TO = int(os.environ.get("TAILORED_ROUTE_ALIGN_UP_TO", "8"))
+ROUTE_ALIGN_USE_UP_TO = env_int("TAILORED_ROUTE_ALIGN_UP_TO", 8, 0, ROUTE_ALIGN_MAX_TOKENS)
 ROUTE_ONE_PROGRAM_UP_TO = 8
 # warps of the one route_align program by BLOCK_T, from scripts/bench_route.py on the H200
 # (session 8, µs per launch for 1/2/4/8 warps): T=1 5.2/4.8/4.6/5.0, T=2 6.2/5.3/5.4/5.4,
