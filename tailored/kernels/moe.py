@@ -325,17 +325,18 @@ def _align_sort_kernel(ids_ptr, order_ptr, offsets_ptr, experts_ptr, P, NE,
     _store_active_first(experts_ptr, e, counts, e < NE)
 
 
-ROUTE_ALIGN_MAX_TOKENS = 64  # the align program holds [T, E] tiles: decode batches only
+ROUTE_ALIGN_MAX_TOKENS = 64  # one align program per step (a [T, E] tile or T·k sort keys)
 # the model uses route_align up to here (H200: B=32 step 14.0 -> 17.8 ms with the one-program
 # kernel, kb/0007); beyond, ~10 torch kernels, ≈ 2 ms of a 32-row step (kb/0019). Up to
 # ROUTE_ONE_PROGRAM_UP_TO one program routes and aligns; above it top-k runs in T/2 programs
 # and one program sorts the pairs (kb/0021, to be measured before ROUTE_ALIGN_USE_UP_TO rises)
 ROUTE_ALIGN_USE_UP_TO = env_int("TAILORED_ROUTE_ALIGN_UP_TO", 8, 0, ROUTE_ALIGN_MAX_TOKENS)
 ROUTE_ONE_PROGRAM_UP_TO = 8
-# warps of the one route_align program by BLOCK_T, from scripts/bench_route.py on the H200
-# (session 8, µs per launch for 1/2/4/8 warps): T=1 5.2/4.8/4.6/5.0, T=2 6.2/5.3/5.4/5.4,
-# T=4 9.9/7.9/7.3/7.3, T=8 27.7/10.9/13.2/12.6; the shared expert adds ≤ 0.5
-ROUTE_ALIGN_WARPS = {1: 4, 2: 2, 4: 4, 8: 2, 16: 8, 32: 8, 64: 8}
+# warps of route_align's single program by BLOCK_T: the route+align program up to 8 rows,
+# from scripts/bench_route.py on the H200 (session 8, µs per launch for 1/2/4/8 warps): T=1
+# 5.2/4.8/4.6/5.0, T=2 6.2/5.3/5.4/5.4, T=4 9.9/7.9/7.3/7.3, T=8 27.7/10.9/13.2/12.6 (the
+# shared expert adds ≤ 0.5); above 8 the sorting align program (not yet swept)
+ROUTE_ALIGN_WARPS = {1: 4, 2: 2, 4: 4, 8: 2, 16: 4, 32: 4, 64: 4}
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tensor | None = None):
@@ -372,7 +373,7 @@ def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tens
         _route_align_kernel[(1,)](router_logits, seg, w, ids, order, offsets, experts, T,
                                   router_logits.stride(0), seg.stride(0), E=E, K=top_k,
                                   BLOCK_T=bt, BLOCK_S=bs, SHARED=shared,
-                                  num_warps=ROUTE_ALIGN_WARPS.get(bt, 8))
+                                  num_warps=ROUTE_ALIGN_WARPS[bt])
     else:  # top-k per 2 tokens in parallel programs, then one sorting program
         _route_rows_kernel[(triton.cdiv(T, 2),)](router_logits, seg, w, ids, T,
                                                  router_logits.stride(0), seg.stride(0), E=E,
@@ -380,7 +381,8 @@ def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tens
                                                  num_warps=1)
         _align_sort_kernel[(1,)](ids, order, offsets, experts, T * S, En,
                                  BLOCK_P=triton.next_power_of_2(T * S),
-                                 BLOCK_E=triton.next_power_of_2(En + 1), num_warps=4)
+                                 BLOCK_E=triton.next_power_of_2(En + 1),
+                                 num_warps=ROUTE_ALIGN_WARPS[bt])
     return w, ids, order, offsets, experts
 
 
