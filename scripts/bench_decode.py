@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -115,6 +116,10 @@ def main():
                     help="comma-separated kernel switches to time the same batches with, each "
                          "after a re-capture: " + ", ".join(VARIANTS) + " ('+' joins several, "
                          "e.g. decode_linear+shared_in_moe)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="cycle through --variants this many times and report each variant's "
+                         "median: drift over the run and re-capture noise (1-2 %%, kb/0019) "
+                         "average out instead of landing on whichever variant ran last")
     ap.add_argument("--profile-variant", default="",
                     help="the switches (as in --variants) the --profile kernel table runs with")
     ap.add_argument("--prefill-graphs", action="store_true",
@@ -135,7 +140,7 @@ def main():
         for part in v.split("+"):
             if part not in VARIANTS:
                 ap.error(f"unknown variant {part!r}: one of {', '.join(VARIANTS)}")
-    n_dec = len(batches) * (a.steps + 5) * (1 + len(variants)) + 5 * a.profile
+    n_dec = len(batches) * (a.steps + 5) * (1 + len(variants) * a.rounds) + 5 * a.profile
     t0 = time.monotonic()
     st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16", progress=False,
                      max_model_len=max(a.ctx + 512, a.ctx + n_dec + 64 + 16),
@@ -253,16 +258,21 @@ def main():
               f"eager kernels {ms_eager:.2f} ms/step", flush=True)
     res["decode"] = [dict(batch=B, graph_ms=g_, tok_s=t, eager_ms=e) for B, g_, t, e in rows]
     res["variants"] = {}
-    for v in variants:  # A/B: the same batches with kernel switches on, graphs re-captured
-        undo = switch(v, fast)
-        res["variants"][v] = []
-        for B in batches:
-            f = step_fn(B)
-            f()
-            ms = timed(f, a.steps)
-            res["variants"][v].append(dict(batch=B, graph_ms=ms, tok_s=1e3 * B / ms))
-            print(f"B={B}: graph {ms:.2f} ms/step with {v}", flush=True)
-        undo()
+    samples: dict[str, dict[int, list[float]]] = {v: {B: [] for B in batches} for v in variants}
+    for rnd in range(a.rounds):  # A/B: the same batches with kernel switches on, re-captured
+        for v in variants:
+            undo = switch(v, fast)
+            for B in batches:
+                f = step_fn(B)
+                f()
+                ms = timed(f, a.steps)
+                samples[v][B].append(ms)
+                print(f"round {rnd + 1}: B={B}: graph {ms:.2f} ms/step with {v}", flush=True)
+            undo()
+    for v in variants:
+        res["variants"][v] = [dict(batch=B, graph_ms=statistics.median(samples[v][B]),
+                                   tok_s=1e3 * B / statistics.median(samples[v][B]),
+                                   samples_ms=samples[v][B]) for B in batches]
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -285,11 +295,17 @@ def main():
         print(f"prefill {a.ctx} tokens profile:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
     vms = {v: {r["batch"]: r["graph_ms"] for r in rs} for v, rs in res["variants"].items()}
-    print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step |"
+    # ratios against the control re-capture's median when it ran (kb/0019), else the defaults
+    base = vms.get("control")
+    print(f"\n| batch | graph ms/step | tok/s | eager-kernel ms/step |"
           + "".join(f" {v} |" for v in vms) + "\n|---|---|---|---|" + "---|" * len(vms))
     for B, g_, t, e in rows:
+        ref_ms = base[B] if base else g_
         print(f"| {B} | {g_:.2f} | {t:.0f} | {e:.2f} |"
-              + "".join(f" {m[B]:.2f} ({m[B] / g_ - 1:+.1%}) |" for m in vms.values()))
+              + "".join(f" {m[B]:.2f} ({m[B] / ref_ms - 1:+.1%}) |" for m in vms.values()))
+    if a.rounds > 1:
+        print(f"(variants: median of {a.rounds} rounds; ratios vs "
+              f"{'control' if base else 'the first defaults row'})")
     print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms")
     if a.json:
         with open(a.json, "w") as fh:
