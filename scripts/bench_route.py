@@ -34,13 +34,49 @@ def time_graph(fn, reps: int) -> float:
     return t0.elapsed_time(t1) * 1e3 / reps / LAYERS
 
 
+def one_program(a) -> None:
+    """Each batch through the one-program route_align and through the two-launch one (top-k
+    programs + the sorting align program), same inputs, outputs compared."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for B in [int(b) for b in a.batches.split(",")]:
+        logits = [torch.randn(B, E, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(LAYERS)]
+        ref_out = None
+        for up_to in [int(x) for x in a.one_program_up_to.split(",")]:
+            moe.ROUTE_ONE_PROGRAM_UP_TO = up_to
+
+            def fn():
+                return [moe.route_align(lg, K) for lg in logits]
+
+            us = time_graph(fn, a.reps)
+            out = fn()
+            # bf16 ties may order tied experts differently between the two paths: compare sets
+            same = ref_out is None or all(
+                torch.equal(o[1].sort(-1).values, r[1].sort(-1).values)
+                and torch.equal(o[3], r[3]) for o, r in zip(out, ref_out))
+            ref_out = ref_out or out
+            path = "one program" if B <= up_to else "two launches"
+            rows.append(dict(batch=B, one_program_up_to=up_to, path=path, us=us, same_ids=same))
+            print(f"| {B} | {path} | {us:.2f} | {same} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--warps", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--one-program-up-to", default="",
+                    help="comma list of moe.ROUTE_ONE_PROGRAM_UP_TO values to time each batch "
+                         "with (0 = always the two-launch path): which path wins at T <= 8")
     a = ap.parse_args()
+    if a.one_program_up_to:
+        one_program(a)
+        return
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for B in [int(b) for b in a.batches.split(",")]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tailored.kernels import env_int
+from tailored.kernels import env_flag, env_int
 
 
 def test_env_int_default_value_and_errors(monkeypatch):
@@ -22,3 +22,34 @@ def test_env_int_default_value_and_errors(monkeypatch):
         env_int("TAILORED_X", 1, 1, 16, power_of_2=True)
     monkeypatch.setenv("TAILORED_X", "4")
     assert env_int("TAILORED_X", 1, 1, 16, power_of_2=True) == 4
+
+
+def test_env_flag_default_value_and_errors(monkeypatch):
+    monkeypatch.delenv("TAILORED_X", raising=False)
+    assert env_flag("TAILORED_X", True) is True
+    assert env_flag("TAILORED_X", False) is False
+    monkeypatch.setenv("TAILORED_X", " 0 ")
+    assert env_flag("TAILORED_X", True) is False
+    monkeypatch.setenv("TAILORED_X", "1")
+    assert env_flag("TAILORED_X", False) is True
+    for bad in ("true", "yes", "on", "2", "off"):
+        monkeypatch.setenv("TAILORED_X", bad)
+        with pytest.raises(ValueError, match="TAILORED_X"):
+            env_flag("TAILORED_X", False)
+
+
+def test_session9_defaults():
+    """The A/B winners of session 9 (kb/0024) are the defaults when the environment is silent."""
+    import os
+
+    from tailored.kernels import attention_decode, gdn_decode, moe
+    from tailored.model import fast
+
+    for name in ("TAILORED_ROUTE_ALIGN_UP_TO", "TAILORED_GDN_DV_SPLIT",
+                 "TAILORED_COMBINE_NEXT_NORM", "TAILORED_SHARED_IN_MOE", "TAILORED_ATTN_SPLITS"):
+        if os.environ.get(name):
+            pytest.skip(f"{name} is set in this environment")
+    assert moe.ROUTE_ALIGN_USE_UP_TO == moe.ROUTE_ALIGN_MAX_TOKENS == 64
+    assert gdn_decode.DV_SPLIT == 2
+    assert fast.COMBINE_NEXT_NORM is True
+    assert fast.SHARED_IN_MOE is False and attention_decode.ADAPTIVE_SPLITS is False

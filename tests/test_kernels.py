@@ -225,6 +225,17 @@ def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,k", [(1, 256, 8), (3, 16, 4), (7, 256, 8)])
+def test_route_align_two_launch_path_at_few_rows(dtype, T, E, k, monkeypatch):
+    """The two-launch path below its default threshold (an odd T leaves the last top-k
+    program half empty): scripts/bench_route.py --one-program-up-to times both paths there."""
+    from tailored.kernels import moe
+
+    monkeypatch.setattr(moe, "ROUTE_ONE_PROGRAM_UP_TO", 0)
+    test_route_align_equals_route_topk_then_align(dtype, T, E, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (7, 256, 8), (33, 256, 8)])
 def test_route_align_with_the_shared_expert(dtype, T, E, k):
     """shared_gate: expert E joins as slot k of every token with weight sigmoid(gate) — what

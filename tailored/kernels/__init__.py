@@ -64,6 +64,18 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off kernel switch from the environment: "1" on, "0" off, default when unset.
+    Raises ValueError naming the variable for anything else ("true", "yes", a typo): a
+    switch that silently stays at its default is an A/B that measured nothing."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 def env_int(name: str, default: int, lo: int, hi: int, power_of_2: bool = False) -> int:
     """An integer kernel switch from the environment (kb/0019–0023), default when unset.
     Raises ValueError naming the variable for a non-integer, out-of-range or (power_of_2)

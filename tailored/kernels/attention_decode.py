@@ -12,13 +12,12 @@ page table zeros (the pad-sink page). Reference: `ref.causal_attention` with sta
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import dot_precision
+from tailored.kernels import dot_precision, env_flag
 
 
 @triton.jit
@@ -95,7 +94,7 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
 
 # splits by batch (kb/0019): enough (sequence, KV head, split) programs to fill the H200's 132
 # SMs at small batches (B=1 had 16 programs for 12.8 µs), 8 from B=8 up; off = always 8
-ADAPTIVE_SPLITS = os.environ.get("TAILORED_ATTN_SPLITS", "0") == "1"
+ADAPTIVE_SPLITS = env_flag("TAILORED_ATTN_SPLITS", False)
 
 
 def splits_for(batch: int, kv_heads: int) -> int:

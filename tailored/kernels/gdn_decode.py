@@ -132,8 +132,9 @@ def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
 
 # value-column programs per (sequence, head) (kb/0022): 1 = one program per head with the norm
 # fused (32 programs at B=1: 2 MB of state in 6.7 µs on the H200); 2 or 4 spread the state over
-# more SMs and add a norm launch. Not yet measured: 1 until an A/B says otherwise
-DV_SPLIT = env_int("TAILORED_GDN_DV_SPLIT", 1, 1, 16, power_of_2=True)
+# more SMs and add a norm launch. 2 since the session-9 A/B on the H200 (kb/0024): B=1 -3.0 %,
+# B=16 -2.4 %, B=32 -4.4 % of the graph step; 4 gained less at every batch size
+DV_SPLIT = env_int("TAILORED_GDN_DV_SPLIT", 2, 1, 16, power_of_2=True)
 
 
 def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,

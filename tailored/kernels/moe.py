@@ -326,11 +326,12 @@ def _align_sort_kernel(ids_ptr, order_ptr, offsets_ptr, experts_ptr, P, NE,
 
 
 ROUTE_ALIGN_MAX_TOKENS = 64  # one align program per step (a [T, E] tile or T·k sort keys)
-# the model uses route_align up to here (H200: B=32 step 14.0 -> 17.8 ms with the one-program
-# kernel, kb/0007); beyond, ~10 torch kernels, ≈ 2 ms of a 32-row step (kb/0019). Up to
-# ROUTE_ONE_PROGRAM_UP_TO one program routes and aligns; above it top-k runs in T/2 programs
-# and one program sorts the pairs (kb/0021, to be measured before ROUTE_ALIGN_USE_UP_TO rises)
-ROUTE_ALIGN_USE_UP_TO = env_int("TAILORED_ROUTE_ALIGN_UP_TO", 8, 0, ROUTE_ALIGN_MAX_TOKENS)
+# the model uses route_align up to here; beyond, ~10 torch kernels (≈ 51 µs a layer at 32
+# rows, kb/0019). Up to ROUTE_ONE_PROGRAM_UP_TO one program routes and aligns; above it top-k
+# runs in T/2 programs and one program sorts the pairs (kb/0021): 6.5 µs a layer at T=32 on the
+# H200, B=16 / B=32 graph steps -12.6 % / -12.9 % (session-9 A/B, kb/0024)
+ROUTE_ALIGN_USE_UP_TO = env_int("TAILORED_ROUTE_ALIGN_UP_TO", ROUTE_ALIGN_MAX_TOKENS, 0,
+                                ROUTE_ALIGN_MAX_TOKENS)
 ROUTE_ONE_PROGRAM_UP_TO = 8
 # warps of route_align's single program by BLOCK_T: the route+align program up to 8 rows,
 # from scripts/bench_route.py on the H200 (session 8, µs per launch for 1/2/4/8 warps): T=1

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailored.kernels import decode_linear
+from tailored.kernels import decode_linear, env_flag
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
@@ -52,11 +51,11 @@ PREFILL_BUCKETS = tuple(range(128, 2049, 128)) + (3072, 4096, 6144, 8192)
 # the shared expert as routed expert E in batches of up to SHARED_IN_MOE_UP_TO rows (kb/0019).
 # Above that its one program per N block would walk many times the rows of any routed
 # expert's (prefill: 1024 rows against ~32), so prefill keeps it a separate GEMM.
-SHARED_IN_MOE = os.environ.get("TAILORED_SHARED_IN_MOE", "0") == "1"
+SHARED_IN_MOE = env_flag("TAILORED_SHARED_IN_MOE", False)
 SHARED_IN_MOE_UP_TO = 32
-# the MoE combine adds the residual and applies the next norm in its launch (kb/0023): off
-# until the accuracy gate has run with it (rounding-level numerics)
-COMBINE_NEXT_NORM = os.environ.get("TAILORED_COMBINE_NEXT_NORM", "0") == "1"
+# the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
+# launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
+COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 
 
 def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
