@@ -332,7 +332,10 @@ ROUTE_ALIGN_MAX_TOKENS = 64  # one align program per step (a [T, E] tile or T·k
 # H200, B=16 / B=32 graph steps -12.6 % / -12.9 % (session-9 A/B, kb/0024)
 ROUTE_ALIGN_USE_UP_TO = env_int("TAILORED_ROUTE_ALIGN_UP_TO", ROUTE_ALIGN_MAX_TOKENS, 0,
                                 ROUTE_ALIGN_MAX_TOKENS)
-ROUTE_ONE_PROGRAM_UP_TO = 8
+# one program up to 4 rows, two launches above: bench_route --one-program-up-to on the H200
+# (session 9, µs a launch, one program / two launches): T=1 3.87/5.67, T=2 3.91/6.16, T=4
+# 4.87/6.21, T=6 11.64/6.32, T=8 11.78/6.34 (kb/0024)
+ROUTE_ONE_PROGRAM_UP_TO = 4
 # warps of route_align's single program by BLOCK_T: the route+align program up to 8 rows,
 # from scripts/bench_route.py on the H200 (session 8, µs per launch for 1/2/4/8 warps): T=1
 # 5.2/4.8/4.6/5.0, T=2 6.2/5.3/5.4/5.4, T=4 9.9/7.9/7.3/7.3, T=8 27.7/10.9/13.2/12.6 (the
