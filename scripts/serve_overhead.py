@@ -50,7 +50,8 @@ def build_stub(d1: float, d32: float, h1: float, h32: float, prefill_ms_per_toke
 
     torch.set_num_threads(1)
     st = build_stack(None, device="cpu", max_model_len=4096, max_num_seqs=64,
-                     max_num_batched_tokens=2048, kernels="off")
+                     max_num_batched_tokens=2048, kernels="off",
+                     async_scheduling=False)  # the stub replaces execute, which is synchronous
     vocab = st.model_config.vocab_size
     steps: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, host ms)
 

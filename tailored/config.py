@@ -244,6 +244,9 @@ class EngineConfig:
     enforce_eager: never replay CUDA graphs (kernel path only).
     prefill_graphs: replay CUDA graphs for a fresh prompt alone in its step, padded to a token
         bucket (kb/0013; kernel path with graphs only; off until measured on the H200).
+    async_scheduling: a pure decode step is launched before the previous step's tokens are
+        read, its input ids fed on the device (kb/0015): the host's detokenize/stream/schedule
+        work of step N overlaps the device's step N+1. Other steps run synchronously.
     """
 
     page_size: int = 16
@@ -257,3 +260,4 @@ class EngineConfig:
     kernels: str = "auto"  # auto: Triton kernel path on CUDA; on: also on CPU (interpreter); off
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     prefill_graphs: bool = False  # CUDA graphs for single-prompt prefill (kb/0013)
+    async_scheduling: bool = True  # launch decode step N+1 before reading step N's tokens

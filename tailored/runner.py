@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
 from tailored.config import EngineConfig, ModelConfig
-from tailored.engine.sampler import sample
+from tailored.engine.sampler import Sampled, sample_on_device
+from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import ModelOutput, SchedulerOutput
 from tailored.model.batch import ForwardBatch, HybridCache
 
@@ -139,16 +141,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Run one step and return its sampled tokens (`launch` then `collect`)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, feed: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Enqueue one step (forward, logits, sampling) without waiting for its tokens.
+
+        feed: the previous step, still running: every decode row of `sched` whose token is
+        `PENDING_TOKEN` takes that request's id sampled by `feed`, device to device (async
+        scheduling, kb/0015; no host sync). Raises RuntimeError for a pending token that
+        `feed` did not sample."""
         t = time.perf_counter()
-        rows, sampled_seqs, layout = [], [], []
+        rows, sampled_seqs, layout, fed = [], [], [], []
         q = 0
+        prev_rows = {} if feed is None else {s.request_id: i
+                                             for i, s in enumerate(feed.sampled_seqs)}
         for s in sched.seqs:
-            layout.append((list(s.token_ids), s.start_pos, s.slot, s.reset_state, s.page_ids))
-            q += len(s.token_ids)
+            toks = list(s.token_ids)
+            if toks and toks[-1] == PENDING_TOKEN:
+                if len(toks) != 1 or s.request_id not in prev_rows:
+                    raise RuntimeError(f"pending token of {s.request_id!r} without a step to "
+                                       "feed it")
+                fed.append((q, prev_rows[s.request_id]))
+                toks = [0]  # overwritten on the device below
+            layout.append((toks, s.start_pos, s.slot, s.reset_state, s.page_ids))
+            q += len(toks)
             if s.sample:
                 rows.append(q - 1)
                 sampled_seqs.append(s)
         batch = ForwardBatch.build(layout, rows, self.device)
+        if fed:
+            dst, src = zip(*fed)
+            ids = feed.sampled.ids
+            if list(dst) == list(range(q)) and list(src) == list(range(len(src))):
+                batch.input_ids = ids[:q]  # the common case: the same rows in the same order
+            else:
+                dst_t = _index(dst, self.device)
+                batch.input_ids.index_copy_(0, dst_t, ids.index_select(0, _index(src, self.device)))
         timer = self.timer
         events = None
         if timer is not None:
@@ -158,17 +188,50 @@ class ModelRunner:
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 events[0].record()
         hidden = self.model(batch, self.cache)
-        if timer is not None:
-            t = timer.runner_phase("launch", t)
-        if not rows:
-            return ModelOutput(token_ids={})
-        logits = self.model.compute_logits(hidden[rows])
-        if events is not None:
-            events[1].record()
-        tokens = sample(logits, sampled_seqs)
-        if timer is not None:
-            timer.runner_phase("wait", t)
+        if rows:
+            # all rows sampled (decode steps): no index tensor to send
+            h = hidden if rows == list(range(hidden.shape[0])) else hidden[_index(rows, self.device)]
+            logits = self.model.compute_logits(h)
             if events is not None:
-                events[1].synchronize()  # done already (the sampler waited): no stall
-                timer.runner_ms["gpu"] = events[0].elapsed_time(events[1])
-        return ModelOutput(token_ids={s.request_id: t for s, t in zip(sampled_seqs, tokens)})
+                events[1].record()
+            sampled = sample_on_device(logits, sampled_seqs)
+        else:
+            sampled = None
+        if timer is not None:
+            timer.runner_phase("launch", t)
+        return LaunchedStep(sched, sampled_seqs, sampled, events, time.perf_counter())
+
+    def collect(self, step: "LaunchedStep") -> ModelOutput:
+        """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
+        fallbacks, which differ from the ids a fed next step used)."""
+        if step.sampled is None:
+            return ModelOutput(token_ids={})
+        tokens = step.sampled.tolist()
+        timer = self.timer
+        if timer is not None:
+            timer.runner_ms["wait"] = (time.perf_counter() - step.t_launched) * 1e3
+            if step.events is not None:
+                step.events[1].synchronize()  # done already (the sampler waited): no stall
+                timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
+        return ModelOutput(token_ids={s.request_id: t for s, t in zip(step.sampled_seqs, tokens)},
+                           bad=frozenset(step.sampled_seqs[i].request_id
+                                         for i in step.sampled.bad_rows))
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are enqueued (ModelRunner.launch); `collect` reads it."""
+
+    sched: SchedulerOutput
+    sampled_seqs: list  # the ScheduledSeqs with sample=True, in row order
+    sampled: Sampled | None  # None: nothing sampled (prefill chunks only)
+    events: tuple | None  # CUDA events around forward + logits (step timing)
+    t_launched: float  # perf_counter() after the launch
+
+
+def _index(rows, device) -> torch.Tensor:
+    """int64 row indices on `device`, without a blocking copy (pinned, non-blocking on CUDA)."""
+    t = torch.tensor(list(rows), dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -94,8 +94,9 @@ def abort_frees_pages_and_slots(e) -> None:
 
 
 def watch_steps(e) -> dict:
-    """Wrap e.runner.execute: every step must leave each slot and KV page it does not name
-    bit-identical; count the kinds of steps seen. Stale state is poisoned first."""
+    """Wrap the runner's forward entry (launch under async scheduling, else execute): every
+    step must leave each slot and KV page it does not name bit-identical; count the kinds of
+    steps seen. Stale state is poisoned first."""
     r, cache = e.runner, e.runner.cache
     cache.rec[:, 1:].normal_()  # stale state of earlier owners: must stay until reset_state
     cache.conv[:, 1:].normal_()
@@ -103,16 +104,17 @@ def watch_steps(e) -> dict:
     # violations are recorded, not raised: the engine turns a runner exception into ERROR
     # outputs for that batch and carries on, which would hide an assert raised in here
     seen = {"prefill_only_multi_new": 0, "mixed": 0, "running_skipped": 0, "wrote_outside": []}
-    orig = r.execute
+    entry = "launch" if hasattr(r, "launch") else "execute"
+    orig = getattr(r, entry)
 
-    def execute(so):
+    def execute(so, *args, **kwargs):
         slots = {s.slot for s in so.seqs}
         pages = {p for s in so.seqs for p in s.page_ids}
         other_slots = [i for i in range(1, r.num_slots) if i not in slots]
         other_pages = [i for i in range(1, r.num_pages) if i not in pages]
         before = (cache.rec[:, other_slots].clone(), cache.conv[:, other_slots].clone(),
                   cache.k[:, other_pages].clone(), cache.v[:, other_pages].clone())
-        out = orig(so)
+        out = orig(so, *args, **kwargs)
         after = (cache.rec[:, other_slots], cache.conv[:, other_slots], cache.k[:, other_pages],
                  cache.v[:, other_pages])
         names = ("rec", "conv", "k", "v")
@@ -125,7 +127,7 @@ def watch_steps(e) -> dict:
         seen["running_skipped"] += any(q.slot not in slots for q in e.scheduler.running)
         return out
 
-    r.execute = execute
+    setattr(r, entry, execute)
     return seen
 
 

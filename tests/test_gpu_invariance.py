@@ -18,6 +18,7 @@ import torch
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.engine import Engine
+from tailored.engine.types import SamplingParams
 from tailored.gate.engine_side import engine_greedy
 from tailored.runner import ModelRunner
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
@@ -112,3 +113,52 @@ def test_long_generation_equals_one_prefill_at_spot_positions(model, tok):
 def test_abort_frees_pages_and_slots(model, tok):
     C.abort_frees_pages_and_slots(engine(model, tok, budget=32, max_num_seqs=3, max_model_len=128,
                                          num_pages=30))
+
+
+def test_async_scheduling_same_tokens_and_no_sync_in_launched_ahead_steps(model, tok):
+    """Async scheduling (kb/0015) on the kernel path with graphs: greedy tokens equal to the
+    synchronous engine's for 8 requests of staggered lengths (some finish while the next step
+    is in flight), and a step launched ahead of the previous one's tokens makes no
+    host-device synchronization (torch's sync debug mode): otherwise it would only wait where
+    it used to."""
+    import warnings
+
+    prompts = {f"r{i}": C.ids(20 + 13 * i, 300 + i) for i in range(8)}
+
+    def run(on: bool, watch: bool = False):
+        e = engine(model, tok, max_model_len=512)
+        e._async = on and e._async
+        syncs, ahead = [], [0]
+        if watch:
+            orig = e.runner.launch
+
+            def launch(sched, feed=None):
+                if feed is None:
+                    return orig(sched)
+                ahead[0] += 1
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        return orig(sched, feed=feed)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                        syncs.extend(str(x.message)[:160] for x in w
+                                     if "synchroniz" in str(x.message).lower())
+
+            e.runner.launch = launch
+        out = {}
+        for name, ids in prompts.items():
+            e.add_request(name, ids, SamplingParams(max_tokens=10 + 3 * int(name[1:]),
+                                                    temperature=0.0, ignore_eos=True))
+            out[name] = []
+        while e.has_unfinished():
+            for o in e.step():
+                out[o.request_id] += o.delta_token_ids
+        return out, syncs, ahead[0]
+
+    sync_out, _, _ = run(False)
+    async_out, syncs, ahead = run(True, watch=True)
+    assert async_out == sync_out
+    assert ahead > 10, "no step was launched ahead"
+    assert not syncs, syncs[:5]

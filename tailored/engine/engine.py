@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
@@ -26,6 +27,7 @@ from tailored.engine.scheduler import Scheduler
 from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
     FinishReason,
+    ModelOutput,
     Request,
     RequestOutput,
     SamplingParams,
@@ -56,6 +58,10 @@ class Engine:
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # aborts, emitted on the next step()
         self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
+        # async scheduling needs a runner that can launch a step and collect it later
+        self._async = engine_config.async_scheduling and hasattr(runner, "launch")
+        self._inflight = None  # the launched step whose tokens are not read yet
+        self._launch_error = ""
         if hasattr(runner, "timer"):
             runner.timer = self.timer
 
@@ -100,30 +106,55 @@ class Engine:
         self._pending.append(_output(req, "", [], FinishReason.ABORT))
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns outputs for requests that got tokens or finished."""
+        """Run one engine step; returns outputs for requests that got tokens or finished.
+
+        With async scheduling (EngineConfig.async_scheduling, a runner with `launch` and
+        `collect`) a pure decode step is launched before the previous step's tokens are read:
+        the device runs step N+1 while the host detokenizes and streams step N (kb/0015). The
+        outputs returned are then those of step N; step N+1 stays in flight until the next
+        call. Any other step (prefill, admission, penalties, a request at its length limit)
+        first waits for the step in flight, so it sees every token."""
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
-        sched_out = self.scheduler.schedule()
-        if sched_out.empty:
-            return outputs
+        if self._inflight is None:
+            sched_out = self.scheduler.schedule()
+            if sched_out.empty:
+                return outputs
+            launched = self._launch(sched_out)
+            if launched is None:
+                return outputs + self._fail_batch(sched_out, self._launch_error)
+            self._inflight = launched
         t_sched = time.perf_counter()
-        try:
-            model_out = self.runner.execute(sched_out)
-            missing = [
-                s.request_id
-                for s in sched_out.seqs
-                if s.sample and s.request_id not in model_out.token_ids
-            ]
-            if missing:
-                raise RuntimeError(f"runner returned no token for {missing}")
-        except Exception as e:  # fail this batch only; the engine stays usable
-            logger.exception("runner failed on a batch of %d sequences", len(sched_out.seqs))
-            return outputs + self._fail_batch(sched_out, f"{type(e).__name__}: {e}")
+        cur = self._inflight
+        sched_out = cur.sched
+        nxt = None
+        if self._async and self.scheduler.can_schedule_ahead(sched_out):
+            self.scheduler.advance(sched_out)
+            ahead = self.scheduler.schedule()  # the same requests' decodes of pending tokens
+            nxt = self._launch(ahead, feed=cur)
+            model_out = self._collect(cur)
+            if model_out is None:
+                self._inflight = None
+                failed = self._fail_batch(sched_out, self._launch_error)
+                if nxt is not None:  # its rows belong to the requests just failed: void
+                    self._inflight = nxt
+                return outputs + failed
+            # rows whose next step ran on a token that is not theirs (NaN fallback): recompute
+            applied = self.scheduler.resolve(sched_out, model_out, recompute=model_out.bad)
+            if nxt is None:  # the launch failed: its requests (those still running) fail
+                self._inflight = None
+                outputs += self._emit_step(applied)
+                return outputs + self._fail_batch(ahead, self._launch_error)
+        else:
+            model_out = self._collect(cur)
+            self._inflight = None
+            if model_out is None:
+                return outputs + self._fail_batch(sched_out, self._launch_error)
+            self.scheduler.advance(sched_out)
+            applied = self.scheduler.resolve(sched_out, model_out)
         t_exec = time.perf_counter()
-        self.scheduler.update(sched_out, model_out)
-        for seq in sched_out.seqs:
-            if seq.sample:
-                outputs.append(self._emit(self._requests[seq.request_id]))
+        self._inflight = nxt
+        outputs += self._emit_step(applied)
         seqs = sched_out.seqs
         decode_rows = sum(1 for s in seqs if len(s.token_ids) == 1 and s.start_pos > 0)
         kind = "decode" if decode_rows == len(seqs) else "prefill" if not decode_rows else "mixed"
@@ -132,7 +163,45 @@ class Engine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._pending)
+        return bool(self._requests or self._pending or self._inflight is not None)
+
+    # ---- step stages ---------------------------------------------------------------------------
+    def _launch(self, sched_out: SchedulerOutput, feed=None):
+        """The runner's launched step, or None (reason in self._launch_error) when it raised:
+        the caller fails that batch only; the engine stays usable."""
+        try:
+            if self._async:
+                return self.runner.launch(sched_out, feed=feed)
+            return _Done(sched_out, self.runner.execute(sched_out))
+        except Exception as e:
+            logger.exception("runner failed on a batch of %d sequences", len(sched_out.seqs))
+            self._launch_error = f"{type(e).__name__}: {e}"
+            return None
+
+    def _collect(self, launched) -> ModelOutput | None:
+        try:
+            if isinstance(launched, _Done):
+                model_out = launched.model_out
+            else:
+                model_out = self.runner.collect(launched)
+            sched_out = launched.sched
+            missing = [
+                s.request_id
+                for s in sched_out.seqs
+                if s.sample and s.request_id not in model_out.token_ids
+            ]
+            if missing:
+                raise RuntimeError(f"runner returned no token for {missing}")
+            return model_out
+        except Exception as e:
+            logger.exception("runner failed on a batch of %d sequences", len(launched.sched.seqs))
+            self._launch_error = f"{type(e).__name__}: {e}"
+            return None
+
+    def _emit_step(self, applied) -> list[RequestOutput]:
+        """Outputs of the requests that got a token this step and are still the engine's (a
+        request aborted while its step ran has already had its final output)."""
+        return [self._emit(req) for req in applied if req.request_id in self._requests]
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -177,6 +246,14 @@ class Engine:
             self._detoks.pop(seq.request_id, None)
             outputs.append(_output(req, "", [], FinishReason.ERROR, message))
         return outputs
+
+
+@dataclass
+class _Done:
+    """A step run synchronously (`runner.execute`) in place of a launched one."""
+
+    sched: SchedulerOutput
+    model_out: ModelOutput
 
 
 def _output(

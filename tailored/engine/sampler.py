@@ -55,11 +55,48 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
         penalties are on, `.prompt_ids` / `.output_ids` are read).
     Returns B token ids (Python ints; one device-to-host copy).
     """
+    return sample_on_device(logits, seqs).tolist()
+
+
+class Sampled:
+    """The ids one step sampled, still on the device (async scheduling feeds them to the next
+    step without the host reading them, kb/0015).
+
+    ids: [B] int64 on the logits' device. `tolist()` waits for them (one device-to-host copy;
+    on CUDA the wait happens with the GIL released) and replaces rows whose processed logits
+    held NaN by the argmax of their raw logits, NaN ignored (logged). `ids` itself is not
+    patched: a step fed from a NaN row must be recomputed (Scheduler.resolve does so).
+    """
+
+    def __init__(self, ids: torch.Tensor, bad: torch.Tensor, raw: torch.Tensor, seqs):
+        self.ids, self.seqs = ids, seqs
+        self._both = torch.stack([ids, bad.to(ids.dtype)]) if ids.numel() else None
+        self._raw = raw
+        self.bad_rows: list[int] = []
+        self._host = self._event = None
+        if self._both is not None and self._both.is_cuda:
+            # copied now into pinned memory behind an event: reading it later waits for this
+            # step only, not for a next step enqueued meanwhile (a plain .tolist() would queue
+            # behind it on the stream)
+            self._host = torch.empty(self._both.shape, dtype=self._both.dtype, pin_memory=True)
+            self._host.copy_(self._both, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def tolist(self) -> list[int]:
+        if self._both is None:
+            return []
+        return _guarded(self, self._both, self._raw, self.seqs)
+
+
+def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
+    """`sample` without the device-to-host copy: the same choices, as a `Sampled`."""
     B, V = logits.shape
     assert len(seqs) == B, f"{B} logits rows for {len(seqs)} sequences"
-    if B == 0:
-        return []
     device = logits.device
+    if B == 0:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return Sampled(empty, empty, logits, seqs)
 
     raw = logits  # the input, for the NaN fallback
     params = [s.sampling for s in seqs]
@@ -67,14 +104,14 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
         # the common serving case: argmax of the logits as they are. A float32 copy would
         # change no order (every bf16 value is exact in fp32; ties go to the lowest id either
         # way) and costs a [B, V] kernel each step
-        return _guarded(raw.argmax(dim=-1), raw.isnan().any(dim=-1), raw, seqs)
+        return Sampled(raw.argmax(dim=-1), raw.isnan().any(dim=-1), raw, seqs)
     logits = logits.to(torch.float32, copy=True)  # [B, V]
 
     _apply_penalties(logits, seqs)
 
     greedy_rows = [_is_greedy(p) for p in params]
     if all(greedy_rows):
-        return _guarded(logits.argmax(dim=-1), logits.isnan().any(dim=-1), raw, seqs)
+        return Sampled(logits.argmax(dim=-1), logits.isnan().any(dim=-1), raw, seqs)
 
     # one host->device copy of the per-row knobs: temperature, min_p, top_p, top_k
     knobs = torch.tensor(
@@ -83,7 +120,8 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
             for g, p in zip(greedy_rows, params)
         ],
         dtype=torch.float32,
-    ).to(device)
+    )
+    knobs = _to_device(knobs, device)
     temperature, min_p, top_p, top_k = knobs.unbind(dim=1)  # each [B]
     greedy_ids = logits.argmax(dim=-1)  # [B]
     greedy_nan = logits.isnan().any(dim=-1) if any(greedy_rows) else None  # [B]
@@ -110,22 +148,24 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
     sampled_ids = probs.div_(q.clamp_min_(1e-20)).argmax(dim=-1)  # [B]
 
     if greedy_nan is None:
-        return _guarded(sampled_ids, sampled_nan, raw, seqs)
-    is_greedy = torch.tensor(greedy_rows, dtype=torch.bool).to(device)
+        return Sampled(sampled_ids, sampled_nan, raw, seqs)
+    is_greedy = _to_device(torch.tensor(greedy_rows, dtype=torch.bool), device)
     ids = torch.where(is_greedy, greedy_ids, sampled_ids)
-    return _guarded(ids, torch.where(is_greedy, greedy_nan, sampled_nan), raw, seqs)
+    return Sampled(ids, torch.where(is_greedy, greedy_nan, sampled_nan), raw, seqs)
 
 
-def _guarded(ids: torch.Tensor, bad: torch.Tensor, raw: torch.Tensor, seqs) -> list[int]:
-    """ids: [B] chosen ids; bad: [B] rows whose processed logits held NaN. One device-to-host
-    copy; bad rows (rare) are replaced by the argmax of their raw logits, NaN ignored."""
-    both = torch.stack([ids, bad.to(ids.dtype)])
-    if both.is_cuda:
+def _guarded(out: Sampled, both: torch.Tensor, raw: torch.Tensor, seqs) -> list[int]:
+    """both: [2, B] chosen ids and rows whose processed logits held NaN. One device-to-host
+    copy; bad rows (rare) are replaced by the argmax of their raw logits, NaN ignored, and
+    listed in out.bad_rows."""
+    if out._event is not None:
         # wait for the GPU here, where torch releases the GIL, not inside tolist(), which holds
         # it: the HTTP thread streams the previous tokens while this step runs
-        torch.cuda.current_stream(both.device).synchronize()
+        out._event.synchronize()
+        both = out._host
     ids_list, bad_list = both.tolist()
     rows = [i for i, b in enumerate(bad_list) if b]
+    out.bad_rows = rows
     if rows:
         fallback = raw[rows].to(torch.float32).nan_to_num(nan=_MASK).argmax(dim=-1).tolist()
         for i, tok in zip(rows, fallback):
@@ -135,6 +175,14 @@ def _guarded(ids: torch.Tensor, bad: torch.Tensor, raw: torch.Tensor, seqs) -> l
             ", ".join(repr(seqs[i].request_id) for i in rows),
         )
     return ids_list
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor to `device` without a stream sync on CUDA (pinned, non-blocking): a pageable
+    blocking copy waits for the previous step's kernels and undoes async scheduling."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _row_seed(seed: int, num_generated: int) -> int:

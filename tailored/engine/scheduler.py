@@ -42,6 +42,11 @@ from tailored.engine.types import (
 )
 
 
+# the output id of a step whose result the host has not read yet (async scheduling: the
+# runner feeds the device-side id into the next step; Scheduler.resolve fills it in)
+PENDING_TOKEN = -1
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -191,23 +196,82 @@ class Scheduler:
         stop_token_id -> STOP; then max_tokens -> LENGTH; then prompt + output reaching
         max_model_len -> LENGTH. Finished requests leave the scheduler and free pages + slot.
         Raises KeyError if a sampling sequence has no token in `model_out`.
+        Same as `advance` then `resolve`.
         """
-        finished = []
+        self.advance(sched_out)
+        applied = self.resolve(sched_out, model_out)
+        return [r for r in applied if r.status is RequestStatus.FINISHED]
+
+    # ---- async scheduling (kb/0015): a step's tokens are learned after the next is launched --
+    def advance(self, sched_out: SchedulerOutput) -> None:
+        """Count the step's tokens as cached and give each sampling request a PENDING_TOKEN
+        output, before the step's results are known: the next step can then be scheduled (a
+        decode of that pending token) while this one runs on the device."""
         for seq in sched_out.seqs:
             req = self.requests.get(seq.request_id)
-            if req is None:  # finished (abort/stop string) after this step was scheduled
-                continue
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished (abort/stop string) or preempted since it was scheduled
             assert req.num_computed_tokens == seq.start_pos, "step results applied out of order"
             req.num_computed_tokens += len(seq.token_ids)
+            if seq.sample:
+                req.output_ids.append(PENDING_TOKEN)
+
+    def resolve(self, sched_out: SchedulerOutput, model_out: ModelOutput,
+                recompute: frozenset[str] = frozenset()) -> list[Request]:
+        """Put the step's sampled tokens in place of its PENDING_TOKENs and run the stop checks
+        (see `update`); return the requests that got their token (in step order; the finished
+        ones among them have status FINISHED). Rows of requests finished, aborted or preempted
+        since the step was scheduled are void. `recompute`: requests whose next, already
+        launched step was fed a token other than the one that stands now (the sampler's NaN
+        fallback): they are preempted, so their state is computed again from their ids."""
+        applied = []
+        for seq in sched_out.seqs:
             if not seq.sample:
                 continue
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted since: this row is void
+            # the step's own pending token: the last one unless the next step was advanced too
+            # (never: the engine resolves a step before advancing the one after it)
+            assert req.output_ids and req.output_ids[-1] == PENDING_TOKEN, \
+                "resolve without advance"
             token = model_out.token_ids[seq.request_id]
-            req.output_ids.append(token)
+            req.output_ids[-1] = token
+            applied.append(req)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish(req.request_id, reason)
-                finished.append(req)
-        return finished
+            elif req.request_id in recompute:
+                self._preempt(req)
+        return applied
+
+    def can_schedule_ahead(self, sched_out: SchedulerOutput) -> bool:
+        """Whether the step after `sched_out` can be scheduled before `sched_out`'s tokens are
+        known: it must be the same requests' decodes and nothing else (kb/0015). True when the
+        step is all decode rows of every running request, none uses penalties (they read the
+        host's token history), none can finish by length at this step, nothing waits for
+        admission, and the free pages cover every request's next token (no preemption)."""
+        seqs = sched_out.seqs
+        if not seqs or len(seqs) != len(self.running) or self.waiting:
+            return False
+        if len(seqs) > self.config.max_num_batched_tokens:
+            return False
+        need = 0
+        for seq in seqs:
+            req = self.requests.get(seq.request_id)
+            if (req is None or req.status is not RequestStatus.RUNNING or not seq.sample
+                    or len(seq.token_ids) != 1 or seq.start_pos != req.num_computed_tokens):
+                return False
+            sp = req.sampling
+            if (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
+                    or sp.frequency_penalty != 0.0):
+                return False
+            # after this step: len(output) + 1 tokens; the next one must not be past a limit
+            if (len(req.output_ids) + 2 > sp.max_tokens
+                    or req.num_tokens + 2 > self.config.max_model_len):
+                return False
+            need += max(0, _cdiv(seq.start_pos + 2, self.page_size) - len(req.pages))
+        return need <= self.pages.num_free
 
     # ---- helpers -----------------------------------------------------------------------------
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:

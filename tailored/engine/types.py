@@ -140,9 +140,11 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """Sampled token per scheduled sequence with `sample=True` (request_id -> token id)."""
+    """Sampled token per scheduled sequence with `sample=True` (request_id -> token id).
+    bad: requests whose token is the sampler's NaN fallback (sampler.Sampled)."""
 
     token_ids: dict[str, int]
+    bad: frozenset[str] = frozenset()
 
 
 @dataclass

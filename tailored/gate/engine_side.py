@@ -46,9 +46,13 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
     filled: dict[str, torch.Tensor] = {}
     step: list = []  # the SchedulerOutput of the step being executed
 
-    def execute(sched, _orig=runner.execute):
+    # the runner's entry that runs the forward: launch (async scheduling, kb/0015; execute
+    # calls it too) or execute
+    entry = "launch" if hasattr(runner, "launch") else "execute"
+
+    def run_step(sched, *args, _orig=getattr(runner, entry), **kwargs):
         step[:] = sched.seqs
-        return _orig(sched)
+        return _orig(sched, *args, **kwargs)
 
     def hook(_module, inputs, out):
         batch = inputs[0]
@@ -57,6 +61,8 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
                                "--hidden-from forward")
         for s, sch in zip(batch.seqs, step):
             assert (s.slot, s.start_pos) == (sch.slot, sch.start_pos), "batch/step order differs"
+            if s.start_pos >= hidden[sch.request_id].shape[0]:
+                continue  # a void row launched ahead after its request had finished
             rows = slice(s.q_start, s.q_start + s.num_tokens)
             hidden[sch.request_id][s.start_pos:s.end_pos] = out[rows]
             filled[sch.request_id][s.start_pos:s.end_pos] = True
@@ -70,7 +76,7 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
             filled[name] = torch.zeros(n, dtype=torch.bool, device=dev)
     handle = model.register_forward_hook(hook) if capture else None
     if capture:
-        runner.execute = execute  # instance attribute: the class method is untouched
+        setattr(runner, entry, run_step)  # instance attribute: the class method is untouched
     out: dict[str, list[int]] = {name: [] for name in prompts}
     try:
         while engine.has_unfinished():
@@ -81,7 +87,7 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
     finally:
         if capture:
             handle.remove()
-            del runner.execute
+            delattr(runner, entry)
     for name, f in filled.items():
         if not bool(f.all()):
             raise RuntimeError(f"engine hidden states of {name} not captured at every position")

@@ -54,11 +54,20 @@ class ForwardBatch:
             ids.extend(toks)
             pos.extend(range(start, start + len(toks)))
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            input_ids=_to_device(ids, device),
+            positions=_to_device(pos, device),
             seqs=seqs,
             logits_rows=list(logits_rows),
         )
+
+
+def _to_device(values: list[int], device) -> torch.Tensor:
+    """int64 tensor on `device`; on CUDA through pinned memory without a blocking copy, which
+    would wait for the previous step's kernels (async scheduling, kb/0015)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class HybridCache:

@@ -167,6 +167,11 @@ def h2d(a: np.ndarray, device) -> torch.Tensor:
     return t
 
 
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t in page-locked memory when it is bound for a CUDA device (non-blocking copies)."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def _token_rows(seqs) -> np.ndarray:
     """Batch rows of these sequences' tokens, in order (int64, host)."""
     if not seqs:
@@ -624,8 +629,10 @@ class FastPath:
         if n > B:
             st["ids"][B:n].zero_()
             st["pos"][B:n].zero_()
-        st["table"][:n].copy_(torch.from_numpy(table), non_blocking=True)
-        m = torch.from_numpy(meta).to(self.device, non_blocking=True)
+        # pinned sources: a pageable copy may wait for the step still running (async
+        # scheduling launches this one behind it, kb/0015)
+        st["table"][:n].copy_(_pinned(torch.from_numpy(table), self.device), non_blocking=True)
+        m = _pinned(torch.from_numpy(meta), self.device).to(self.device, non_blocking=True)
         st["lens"][:n].copy_(m[0])
         st["slots"][:n].copy_(m[1])
         st["kv_rows"][:n].copy_(m[2])
