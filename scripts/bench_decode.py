@@ -33,12 +33,6 @@ def _set(module: str, attr: str, value):
     return lambda: setattr(mod, attr, old)
 
 
-def _set_decode_linear(kinds: str):
-    from tailored.kernels import decode_linear
-
-    return _set("kernels.decode_linear", "ENABLED", decode_linear._parse(kinds))
-
-
 def _set_route_warps(n):
     from tailored.kernels import moe
 
@@ -52,13 +46,6 @@ VARIANTS = {
     # B=32 for two switches that do nothing at B=32, so re-captured graphs (or drift) cost
     # that much; put control first (and last) and read the variants against it, not the first row
     "control": lambda: (lambda: None),
-    "decode_linear": lambda: _set_decode_linear("1"),  # kb/0017: every projection kind
-    "no_decode_linear": lambda: _set_decode_linear("0"),
-    # one kind each: mixer input / output, router|shared gate|up, shared down (kb/0019)
-    "dl_in": lambda: _set_decode_linear("in"),
-    "dl_out": lambda: _set_decode_linear("out"),
-    "dl_router": lambda: _set_decode_linear("router"),
-    "dl_down": lambda: _set_decode_linear("down"),
     "shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", True),  # kb/0019
     "no_shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", False),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
@@ -115,7 +102,7 @@ def main():
     ap.add_argument("--variants", default="",
                     help="comma-separated kernel switches to time the same batches with, each "
                          "after a re-capture: " + ", ".join(VARIANTS) + " ('+' joins several, "
-                         "e.g. decode_linear+shared_in_moe)")
+                         "e.g. gdn_split4+shared_in_moe)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="cycle through --variants this many times and report each variant's "
                          "median: drift over the run and re-capture noise (1-2 %%, kb/0019) "
@@ -297,7 +284,7 @@ def main():
     vms = {v: {r["batch"]: r["graph_ms"] for r in rs} for v, rs in res["variants"].items()}
     # ratios against the control re-capture's median when it ran (kb/0019), else the defaults
     base = vms.get("control")
-    print(f"\n| batch | graph ms/step | tok/s | eager-kernel ms/step |"
+    print("\n| batch | graph ms/step | tok/s | eager-kernel ms/step |"
           + "".join(f" {v} |" for v in vms) + "\n|---|---|---|---|" + "---|" * len(vms))
     for B, g_, t, e in rows:
         ref_ms = base[B] if base else g_

@@ -73,16 +73,15 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     """defaults: the module defaults, as served (two-launch routing up to 64 rows, kb/0021;
     the GDN step over 2 programs a head, kb/0022; the combine doing the next add + norm,
     kb/0023). switches: every kernel switch on at once (one variant, since each costs minutes
-    in the interpreter): also decode_linear for every projection kind (kb/0017), the shared
-    expert as routed expert E (kb/0019; threshold raised so that the 80-row mixed steps take
-    it too), attention splits by batch (kb/0019), and the GDN step over 4 programs a head.
+    in the interpreter): also the shared expert as routed expert E (kb/0019; threshold raised
+    so that the 80-row mixed steps take it too), attention splits by batch (kb/0019), and the
+    GDN step over 4 programs a head.
     The previous defaults (the fused GDN step, separate norms) stay reachable through the
     environment; their kernels keep their own tests (test_kernels.py)."""
-    from tailored.kernels import attention_decode, decode_linear, gdn_decode, moe
+    from tailored.kernels import attention_decode, gdn_decode, moe
     from tailored.model import fast as fastmod
 
     if variant == "switches":
-        monkeypatch.setattr(decode_linear, "ENABLED", decode_linear.ALL)
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE", True)
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE_UP_TO", 4096)
         monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", True)

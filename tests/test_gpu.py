@@ -138,20 +138,15 @@ def _steps(T_a=130, T_b=77):
 def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypatch):
     """Published dims, 4 layers: prefill (FLA when installed), mixed steps, graph decode steps.
     fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul).
-    switches "new": every kernel switch on — decode_linear (kb/0017), the shared expert inside
-    the fused MoE and attention splits by batch (kb/0019), all off by default; route_align up
-    to 64 rows (kb/0021) and the MoE combine with the next norm (kb/0023), on by default; the
-    GDN step over 4 programs a head (kb/0022; default 2)."""
-    from tailored.kernels import decode_linear
+    switches "new": every kernel switch on — the shared expert inside the fused MoE and
+    attention splits by batch (kb/0019), both off by default; route_align up to 64 rows
+    (kb/0021) and the MoE combine with the next norm (kb/0023), on by default; the GDN step
+    over 4 programs a head (kb/0022; default 2)."""
+    from tailored.kernels import attention_decode, gdn_decode, moe
     from tailored.model import fast as fastmod
     from tailored.model.fast import FastPath
 
-    from tailored.kernels import attention_decode
-
-    from tailored.kernels import gdn_decode, moe
-
     if switches == "new":  # "default": the module defaults, as served
-        monkeypatch.setattr(decode_linear, "ENABLED", decode_linear.ALL)
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE", True)
         monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", True)
         monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)

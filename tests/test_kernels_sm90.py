@@ -106,7 +106,6 @@ def _calls():
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.moe import fused_moe, route_align
-    from tailored.kernels.decode_linear import decode_linear
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.norm import add_rms_norm_1p
     from tailored.kernels.qk_norm_rope import qk_norm_rope
@@ -151,9 +150,6 @@ def _calls():
             calls.append(lambda rl=rl: route_align(rl[:, :E], K))
             calls.append(lambda rl=rl: route_align(rl[:, :E], K, shared_gate=rl[:, E:]))
             calls.append(lambda T=T, dt=dt: moe_combine_folded(torch.zeros(T * (K + 1), H), K, dt))
-            xd = torch.randn(T, H, dtype=dt)
-            if T <= 16:
-                calls.append(lambda xd=xd, dt=dt: decode_linear(xd, torch.zeros(1024, H, dtype=dt)))
         B, S = 3, 5
         qkv = torch.randn(B, 8192, dtype=dt)
         conv_state = torch.zeros(S, 8192, 3, dtype=dt)

@@ -402,11 +402,12 @@ def _kernel_switches() -> dict:
     """Module switches that change the kernel path's numerics or launch shapes (recorded so a
     report says which variant it gated: kb/0016, kb/0017, kb/0019–0023)."""
     try:
-        from tailored.kernels import attention_decode, decode_linear, gdn_decode, moe
+        from tailored.kernels import attention_decode, gdn_decode, moe
         from tailored.model import fast
     except ImportError:  # no triton: the plain path ran
         return {}
-    return {"decode_linear": sorted(decode_linear.ENABLED), "moe_compact_grid": moe.COMPACT_GRID,
+    return {"moe_compact_grid": moe.COMPACT_GRID, "route_one_program_up_to":
+            moe.ROUTE_ONE_PROGRAM_UP_TO,
             "shared_in_moe": fast.SHARED_IN_MOE, "attention_adaptive_splits":
             attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,

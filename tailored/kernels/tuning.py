@@ -1,6 +1,6 @@
 """Autotuned launch configs saved per GPU, so a server start does not re-tune (kb/0020).
 
-Every autotuned launcher (`fp8_linear`, `decode_linear`, the MoE expert GEMMs) tunes each new
+Every autotuned launcher (`fp8_linear`, the MoE expert GEMMs) tunes each new
 key (shape, row bucket, dtypes) the first time it sees it, at warm-up before graph capture. With
 FP8 weights that is ~500 benchmarks over ~200 compiles: the FP8 server took 4 min 16 s to
 capture its decode graphs on a fresh H200 (session 8), past the side-by-side script's timeout.

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailored.kernels import decode_linear, env_flag
+from tailored.kernels import env_flag
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
@@ -75,7 +75,7 @@ class Proj:
     """One GEMM for linears of one kind (bf16, or block-FP8 via `fp8_linear`) sharing an input."""
 
     def __init__(self, mods: list[nn.Module], kind: str = "in"):
-        self.kind = kind  # which projection: decode_linear.ENABLED picks by it
+        self.kind = kind  # which projection (in, out, router, down)
         self.fp8 = isinstance(mods[0], Fp8Linear)
         self.sizes = [m.weight.shape[0] for m in mods]
         self.weight = fuse_linears(mods) if len(mods) > 1 else mods[0].weight.data
@@ -94,8 +94,6 @@ class Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
-        if decode_linear.use_decode_linear(x, self.weight, self.kind):  # off (kb/0017, 0019)
-            return decode_linear.decode_linear(x, self.weight)
         return F.linear(x, self.weight)
 
 
