@@ -44,10 +44,12 @@ def _serve_parser(sub) -> None:
                    help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
                         "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kb/0013; "
                         "kernel path with graphs only; default off until gated with it)")
-    p.add_argument("--async-scheduling", choices=["on", "off"], default="on",
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="launch each pure decode step before the previous step's tokens are "
                         "read, feeding them on the device, so host work overlaps the GPU "
-                        "(kb/0015; default on)")
+                        "(kb/0025). auto (default): on CUDA; on the CPU the forward runs at "
+                        "launch, so there is nothing to overlap and each token would only "
+                        "arrive a step later")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "
@@ -153,7 +155,8 @@ def cmd_serve(args) -> int:
         kernels=args.kernels,
         enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs == "on",
-        async_scheduling=args.async_scheduling == "on",
+        async_scheduling=args.async_scheduling == "on"
+        or (args.async_scheduling == "auto" and pick_device(args.device).type == "cuda"),
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

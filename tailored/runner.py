@@ -186,30 +186,33 @@ class ModelRunner:
             t = timer.runner_phase("build", t)
             if self.device.type == "cuda":  # GPU span forward → logits, read after the sampler's sync
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record()
+                events[0].record(torch.cuda.current_stream(self.device))
         hidden = self.model(batch, self.cache)
         if rows:
             # all rows sampled (decode steps): no index tensor to send
             h = hidden if rows == list(range(hidden.shape[0])) else hidden[_index(rows, self.device)]
             logits = self.model.compute_logits(h)
             if events is not None:
-                events[1].record()
+                events[1].record(torch.cuda.current_stream(self.device))
             sampled = sample_on_device(logits, sampled_seqs)
         else:
             sampled = None
         if timer is not None:
             timer.runner_phase("launch", t)
-        return LaunchedStep(sched, sampled_seqs, sampled, events, time.perf_counter())
+        return LaunchedStep(sched, sampled_seqs, sampled, events)
 
     def collect(self, step: "LaunchedStep") -> ModelOutput:
         """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
         fallbacks, which differ from the ids a fed next step used)."""
         if step.sampled is None:
             return ModelOutput(token_ids={})
+        t0 = time.perf_counter()
         tokens = step.sampled.tolist()
         timer = self.timer
         if timer is not None:
-            timer.runner_ms["wait"] = (time.perf_counter() - step.t_launched) * 1e3
+            # the time blocked on the device for this step's ids (with a step launched ahead,
+            # its build and launch are that step's phases, not part of this wait)
+            timer.runner_ms["wait"] = (time.perf_counter() - t0) * 1e3
             if step.events is not None:
                 step.events[1].synchronize()  # done already (the sampler waited): no stall
                 timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
@@ -226,7 +229,7 @@ class LaunchedStep:
     sampled_seqs: list  # the ScheduledSeqs with sample=True, in row order
     sampled: Sampled | None  # None: nothing sampled (prefill chunks only)
     events: tuple | None  # CUDA events around forward + logits (step timing)
-    t_launched: float  # perf_counter() after the launch
+    owners: dict | None = None  # the engine's Request objects of this step (Engine._launch)
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
-from tailored.engine.scheduler import Scheduler
+from tailored.engine.scheduler import PENDING_TOKEN, Scheduler
 from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
     FinishReason,
@@ -135,7 +135,7 @@ class Engine:
             model_out = self._collect(cur)
             if model_out is None:
                 self._inflight = None
-                failed = self._fail_batch(sched_out, self._launch_error)
+                failed = self._fail_batch(sched_out, self._launch_error, cur.owners)
                 if nxt is not None:  # its rows belong to the requests just failed: void
                     self._inflight = nxt
                 return outputs + failed
@@ -144,12 +144,12 @@ class Engine:
             if nxt is None:  # the launch failed: its requests (those still running) fail
                 self._inflight = None
                 outputs += self._emit_step(applied)
-                return outputs + self._fail_batch(ahead, self._launch_error)
+                return outputs + self._fail_batch(ahead, self._launch_error, cur.owners)
         else:
             model_out = self._collect(cur)
             self._inflight = None
             if model_out is None:
-                return outputs + self._fail_batch(sched_out, self._launch_error)
+                return outputs + self._fail_batch(sched_out, self._launch_error, cur.owners)
             self.scheduler.advance(sched_out)
             applied = self.scheduler.resolve(sched_out, model_out)
         t_exec = time.perf_counter()
@@ -171,8 +171,13 @@ class Engine:
         the caller fails that batch only; the engine stays usable."""
         try:
             if self._async:
-                return self.runner.launch(sched_out, feed=feed)
-            return _Done(sched_out, self.runner.execute(sched_out))
+                launched = self.runner.launch(sched_out, feed=feed)
+            else:
+                launched = _Done(sched_out, self.runner.execute(sched_out))
+            # the Request objects this step runs for (ids can be reused once a request ended)
+            launched.owners = {s.request_id: self._requests.get(s.request_id)
+                               for s in sched_out.seqs}
+            return launched
         except Exception as e:
             logger.exception("runner failed on a batch of %d sequences", len(sched_out.seqs))
             self._launch_error = f"{type(e).__name__}: {e}"
@@ -236,12 +241,19 @@ class Engine:
             del self._detoks[req.request_id]
         return _output(req, text, [token], req.finish_reason)
 
-    def _fail_batch(self, sched_out: SchedulerOutput, message: str) -> list[RequestOutput]:
+    def _fail_batch(self, sched_out: SchedulerOutput, message: str,
+                    owners: dict | None = None) -> list[RequestOutput]:
+        """ERROR outputs for the batch's requests, which leave the engine. owners: the Request
+        objects the step was launched for; a request id that finished since and was reused by
+        a new request (whose own steps are not this one) is left alone."""
         outputs = []
         for seq in sched_out.seqs:
-            req = self._requests.pop(seq.request_id, None)
-            if req is None:
+            req = self._requests.get(seq.request_id)
+            if req is None or (owners is not None and owners.get(seq.request_id) is not req):
                 continue
+            del self._requests[seq.request_id]
+            if req.output_ids and req.output_ids[-1] == PENDING_TOKEN:
+                req.output_ids.pop()  # advanced, never sampled: not a delivered token
             self.scheduler.finish(seq.request_id, FinishReason.ERROR)
             self._detoks.pop(seq.request_id, None)
             outputs.append(_output(req, "", [], FinishReason.ERROR, message))
@@ -254,6 +266,7 @@ class _Done:
 
     sched: SchedulerOutput
     model_out: ModelOutput
+    owners: dict | None = None  # set by Engine._launch
 
 
 def _output(

@@ -81,7 +81,8 @@ class Sampled:
             self._host = torch.empty(self._both.shape, dtype=self._both.dtype, pin_memory=True)
             self._host.copy_(self._both, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            # on the ids' device's stream (the current device may be another, e.g. cuda:1)
+            self._event.record(torch.cuda.current_stream(self._both.device))
 
     def tolist(self) -> list[int]:
         if self._both is None:

@@ -85,6 +85,11 @@ class Scheduler:
         # unless ignore_eos), as a frozenset so the per-token check is O(1) however many ids
         self.stop_ids: dict[str, frozenset[int]] = {}
         self.num_preemptions = 0  # lifetime counter
+        # requests whose step launched ahead once ran on a token that was not theirs (the
+        # sampler's NaN fallback): they are never launched ahead again, so a request whose
+        # logits keep NaN falls back each step as in the synchronous engine instead of being
+        # recomputed every other token
+        self.no_ahead: set[str] = set()
 
     # ---- requests in / out -------------------------------------------------------------------
     def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -119,6 +124,7 @@ class Scheduler:
         if req is None:
             return None
         self.stop_ids.pop(request_id, None)
+        self.no_ahead.discard(request_id)
         if req.status is RequestStatus.RUNNING:
             _remove(self.running, req)
             self._release(req)
@@ -242,6 +248,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(req.request_id, reason)
             elif req.request_id in recompute:
+                self.no_ahead.add(req.request_id)
                 self._preempt(req)
         return applied
 
@@ -250,9 +257,10 @@ class Scheduler:
         known: it must be the same requests' decodes and nothing else (kb/0015). True when the
         step is all decode rows of every running request, none uses penalties (they read the
         host's token history), none can finish by length at this step, nothing waits for
-        admission, and the free pages cover every request's next token (no preemption)."""
+        admission that the next schedule could grant, and the free pages cover every request's
+        next token (no preemption)."""
         seqs = sched_out.seqs
-        if not seqs or len(seqs) != len(self.running) or self.waiting:
+        if not seqs or len(seqs) != len(self.running):
             return False
         if len(seqs) > self.config.max_num_batched_tokens:
             return False
@@ -260,7 +268,8 @@ class Scheduler:
         for seq in seqs:
             req = self.requests.get(seq.request_id)
             if (req is None or req.status is not RequestStatus.RUNNING or not seq.sample
-                    or len(seq.token_ids) != 1 or seq.start_pos != req.num_computed_tokens):
+                    or len(seq.token_ids) != 1 or seq.start_pos != req.num_computed_tokens
+                    or seq.request_id in self.no_ahead):
                 return False
             sp = req.sampling
             if (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
@@ -271,7 +280,19 @@ class Scheduler:
                     or req.num_tokens + 2 > self.config.max_model_len):
                 return False
             need += max(0, _cdiv(seq.start_pos + 2, self.page_size) - len(req.pages))
-        return need <= self.pages.num_free
+        if need > self.pages.num_free:
+            return False
+        if self.waiting:
+            # the next schedule admits the queue head when a slot, budget and its first chunk's
+            # pages are there (the same test as schedule()'s); then it is not the same batch.
+            # A full engine (max_num_seqs running) keeps pipelining with a queue
+            head = self.waiting[0]
+            budget = self.config.max_num_batched_tokens - len(seqs)
+            if (len(self.running) < self.max_running and self.slots.num_free > 0 and budget > 0
+                    and self.pages.num_free - need
+                    >= _cdiv(min(head.num_tokens, budget), self.page_size)):
+                return False
+        return True
 
     # ---- helpers -----------------------------------------------------------------------------
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
