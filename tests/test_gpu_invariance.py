@@ -116,16 +116,18 @@ def test_abort_frees_pages_and_slots(model, tok):
 
 
 def test_async_scheduling_same_tokens_and_no_sync_in_launched_ahead_steps(model, tok):
-    """Async scheduling (kb/0015) on the kernel path with graphs: greedy tokens equal to the
-    synchronous engine's for 8 requests of staggered lengths (some finish while the next step
-    is in flight), and a step launched ahead of the previous one's tokens makes no
-    host-device synchronization (torch's sync debug mode): otherwise it would only wait where
-    it used to."""
+    """Async scheduling (kb/0025) on the kernel path with graphs: greedy tokens equal to the
+    synchronous engine's for 8 requests of staggered lengths, three of them ending on a stop
+    token id while the next step is in flight (void rows whose slot and pages are freed at
+    once), one aborted mid-decode and one arriving later into the freed slot; and a step
+    launched ahead of the previous one's tokens makes no host-device synchronization
+    (torch's sync debug mode): otherwise it would only wait where it used to."""
     import warnings
 
     prompts = {f"r{i}": C.ids(20 + 13 * i, 300 + i) for i in range(8)}
+    late = C.ids(40, 399)
 
-    def run(on: bool, watch: bool = False):
+    def run(on: bool, stops: dict, watch: bool = False):
         e = engine(model, tok, max_model_len=512)
         e._async = on and e._async
         syncs, ahead = [], [0]
@@ -147,18 +149,29 @@ def test_async_scheduling_same_tokens_and_no_sync_in_launched_ahead_steps(model,
                                      if "synchroniz" in str(x.message).lower())
 
             e.runner.launch = launch
-        out = {}
+        out = {name: [] for name in list(prompts) + ["late"]}
         for name, ids in prompts.items():
-            e.add_request(name, ids, SamplingParams(max_tokens=10 + 3 * int(name[1:]),
-                                                    temperature=0.0, ignore_eos=True))
-            out[name] = []
+            e.add_request(name, ids, SamplingParams(
+                max_tokens=10 + 3 * int(name[1:]), temperature=0.0, ignore_eos=True,
+                stop_token_ids=[stops[name]] if name in stops else []))
+        n = 0
         while e.has_unfinished():
+            if n == 6:
+                e.abort_request("r7")
+            if n == 9:
+                e.add_request("late", late, SamplingParams(max_tokens=12, temperature=0.0,
+                                                           ignore_eos=True))
             for o in e.step():
                 out[o.request_id] += o.delta_token_ids
+            n += 1
+        assert e.stats()["free_slots"] == e.runner.num_slots - 1  # every slot back
         return out, syncs, ahead[0]
 
-    sync_out, _, _ = run(False)
-    async_out, syncs, ahead = run(True, watch=True)
+    plain, _, _ = run(False, {})
+    stops = {name: plain[name][4] for name in ("r0", "r2", "r4")}  # each stops at its 5th token
+    sync_out, _, _ = run(False, stops)
+    async_out, syncs, ahead = run(True, stops, watch=True)
     assert async_out == sync_out
+    assert all(len(sync_out[n]) <= 5 for n in stops)
     assert ahead > 10, "no step was launched ahead"
     assert not syncs, syncs[:5]
