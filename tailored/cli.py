@@ -40,10 +40,12 @@ def _serve_parser(sub) -> None:
                    help="Triton kernel path: auto = on CUDA only; off = plain PyTorch path")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (kernel path only)")
-    p.add_argument("--prefill-graphs", choices=["on", "off"], default="off",
+    p.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
                    help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
                         "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kb/0013; "
-                        "kernel path with graphs only; default off until gated with it)")
+                        "kernel path with graphs only). auto (default): on for a bf16 "
+                        "checkpoint on CUDA, off for FP8 (its prefill tuning at start takes "
+                        "minutes until tuned.json holds it, kb/0024)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="launch each pure decode step before the previous step's tokens are "
                         "read, feeding them on the device, so host work overlaps the GPU "
@@ -154,7 +156,7 @@ def cmd_serve(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kernels=args.kernels,
         enforce_eager=args.enforce_eager,
-        prefill_graphs=args.prefill_graphs == "on",
+        prefill_graphs="auto" if args.prefill_graphs == "auto" else args.prefill_graphs == "on",
         async_scheduling=args.async_scheduling == "on"
         or (args.async_scheduling == "auto" and pick_device(args.device).type == "cuda"),
     )

@@ -227,3 +227,15 @@ def test_nan_fallback_row_fed_ahead_is_recomputed(tiny_model, tok):
     e.runner.launch = launch
     got = run(e, script)
     assert sum(calls) > 3 and got[:3] == sync[:3]
+
+
+def test_auto_settings_resolve_by_device_and_precision(tiny_ckpt, tiny_fp8_ckpt):
+    """--prefill-graphs auto: on for bf16 on CUDA only (off on the CPU, off for FP8);
+    --async-scheduling auto: on CUDA only (the CLI resolves it; see cli.py)."""
+    from tailored.stack import build_stack
+
+    for ck in (tiny_ckpt, tiny_fp8_ckpt):
+        st = build_stack(ck, device="cpu", progress=False, max_model_len=64, max_num_seqs=2,
+                         prefill_graphs="auto", async_scheduling=False)
+        assert st.engine_config.prefill_graphs is False
+        assert st.engine._async is False

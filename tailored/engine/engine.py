@@ -116,15 +116,16 @@ class Engine:
         first waits for the step in flight, so it sees every token."""
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
+        t_sched = t_start  # a step already in flight was scheduled by the previous call
         if self._inflight is None:
             sched_out = self.scheduler.schedule()
             if sched_out.empty:
                 return outputs
+            t_sched = time.perf_counter()  # the launch below is the runner's build/launch
             launched = self._launch(sched_out)
             if launched is None:
                 return outputs + self._fail_batch(sched_out, self._launch_error)
             self._inflight = launched
-        t_sched = time.perf_counter()
         cur = self._inflight
         sched_out = cur.sched
         nxt = None

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 9, device call 4 (repository root, .whl carried): async scheduling (kb/0015) on the
+# Prepared in session 9, NOT RUN (the device budget ran out; run it first in session 10). Repository
+# root, .whl carried: async scheduling (kb/0025) on the
 # H200 — first its GPU test (tokens equal to the synchronous engine, no host-device sync in a
 # step launched ahead; full width, 4 layers, fp32, kernel path + graphs), then the bf16 side by
 # side, tailored phase, with async scheduling on (its default) and everything else as call 2.
