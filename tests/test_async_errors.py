@@ -11,27 +11,23 @@ import pytest
 from tailored.engine.types import FinishReason, SamplingParams
 from test_async_fuzz import ids, make, probe_tokens, rand_script, run
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from tailored.tokenizer import load_tokenizer
-    return load_tokenizer(None)
+@pytest.fixture
+def tok(qwen_tok):
+    return qwen_tok
 
 
 def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
-def test_reused_id_fails_with_the_void_row_of_its_predecessor(tiny_model, tok):
+def test_reused_id_is_not_failed_with_the_void_row_of_its_predecessor(tiny_model, tok):
     """X stops on a stop_token_id at step N while N+1 (with a void X row) is in flight; the
     client reuses the id "X" for a new request (the final output of X was already delivered,
-    so add_request accepts it); step N+1's collect raises: the *new* X, which was never in that
-    batch, is failed with ERROR (and removed from the waiting queue)."""
+    so add_request accepts it); step N+1's collect raises: Y (in that batch) fails, the *new*
+    X, which was never in it, must not (it used to be failed and dropped from the queue)."""
     base = run(make(tiny_model, tok, False), {0: [("add", "X", ids(9, 5), greedy(8))]})
     stop = base["toks"]["X"][3]
     e = make(tiny_model, tok, True)
@@ -127,9 +123,9 @@ def test_runner_error_fails_that_batch_and_engine_stays_usable(tiny_model, tok, 
 
 @pytest.mark.parametrize("on", [False, True])
 def test_error_output_counts_only_delivered_tokens(tiny_model, tok, on):
-    """collect raises on a pure decode step: the ERROR output's num_output_tokens must equal
-    the tokens the request actually got. Under async the step was advanced before its collect
-    failed, so the PENDING_TOKEN placeholder is still in output_ids and is counted."""
+    """collect raises on a pure decode step: the ERROR output's num_output_tokens equals the
+    tokens delivered (the step was advanced, so a PENDING_TOKEN was in output_ids and used to
+    be counted)."""
     e = make(tiny_model, tok, on)
     e.add_request("a", ids(12, 1), greedy(15))
     got = []

@@ -16,17 +16,13 @@ from tailored.engine.engine import Engine
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import SamplingParams
 from tailored.runner import ModelRunner
-from tailored.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(None)
+@pytest.fixture
+def tok(qwen_tok):
+    return qwen_tok
 
 
 def make(model, tok, on, **kw):

@@ -8,19 +8,15 @@ import tailored.runner as R
 from tailored.engine.types import SamplingParams
 from test_async_fuzz import ids, make, run
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from tailored.tokenizer import load_tokenizer
-    return load_tokenizer(None)
+@pytest.fixture
+def tok(qwen_tok):
+    return qwen_tok
 
 
-def test_persistent_nan_row_recomputes_every_other_token(tiny_model, tok, monkeypatch):
+def test_persistent_nan_row_is_recomputed_once_not_every_other_token(tiny_model, tok, monkeypatch):
     orig = R.sample_on_device
 
     def sod(logits, seqs):

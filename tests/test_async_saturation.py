@@ -5,19 +5,15 @@ import pytest
 from tailored.engine.types import SamplingParams
 from test_async_fuzz import ids, make
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from tailored.tokenizer import load_tokenizer
-    return load_tokenizer(None)
+@pytest.fixture
+def tok(qwen_tok):
+    return qwen_tok
 
 
-def test_queue_beyond_max_num_seqs_disables_pipelining(tiny_model, tok):
+def test_queue_beyond_max_num_seqs_keeps_pipelining(tiny_model, tok):
     e = make(tiny_model, tok, True, max_num_seqs=2)
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(4):

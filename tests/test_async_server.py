@@ -8,16 +8,12 @@ from tailored.engine.types import FinishReason, SamplingParams
 from tailored.server.async_engine import AsyncEngine
 from test_async_fuzz import ids, make
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from tailored.tokenizer import load_tokenizer
-    return load_tokenizer(None)
+@pytest.fixture
+def tok(qwen_tok):
+    return qwen_tok
 
 
 def test_async_engine_loop(tiny_model, tok):
