@@ -15,7 +15,7 @@ DEFAULT_MODEL_NAME = "qwen36-35b-a3b"
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API")
     p.add_argument("checkpoint_dir", nargs="?", default=None,
-                   help="Hugging Face checkpoint directory (default: the embedded tiny model, CPU)")
+                   help="Hugging Face checkpoint directory (default: the embedded nano model, CPU)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -134,6 +134,17 @@ def _check_serve_args(args) -> None:
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
 
+def async_scheduling_on(mode: str, checkpoint_dir, device: str) -> bool:
+    """--async-scheduling: on, off, or auto = on where the engine runs on CUDA. With no
+    checkpoint the embedded model runs on the CPU unless --device names CUDA (build_stack)."""
+    if mode != "auto":
+        return mode == "on"
+    from tailored.stack import pick_device
+
+    return pick_device("cpu" if checkpoint_dir is None and device == "auto"
+                       else device).type == "cuda"
+
+
 def cmd_serve(args) -> int:
     _check_serve_args(args)
     import uvicorn
@@ -157,8 +168,8 @@ def cmd_serve(args) -> int:
         kernels=args.kernels,
         enforce_eager=args.enforce_eager,
         prefill_graphs="auto" if args.prefill_graphs == "auto" else args.prefill_graphs == "on",
-        async_scheduling=args.async_scheduling == "on"
-        or (args.async_scheduling == "auto" and pick_device(args.device).type == "cuda"),
+        async_scheduling=async_scheduling_on(args.async_scheduling, args.checkpoint_dir,
+                                             args.device),
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

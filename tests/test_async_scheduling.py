@@ -235,3 +235,14 @@ def test_auto_settings_resolve_by_device_and_precision(tiny_ckpt, tiny_fp8_ckpt)
                          prefill_graphs="auto", async_scheduling=False)
         assert st.engine_config.prefill_graphs is False
         assert st.engine._async is False
+
+
+def test_cli_async_auto_is_on_only_where_the_engine_runs_on_cuda(monkeypatch):
+    from tailored.cli import async_scheduling_on
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    assert async_scheduling_on("auto", "/ckpt", "auto") is True
+    assert async_scheduling_on("auto", None, "auto") is False  # embedded model: CPU
+    assert async_scheduling_on("auto", "/ckpt", "cpu") is False
+    assert async_scheduling_on("on", None, "cpu") is True
+    assert async_scheduling_on("off", "/ckpt", "auto") is False

@@ -60,6 +60,8 @@ class Engine:
         self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
         # async scheduling needs a runner that can launch a step and collect it later
         self._async = engine_config.async_scheduling and hasattr(runner, "launch")
+        logger.info("async scheduling %s", "on (decode steps launched ahead, kb/0025)"
+                    if self._async else "off")
         self._inflight = None  # the launched step whose tokens are not read yet
         self._launch_error = ""
         if hasattr(runner, "timer"):
