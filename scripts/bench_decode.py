@@ -47,6 +47,8 @@ VARIANTS = {
     # that much; put control first (and last) and read the variants against it, not the first row
     "control": lambda: (lambda: None),
     "shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", True),  # kb/0019
+    # only for 1-2 rows, where session 9 saw it help (kb/0024); '+' joins: shared_in_moe+moe_up_to2
+    "moe_up_to2": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 2),
     "no_shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", False),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),

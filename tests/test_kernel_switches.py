@@ -53,3 +53,21 @@ def test_session9_defaults():
     assert gdn_decode.DV_SPLIT == 2
     assert fast.COMBINE_NEXT_NORM is True
     assert fast.SHARED_IN_MOE is False and attention_decode.ADAPTIVE_SPLITS is False
+
+
+def test_shared_in_moe_up_to_is_a_strict_integer_switch():
+    """Read at import of the kernel path (in a child: no module reload in this process)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = "from tailored.model import fast; print(fast.SHARED_IN_MOE_UP_TO)"
+    for raw, ok in (("0", False), ("x", False), ("2", True), ("", True)):
+        env = {**os.environ, "TAILORED_SHARED_IN_MOE_UP_TO": raw}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=120)
+        if ok:
+            assert r.returncode == 0 and r.stdout.split()[-1] == (raw or "32"), r.stderr[-300:]
+        else:
+            assert r.returncode != 0 and "TAILORED_SHARED_IN_MOE_UP_TO" in r.stderr

@@ -408,7 +408,8 @@ def _kernel_switches() -> dict:
         return {}
     return {"moe_compact_grid": moe.COMPACT_GRID, "route_one_program_up_to":
             moe.ROUTE_ONE_PROGRAM_UP_TO,
-            "shared_in_moe": fast.SHARED_IN_MOE, "attention_adaptive_splits":
+            "shared_in_moe": fast.SHARED_IN_MOE, "shared_in_moe_up_to": fast.SHARED_IN_MOE_UP_TO,
+            "attention_adaptive_splits":
             attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
             "combine_next_norm": fast.COMBINE_NEXT_NORM}

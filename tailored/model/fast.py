@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailored.kernels import env_flag
+from tailored.kernels import env_flag, env_int
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
@@ -52,7 +52,9 @@ PREFILL_BUCKETS = tuple(range(128, 2049, 128)) + (3072, 4096, 6144, 8192)
 # Above that its one program per N block would walk many times the rows of any routed
 # expert's (prefill: 1024 rows against ~32), so prefill keeps it a separate GEMM.
 SHARED_IN_MOE = env_flag("TAILORED_SHARED_IN_MOE", False)
-SHARED_IN_MOE_UP_TO = 32
+# session 9 (kb/0024): B=1 -3.8 % (inside the B=1 noise), B=16 +3.7 %: the next A/B times
+# it at 1-2 rows only (TAILORED_SHARED_IN_MOE_UP_TO, bench_decode variant shared_in_moe2)
+SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 32, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
