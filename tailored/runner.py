@@ -18,7 +18,7 @@ from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.sampler import Sampled, sample_on_device
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import ModelOutput, SchedulerOutput
-from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.model.batch import ForwardBatch, HybridCache, to_device
 
 log = logging.getLogger("tailored.runner")
 
@@ -233,8 +233,5 @@ class LaunchedStep:
 
 
 def _index(rows, device) -> torch.Tensor:
-    """int64 row indices on `device`, without a blocking copy (pinned, non-blocking on CUDA)."""
-    t = torch.tensor(list(rows), dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    """int64 row indices on `device`, without a blocking copy."""
+    return to_device(torch.tensor(list(rows), dtype=torch.long), device)

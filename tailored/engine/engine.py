@@ -63,7 +63,7 @@ class Engine:
         logger.info("async scheduling %s", "on (decode steps launched ahead, kb/0025)"
                     if self._async else "off")
         self._inflight = None  # the launched step whose tokens are not read yet
-        self._launch_error = ""
+        self._runner_error = ""
         if hasattr(runner, "timer"):
             runner.timer = self.timer
 
@@ -126,7 +126,7 @@ class Engine:
             t_sched = time.perf_counter()  # the launch below is the runner's build/launch
             launched = self._launch(sched_out)
             if launched is None:
-                return outputs + self._fail_batch(sched_out, self._launch_error)
+                return outputs + self._fail_batch(sched_out, self._runner_error)
             self._inflight = launched
         cur = self._inflight
         sched_out = cur.sched
@@ -137,22 +137,20 @@ class Engine:
             nxt = self._launch(ahead, feed=cur)
             model_out = self._collect(cur)
             if model_out is None:
-                self._inflight = None
-                failed = self._fail_batch(sched_out, self._launch_error, cur.owners)
-                if nxt is not None:  # its rows belong to the requests just failed: void
-                    self._inflight = nxt
-                return outputs + failed
+                # nxt's rows (if it launched) belong to the requests failed here: void
+                self._inflight = nxt
+                return outputs + self._fail_batch(sched_out, self._runner_error, cur.owners)
             # rows whose next step ran on a token that is not theirs (NaN fallback): recompute
             applied = self.scheduler.resolve(sched_out, model_out, recompute=model_out.bad)
             if nxt is None:  # the launch failed: its requests (those still running) fail
                 self._inflight = None
                 outputs += self._emit_step(applied)
-                return outputs + self._fail_batch(ahead, self._launch_error, cur.owners)
+                return outputs + self._fail_batch(ahead, self._runner_error, cur.owners)
         else:
             model_out = self._collect(cur)
             self._inflight = None
             if model_out is None:
-                return outputs + self._fail_batch(sched_out, self._launch_error, cur.owners)
+                return outputs + self._fail_batch(sched_out, self._runner_error, cur.owners)
             self.scheduler.advance(sched_out)
             applied = self.scheduler.resolve(sched_out, model_out)
         t_exec = time.perf_counter()
@@ -170,7 +168,7 @@ class Engine:
 
     # ---- step stages ---------------------------------------------------------------------------
     def _launch(self, sched_out: SchedulerOutput, feed=None):
-        """The runner's launched step, or None (reason in self._launch_error) when it raised:
+        """The runner's launched step, or None (reason in self._runner_error) when it raised:
         the caller fails that batch only; the engine stays usable."""
         try:
             if self._async:
@@ -182,9 +180,7 @@ class Engine:
                                for s in sched_out.seqs}
             return launched
         except Exception as e:
-            logger.exception("runner failed on a batch of %d sequences", len(sched_out.seqs))
-            self._launch_error = f"{type(e).__name__}: {e}"
-            return None
+            return self._runner_failed(e, sched_out)
 
     def _collect(self, launched) -> ModelOutput | None:
         try:
@@ -202,9 +198,12 @@ class Engine:
                 raise RuntimeError(f"runner returned no token for {missing}")
             return model_out
         except Exception as e:
-            logger.exception("runner failed on a batch of %d sequences", len(launched.sched.seqs))
-            self._launch_error = f"{type(e).__name__}: {e}"
-            return None
+            return self._runner_failed(e, launched.sched)
+
+    def _runner_failed(self, e: Exception, sched_out: SchedulerOutput) -> None:
+        """Log a runner error and keep its message for the batch's ERROR outputs."""
+        logger.exception("runner failed on a batch of %d sequences", len(sched_out.seqs))
+        self._runner_error = f"{type(e).__name__}: {e}"
 
     def _emit_step(self, applied) -> list[RequestOutput]:
         """Outputs of the requests that got a token this step and are still the engine's (a

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tailored.engine.types import ScheduledSeq
+from tailored.model.batch import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +86,30 @@ class Sampled:
             self._event.record(torch.cuda.current_stream(self._both.device))
 
     def tolist(self) -> list[int]:
+        """The ids as Python ints (one device-to-host copy); rows whose processed logits held
+        NaN (rare) take the argmax of their raw logits, NaN ignored, and are listed in
+        bad_rows."""
         if self._both is None:
             return []
-        return _guarded(self, self._both, self._raw, self.seqs)
+        both = self._both
+        if self._event is not None:
+            # wait for the GPU here, where torch releases the GIL, not inside tolist(), which
+            # holds it: the HTTP thread streams the previous tokens while this step runs
+            self._event.synchronize()
+            both = self._host
+        ids_list, bad_list = both.tolist()
+        self.bad_rows = [i for i, b in enumerate(bad_list) if b]
+        if self.bad_rows:
+            rows = self.bad_rows
+            fallback = (self._raw[rows].to(torch.float32).nan_to_num(nan=_MASK).argmax(dim=-1)
+                        .tolist())
+            for i, tok in zip(rows, fallback):
+                ids_list[i] = tok
+            logger.warning(
+                "sampler: NaN in the processed logits of %s; fell back to greedy on the raw "
+                "logits", ", ".join(repr(self.seqs[i].request_id) for i in rows),
+            )
+        return ids_list
 
 
 def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
@@ -101,7 +123,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
 
     raw = logits  # the input, for the NaN fallback
     params = [s.sampling for s in seqs]
-    if all(_is_greedy(p) and not _has_penalty(p) for p in params):
+    if all(_is_greedy(p) and not p.uses_penalties for p in params):
         # the common serving case: argmax of the logits as they are. A float32 copy would
         # change no order (every bf16 value is exact in fp32; ties go to the lowest id either
         # way) and costs a [B, V] kernel each step
@@ -122,7 +144,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
         ],
         dtype=torch.float32,
     )
-    knobs = _to_device(knobs, device)
+    knobs = to_device(knobs, device)
     temperature, min_p, top_p, top_k = knobs.unbind(dim=1)  # each [B]
     greedy_ids = logits.argmax(dim=-1)  # [B]
     greedy_nan = logits.isnan().any(dim=-1) if any(greedy_rows) else None  # [B]
@@ -150,40 +172,9 @@ def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
 
     if greedy_nan is None:
         return Sampled(sampled_ids, sampled_nan, raw, seqs)
-    is_greedy = _to_device(torch.tensor(greedy_rows, dtype=torch.bool), device)
+    is_greedy = to_device(torch.tensor(greedy_rows, dtype=torch.bool), device)
     ids = torch.where(is_greedy, greedy_ids, sampled_ids)
     return Sampled(ids, torch.where(is_greedy, greedy_nan, sampled_nan), raw, seqs)
-
-
-def _guarded(out: Sampled, both: torch.Tensor, raw: torch.Tensor, seqs) -> list[int]:
-    """both: [2, B] chosen ids and rows whose processed logits held NaN. One device-to-host
-    copy; bad rows (rare) are replaced by the argmax of their raw logits, NaN ignored, and
-    listed in out.bad_rows."""
-    if out._event is not None:
-        # wait for the GPU here, where torch releases the GIL, not inside tolist(), which holds
-        # it: the HTTP thread streams the previous tokens while this step runs
-        out._event.synchronize()
-        both = out._host
-    ids_list, bad_list = both.tolist()
-    rows = [i for i, b in enumerate(bad_list) if b]
-    out.bad_rows = rows
-    if rows:
-        fallback = raw[rows].to(torch.float32).nan_to_num(nan=_MASK).argmax(dim=-1).tolist()
-        for i, tok in zip(rows, fallback):
-            ids_list[i] = tok
-        logger.warning(
-            "sampler: NaN in the processed logits of %s; fell back to greedy on the raw logits",
-            ", ".join(repr(seqs[i].request_id) for i in rows),
-        )
-    return ids_list
-
-
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """Host tensor to `device` without a stream sync on CUDA (pinned, non-blocking): a pageable
-    blocking copy waits for the previous step's kernels and undoes async scheduling."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _row_seed(seed: int, num_generated: int) -> int:
@@ -194,13 +185,9 @@ def _row_seed(seed: int, num_generated: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def _has_penalty(p) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
     """In place on the rows whose request has a penalty on. logits: [B, V] float32."""
-    rows = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
+    rows = [i for i, s in enumerate(seqs) if s.sampling.uses_penalties]
     if not rows:
         return
     device, V = logits.device, logits.shape[1]

@@ -272,8 +272,7 @@ class Scheduler:
                     or seq.request_id in self.no_ahead):
                 return False
             sp = req.sampling
-            if (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
-                    or sp.frequency_penalty != 0.0):
+            if sp.uses_penalties:
                 return False
             # after this step: len(output) + 1 tokens; the next one must not be past a limit
             if (len(req.output_ids) + 2 > sp.max_tokens
@@ -361,11 +360,6 @@ class Scheduler:
                 tokens = tokens + req.output_ids[: end - len(req.prompt_ids)]
         else:
             tokens = req.output_ids[start - len(req.prompt_ids) : end - len(req.prompt_ids)]
-        uses_penalties = (
-            sp.repetition_penalty != 1.0
-            or sp.presence_penalty != 0.0
-            or sp.frequency_penalty != 0.0
-        )
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=tuple(tokens),
@@ -376,6 +370,6 @@ class Scheduler:
             sample=end == req.num_tokens,
             sampling=sp,
             prompt_ids=tuple(req.prompt_ids) if sp.repetition_penalty != 1.0 else (),
-            output_ids=tuple(req.output_ids) if uses_penalties else (),
+            output_ids=tuple(req.output_ids) if sp.uses_penalties else (),
             num_generated=len(req.output_ids),
         )

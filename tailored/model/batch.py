@@ -54,20 +54,23 @@ class ForwardBatch:
             ids.extend(toks)
             pos.extend(range(start, start + len(toks)))
         return cls(
-            input_ids=_to_device(ids, device),
-            positions=_to_device(pos, device),
+            input_ids=to_device(torch.tensor(ids, dtype=torch.long), device),
+            positions=to_device(torch.tensor(pos, dtype=torch.long), device),
             seqs=seqs,
             logits_rows=list(logits_rows),
         )
 
 
-def _to_device(values: list[int], device) -> torch.Tensor:
-    """int64 tensor on `device`; on CUDA through pinned memory without a blocking copy, which
-    would wait for the previous step's kernels (async scheduling, kb/0015)."""
-    t = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+def pinned(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor t in page-locked memory when it is bound for a CUDA device, else t: the
+    source of a non-blocking copy (a pageable copy may wait for the step still running, which
+    async scheduling launched this one behind, kb/0025)."""
+    return t.pin_memory() if torch.device(device).type == "cuda" else t
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor t on `device` without a stream sync (pinned, non-blocking on CUDA)."""
+    return pinned(t, device).to(device, non_blocking=True)
 
 
 class HybridCache:

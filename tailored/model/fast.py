@@ -38,7 +38,7 @@ from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_m
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import qk_norm_rope
 from tailored.model import fp8
-from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
+from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, pinned, to_device
 from tailored.model.fp8 import Fp8Linear
 from tailored.model.moe_stack import ExpertStack, stack_shared_expert
 from tailored.ops import reference as ref
@@ -53,7 +53,7 @@ PREFILL_BUCKETS = tuple(range(128, 2049, 128)) + (3072, 4096, 6144, 8192)
 # expert's (prefill: 1024 rows against ~32), so prefill keeps it a separate GEMM.
 SHARED_IN_MOE = env_flag("TAILORED_SHARED_IN_MOE", False)
 # session 9 (kb/0024): B=1 -3.8 % (inside the B=1 noise), B=16 +3.7 %: the next A/B times
-# it at 1-2 rows only (TAILORED_SHARED_IN_MOE_UP_TO, bench_decode variant shared_in_moe2)
+# it at 1-2 rows only (TAILORED_SHARED_IN_MOE_UP_TO, bench_decode variants shared_in_moe+moe_up_to2)
 SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 32, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
@@ -161,15 +161,7 @@ class StepPlan:
 
 def h2d(a: np.ndarray, device) -> torch.Tensor:
     """int64 numpy → device tensor without a stream sync (pinned, non-blocking on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
-
-
-def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t in page-locked memory when it is bound for a CUDA device (non-blocking copies)."""
-    return t.pin_memory() if device.type == "cuda" else t
+    return to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
 
 
 def _token_rows(seqs) -> np.ndarray:
@@ -629,10 +621,8 @@ class FastPath:
         if n > B:
             st["ids"][B:n].zero_()
             st["pos"][B:n].zero_()
-        # pinned sources: a pageable copy may wait for the step still running (async
-        # scheduling launches this one behind it, kb/0015)
-        st["table"][:n].copy_(_pinned(torch.from_numpy(table), self.device), non_blocking=True)
-        m = _pinned(torch.from_numpy(meta), self.device).to(self.device, non_blocking=True)
+        st["table"][:n].copy_(pinned(torch.from_numpy(table), self.device), non_blocking=True)
+        m = to_device(torch.from_numpy(meta), self.device)
         st["lens"][:n].copy_(m[0])
         st["slots"][:n].copy_(m[1])
         st["kv_rows"][:n].copy_(m[2])
