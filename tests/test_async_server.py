@@ -49,4 +49,11 @@ def test_async_engine_loop(tiny_model, tok):
             assert y[1] in (None, FinishReason.ABORT)
             continue
         assert x == y, i
-    assert sa == sb and sb["running"] == sb["waiting"] == 0, (sa, sb)
+    # How many preemptions a 20-page pool needs depends on when each request reaches the
+    # engine loop (the clients race it), so only the end state is compared: every page and
+    # state slot back, nothing left running or waiting.
+    for st in (sa, sb):
+        assert st["running"] == st["waiting"] == 0, (sa, sb)
+    drop = ("num_preemptions",)
+    assert {k: v for k, v in sa.items() if k not in drop} == \
+        {k: v for k, v in sb.items() if k not in drop}, (sa, sb)
