@@ -244,7 +244,7 @@ class EngineConfig:
     enforce_eager: never replay CUDA graphs (kernel path only).
     prefill_graphs: replay CUDA graphs for a fresh prompt alone in its step, padded to a token
         bucket (kb/0013; kernel path with graphs only). `tailored serve` passes "auto" to
-        build_stack, which turns it on for a bf16 checkpoint on CUDA (kb/0024).
+        build_stack, which turns it on on CUDA (`stack.prefill_graphs_auto`, kb/0026).
     async_scheduling: a pure decode step is launched before the previous step's tokens are
         read, its input ids fed on the device (kb/0015): the host's detokenize/stream/schedule
         work of step N overlaps the device's step N+1. Other steps run synchronously.

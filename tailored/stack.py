@@ -64,6 +64,17 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def prefill_graphs_auto(device: torch.device) -> bool:
+    """What `--prefill-graphs auto` means on `device`: on on CUDA, for bf16 and FP8 alike.
+
+    Both precisions passed the accuracy gate with prefill graphs (kb/0024), and a 1024-token
+    bf16 prompt takes 59 ms replayed against ~90-155 ms eager (kb/0013: the eager prefill is
+    host-bound). FP8 was off until session 10: its prefill GEMM tunings are one per shape, not
+    per token bucket (M > 64 rows share a key), and `tuned.json` holds them, so capturing its
+    buckets costs what bf16's does (kb/0026). Off on the CPU, which has no CUDA graphs."""
+    return device.type == "cuda"
+
+
 def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
                 num_layers: int | None = None, device: str | None = None, dtype: str | None = None,
                 seed: int = 0, progress: bool = True, dummy_init: str = "default",
@@ -75,7 +86,7 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     draws the weights on the device with the synthetic statistics (dummy_init: 'default', or
     'stable' for the gate's full-size fixture, synth.init_spec).
     engine_kwargs: EngineConfig fields (max_model_len, max_num_seqs, page_size, ...);
-    prefill_graphs may also be "auto": on for a bf16 checkpoint on CUDA, else off.
+    prefill_graphs may also be "auto": on on CUDA, off on the CPU (`prefill_graphs_auto`).
     """
     if checkpoint_dir is None:
         checkpoint_dir = embedded_checkpoint()
@@ -95,10 +106,7 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     dt_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     dt = DTYPES[dt_name]
     if engine_kwargs.get("prefill_graphs") == "auto":
-        # on for bf16 on CUDA: gated in bf16 and FP8 (kb/0024), TTFT 59 ms vs ~90 ms eager at
-        # 1024 tokens. Off for FP8 until the saved tuning table (kb/0020) holds its prefill
-        # buckets: tuning them at start took longer than a 600 s H200 call
-        engine_kwargs["prefill_graphs"] = dev.type == "cuda" and cfg.fp8 is None
+        engine_kwargs["prefill_graphs"] = prefill_graphs_auto(dev)
     ec = EngineConfig(device=str(dev), dtype=dt_name, **engine_kwargs)
     if ec.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {ec.max_model_len} exceeds the model's "

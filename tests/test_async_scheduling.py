@@ -226,9 +226,12 @@ def test_nan_fallback_row_fed_ahead_is_recomputed(tiny_model, tok):
 
 
 def test_auto_settings_resolve_by_device_and_precision(tiny_ckpt, tiny_fp8_ckpt):
-    """--prefill-graphs auto: on for bf16 on CUDA only (off on the CPU, off for FP8);
+    """--prefill-graphs auto: on on CUDA for bf16 and FP8 (kb/0026), off on the CPU;
     --async-scheduling auto: on CUDA only (the CLI resolves it; see cli.py)."""
-    from tailored.stack import build_stack
+    from tailored.stack import build_stack, prefill_graphs_auto
+
+    assert prefill_graphs_auto(torch.device("cuda")) is True
+    assert prefill_graphs_auto(torch.device("cpu")) is False
 
     for ck in (tiny_ckpt, tiny_fp8_ckpt):
         st = build_stack(ck, device="cpu", progress=False, max_model_len=64, max_num_seqs=2,
