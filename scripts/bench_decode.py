@@ -61,6 +61,10 @@ VARIANTS = {
     "route64": lambda: _set("kernels.moe", "ROUTE_ALIGN_USE_UP_TO", 64),
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),
+    # FP8 projections of >= 128 / 256 rows: dequantize to a bf16 scratch + cuBLAS (kb/0026);
+    # prefill switches: time them with --prefill-variants
+    "fp8_deq128": lambda: _set("model.fast", "FP8_DEQUANT_FROM", 128),
+    "fp8_deq256": lambda: _set("model.fast", "FP8_DEQUANT_FROM", 256),
 }
 
 
@@ -77,6 +81,48 @@ def switch(spec: str, fast):
         fast.drop_decode_graphs()
         fast.capture()
     return undo
+
+
+def prefill_ab(a, variants, fast, pre, pre_b):
+    """Time the ctx-token prefill `pre` (and the batched prefill step `pre_b`) under each
+    '+'-joined switch set, a.rounds times round-robin; medians by variant. With prefill graphs
+    the ctx bucket is re-captured for each variant (the graph bakes its switches in), so the
+    time is the replay's, which is the GPU's (the eager prefill is host-bound, kb/0010)."""
+    graphs = bool(fast.prefill_graphs)
+    bucket = min(b for b in fast.prefill_graphs if b >= a.ctx) if graphs else None
+
+    def recapture():
+        if graphs:
+            fast.prefill_graphs.pop(bucket, None)
+            fast.capture_prefill(bucket, buckets=[bucket])
+
+    samples = {v: {"prefill_ms": [], "prefill_batch_ms": []} for v in variants}
+    for rnd in range(a.rounds):
+        for v in variants:
+            undos = [VARIANTS[p]() for p in v.split("+")]
+            recapture()
+            pre()
+            samples[v]["prefill_ms"].append(timed(pre, 3))
+            if pre_b is not None:
+                pre_b()
+                samples[v]["prefill_batch_ms"].append(timed(pre_b, 3))
+            for u in reversed(undos):
+                u()
+            print(f"round {rnd + 1}: prefill {a.ctx} tokens with {v}: "
+                  f"{samples[v]['prefill_ms'][-1]:.2f} ms"
+                  + (f", batch step {samples[v]['prefill_batch_ms'][-1]:.1f} ms"
+                     if pre_b is not None else ""), flush=True)
+    recapture()
+    pre()  # sequence 0's state as the decode timings expect it
+    out = {v: {k: statistics.median(x) for k, x in d.items() if x} | {"samples": d}
+           for v, d in samples.items()}
+    base = out.get("control")
+    print("\n| prefill variant | prefill ms | vs control | batch step ms | vs control |\n|---|---|---|---|---|")
+    for v, r in out.items():
+        rel = (lambda k: f"{r[k] / base[k] - 1:+.1%}" if base and k in r and k in base else "-")
+        print(f"| {v} | {r['prefill_ms']:.2f} | {rel('prefill_ms')} | "
+              f"{r.get('prefill_batch_ms', float('nan')):.1f} | {rel('prefill_batch_ms')} |")
+    return out
 
 
 def timed(fn, n):
@@ -109,6 +155,11 @@ def main():
                     help="cycle through --variants this many times and report each variant's "
                          "median: drift over the run and re-capture noise (1-2 %%, kb/0019) "
                          "average out instead of landing on whichever variant ran last")
+    ap.add_argument("--prefill-variants", default="",
+                    help="comma-separated switches (as in --variants) to time the ctx-token "
+                         "prefill with (replayed after a re-capture of its bucket when "
+                         "--prefill-graphs, else eager) and the --prefill-batch step (eager), "
+                         "--rounds times each; put control first")
     ap.add_argument("--profile-variant", default="",
                     help="the switches (as in --variants) the --profile kernel table runs with")
     ap.add_argument("--prefill-graphs", action="store_true",
@@ -125,7 +176,8 @@ def main():
     # (each batch size: 1 + steps graph + 1 + 3 eager; again 1 + steps per variant;
     # 5 for --profile), with margin; max_model_len sizes the page table and the page pool
     variants = [v for v in a.variants.split(",") if v]
-    for v in variants + ([a.profile_variant] if a.profile_variant else []):
+    prefill_variants = [v for v in a.prefill_variants.split(",") if v]
+    for v in variants + prefill_variants + ([a.profile_variant] if a.profile_variant else []):
         for part in v.split("+"):
             if part not in VARIANTS:
                 ap.error(f"unknown variant {part!r}: one of {', '.join(VARIANTS)}")
@@ -148,11 +200,12 @@ def main():
         pages = list(range(1 + b * P, 1 + (b + 1) * P))
         batch = ForwardBatch.build([(ids, 0, b + 1, True, pages)], [a.ctx - 1], "cuda")
 
-        def pre():
+        def pre(batch=batch):  # bound now: the loop rebinds batch
             h = model(batch, cache)
             return model.compute_logits(h[batch.logits_rows]).argmax(-1).tolist()
 
         if b == 0:
+            pre0 = pre
             pre()  # warm (triton compiles, fla autotune)
             res["prefill_ms"] = timed(pre, 3)
             print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms", flush=True)
@@ -186,6 +239,9 @@ def main():
         res["prefill_batch"] = {"seqs": nb, "tokens": nb * a.ctx, "ms": timed(pre_b, 3)}
         print(f"prefill step {nb} x {a.ctx} tokens: {res['prefill_batch']['ms']:.1f} ms "
               f"({res['prefill_batch']['ms'] / nb:.1f} ms per prompt)", flush=True)
+    if prefill_variants:
+        res["prefill_variants"] = prefill_ab(a, prefill_variants, fast, pre0,
+                                             pre_b if a.prefill_batch else None)
     if a.profile_host:
         import cProfile
         import io

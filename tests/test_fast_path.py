@@ -75,7 +75,8 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     kb/0023). switches: every kernel switch on at once (one variant, since each costs minutes
     in the interpreter): also the shared expert as routed expert E (kb/0019; threshold raised
     so that the 80-row mixed steps take it too), attention splits by batch (kb/0019), and the
-    GDN step over 4 programs a head.
+    GDN step over 4 programs a head; FP8 projections of ≥ 40 rows through the dequant
+    scratch + GEMM (kb/0026: the 80-row prefill step takes it, the 31-row mixed step not).
     The previous defaults (the fused GDN step, separate norms) stay reachable through the
     environment; their kernels keep their own tests (test_kernels.py)."""
     from tailored.kernels import attention_decode, gdn_decode, moe
@@ -88,6 +89,11 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", True)
         monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
+        monkeypatch.setattr(fastmod, "FP8_DEQUANT_FROM", 40)
+    deq_rows = []
+    real_deq = fastmod.dequantize_rows
+    monkeypatch.setattr(fastmod, "dequantize_rows",
+                        lambda w, *a, **k: deq_rows.append(w.shape) or real_deq(w, *a, **k))
     plain, fastm, fcache = pair
     cfg = plain.config
     fcache.rec.zero_(), fcache.conv.zero_(), fcache.k.zero_(), fcache.v.zero_()
@@ -129,6 +135,8 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         for s in pos:
             pos[s] += 1
             toks[s] += 7
+    # the dequant path ran, and only where asked: FP8 with the switches (the 80-row step)
+    assert bool(deq_rows) == (variant == "switches" and cfg.fp8 is not None), deq_rows
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -30,6 +30,7 @@ from torch import nn
 
 from tailored.kernels import env_flag, env_int
 from tailored.kernels.attention_decode import paged_decode_attention
+from tailored.kernels.fp8_dequant import Scratch, dequantize_rows
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
@@ -58,6 +59,12 @@ SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 32, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
+# FP8 projections of at least this many rows (prefill) dequantize their weight into a bf16
+# scratch and run cuBLAS instead of the W8A16 Triton GEMM, which is 2.6x slower than cuBLAS
+# at 1024 rows (kb/0009, kb/0026). 0 = never. Off until an H200 A/B and the FP8 gate say so:
+# it changes the rounding (the reference's dequantize-then-GEMM instead of per-block scaled
+# fp32 partial sums).
+FP8_DEQUANT_FROM = env_int("TAILORED_FP8_DEQUANT_FROM", 0, 0, 1 << 20)
 
 
 def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
@@ -79,6 +86,7 @@ class Proj:
     def __init__(self, mods: list[nn.Module], kind: str = "in"):
         self.kind = kind  # which projection (in, out, router, down)
         self.fp8 = isinstance(mods[0], Fp8Linear)
+        self.scratch: Scratch | None = None  # FP8: the model's dequant buffer (FP8_DEQUANT_FROM)
         self.sizes = [m.weight.shape[0] for m in mods]
         self.weight = fuse_linears(mods) if len(mods) > 1 else mods[0].weight.data
         self.scale = (torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in mods])
@@ -88,13 +96,18 @@ class Proj:
         """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
         n = sum(sizes)
         p = Proj.__new__(Proj)
-        p.fp8, p.sizes, p.kind = self.fp8, list(sizes), self.kind
+        p.fp8, p.sizes, p.kind, p.scratch = self.fp8, list(sizes), self.kind, self.scratch
         p.weight = self.weight[:n]
         p.scale = self.scale[:n] if self.fp8 else None
         return p
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
+            if 0 < FP8_DEQUANT_FROM <= x.shape[0] and self.scratch is not None:
+                N, K = self.weight.shape
+                w = dequantize_rows(self.weight, self.scale,
+                                    out=self.scratch.view(N, K, x.dtype, x.device))
+                return F.linear(x, w)
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x, self.weight)
 
@@ -276,6 +289,17 @@ class FastPath:
                 scales = stack.routed_scales() if scales is not None else None
             if scales is not None:
                 self.experts[i] = scales
+        # one dequant buffer for every FP8 projection (they run one at a time on one stream),
+        # sized now when FP8_DEQUANT_FROM is on, so that no CUDA graph capture has to grow it
+        self.scratch = Scratch()
+        fp8_projs = [p for g in (self.p_in, self.p_moe) for pg in g.values()
+                     for p, _ in pg.parts if p.fp8]
+        fp8_projs += [p for g in (self.p_out, self.p_route, self.p_down) for p in g.values()
+                      if p.fp8]
+        for p in fp8_projs:
+            p.scratch = self.scratch
+        if fp8_projs and FP8_DEQUANT_FROM:
+            self.scratch.reserve(max(p.weight.numel() for p in fp8_projs), self.dtype, self.device)
         # decode graph state
         self.max_batch = max_batch
         self.max_pages = max_pages

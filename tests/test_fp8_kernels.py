@@ -1,0 +1,114 @@
+"""The block-FP8 projection kernels against their references (spec §9.1): the W8A16 GEMM
+(`fp8_linear`) and the dequant-to-scratch of the prefill path (`fp8_dequant`, kb/0026), on odd
+sizes (N and K not multiples of 128, so the last scale block is partial), on weights that are
+row views of a fused tensor (the kernel path's layout), and into NaN-poisoned buffers.
+
+CPU: Triton's interpreter in fp32; H200: compiled, fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailored import kernels
+from tailored.model import fp8
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="triton not installed")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEV == "cuda" else [torch.float32]
+SHAPES = [(200, 320), (128, 128), (64, 2048), (300, 96)]  # (N, K)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_configs(monkeypatch):
+    monkeypatch.setenv("TAILORED_AUTOTUNE", "0")  # as tests/test_kernels.py
+
+
+def _weight(N, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    w[: N // 3] *= 40.0  # a range of block scales
+    q, s = fp8.quantize_block(w)
+    return q.to(DEV), s.to(DEV)
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_rows_is_bitwise_the_reference(N, K, dtype):
+    from tailored.kernels.fp8_dequant import dequantize_rows
+
+    q, s = _weight(N, K, N + K)
+    rows = fp8.row_scales(s, N)
+    want = fp8.dequantize_block(q, s, dtype)
+    assert torch.equal(dequantize_rows(q, rows, dtype=dtype), want)
+    # into a NaN-poisoned buffer with a wider row stride: the [N, K] view only, nothing else
+    buf = torch.full((N, K + 37), float("nan"), dtype=dtype, device=DEV)
+    out = dequantize_rows(q, rows, out=buf[:, :K])
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, want)
+    assert torch.isnan(buf[:, K:]).all()
+
+
+def test_dequantize_rows_of_a_fused_weight_view():
+    """The kernel path fuses linears along N and hands out row views (fast.fuse_linears): the
+    view of the second linear, starting mid scale block, dequantizes to that linear alone."""
+    from tailored.kernels.fp8_dequant import dequantize_rows
+
+    (qa, sa), (qb, sb) = _weight(72, 256, 1), _weight(100, 256, 2)
+    fused = torch.cat([qa, qb])
+    rows = torch.cat([fp8.row_scales(sa, 72), fp8.row_scales(sb, 100)])
+    got = dequantize_rows(fused[72:], rows[72:], dtype=torch.float32)
+    assert torch.equal(got, fp8.dequantize_block(qb, sb, torch.float32))
+
+
+def test_dequantize_rows_rejects_bad_input():
+    from tailored.kernels.fp8_dequant import dequantize_rows
+
+    q, s = _weight(64, 256, 3)
+    rows = fp8.row_scales(s, 64)
+    with pytest.raises(ValueError, match="scale_rows"):
+        dequantize_rows(q, rows[:, :1])
+    with pytest.raises(ValueError, match="float8"):
+        dequantize_rows(q.float(), rows)
+    with pytest.raises(ValueError, match="unit column"):
+        dequantize_rows(q, rows, out=torch.empty(256, 64, device=DEV).t())
+    with pytest.raises(ValueError, match="fp32 scales"):
+        dequantize_rows(q, rows.double())
+
+
+@pytest.mark.parametrize("M", [1, 5, 70])
+@pytest.mark.parametrize("N,K", SHAPES[:2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_linear_against_dequantize_then_linear(M, N, K, dtype):
+    """The W8A16 GEMM sums per-128-block fp32 products times the block's scale; the reference
+    rounds the scaled weight once and then multiplies: equal to fp32 rounding (1e-5), to a bf16
+    rounding of the weights in bf16."""
+    from tailored.kernels.fp8_linear import fp8_linear
+
+    q, s = _weight(N, K, 7 * M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEV, dtype)
+    got = fp8_linear(x, q, fp8.row_scales(s, N))
+    want = F.linear(x.float(), fp8.dequantize_block(q, s, torch.float32))
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+def test_scratch_grows_outside_capture_and_refuses_inside(monkeypatch):
+    from tailored.kernels import fp8_dequant
+
+    sc = fp8_dequant.Scratch()
+    a = sc.view(4, 8, torch.float32, torch.device(DEV))
+    assert a.shape == (4, 8) and sc.buf.numel() == 32
+    b = sc.view(2, 8, torch.float32, torch.device(DEV))  # fits: the same buffer
+    assert b.data_ptr() == a.data_ptr()
+    sc.reserve(100, torch.float32, DEV)
+    assert sc.buf.numel() == 100
+    monkeypatch.setattr(fp8_dequant, "_capturing", lambda device: True)
+    assert sc.view(10, 10, torch.float32, torch.device(DEV)).data_ptr() == sc.buf.data_ptr()
+    with pytest.raises(RuntimeError, match="reserve"):
+        sc.view(11, 10, torch.float32, torch.device(DEV))
+    with pytest.raises(RuntimeError, match="capture"):
+        sc.reserve(1000, torch.float32, DEV)
