@@ -47,10 +47,18 @@ if [[ " $PARTS " == *" route "* ]]; then
 fi
 
 if [[ " $PARTS " == *" micro "* ]]; then
+    # MICRO_ENVS: ';'-separated sets of TAILORED_* switches read at start (e.g.
+    # "TAILORED_FP8_DENSE_DEQUANT=0;TAILORED_FP8_DENSE_DEQUANT=1"): one bench run each
+    IFS=';' read -r -a MENVS <<< "${MICRO_ENVS:-}"
+    [ ${#MENVS[@]} -eq 0 ] && MENVS=("")
     for prec in $PRECISIONS; do
-        stamp "in-process step timings ($prec)"
-        timeout ${MICRO_TIMEOUT:-240} python3 scripts/bench_decode.py "$(ckpt $prec)" --batches ${MICRO_BATCHES:-1,8,32} \
-            --json "$OUT/micro-$prec.json" ${MICRO_ARGS:-} 2>&1 | tail -${MICRO_TAIL:-20}
+      for ei in "${!MENVS[@]}"; do
+        me="${MENVS[$ei]}"
+        tag=$prec; [ ${#MENVS[@]} -gt 1 ] && tag=$prec-e$ei
+        stamp "in-process step timings ($prec${me:+, $me})"
+        env $me timeout ${MICRO_TIMEOUT:-240} python3 scripts/bench_decode.py "$(ckpt $prec)" --batches ${MICRO_BATCHES:-1,8,32} \
+            --json "$OUT/micro-$tag.json" ${MICRO_ARGS:-} 2>&1 | tail -${MICRO_TAIL:-20}
+      done
     done
 fi
 
@@ -58,16 +66,21 @@ if [[ " $PARTS " == *" serve "* ]]; then
   # SERVE_VARIANTS: ';'-separated serve flag sets run one after another in this call (A/B in
   # one run, e.g. "--prefill-graphs on;--engine-process off"); default: one run with SERVE_ARGS.
   # The second server starts faster (Triton's cache is warm). Each variant's flags go into its
-  # result's manifest; a table of all variants is printed last.
+  # result's manifest; a table of all variants is printed last. Leading NAME=VALUE words of a
+  # variant are environment switches for that server (e.g. "TAILORED_FP8_DENSE_DEQUANT=1").
   IFS=';' read -r -a VARIANTS <<< "${SERVE_VARIANTS:-${SERVE_ARGS:-}}"
   [ ${#VARIANTS[@]} -eq 0 ] && VARIANTS=("")
   for prec in $PRECISIONS; do
     for vi in "${!VARIANTS[@]}"; do
       va="${VARIANTS[$vi]}"
+      venv=""; vflags=""
+      for w in $va; do
+        if [[ -z "$vflags" && "$w" =~ ^TAILORED_[A-Z0-9_]+= ]]; then venv="$venv $w"; else vflags="$vflags $w"; fi
+      done
       tag=$prec; [ ${#VARIANTS[@]} -gt 1 ] && tag=$prec-v$vi
       stamp "serve full-size dummy $prec [${va:-defaults}]"
-      python3 -m tailored serve "$(ckpt $prec)" --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
-          --port 8000 $va > "$OUT/server-$tag.log" 2>&1 &
+      env $venv python3 -m tailored serve "$(ckpt $prec)" --load-format dummy --max-model-len 4096 --max-num-seqs 64 \
+          --port 8000 $vflags > "$OUT/server-$tag.log" 2>&1 &
       pid=$!
       wait_for_server 8000 $pid "$OUT/server-$tag.log" || { kill $pid 2>/dev/null; continue; }
       stamp "server ready"

@@ -25,13 +25,15 @@ log = logging.getLogger("tailored.runner")
 CPU_CACHE_BYTES = 512 * 1024**2  # KV + state budget when running on the CPU
 
 
-def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device):
+def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
+               reserve_bytes: int = 0):
     """Choose (num_pages, num_slots) for the hybrid cache.
 
     Slots: max_num_seqs + 1 (slot 0 is the pad sink). Pages: enough for max_num_seqs requests of
     max_model_len (+1 pad page), limited by memory: on the GPU the free memory after weights
     times gpu_memory_utilization's share, on the CPU CPU_CACHE_BYTES. Raises RuntimeError when
-    not even one max_model_len request fits.
+    not even one max_model_len request fits. reserve_bytes: GPU memory the kernel path will
+    allocate after the cache (fast.dense_dequant_bytes), kept out of the budget.
     """
     num_slots = ec.max_num_seqs + 1
     per_page = HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
@@ -48,7 +50,7 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
         # prefill CUDA graphs keep their largest bucket's activations in their own pool: as much
         # again
         act = ec.max_num_batched_tokens * 256 * 1024
-        budget -= 2 * 1024**3 + act * (2 if ec.prefill_graphs else 1)
+        budget -= 2 * 1024**3 + act * (2 if ec.prefill_graphs else 1) + reserve_bytes
     else:
         budget = CPU_CACHE_BYTES
     budget -= num_slots * per_slot
@@ -71,7 +73,12 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(device)
         self.page_size = ec.page_size
-        self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device)
+        reserve = 0
+        if self.device.type == "cuda" and ec.kernels != "off":
+            from tailored.model.fast import dense_dequant_bytes
+
+            reserve = dense_dequant_bytes(model, dtype)  # FP8 dense weights held dequantized
+        self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device, reserve)
         self.cache = HybridCache(cfg, self.num_pages, ec.page_size, self.num_slots, dtype, self.device)
         gib = (self.num_pages * HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
                + self.num_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3

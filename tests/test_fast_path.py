@@ -23,15 +23,10 @@ def _ids(T, seed):
     return torch.randint(0, 248044, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
-def pair(request, tiny_ckpt, tiny_fp8_ckpt):
-    """(plain model, kernel-path model with its cache) loaded from the same checkpoint: the
-    tiny preset in bf16 layout, and in block-FP8 (the kernel path reads FP8 weights through
-    fp8_linear and the FP8 MoE; the plain path dequantizes)."""
+def _make_pair(ckpt):
     from tailored.config import ModelConfig
     from tailored.model.fast import FastPath
 
-    ckpt = tiny_ckpt if request.param == "bf16" else tiny_fp8_ckpt
     cfg = ModelConfig.from_dir(ckpt)
     plain = build_empty_model(cfg, "cpu", torch.float32)
     load_checkpoint(plain, ckpt, progress=False)
@@ -40,6 +35,14 @@ def pair(request, tiny_ckpt, tiny_fp8_ckpt):
     cache = new_cache(cfg)
     fastm.fast = FastPath(fastm, cache, max_batch=4, max_pages=12, use_graphs=False)
     return plain, fastm, cache
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def pair(request, tiny_ckpt, tiny_fp8_ckpt):
+    """(plain model, kernel-path model with its cache) loaded from the same checkpoint: the
+    tiny preset in bf16 layout, and in block-FP8 (the kernel path reads FP8 weights through
+    fp8_linear and the FP8 MoE; the plain path dequantizes)."""
+    return _make_pair(tiny_ckpt if request.param == "bf16" else tiny_fp8_ckpt)
 
 
 def test_fused_weights_are_views_with_the_same_values(pair):
@@ -95,6 +98,34 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     monkeypatch.setattr(fastmod, "dequantize_rows",
                         lambda w, *a, **k: deq_rows.append(w.shape) or real_deq(w, *a, **k))
     plain, fastm, fcache = pair
+    _run_steps(plain, fastm, fcache)
+    # the dequant path ran, and only where asked: FP8 with the switches (the 80-row step)
+    assert bool(deq_rows) == (variant == "switches" and plain.config.fp8 is not None), deq_rows
+
+
+def test_fp8_dense_dequant_matches_plain_path(tiny_fp8_ckpt, monkeypatch):
+    """TAILORED_FP8_DENSE_DEQUANT (kb/0026): the dense projections held dequantized, one GEMM
+    per input (qkv|z|b|a, router|gates|shared up), the modules' FP8 weights untouched; the
+    routed experts stay FP8. Same steps as the plain path."""
+    from tailored.model import fast as fastmod
+
+    monkeypatch.setattr(fastmod, "FP8_DENSE_DEQUANT", True)
+    plain, fastm, fcache = _make_pair(tiny_fp8_ckpt)
+    fast = fastm.fast
+    for g in (fast.p_in, fast.p_moe):
+        for pg in g.values():
+            assert len(pg.parts) == 1 and not pg.parts[0][0].fp8
+    assert not any(p.fp8 for g in (fast.p_out, fast.p_down) for p in g.values())
+    assert fastm.model.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.float8_e4m3fn
+    want = sum(m.weight.numel() for m in fastm.model.layers.modules()
+               if type(m).__name__ == "Fp8Linear") * 4
+    assert fastmod.dense_dequant_bytes(fastm, torch.float32) == want > 0
+    _run_steps(plain, fastm, fcache)
+
+
+def _run_steps(plain, fastm, fcache):
+    """Prefill, mixed and decode steps (eager and graph body) on both models: same hidden
+    rows, GDN states and KV pages."""
     cfg = plain.config
     fcache.rec.zero_(), fcache.conv.zero_(), fcache.k.zero_(), fcache.v.zero_()
     pcache = new_cache(cfg)
@@ -135,8 +166,6 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         for s in pos:
             pos[s] += 1
             toks[s] += 7
-    # the dequant path ran, and only where asked: FP8 with the switches (the 80-row step)
-    assert bool(deq_rows) == (variant == "switches" and cfg.fp8 is not None), deq_rows
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -80,3 +80,28 @@ def test_random_churn_returns_to_baseline():
     assert pool.num_free == pool.capacity
     assert pool.num_allocs == pool.num_frees
     pool.check_integrity()
+
+
+def test_plan_cache_keeps_the_kernel_paths_reserve_out_of_the_gpu_budget(monkeypatch, tiny_ckpt):
+    """runner.plan_cache on a GPU (memory info faked): the pages that fit shrink by the bytes
+    the kernel path allocates after the cache (FP8 dense weights dequantized, kb/0026), so
+    that allocation cannot run out of memory after the cache took everything."""
+    import torch
+
+    from tailored.config import EngineConfig, ModelConfig
+    from tailored.model.batch import HybridCache
+    from tailored.runner import plan_cache
+
+    cfg = ModelConfig.from_dir(tiny_ckpt)
+    ec = EngineConfig(max_num_seqs=64, max_model_len=4096, max_num_batched_tokens=256,
+                      gpu_memory_utilization=0.5)
+    gib = 1024**3
+    total = int(4.3 * gib)  # half of it, less the 2 GiB + activation reserves: ~90 MiB of pages
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    dev = torch.device("cuda")
+    per_page = HybridCache.bytes_per_page(cfg, ec.page_size, torch.bfloat16)
+    p0, slots = plan_cache(cfg, ec, torch.bfloat16, dev)
+    p1, _ = plan_cache(cfg, ec, torch.bfloat16, dev, reserve_bytes=64 * 1024**2)
+    want = ec.max_num_seqs * ec.max_model_len // ec.page_size + 1
+    assert slots == 65 and p1 < p0 < want  # memory-bound, not capped by the request count
+    assert p0 - p1 == pytest.approx(64 * 1024**2 / per_page, abs=1)

@@ -400,7 +400,7 @@ def _run(args) -> int:
 
 def _kernel_switches() -> dict:
     """Module switches that change the kernel path's numerics or launch shapes (recorded so a
-    report says which variant it gated: kb/0016, kb/0017, kb/0019–0023)."""
+    report says which variant it gated: kb/0016, kb/0017, kb/0019–0023, kb/0026)."""
     try:
         from tailored.kernels import attention_decode, gdn_decode, moe
         from tailored.model import fast
@@ -412,7 +412,8 @@ def _kernel_switches() -> dict:
             "attention_adaptive_splits":
             attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
-            "combine_next_norm": fast.COMBINE_NEXT_NORM}
+            "combine_next_norm": fast.COMBINE_NEXT_NORM,
+            "fp8_dequant_from": fast.FP8_DEQUANT_FROM, "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT}
 
 
 def _free(dev) -> None:

@@ -65,6 +65,31 @@ COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 # it changes the rounding (the reference's dequantize-then-GEMM instead of per-block scaled
 # fp32 partial sums).
 FP8_DEQUANT_FROM = env_int("TAILORED_FP8_DEQUANT_FROM", 0, 0, 1 << 20)
+# FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
+# start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
+# W8A16 GEMM has an ~11 µs floor at K = 2048 where cuBLAS bf16 takes 7.5 (decode) and is 2.6x
+# slower at 1024 rows (prefill, kb/0009): the FP8 decode step took 4.39 ms against bf16's 3.71
+# (kb/0024). Costs 2 bytes per dense weight (2.8 GB at full size; runner.plan_cache reserves
+# it, `dense_dequant_bytes`). The rounding is the reference's. Off until an H200 A/B and the
+# FP8 gate say so.
+FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", False)
+
+
+def dense_dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """GPU bytes FastPath adds for FP8_DENSE_DEQUANT: every block-FP8 linear of the decoder
+    layers in `dtype` (0 when the switch is off or the checkpoint is bf16)."""
+    if not FP8_DENSE_DEQUANT:
+        return 0
+    return sum(m.weight.numel() for m in model.model.layers.modules()
+               if isinstance(m, Fp8Linear)) * dtype.itemsize
+
+
+def _dense_weight(m: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's weight in `dtype`: FP8 dequantized with the reference's rounding."""
+    if isinstance(m, Fp8Linear):
+        n = m.weight.shape[0]
+        return dequantize_rows(m.weight.data, fp8.row_scales(m.weight_scale_inv, n), dtype=dtype)
+    return m.weight.data.to(dtype)
 
 
 def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
@@ -92,6 +117,16 @@ class Proj:
         self.scale = (torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in mods])
                       if self.fp8 else None)
 
+    @classmethod
+    def dequantized(cls, mods: list[nn.Module], kind: str, dtype: torch.dtype) -> "Proj":
+        """One `dtype` GEMM for linears of any kinds sharing an input (FP8_DENSE_DEQUANT): a new
+        weight tensor, concatenated in module order; the modules keep their own weights."""
+        p = cls.__new__(cls)
+        p.kind, p.fp8, p.scale, p.scratch = kind, False, None, None
+        p.sizes = [m.weight.shape[0] for m in mods]
+        p.weight = torch.cat([_dense_weight(m, dtype) for m in mods])
+        return p
+
     def leading(self, sizes: list[int]) -> "Proj":
         """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
         n = sum(sizes)
@@ -117,7 +152,13 @@ class ProjGroup:
     per kind for FP8, where the router, shared-expert gate and GDN a/b stay bf16). Calling it
     returns the modules' outputs in the given order (views of the GEMM outputs)."""
 
-    def __init__(self, mods: list[nn.Module], kind: str = "in"):
+    def __init__(self, mods: list[nn.Module], kind: str = "in",
+                 dequant: torch.dtype | None = None):
+        """dequant: a dtype to hold FP8 linears in (FP8_DENSE_DEQUANT): then one GEMM for all."""
+        if dequant is not None and any(isinstance(m, Fp8Linear) for m in mods):
+            self.parts = [(Proj.dequantized(mods, kind, dequant), list(range(len(mods))))]
+            self.n = len(mods)
+            return
         kinds: dict[bool, list[int]] = {}
         for j, m in enumerate(mods):
             kinds.setdefault(isinstance(m, Fp8Linear), []).append(j)
@@ -260,23 +301,30 @@ class FastPath:
         # routed experts + the shared one as expert E (kb/0019; FP8: with per-row scales)
         self.stacks: dict[int, ExpertStack] = {}
         self.experts: dict[int, tuple] = {}  # FP8 experts: per-row scales (gate_up, down)
+        dq = self.dtype if FP8_DENSE_DEQUANT and model.config.fp8 is not None else None
+
+        def single(m, kind):  # one linear's projection
+            return Proj.dequantized([m], kind, dq) if dq is not None and \
+                isinstance(m, Fp8Linear) else Proj([m], kind)
+
         for i, layer in enumerate(model.model.layers):
             if layer.layer_type == "linear_attention":
                 m = layer.linear_attn
-                self.p_in[i] = ProjGroup([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
-                self.p_out[i] = Proj([m.out_proj], "out")
+                self.p_in[i] = ProjGroup([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a],
+                                         dequant=dq)
+                self.p_out[i] = single(m.out_proj, "out")
             else:
                 m = layer.self_attn
-                self.p_in[i] = ProjGroup([m.q_proj, m.k_proj, m.v_proj])
-                self.p_out[i] = Proj([m.o_proj], "out")
+                self.p_in[i] = ProjGroup([m.q_proj, m.k_proj, m.v_proj], dequant=dq)
+                self.p_out[i] = single(m.o_proj, "out")
             mlp = layer.mlp
             # router and shared-expert gate lead the fused GEMM (bf16 in both precisions), so
             # the decode path can run just those rows when the shared expert is a routed one
             self.p_moe[i] = ProjGroup([mlp.gate, mlp.shared_expert_gate,
                                        mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj],
-                                      "router")
+                                      "router", dequant=dq)
             self.p_route[i] = self.p_moe[i].leading(2)
-            self.p_down[i] = Proj([mlp.shared_expert.down_proj], "down")
+            self.p_down[i] = single(mlp.shared_expert.down_proj, "down")
             ex = mlp.experts
             scales = None
             if fp8.is_fp8_experts(ex):
@@ -289,6 +337,10 @@ class FastPath:
                 scales = stack.routed_scales() if scales is not None else None
             if scales is not None:
                 self.experts[i] = scales
+        if dq is not None:
+            log.info("FP8 dense projections held dequantized in %s (%.2f GiB; "
+                     "TAILORED_FP8_DENSE_DEQUANT, kb/0026)", str(dq).removeprefix("torch."),
+                     dense_dequant_bytes(model, dq) / 1024**3)
         # one dequant buffer for every FP8 projection (they run one at a time on one stream),
         # sized now when FP8_DEQUANT_FROM is on, so that no CUDA graph capture has to grow it
         self.scratch = Scratch()
