@@ -226,8 +226,13 @@ phase_tailored() {  # PREC
         | tee "$SBS/tailored-fp8.warning"
   fi
   local cfg
-  cfg=$(python3 -c 'import json, sys; print(json.dumps({"engine": "tailored serve", "variant": sys.argv[1],
-      "command": "python3 -m tailored serve " + " ".join(sys.argv[2:])}))' "$prec" "$ckpt" "${flags[@]}" "${extra[@]}")
+  # kernel switches from the environment (TAILORED_FP8_DENSE_DEQUANT=1 ..., README) go into
+  # the manifest with the command: the server inherited them
+  cfg=$(python3 -c 'import json, os, sys; print(json.dumps({"engine": "tailored serve", "variant": sys.argv[1],
+      "command": "python3 -m tailored serve " + " ".join(sys.argv[2:]),
+      "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TAILORED_")
+                       and k not in ("TAILORED_CACHE", "TAILORED_COMMIT", "TAILORED_PORT", "TAILORED_SERVE_ARGS")}}))' \
+      "$prec" "$ckpt" "${flags[@]}" "${extra[@]}")
   bench_both tailored "$prec" "$TAILORED_PORT" "$ckpt" "$cfg"
   stamp "stop tailored"
   stop_tailored
