@@ -42,8 +42,8 @@ def main() -> None:
             qgu, sgu = fp8.quantize_experts(gu[li], True)
             qdn, sdn = fp8.quantize_experts(dn[li], False)
             gu[li], dn[li] = qgu, qdn
-            scales[li] = (fp8.expert_row_scales(sgu, 2 * I, True),
-                          fp8.expert_row_scales(sdn, H, False))
+            scales[li] = (fp8.expert_block_scales(sgu, True),
+                          fp8.expert_block_scales(sdn, False))
     wbytes = 1 if a.fp8 else 2
     rows = []
     for B in [int(b) for b in a.batches.split(",")]:

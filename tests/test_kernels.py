@@ -51,13 +51,13 @@ def test_fused_moe(dtype, T, E, k, H, I):
 
 
 def _fp8_experts(E, H, I, g):
-    """Random experts quantized to block FP8: (gate_up q, down q, fused block scales for the
-    reference, per-row scales for the kernel)."""
+    """Random experts quantized to block FP8: (gate_up q, down q, the model's block scales for
+    the reference, the kernel's block-scale layout, `fp8.expert_block_scales`)."""
     from tailored.model import fp8
 
     qgu, sgu = fp8.quantize_experts(torch.randn(E, 2 * I, H, generator=g) * H ** -0.5, True)
     qd, sd = fp8.quantize_experts(torch.randn(E, H, I, generator=g) * I ** -0.5, False)
-    rows = (fp8.expert_row_scales(sgu, 2 * I, True), fp8.expert_row_scales(sd, H, False))
+    rows = (fp8.expert_block_scales(sgu, True), fp8.expert_block_scales(sd, False))
     return qgu, qd, (sgu, sd), rows
 
 
@@ -82,8 +82,11 @@ def test_fused_moe_fp8(dtype, T, E, k, H, I):
                            fp8.DequantExperts(qd.to(DEV), sd.to(DEV), torch.float32, False))
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert rel_err(got, want) < TOL[dtype]
-    with pytest.raises(ValueError, match="per-row scales"):
+    with pytest.raises(ValueError, match="block scales"):
         fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV))
+    with pytest.raises(ValueError, match="block scales"):  # the per-row layout of before kb/0027
+        fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV), None,
+                  fp8.row_scales(sgu.reshape(E, -1, sgu.shape[-1]), 2 * I).to(DEV), rd.to(DEV))
 
 
 def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):

@@ -95,6 +95,7 @@ def _program_expert(offsets_ptr, experts_ptr, COMPACT: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, ws_ptr,
                     TOPK, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
+                    s_up,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
                     COMPACT: tl.constexpr):
@@ -122,10 +123,11 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
                              mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None],
                              mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                # block scales (128 rows each): the up half's blocks start at s_up
                 acc_g = tile_dot(acc_g, x, wg, ws_base, n, n_ok, stride_sn, k0 + j * KB,
-                                 DOT_PREC, W_FP8)
-                acc_u = tile_dot(acc_u, x, wu, ws_base + I * stride_sn, n, n_ok, stride_sn,
-                                 k0 + j * KB, DOT_PREC, W_FP8)
+                                 DOT_PREC, W_FP8, 128)
+                acc_u = tile_dot(acc_u, x, wu, ws_base + s_up * stride_sn, n, n_ok, stride_sn,
+                                 k0 + j * KB, DOT_PREC, W_FP8, 128)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -159,7 +161,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                 w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC,
-                               W_FP8)
+                               W_FP8, 128)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -403,9 +405,10 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     programs per N-block instead of E, taking experts from `expert_partition` (kb/0016): at
     B=1 that is 8 programs where 248 of 256 had nothing to do. COMPACT_GRID = False restores
     the one-program-per-expert grid (A/B benchmarks); the results are bitwise the same.
-    Block-FP8 experts (spec §9.1): gate_up/down float8_e4m3fn with per-row scales
-    gate_up_scale [E, 2I, ceil(H/128)] and down_scale [E, H, ceil(I/128)] fp32
-    (`fp8.row_scales`); the reference is `ref.moe_experts` over `fp8.DequantExperts`.
+    Block-FP8 experts (spec §9.1): gate_up/down float8_e4m3fn with their block scales
+    gate_up_scale [E, 2·ceil(I/128), ceil(H/128)] (gate blocks, then up blocks) and down_scale
+    [E, ceil(H/128), ceil(I/128)] fp32 (`fp8.expert_block_scales`); the reference is
+    `ref.moe_experts` over `fp8.DequantExperts`.
     Returns [T, H] in x.dtype; reduce=False returns the weighted pair terms instead, [T·k, H]
     fp32 in (token, choice) order, for `moe_combine` to sum with the shared expert in one pass.
     Raises ValueError on mismatched shapes.
@@ -417,12 +420,13 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         raise ValueError(f"fused_moe: shapes x{tuple(x.shape)} ids{tuple(ids.shape)} "
                          f"gate_up{tuple(gate_up.shape)} down{tuple(down.shape)}")
     fp8 = gate_up.dtype == torch.float8_e4m3fn
+    nb_i, nb_h = triton.cdiv(I, 128), triton.cdiv(H, 128)
     if fp8 and (gate_up_scale is None or down_scale is None
-                or gate_up_scale.shape != (E, two_i, triton.cdiv(H, 128))
-                or down_scale.shape != (E, H, triton.cdiv(I, 128))):
-        raise ValueError("fused_moe: FP8 experts need per-row scales gate_up_scale "
-                         f"[{E}, {two_i}, {triton.cdiv(H, 128)}] and down_scale "
-                         f"[{E}, {H}, {triton.cdiv(I, 128)}]")
+                or gate_up_scale.shape != (E, 2 * nb_i, nb_h)
+                or down_scale.shape != (E, nb_h, nb_i)):
+        raise ValueError("fused_moe: FP8 experts need block scales gate_up_scale "
+                         f"[{E}, {2 * nb_i}, {nb_h}] and down_scale [{E}, {nb_h}, {nb_i}] "
+                         "(fp8.expert_block_scales)")
     if not fp8:  # unused pointer arguments
         gate_up_scale = down_scale = x
         s_gu = s_dn = (0, 0)
@@ -447,7 +451,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     y = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).contiguous()
     gu_args = (x, gate_up, order, offsets, experts, act, gate_up_scale, k,
-               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu)
+               x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu, nb_i)
     dn_args = (act, down, order, offsets, experts, rw, y, down_scale,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
     if x.is_cuda and autotune_enabled(x.dtype):  # autotuned block sizes

@@ -298,9 +298,9 @@ class FastPath:
         self.p_moe: dict[int, ProjGroup] = {}
         self.p_route: dict[int, Proj] = {}  # router|shared-expert gate rows of p_moe's GEMM
         self.p_down: dict[int, Proj] = {}
-        # routed experts + the shared one as expert E (kb/0019; FP8: with per-row scales)
+        # routed experts + the shared one as expert E (kb/0019; FP8: with block scales)
         self.stacks: dict[int, ExpertStack] = {}
-        self.experts: dict[int, tuple] = {}  # FP8 experts: per-row scales (gate_up, down)
+        self.experts: dict[int, tuple] = {}  # FP8 experts: block scales (gate_up, down)
         dq = self.dtype if FP8_DENSE_DEQUANT and model.config.fp8 is not None else None
 
         def single(m, kind):  # one linear's projection
@@ -329,8 +329,8 @@ class FastPath:
             scales = None
             if fp8.is_fp8_experts(ex):
                 scales = (
-                    fp8.expert_row_scales(ex.gate_up_proj_scale_inv, ex.gate_up_proj.shape[1], True),
-                    fp8.expert_row_scales(ex.down_proj_scale_inv, ex.down_proj.shape[1], False))
+                    fp8.expert_block_scales(ex.gate_up_proj_scale_inv, True),
+                    fp8.expert_block_scales(ex.down_proj_scale_inv, False))
             stack = stack_shared_expert(mlp, scales)
             if stack is not None:
                 self.stacks[i] = stack

@@ -28,8 +28,9 @@ class ExpertStack:
     """Routed experts 0..E-1 and the shared expert as expert E of one MoE layer.
 
     gate_up: [E+1, 2I, H] (gate rows first); down: [E+1, H, I]; both the model's weight dtype
-    (bf16/fp32, or float8_e4m3fn). gate_up_scale [E+1, 2I, ceil(H/128)] and down_scale
-    [E+1, H, ceil(I/128)] fp32 per-row scales for FP8 weights (`fp8.row_scales`), else None.
+    (bf16/fp32, or float8_e4m3fn). gate_up_scale [E+1, 2·ceil(I/128), ceil(H/128)] and down_scale
+    [E+1, ceil(H/128), ceil(I/128)] fp32 block scales for FP8 weights
+    (`fp8.expert_block_scales`), else None.
     The module's `experts.gate_up_proj`/`down_proj` are views of the first E.
     """
 
@@ -39,7 +40,7 @@ class ExpertStack:
     down_scale: torch.Tensor | None
 
     def routed_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The routed experts' FP8 row scales (views of the first E), or (None, None)."""
+        """The routed experts' FP8 block scales (views of the first E), or (None, None)."""
         if self.gate_up_scale is None:
             return None, None
         E = self.gate_up.shape[0] - 1
@@ -75,12 +76,12 @@ def append_expert(param: nn.Parameter, extra: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def stack_shared_expert(mlp: nn.Module, row_scales: tuple | None) -> ExpertStack | None:
+def stack_shared_expert(mlp: nn.Module, block_scales: tuple | None) -> ExpertStack | None:
     """The ExpertStack of one SparseMoe module, or None when the shared expert does not have the
     routed experts' shape and dtype (then the decode path keeps it separate).
 
-    row_scales: the routed experts' FP8 per-row scales (gate_up, down) from
-    `fp8.expert_row_scales`, or None for bf16/fp32 experts.
+    block_scales: the routed experts' FP8 block scales (gate_up, down) from
+    `fp8.expert_block_scales`, or None for bf16/fp32 experts.
     """
     ex, se = mlp.experts, mlp.shared_expert
     E, two_i, H = ex.gate_up_proj.shape
@@ -90,11 +91,10 @@ def stack_shared_expert(mlp: nn.Module, row_scales: tuple | None) -> ExpertStack
         return None
     gate_up = append_expert(ex.gate_up_proj, torch.cat([g, u]))
     down = append_expert(ex.down_proj, d)
-    if row_scales is None:
+    if block_scales is None:
         return ExpertStack(gate_up, down, None, None)
-    I = two_i // 2
-    sgu = torch.cat([fp8.row_scales(se.gate_proj.weight_scale_inv, I),
-                     fp8.row_scales(se.up_proj.weight_scale_inv, I)])
-    sdn = fp8.row_scales(se.down_proj.weight_scale_inv, H)
-    return ExpertStack(gate_up, down, torch.cat([row_scales[0], sgu[None]]),
-                       torch.cat([row_scales[1], sdn[None]]))
+    # the shared expert's own block scales, laid out as an expert's (gate blocks, up blocks)
+    sgu = torch.cat([se.gate_proj.weight_scale_inv, se.up_proj.weight_scale_inv]).float()
+    sdn = se.down_proj.weight_scale_inv.float()
+    return ExpertStack(gate_up, down, torch.cat([block_scales[0], sgu[None]]),
+                       torch.cat([block_scales[1], sdn[None]]))
