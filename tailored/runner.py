@@ -236,7 +236,6 @@ class LaunchedStep:
     sampled_seqs: list  # the ScheduledSeqs with sample=True, in row order
     sampled: Sampled | None  # None: nothing sampled (prefill chunks only)
     events: tuple | None  # CUDA events around forward + logits (step timing)
-    owners: dict | None = None  # the engine's Request objects of this step (Engine._launch)
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
@@ -33,6 +34,9 @@ from tailored.engine.types import (
     SamplingParams,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from tailored.runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -167,27 +171,26 @@ class Engine:
         return bool(self._requests or self._pending or self._inflight is not None)
 
     # ---- step stages ---------------------------------------------------------------------------
-    def _launch(self, sched_out: SchedulerOutput, feed=None):
-        """The runner's launched step, or None (reason in self._runner_error) when it raised:
-        the caller fails that batch only; the engine stays usable."""
+    def _launch(self, sched_out: SchedulerOutput, feed: "_InFlight | None" = None):
+        """The step started (`_InFlight`), or None (reason in self._runner_error) when the
+        runner raised: the caller fails that batch only; the engine stays usable. feed: the
+        step in flight whose sampled ids this one's pending tokens take (async scheduling)."""
+        # the Request objects this step runs for (ids can be reused once a request ended)
+        owners = {s.request_id: self._requests.get(s.request_id) for s in sched_out.seqs}
         try:
             if self._async:
-                launched = self.runner.launch(sched_out, feed=feed)
-            else:
-                launched = _Done(sched_out, self.runner.execute(sched_out))
-            # the Request objects this step runs for (ids can be reused once a request ended)
-            launched.owners = {s.request_id: self._requests.get(s.request_id)
-                               for s in sched_out.seqs}
-            return launched
+                return _InFlight(sched_out, owners, launched=self.runner.launch(
+                    sched_out, feed=None if feed is None else feed.launched))
+            return _InFlight(sched_out, owners, model_out=self.runner.execute(sched_out))
         except Exception as e:
             return self._runner_failed(e, sched_out)
 
-    def _collect(self, launched) -> ModelOutput | None:
+    def _collect(self, launched: "_InFlight") -> ModelOutput | None:
         try:
-            if isinstance(launched, _Done):
+            if launched.launched is None:
                 model_out = launched.model_out
             else:
-                model_out = self.runner.collect(launched)
+                model_out = self.runner.collect(launched.launched)
             sched_out = launched.sched
             missing = [
                 s.request_id
@@ -263,12 +266,15 @@ class Engine:
 
 
 @dataclass
-class _Done:
-    """A step run synchronously (`runner.execute`) in place of a launched one."""
+class _InFlight:
+    """A step the engine started: the runner's LaunchedStep (async scheduling: its tokens are
+    read by `runner.collect`) or the ModelOutput of a step run synchronously, and the Request
+    objects it runs for (a request id can come back as a new request once one ended)."""
 
     sched: SchedulerOutput
-    model_out: ModelOutput
-    owners: dict | None = None  # set by Engine._launch
+    owners: dict
+    launched: LaunchedStep | None = None
+    model_out: ModelOutput | None = None
 
 
 def _output(
