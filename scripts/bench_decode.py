@@ -165,11 +165,16 @@ def main():
     ap.add_argument("--prefill-graphs", action="store_true",
                     help="capture prefill CUDA graphs (kb/0013); the prefill is then timed both "
                          "replayed and eager")
+    ap.add_argument("--profile-prefill-batch", action="store_true",
+                    help="kernel table (torch profiler, CUDA time) of one --prefill-batch step: "
+                         "where a c=32 wave's 8192-token prefill spends its GPU time")
     ap.add_argument("--profile-host", action="store_true",
                     help="cProfile of one ctx-token prefill forward: host time by function")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     Bmax = max(batches)
+    if a.profile_prefill_batch and not a.prefill_batch:
+        ap.error("--profile-prefill-batch needs --prefill-batch N")
     if a.profile and not 1 <= a.profile_batch <= Bmax:
         ap.error(f"--profile-batch must be in 1..{Bmax} (the largest of --batches)")
     # positions per sequence: the context plus every decode step sequence 0 takes part in
@@ -239,6 +244,14 @@ def main():
         res["prefill_batch"] = {"seqs": nb, "tokens": nb * a.ctx, "ms": timed(pre_b, 3)}
         print(f"prefill step {nb} x {a.ctx} tokens: {res['prefill_batch']['ms']:.1f} ms "
               f"({res['prefill_batch']['ms'] / nb:.1f} ms per prompt)", flush=True)
+        if a.profile_prefill_batch:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                pre_b()
+                torch.cuda.synchronize()
+            print(f"prefill step {nb} x {a.ctx} tokens, kernels by CUDA time:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
     if prefill_variants:
         res["prefill_variants"] = prefill_ab(a, prefill_variants, fast, pre0,
                                              pre_b if a.prefill_batch else None)

@@ -248,3 +248,48 @@ def test_prefill_graph_body_equals_eager_prefill(pair, T, n):
     last = pages[-1]
     tail = slice(T - (len(pages) - 1) * ps, ps)  # unused rows of the prompt's last page
     assert torch.equal(k[:, last, tail], before[2][:, last, tail])
+
+
+def test_mixed_step_sends_a_lone_fresh_prompt_to_the_prefill_graph(pair, monkeypatch):
+    """kb/0028: a step of decode rows and one fresh prompt replays the decode graph for the
+    rows and the prefill graph for the prompt (the CPU has no CUDA graphs: the two graph entry
+    points are stood in for by the eager forward, which is what a replay computes, and the
+    test pins the split: which rows go where, and that the outputs land in batch order). Two
+    prompts, or a prompt continuation, stay eager."""
+    plain, fastm, fcache = pair
+    fast = fastm.fast
+    calls = []
+
+    def as_graph(kind):
+        def run(batch):
+            calls.append((kind, [(s.num_tokens, s.start_pos, s.slot) for s in batch.seqs]))
+            return fast.forward_eager(batch)
+        return run
+
+    monkeypatch.setattr(fast, "use_graphs", True)
+    monkeypatch.setattr(fast, "prefill_graphs", {128: None})
+    monkeypatch.setattr(fast, "forward_decode_graph", as_graph("decode"))
+    monkeypatch.setattr(fast, "forward_prefill_graph", as_graph("prefill"))
+    cfg = plain.config
+    for c in (fcache.rec, fcache.conv, fcache.k, fcache.v):
+        c.zero_()
+    pcache = new_cache(cfg)
+    a, b, p = _ids(20, 11), _ids(9, 12), _ids(33, 13)
+    warm = [(a, 0, 1, True, [1, 2]), (b, 0, 2, True, [3])]
+    plain(ForwardBatch.build(warm, [19, 28], "cpu"), pcache)
+    fast.forward_eager(ForwardBatch.build(warm, [19, 28], "cpu"))
+    calls.clear()
+    # decode rows first (the scheduler's order), then the fresh prompt into slot 3
+    layout = [([5], 20, 1, False, [1, 2]), ([6], 9, 2, False, [3]),
+              (p, 0, 3, True, [4, 5, 6])]
+    rows = [0, 1, 2 + 32]
+    hp = plain(ForwardBatch.build(layout, rows, "cpu"), pcache)
+    hf = fastm(ForwardBatch.build(layout, rows, "cpu"), fcache)
+    assert calls == [("decode", [(1, 20, 1), (1, 9, 2)]), ("prefill", [(33, 0, 3)])], calls
+    assert rel_err(hf, hp) < 1e-4
+    assert rel_err(fcache.rec[:, 1:4], pcache.rec[:, 1:4]) < 1e-4
+    # two fresh prompts beside a decode row: the prompts run eagerly, together
+    calls.clear()
+    layout = [([7], 21, 1, False, [1, 2]), (p[:10], 0, 2, True, [3]), (p[10:], 0, 3, True, [4, 5])]
+    hf = fastm(ForwardBatch.build(layout, [0, 10, 33], "cpu"), fcache)
+    assert calls == [("decode", [(1, 21, 1)])], calls

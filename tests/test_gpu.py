@@ -249,6 +249,67 @@ def test_eager_prefill_forward_barely_syncs(precision):
     assert len(syncs) <= 6, [str(x.message)[:120] for x in syncs]
 
 
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "fp8")])
+@torch.no_grad()
+def test_mixed_step_replays_both_graphs(dtype, precision):
+    """kb/0028: decode rows + one fresh prompt in one step replay the decode graph and the
+    prompt's prefill graph. The prompt's rows and its slot/KV are bitwise what the prompt alone
+    (one prefill-graph replay) gives, the decode rows track the eager step (fp32: 1e-4), and
+    nothing outside the step's slots and pages is touched."""
+    from tailored.model.fast import FastPath
+
+    model = _full4(dtype, seed=4, precision=precision)
+    cfg = model.config
+    cache = HybridCache(cfg, 160, 16, 5, dtype, "cuda")
+    fast = FastPath(model, cache, max_batch=4, max_pages=80, use_graphs=True)
+    model.fast = fast
+    fast.capture(sizes=[4])
+    fast.capture_prefill(512, buckets=[512])
+    g = torch.Generator().manual_seed(9)
+    for slot, base in ((3, 40), (4, 60)):  # two running sequences of 20 tokens
+        ids = torch.randint(0, 248044, (20,), generator=g).tolist()
+        model(ForwardBatch.build([(ids, 0, slot, True, [base, base + 1])], [19], "cuda"), cache)
+    T = 300
+    prompt = torch.randint(0, 248044, (T,), generator=g).tolist()
+    pages = list(range(1, 2 + T // 16))
+    layout = [([7], 20, 3, False, [40, 41]), ([9], 20, 4, False, [60, 61]),
+              (prompt, 0, 2, True, pages)]
+    rows = [0, 1, 1 + T]
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    snap = [t.clone() for t in tensors]
+    replays = []
+    real = fast.forward_prefill_graph
+    fast.forward_prefill_graph = lambda b: replays.append(b.seqs[0].num_tokens) or real(b)
+    try:
+        mixed = model(ForwardBatch.build(layout, rows, "cuda"), cache).clone()
+    finally:
+        del fast.forward_prefill_graph
+    assert replays == [T]
+    after_mixed = [t.clone() for t in tensors]
+    for t, s_ in zip(tensors, snap):
+        t.copy_(s_)
+    eager = fast.forward_eager(ForwardBatch.build(layout, rows, "cuda")).clone()
+    for t, s_ in zip(tensors, snap):
+        t.copy_(s_)
+    alone = model(ForwardBatch.build([(prompt, 0, 2, True, pages)], [T - 1], "cuda"), cache)
+    assert torch.equal(mixed[2:], alone), "prompt rows differ from the prompt's graph alone"
+    assert torch.equal(cache.rec[:, 2], after_mixed[1][:, 2])
+    assert torch.equal(cache.k[:, 1:len(pages) + 1], after_mixed[2][:, 1:len(pages) + 1])
+    step_pages = set(pages) | {40, 41, 60, 61}
+    other_pages = [q for q in range(1, 160) if q not in step_pages]
+    for j in (0, 1):  # conv, rec: slot 1 is nobody's
+        assert torch.equal(after_mixed[j][:, 1], snap[j][:, 1])
+    for j in (2, 3):  # k, v
+        assert torch.equal(after_mixed[j][:, other_pages], snap[j][:, other_pages])
+    tok = (mixed.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
+    print(f"mixed step, both graphs vs eager ({dtype}, {precision}): decode rows max "
+          f"{tok[:2].max().item():.2e}, prompt rows median {tok[2:].median().item():.2e}")
+    if dtype == torch.float32:
+        assert tok.max() <= 1e-4, tok
+    else:
+        assert tok[2:].median() <= 0.12 and tok.max() <= 0.3
+
+
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
                                              (torch.bfloat16, "fp8")])
 @torch.no_grad()
