@@ -89,12 +89,21 @@ def prefill_ab(a, variants, fast, pre, pre_b):
     the ctx bucket is re-captured for each variant (the graph bakes its switches in), so the
     time is the replay's, which is the GPU's (the eager prefill is host-bound, kb/0010)."""
     graphs = bool(fast.prefill_graphs)
-    bucket = min(b for b in fast.prefill_graphs if b >= a.ctx) if graphs else None
+    bucket = min((b for b in fast.prefill_graphs if b >= a.ctx), default=None)
+    if graphs and bucket is None:
+        raise SystemExit(f"--ctx {a.ctx} is above the largest prefill graph bucket "
+                         f"({max(fast.prefill_graphs)}): the A/B would time eager prefills")
 
     def recapture():
+        # FP8_DEQUANT_FROM variants grow the dequant scratch in the capture's warm-up, which
+        # runs outside the capture (fast._capture_into); a capture that fails leaves prefill
+        # eager, which must not be timed as a replay
         if graphs:
             fast.prefill_graphs.pop(bucket, None)
             fast.capture_prefill(bucket, buckets=[bucket])
+            if bucket not in fast.prefill_graphs:
+                raise SystemExit(f"prefill graph {bucket} not captured under this variant "
+                                 "(see the warning above)")
 
     samples = {v: {"prefill_ms": [], "prefill_batch_ms": []} for v in variants}
     for rnd in range(a.rounds):

@@ -43,8 +43,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
                    help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
                         "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kb/0013; "
-                        "kernel path with graphs only). auto (default): on on CUDA (bf16 "
-                        "and FP8, kb/0026), off on the CPU")
+                        "kernel path with graphs only). auto (default): on where the kernel "
+                        "path runs CUDA graphs (CUDA, bf16 and FP8, kb/0026), else off")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="launch each pure decode step before the previous step's tokens are "
                         "read, feeding them on the device, so host work overlaps the GPU "

@@ -65,6 +65,20 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     return int(pages), num_slots
 
 
+def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
+    """GPU bytes the kernel path will allocate after the cache (FP8 dense projections held
+    dequantized, `fast.dense_dequant_bytes`, kb/0026): 0 where it will not run (the CPU,
+    --kernels off, no Triton: the plain-path fallback must still start)."""
+    from tailored import kernels
+
+    if device.type != "cuda" or ec.kernels == "off" or \
+            kernels.unavailable_reason("cuda", model.lm_head.weight.dtype) is not None:
+        return 0
+    from tailored.model.fast import dense_dequant_bytes
+
+    return dense_dequant_bytes(model, model.lm_head.weight.dtype)
+
+
 class ModelRunner:
     """Runs scheduled steps on one device. Attributes num_pages/num_slots size the engine's pools."""
 
@@ -73,12 +87,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(device)
         self.page_size = ec.page_size
-        reserve = 0
-        if self.device.type == "cuda" and ec.kernels != "off":
-            from tailored.model.fast import dense_dequant_bytes
-
-            reserve = dense_dequant_bytes(model, dtype)  # FP8 dense weights held dequantized
-        self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device, reserve)
+        self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device,
+                                                    kernel_path_reserve(model, ec, self.device))
         self.cache = HybridCache(cfg, self.num_pages, ec.page_size, self.num_slots, dtype, self.device)
         gib = (self.num_pages * HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
                + self.num_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3

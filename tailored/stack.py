@@ -64,15 +64,18 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def prefill_graphs_auto(device: torch.device) -> bool:
-    """What `--prefill-graphs auto` means on `device`: on on CUDA, for bf16 and FP8 alike.
+def prefill_graphs_auto(device: torch.device, kernels: str = "auto",
+                        enforce_eager: bool = False) -> bool:
+    """What `--prefill-graphs auto` means: on where the kernel path runs with CUDA graphs (on
+    CUDA, not --kernels off, not --enforce-eager), for bf16 and FP8 alike; else off, so that
+    no activation reserve is kept for graphs that are never captured (runner.plan_cache).
 
     Both precisions passed the accuracy gate with prefill graphs (kb/0024), and a 1024-token
     bf16 prompt takes 59 ms replayed against ~90-155 ms eager (kb/0013: the eager prefill is
     host-bound). FP8 was off until session 10: its prefill GEMM tunings are one per shape, not
     per token bucket (M > 64 rows share a key), and `tuned.json` holds them, so capturing its
-    buckets costs what bf16's does (kb/0026). Off on the CPU, which has no CUDA graphs."""
-    return device.type == "cuda"
+    buckets costs what bf16's does (kb/0026)."""
+    return device.type == "cuda" and kernels != "off" and not enforce_eager
 
 
 def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
@@ -86,7 +89,8 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     draws the weights on the device with the synthetic statistics (dummy_init: 'default', or
     'stable' for the gate's full-size fixture, synth.init_spec).
     engine_kwargs: EngineConfig fields (max_model_len, max_num_seqs, page_size, ...);
-    prefill_graphs may also be "auto": on on CUDA, off on the CPU (`prefill_graphs_auto`).
+    prefill_graphs may also be "auto": on where the kernel path runs with CUDA graphs
+    (`prefill_graphs_auto`).
     """
     if checkpoint_dir is None:
         checkpoint_dir = embedded_checkpoint()
@@ -106,7 +110,8 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     dt_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     dt = DTYPES[dt_name]
     if engine_kwargs.get("prefill_graphs") == "auto":
-        engine_kwargs["prefill_graphs"] = prefill_graphs_auto(dev)
+        engine_kwargs["prefill_graphs"] = prefill_graphs_auto(
+            dev, engine_kwargs.get("kernels", "auto"), engine_kwargs.get("enforce_eager", False))
     ec = EngineConfig(device=str(dev), dtype=dt_name, **engine_kwargs)
     if ec.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {ec.max_model_len} exceeds the model's "

@@ -232,6 +232,9 @@ def test_auto_settings_resolve_by_device_and_precision(tiny_ckpt, tiny_fp8_ckpt)
 
     assert prefill_graphs_auto(torch.device("cuda")) is True
     assert prefill_graphs_auto(torch.device("cpu")) is False
+    # no graphs to capture: no activation reserve kept for them
+    assert prefill_graphs_auto(torch.device("cuda"), kernels="off") is False
+    assert prefill_graphs_auto(torch.device("cuda"), enforce_eager=True) is False
 
     for ck in (tiny_ckpt, tiny_fp8_ckpt):
         st = build_stack(ck, device="cpu", progress=False, max_model_len=64, max_num_seqs=2,

@@ -103,6 +103,7 @@ def _record(calls) -> list[dict]:
 
 def _calls():
     from tailored.kernels.attention_decode import paged_decode_attention
+    from tailored.kernels.fp8_dequant import dequantize_rows
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.moe import fused_moe, route_align
@@ -139,12 +140,16 @@ def _calls():
             for wdt in (dt, f8):
                 gu = torch.zeros(E, 2 * I, H, dtype=wdt)
                 dn = torch.zeros(E, H, I, dtype=wdt)
-                sc = ((torch.ones(E, 2 * I, H // 128), torch.ones(E, H, I // 128)) if wdt == f8
-                      else (None, None))
+                # block scales (fp8.expert_block_scales, kb/0027)
+                sc = ((torch.ones(E, 2 * I // 128, H // 128), torch.ones(E, H // 128, I // 128))
+                      if wdt == f8 else (None, None))
                 calls.append(lambda x=x, w=w, ids=ids, gu=gu, dn=dn, sc=sc: fused_moe(
                     x, w, ids, gu, dn, None, *sc))
             wl = torch.zeros(1024, H, dtype=f8)
             calls.append(lambda x=x, wl=wl: fp8_linear(x, wl, torch.ones(1024, H // 128)))
+            if T == 1:  # FP8 weight -> activation dtype for the prefill GEMMs (kb/0026)
+                calls.append(lambda wl=wl, dt=dt: dequantize_rows(
+                    wl, torch.ones(1024, H // 128), dtype=dt))
         for T in (1, 32):  # one program; top-k programs + the sorting align (kb/0021)
             rl = torch.randn(T, E + 1, dtype=dt)
             calls.append(lambda rl=rl: route_align(rl[:, :E], K))
@@ -183,7 +188,7 @@ def test_every_kernel_compiles_for_sm90():
             "_down_kernel", "_fp8_linear_kernel", "_add_rms_norm_kernel", "_attn_split_kernel",
             "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
             "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
-            "_gated_norm_kernel"} <= names, names
+            "_gated_norm_kernel", "_dequant_kernel"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     p = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(recs), text=True,

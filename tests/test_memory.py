@@ -105,3 +105,33 @@ def test_plan_cache_keeps_the_kernel_paths_reserve_out_of_the_gpu_budget(monkeyp
     want = ec.max_num_seqs * ec.max_model_len // ec.page_size + 1
     assert slots == 65 and p1 < p0 < want  # memory-bound, not capped by the request count
     assert p0 - p1 == pytest.approx(64 * 1024**2 / per_page, abs=1)
+
+
+def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, tiny_fp8_ckpt):
+    """runner.kernel_path_reserve: the FP8 dense-dequant bytes on CUDA with the kernel path;
+    0 on the CPU, with --kernels off, and without Triton (that start falls back to the plain
+    path and must not import the kernels, review of session 10)."""
+    import torch
+
+    from tailored import kernels
+    from tailored.config import EngineConfig, ModelConfig
+    from tailored.model import fast
+    from tailored.model.loader import load_checkpoint
+    from tailored.runner import kernel_path_reserve
+    from tailored.synth import build_empty_model
+
+    model = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.float32)
+    load_checkpoint(model, tiny_fp8_ckpt, progress=False)
+    monkeypatch.setattr(fast, "FP8_DENSE_DEQUANT", True)
+    ec = EngineConfig()
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
+    want = fast.dense_dequant_bytes(model, torch.float32)
+    assert want > 0 and kernel_path_reserve(model, ec, cuda) == want
+    assert kernel_path_reserve(model, ec, torch.device("cpu")) == 0
+    assert kernel_path_reserve(model, EngineConfig(kernels="off"), cuda) == 0
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: "triton is not installed")
+    assert kernel_path_reserve(model, ec, cuda) == 0
+    monkeypatch.setattr(fast, "FP8_DENSE_DEQUANT", False)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
+    assert kernel_path_reserve(model, ec, cuda) == 0

@@ -414,7 +414,7 @@ def test_unknown_extra_fields_are_ignored(srv):
         service_tier="auto",
         parallel_tool_calls=True,
         frobnicate=3,
-        stream_options={"include_usage": True},
+        stream_options=None,
         tool_choice="none",
         response_format={"type": "text"},
         logprobs=False,
@@ -527,6 +527,11 @@ BAD_REQUESTS = [
     ("c", {"prompt": "x", "n": 2}, 400, ["'n'"], "n"),
     ("c", {"prompt": "x", "best_of": 3}, 400, ["best_of"], "best_of"),
     ("c", {"prompt": "x", "logprobs": 5}, 400, ["logprobs"], "logprobs"),
+    # 0 still asks for the sampled token's logprob (OpenAI, vLLM): not "off"
+    ("c", {"prompt": "x", "logprobs": 0}, 400, ["logprobs"], "logprobs"),
+    # OpenAI and vLLM refuse stream_options without streaming
+    ("c", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     ["only allowed when 'stream' is true"], "stream_options"),
     ("c", {"prompt": "x", "echo": True}, 400, ["echo"], "echo"),
     ("c", {"prompt": "x", "suffix": "end"}, 400, ["suffix"], "suffix"),
     ("c", {"prompt": "x", "logit_bias": {"1": 5}}, 400, ["logit_bias"], "logit_bias"),
@@ -1108,3 +1113,25 @@ def test_stream_chunk_template_equals_the_models(chat, include_usage):
     g = _Formatter("cmpl-y", "@@tailored-text@@", chat, 7, include_usage)
     assert _json.loads(g.chunk("ok", None)[6:])["model"] == "@@tailored-text@@"
     assert g._template == []
+
+
+def test_chat_messages_that_cannot_fit_are_refused_before_validation(srv):
+    """Review of session 10: 300k one-character messages (9 MB, under the body limit) took
+    ~2 s of the event loop in validation and templating before the length check, stalling
+    every stream. Too many messages, or too many content characters summed over messages,
+    are refused on the raw JSON; the template never runs."""
+    from tailored.server.app import MAX_CHARS_PER_TOKEN, MIN_TOKENS_PER_MESSAGE
+
+    client, _, tok = srv
+    n_before = len(tok.template_calls)
+    many = [{"role": "user", "content": "x"}] * (MAX_LEN // MIN_TOKENS_PER_MESSAGE + 1)
+    err = assert_openai_error(chat(client, messages=many), 400, "messages cannot fit")
+    assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
+    part = "z" * (MAX_LEN * MAX_CHARS_PER_TOKEN // 2 + 1)
+    two = [{"role": "user", "content": part},
+           {"role": "user", "content": [{"type": "text", "text": part}]}]
+    err = assert_openai_error(chat(client, messages=two), 400, "too long")
+    assert err["code"] == "context_length_exceeded"
+    assert len(tok.template_calls) == n_before
+    ok = [{"role": "user", "content": "x"}] * 8
+    assert chat(client, messages=ok).status_code == 200

@@ -29,9 +29,10 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
     used as is; an FP8 tile is converted to a's dtype (exact) and its partial product scaled by
     its rows' block scale for K block k0 // 128 (so BLOCK_K ≤ 128): weight row n's scales
     start at s_ptr + (n // S_ROWS)·stride_sn, i.e. per-row scales (`fp8.row_scales`, S_ROWS =
-    1: this linear, whose fused projections break 128-row blocks) or the block scales
-    themselves (S_ROWS = 128: the MoE experts, whose dims are multiples of 128). Unused when
-    not W_FP8. Shared by this linear and the MoE expert GEMMs."""
+    1: this linear, whose fused projections put a part's first row mid-block) or the block
+    scales themselves (S_ROWS = 128: the MoE experts, where gate, up and down each start their
+    own 128-row block grid at row 0, whatever their sizes). Unused when not W_FP8. Shared by
+    this linear and the MoE expert GEMMs."""
     if W_FP8:
         s = tl.load(s_ptr + (n // S_ROWS) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
         acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]

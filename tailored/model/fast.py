@@ -63,7 +63,10 @@ COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 # scratch and run cuBLAS instead of the W8A16 Triton GEMM, which is 2.6x slower than cuBLAS
 # at 1024 rows (kb/0009, kb/0026). 0 = never. Off until an H200 A/B and the FP8 gate say so:
 # it changes the rounding (the reference's dequantize-then-GEMM instead of per-block scaled
-# fp32 partial sums).
+# fp32 partial sums). Rows as run: a prefill graph runs its bucket's padded row count, so a
+# 100-token prompt replayed from the 128 bucket takes the dequant path at FP8_DEQUANT_FROM=128
+# and W8A16 when eager. SHARED_IN_MOE runs the shared expert in FP8 inside the MoE whatever
+# these switches say.
 FP8_DEQUANT_FROM = env_int("TAILORED_FP8_DEQUANT_FROM", 0, 0, 1 << 20)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
@@ -75,13 +78,37 @@ FP8_DEQUANT_FROM = env_int("TAILORED_FP8_DEQUANT_FROM", 0, 0, 1 << 20)
 FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", False)
 
 
+def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
+    """The kernel path's GEMM groups of one decoder layer: (input projections sharing the
+    normed input: GDN qkv|z|b|a or attention q|k|v, the mixer's output projection, router|
+    shared-expert gate|shared gate|shared up, shared down). The router and shared-expert gate
+    lead their group (bf16 in both precisions), so the decode path can run just those rows
+    when the shared expert is a routed one."""
+    if layer.layer_type == "linear_attention":
+        m = layer.linear_attn
+        ins, out = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], m.out_proj
+    else:
+        m = layer.self_attn
+        ins, out = [m.q_proj, m.k_proj, m.v_proj], m.o_proj
+    mlp = layer.mlp
+    moe = [mlp.gate, mlp.shared_expert_gate, mlp.shared_expert.gate_proj,
+           mlp.shared_expert.up_proj]
+    return ins, out, moe, mlp.shared_expert.down_proj
+
+
 def dense_dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """GPU bytes FastPath adds for FP8_DENSE_DEQUANT: every block-FP8 linear of the decoder
-    layers in `dtype` (0 when the switch is off or the checkpoint is bf16)."""
+    """GPU bytes FastPath allocates for FP8_DENSE_DEQUANT: every GEMM group with an FP8
+    linear, all of its weights (its bf16 members are copied into the group's tensor too), in
+    `dtype`. 0 when the switch is off or the checkpoint has no FP8 linears."""
     if not FP8_DENSE_DEQUANT:
         return 0
-    return sum(m.weight.numel() for m in model.model.layers.modules()
-               if isinstance(m, Fp8Linear)) * dtype.itemsize
+    n = 0
+    for layer in model.model.layers:
+        ins, out, moe, down = layer_projections(layer)
+        for group in (ins, [out], moe, [down]):
+            if any(isinstance(m, Fp8Linear) for m in group):
+                n += sum(m.weight.numel() for m in group)
+    return n * dtype.itemsize
 
 
 def _dense_weight(m: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -124,7 +151,8 @@ class Proj:
         p = cls.__new__(cls)
         p.kind, p.fp8, p.scale, p.scratch = kind, False, None, None
         p.sizes = [m.weight.shape[0] for m in mods]
-        p.weight = torch.cat([_dense_weight(m, dtype) for m in mods])
+        ws = [_dense_weight(m, dtype) for m in mods]
+        p.weight = ws[0] if len(ws) == 1 else torch.cat(ws)
         return p
 
     def leading(self, sizes: list[int]) -> "Proj":
@@ -308,23 +336,13 @@ class FastPath:
                 isinstance(m, Fp8Linear) else Proj([m], kind)
 
         for i, layer in enumerate(model.model.layers):
-            if layer.layer_type == "linear_attention":
-                m = layer.linear_attn
-                self.p_in[i] = ProjGroup([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a],
-                                         dequant=dq)
-                self.p_out[i] = single(m.out_proj, "out")
-            else:
-                m = layer.self_attn
-                self.p_in[i] = ProjGroup([m.q_proj, m.k_proj, m.v_proj], dequant=dq)
-                self.p_out[i] = single(m.o_proj, "out")
-            mlp = layer.mlp
-            # router and shared-expert gate lead the fused GEMM (bf16 in both precisions), so
-            # the decode path can run just those rows when the shared expert is a routed one
-            self.p_moe[i] = ProjGroup([mlp.gate, mlp.shared_expert_gate,
-                                       mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj],
-                                      "router", dequant=dq)
+            ins, out, moe, down = layer_projections(layer)
+            self.p_in[i] = ProjGroup(ins, dequant=dq)
+            self.p_out[i] = single(out, "out")
+            self.p_moe[i] = ProjGroup(moe, "router", dequant=dq)
             self.p_route[i] = self.p_moe[i].leading(2)
-            self.p_down[i] = single(mlp.shared_expert.down_proj, "down")
+            self.p_down[i] = single(down, "down")
+            mlp = layer.mlp
             ex = mlp.experts
             scales = None
             if fp8.is_fp8_experts(ex):

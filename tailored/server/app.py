@@ -81,6 +81,11 @@ logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 32 * 2**20  # default cap of a request body -> 413
 MAX_CHARS_PER_TOKEN = 32  # prompt text over max_model_len * this many characters -> 400
+# every chat message renders to at least this many tokens (<|im_start|>role\n ... <|im_end|>\n
+# is five; a tool response merged into a user turn still has its tags): more messages than
+# max_model_len / this cannot fit, and are refused before validation and templating, which
+# took ~2 s of the event loop for 300k tiny messages (review of session 10)
+MIN_TOKENS_PER_MESSAGE = 2
 
 
 class _ErrorJSONResponse(JSONResponse):
@@ -173,6 +178,8 @@ class _Server:
         if not isinstance(data, dict):
             raise OpenAIError("request body must be a JSON object")
         check_json_body(data, text)  # lone surrogates anywhere, named by field
+        if model_cls is ChatCompletionRequest:
+            self.check_chat_size(data)
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
@@ -187,6 +194,33 @@ class _Server:
             )
         req.check_supported()
         return req
+
+    def check_chat_size(self, data: dict) -> None:
+        """Refuse, on the raw JSON, chat messages that cannot fit the context whatever they
+        render to: too many messages, or more content characters than `encode` accepts."""
+        msgs = data.get("messages")
+        if not isinstance(msgs, list):
+            return  # validation names the type error
+        if len(msgs) * MIN_TOKENS_PER_MESSAGE > self.max_model_len:
+            raise OpenAIError(
+                f"{len(msgs)} messages cannot fit this model's maximum context length of "
+                f"{self.max_model_len} tokens (each takes at least {MIN_TOKENS_PER_MESSAGE}).",
+                param="messages", code="context_length_exceeded")
+        chars = 0
+        for m in msgs:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                chars += len(c)
+            elif isinstance(c, list):
+                chars += sum(len(p["text"]) for p in c
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if chars > self.max_prompt_chars:
+            raise OpenAIError(
+                f"The prompt is too long for this model's maximum context length of "
+                f"{self.max_model_len} tokens: its messages hold {chars} characters, more than "
+                f"the {self.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} per token of context) "
+                "accepted before tokenization. Shorten the messages.",
+                param="messages", code="context_length_exceeded")
 
     async def _tokenize(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()

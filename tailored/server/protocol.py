@@ -288,7 +288,7 @@ class _BaseRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
-    stream_options: StreamOptions | None = None  # ignored when stream is false
+    stream_options: StreamOptions | None = None  # only with stream: true (as OpenAI and vLLM)
     n: int | None = Field(None, ge=1)
     user: str | None = None
 
@@ -298,7 +298,8 @@ class _BaseRequest(BaseModel):
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         "n": _one_or_unset,
         "best_of": _one_or_unset,
-        "logprobs": _unset,
+        # chat: a bool; completions: an int where 0 still asks for the sampled token's logprob
+        "logprobs": lambda v: v is None or v is False,
         "top_logprobs": _unset,
         "echo": _unset,
         "suffix": _unset,
@@ -351,6 +352,9 @@ class _BaseRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise OpenAIError(400) naming the first parameter we cannot honour."""
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("parameter 'stream_options' is only allowed when 'stream' is true",
+                              param="stream_options")
         extra = self.model_extra or {}
         for name, harmless in self.UNSUPPORTED.items():
             value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
