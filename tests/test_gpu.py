@@ -249,6 +249,20 @@ def test_eager_prefill_forward_barely_syncs(precision):
     assert len(syncs) <= 6, [str(x.message)[:120] for x in syncs]
 
 
+def _with_graphs(dtype, precision, seed, buckets):
+    """(model, cache, fast path) of the 4-layer full-width model: 5 slots, 160 pages, a
+    4-row decode graph and prefill graphs at `buckets`."""
+    from tailored.model.fast import FastPath
+
+    model = _full4(dtype, seed=seed, precision=precision)
+    cache = HybridCache(model.config, 160, 16, 5, dtype, "cuda")
+    fast = FastPath(model, cache, max_batch=4, max_pages=80, use_graphs=True)
+    model.fast = fast
+    fast.capture(sizes=[4])
+    fast.capture_prefill(max(buckets), buckets=buckets)
+    return model, cache, fast
+
+
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "fp8")])
 @torch.no_grad()
 def test_mixed_step_replays_both_graphs(dtype, precision):
@@ -256,15 +270,7 @@ def test_mixed_step_replays_both_graphs(dtype, precision):
     prompt's prefill graph. The prompt's rows and its slot/KV are bitwise what the prompt alone
     (one prefill-graph replay) gives, the decode rows track the eager step (fp32: 1e-4), and
     nothing outside the step's slots and pages is touched."""
-    from tailored.model.fast import FastPath
-
-    model = _full4(dtype, seed=4, precision=precision)
-    cfg = model.config
-    cache = HybridCache(cfg, 160, 16, 5, dtype, "cuda")
-    fast = FastPath(model, cache, max_batch=4, max_pages=80, use_graphs=True)
-    model.fast = fast
-    fast.capture(sizes=[4])
-    fast.capture_prefill(512, buckets=[512])
+    model, cache, fast = _with_graphs(dtype, precision, 4, [512])
     g = torch.Generator().manual_seed(9)
     for slot, base in ((3, 40), (4, 60)):  # two running sequences of 20 tokens
         ids = torch.randint(0, 248044, (20,), generator=g).tolist()
@@ -321,15 +327,7 @@ def test_prefill_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     differently, and a random-weight model amplifies that (a near-tie router flip moves a
     whole token, kb/0001): the bound is the bf16 fast-vs-plain one (max 0.3), with a median
     bound loose enough for 5 tokens (H200, session 7: T=5 median 0.078)."""
-    from tailored.model.fast import FastPath
-
-    model = _full4(dtype, seed=3, precision=precision)
-    cfg = model.config
-    cache = HybridCache(cfg, 160, 16, 5, dtype, "cuda")
-    fast = FastPath(model, cache, max_batch=4, max_pages=80, use_graphs=True)
-    model.fast = fast
-    fast.capture(sizes=[4])
-    fast.capture_prefill(1024, buckets=[128, 1024])
+    model, cache, fast = _with_graphs(dtype, precision, 3, [128, 1024])
     assert sorted(fast.prefill_graphs) == [128, 1024]
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     for T in (5, 128, 1000):

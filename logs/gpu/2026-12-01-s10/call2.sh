@@ -21,15 +21,4 @@ if [ "$(el)" -lt 420 ]; then
     env ${FP8_ENV:-} GATE_ARGS="--prefill-graphs" timeout $(( 585 - $(el) )) bash scripts/gpu_gate.sh fp8
 fi
 echo "[call2 +$(el)s] done"
-python3 - "${OUT:-/tmp/tailored-out}" <<'PY'
-import glob, json, sys
-out = sys.argv[1]
-for f in sorted(glob.glob(f"{out}/gate-*.json")):
-    r = json.load(open(f))
-    print(f, "PASSED" if r.get("passed") else "FAILED", r.get("kernel_switches", {}))
-for f in glob.glob(f"{out}/sbs/tailored-*.json") + glob.glob("/tmp/sbs/tailored-*.json"):
-    r = json.load(open(f))
-    for x in r["runs"]:
-        print(f"{f}: c={x['max_concurrency']}: {x['output_throughput']:.1f} tok/s, TTFT p50 "
-              f"{x['p50_ttft_ms']:.1f} ms, TPOT p50 {x.get('p50_tpot_ms', 0):.2f} ms")
-PY
+python3 scripts/device_results.py "${OUT:-/tmp/tailored-out}" /tmp/sbs
