@@ -13,7 +13,7 @@
 #     eager step (the c=32 mixed-step proxy) per variant, and the kernel table of that step
 #     (the c=32 benchmark runs in waves: 32 prompts prefilled in four 8192-token steps, then
 #     511 decode steps; the waves' prefill is ~20 % of its time, kb/0028).
-# Decide from it which FP8 setting call2.sh serves and gates (FP8_ENV).
+# Decide from it which FP8 setting `sbs_gate.sh fp8` serves and gates (FP8_ENV).
 # Usage: TAILORED_COMMIT=<sha> bash logs/gpu/2026-12-01-s10/call1.sh
 source "$(dirname "$0")/../../../scripts/device_env.sh" call1
 stamp "GPU tests: FP8 kernels, async scheduling"
