@@ -1,10 +1,12 @@
-"""PagePool / SlotPool accounting: pad sink never handed out, no leaks, double frees caught."""
+"""PagePool / SlotPool accounting: pad sink never handed out, no leaks, double frees caught;
+the cache budget (runner.plan_cache) and the kernel path's reserve in it."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from tailored.engine.memory import PagePool, SlotPool
 
@@ -86,8 +88,6 @@ def test_plan_cache_keeps_the_kernel_paths_reserve_out_of_the_gpu_budget(monkeyp
     """runner.plan_cache on a GPU (memory info faked): the pages that fit shrink by the bytes
     the kernel path allocates after the cache (FP8 dense weights dequantized, kb/0026), so
     that allocation cannot run out of memory after the cache took everything."""
-    import torch
-
     from tailored.config import EngineConfig, ModelConfig
     from tailored.model.batch import HybridCache
     from tailored.runner import plan_cache
@@ -111,8 +111,6 @@ def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, tiny_f
     """runner.kernel_path_reserve: the FP8 dense-dequant bytes on CUDA with the kernel path;
     0 on the CPU, with --kernels off, and without Triton (that start falls back to the plain
     path and must not import the kernels, review of session 10)."""
-    import torch
-
     from tailored import kernels
     from tailored.config import EngineConfig, ModelConfig
     from tailored.model import fast
@@ -135,3 +133,25 @@ def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, tiny_f
     monkeypatch.setattr(fast, "FP8_DENSE_DEQUANT", False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
     assert kernel_path_reserve(model, ec, cuda) == 0
+
+
+def test_model_runner_hands_the_kernel_paths_reserve_to_plan_cache(monkeypatch, tiny_model):
+    """The wiring: ModelRunner sizes its cache with plan_cache(..., kernel_path_reserve(...))
+    (without it the FP8 dense-dequant copies would be allocated out of the activation
+    reserve after the cache took its share)."""
+    from tailored import runner as runner_mod
+    from tailored.config import EngineConfig
+
+    seen = {}
+    real = runner_mod.plan_cache
+
+    def plan(cfg, ec, dtype, device, reserve_bytes=0):
+        seen["reserve"] = reserve_bytes
+        return real(cfg, ec, dtype, device, reserve_bytes)
+
+    monkeypatch.setattr(runner_mod, "kernel_path_reserve", lambda model, ec, device: 12345)
+    monkeypatch.setattr(runner_mod, "plan_cache", plan)
+    ec = EngineConfig(max_num_seqs=2, max_model_len=64, device="cpu", dtype="float32",
+                      kernels="off")
+    runner_mod.ModelRunner(tiny_model, tiny_model.config, ec, "cpu", torch.float32)
+    assert seen == {"reserve": 12345}
