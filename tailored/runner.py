@@ -65,13 +65,22 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     return int(pages), num_slots
 
 
+def kernel_path_asked(ec: EngineConfig, device: torch.device) -> bool:
+    """Whether EngineConfig.kernels asks for the kernel path on `device` (auto: CUDA only);
+    it runs if `kernels.unavailable_reason` has nothing against it. Raises ValueError for a
+    setting other than auto, on or off."""
+    if ec.kernels not in ("auto", "on", "off"):
+        raise ValueError(f"kernels must be auto, on or off, got {ec.kernels!r}")
+    return ec.kernels == "on" or (ec.kernels == "auto" and device.type == "cuda")
+
+
 def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
     """GPU bytes the kernel path will allocate after the cache (FP8 dense projections held
-    dequantized, `fast.dense_dequant_bytes`, kb/0026): 0 where it will not run (the CPU,
-    --kernels off, no Triton: the plain-path fallback must still start)."""
+    dequantized, `fast.dense_dequant_bytes`, kb/0026): 0 where it will not run on a GPU (the
+    CPU, --kernels off, no Triton: the plain-path fallback must still start)."""
     from tailored import kernels
 
-    if device.type != "cuda" or ec.kernels == "off" or \
+    if device.type != "cuda" or not kernel_path_asked(ec, device) or \
             kernels.unavailable_reason("cuda", model.lm_head.weight.dtype) is not None:
         return 0
     from tailored.model.fast import dense_dequant_bytes
@@ -100,9 +109,7 @@ class ModelRunner:
         """Bind the kernel path (model/fast.py) to this cache when EngineConfig.kernels asks."""
         from tailored import kernels
 
-        if ec.kernels not in ("auto", "on", "off"):
-            raise ValueError(f"kernels must be auto, on or off, got {ec.kernels!r}")
-        want = ec.kernels == "on" or (ec.kernels == "auto" and self.device.type == "cuda")
+        want = kernel_path_asked(ec, self.device)
         if want:
             why = kernels.unavailable_reason(self.device.type, self.model.lm_head.weight.dtype)
             if why and ec.kernels == "on":

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-SCALE_BLOCK = 128
+from tailored.kernels.fp8_linear import SCALE_BLOCK
 
 
 @triton.jit
@@ -88,15 +88,12 @@ class Scratch:
     def reserve(self, numel: int, dtype, device) -> None:
         if not self._fits(numel, dtype, device):
             if _capturing(_device(device)):
-                raise RuntimeError("fp8_dequant.Scratch: cannot grow during CUDA graph capture")
+                raise RuntimeError(f"fp8_dequant.Scratch: {numel} elements during CUDA graph "
+                                   "capture: reserve() them before the capture")
             self.buf = torch.empty(numel, dtype=dtype, device=_device(device))
 
     def view(self, N: int, K: int, dtype, device) -> torch.Tensor:
-        if not self._fits(N * K, dtype, device):
-            if _capturing(_device(device)):
-                raise RuntimeError(f"fp8_dequant.Scratch: a [{N}, {K}] view during CUDA graph "
-                                   "capture needs reserve() before the capture")
-            self.reserve(N * K, dtype, device)
+        self.reserve(N * K, dtype, device)
         return self.buf[:N * K].view(N, K)
 
 

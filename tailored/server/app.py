@@ -195,6 +195,18 @@ class _Server:
         req.check_supported()
         return req
 
+    def too_many_chars(self, what: str, param: str) -> OpenAIError:
+        """The 400 for prompt text longer than any tokenization of it could fit (`what`: how
+        many characters it has)."""
+        return OpenAIError(
+            f"The prompt is too long for this model's maximum context length of "
+            f"{self.max_model_len} tokens: {what}, more than the {self.max_prompt_chars} "
+            f"({MAX_CHARS_PER_TOKEN} per token of context) accepted before tokenization. "
+            "Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
     def check_chat_size(self, data: dict) -> None:
         """Refuse, on the raw JSON, chat messages that cannot fit the context whatever they
         render to: too many messages, or more content characters than `encode` accepts."""
@@ -215,12 +227,7 @@ class _Server:
                 chars += sum(len(p["text"]) for p in c
                              if isinstance(p, dict) and isinstance(p.get("text"), str))
         if chars > self.max_prompt_chars:
-            raise OpenAIError(
-                f"The prompt is too long for this model's maximum context length of "
-                f"{self.max_model_len} tokens: its messages hold {chars} characters, more than "
-                f"the {self.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} per token of context) "
-                "accepted before tokenization. Shorten the messages.",
-                param="messages", code="context_length_exceeded")
+            raise self.too_many_chars(f"its messages hold {chars} characters", "messages")
 
     async def _tokenize(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
@@ -248,14 +255,7 @@ class _Server:
         """Token ids of prompt text. Text that cannot fit the context whatever its tokens is
         refused before the tokenizer spends seconds on it (see the module docstring)."""
         if len(text) > self.max_prompt_chars:
-            raise OpenAIError(
-                f"The prompt is too long for this model's maximum context length of "
-                f"{self.max_model_len} tokens: it has {len(text)} characters, more than the "
-                f"{self.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} per token of context) accepted "
-                "before tokenization. Shorten the prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
+            raise self.too_many_chars(f"it has {len(text)} characters", param)
         try:
             return list(await self._tokenize(self.tokenizer.encode, text))
         except ValueError as e:  # the tokenizer's verdict on the text (e.g. a lone surrogate)
