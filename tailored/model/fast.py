@@ -73,9 +73,11 @@ FP8_DEQUANT_FROM = env_int("TAILORED_FP8_DEQUANT_FROM", 0, 0, 1 << 20)
 # W8A16 GEMM has an ~11 µs floor at K = 2048 where cuBLAS bf16 takes 7.5 (decode) and is 2.6x
 # slower at 1024 rows (prefill, kb/0009): the FP8 decode step took 4.39 ms against bf16's 3.71
 # (kb/0024). Costs 2 bytes per dense weight (2.8 GB at full size; runner.plan_cache reserves
-# it, `dense_dequant_bytes`). The rounding is the reference's. Off until an H200 A/B and the
-# FP8 gate say so.
-FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", False)
+# it, `dense_dequant_bytes`). The rounding is the reference's. On by default since the H200
+# A/B and side by side of session 11 (kb/0029: B=1 5.06 -> 4.04 ms, B=32 13.76 -> 12.40 ms,
+# 1024-token prefill 63.1 -> 56.5 ms; c=1 280 tok/s, TTFT 60.6 ms) and its FP8 gate passed;
+# =0 keeps every FP8 weight FP8 (W8A16 GEMMs, 2.8 GB less).
+FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
 
 
 def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
