@@ -191,14 +191,6 @@ def _tuned(kernel, decode: bool, fp8: bool = False):
                               num_warps=w, num_stages=st)
                 for bn in (16, 32, 64) for bk in (128, 256)
                 for w in (4,) for st in (3, 4)]
-        # 512 of K per iteration (FP8: four 128-wide dots, bf16: two of 256; the same sequence
-        # of accumulations as BLOCK_K = KB, so bitwise those results): the H200 tables chose
-        # the largest BLOCK_K for nearly every FP8 key, whose experts then ran at ~2.8 TB/s
-        # against bf16's ~4.2 (kb/0029): an FP8 tile holds half the bytes of a bf16 one, so it
-        # takes twice the K for the same bytes in flight
-        cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 512, "KB": 128 if fp8 else 256},
-                               num_warps=4, num_stages=st)
-                 for bn in (16, 32, 64) for st in (2, 3)]
     else:
         # prefill runs at ~57 % of HBM bandwidth with these (1024 tokens: gate_up 441 µs for
         # 1 GB, H200 session 7): deeper K tiles / pipelines added for the tuner to try (kb/0016)
