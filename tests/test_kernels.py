@@ -89,6 +89,32 @@ def test_fused_moe_fp8(dtype, T, E, k, H, I):
                   fp8.row_scales(sgu.reshape(E, -1, sgu.shape[-1]), 2 * I).to(DEV), rd.to(DEV))
 
 
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_fused_moe_fp8_f16_dots_match_the_bf16_ones(T, monkeypatch):
+    """FP8_DOT_F16 (kb/0029): e4m3 weights and bf16 activations both convert to float16
+    exactly (activations inside its normal range), so on the GPU the products are those of the
+    bf16 dots, and so should the output be. The interpreter runs bf16 tiles wrongly (the CPU suite
+    runs float32 only), so there the float32 activations' f16 rounding is what is bounded."""
+    from tailored.kernels import moe
+
+    E, k, H, I = 16, 4, 256, 160
+    g = torch.Generator().manual_seed(T + 40)
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16 if DEV == "cuda" else torch.float32)
+    qgu, qd, _, (rgu, rd) = _fp8_experts(E, H, I, g)
+    w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
+    outs = []
+    for f16 in (False, True):
+        monkeypatch.setattr(moe, "FP8_DOT_F16", f16)
+        outs.append(moe.fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV),
+                                  rd.to(DEV), reduce=False))
+    assert torch.isfinite(outs[1]).all()
+    if DEV == "cuda":  # same exact products and fp32 sums; the MMA's internal order is the
+        # hardware's, so bounded rather than asserted bitwise
+        assert rel_err(outs[1], outs[0]) < 1e-5
+    else:
+        assert rel_err(outs[1], outs[0]) < 3e-3
+
+
 def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):
     """FP8 experts with 256 of K per iteration as two 128-wide dots (the decode configs added
     in session 7) accumulate exactly as one 128-wide dot per iteration."""

@@ -24,7 +24,7 @@ SCALE_BLOCK = 128
 
 @triton.jit
 def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
-             W_FP8: tl.constexpr, S_ROWS: tl.constexpr = 1):
+             W_FP8: tl.constexpr, S_ROWS: tl.constexpr = 1, DOT_F16: tl.constexpr = False):
     """acc + a·w for one [BLOCK_K, BLOCK_N] weight tile at K offset k0. A bf16/fp32 tile is
     used as is; an FP8 tile is converted to a's dtype (exact) and its partial product scaled by
     its rows' block scale for K block k0 // 128 (so BLOCK_K ≤ 128): weight row n's scales
@@ -32,10 +32,16 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
     1: this linear, whose fused projections put a part's first row mid-block) or the block
     scales themselves (S_ROWS = 128: the MoE experts, where gate, up and down each start their
     own 128-row block grid at row 0, whatever their sizes). Unused when not W_FP8. Shared by
-    this linear and the MoE expert GEMMs."""
+    this linear and the MoE expert GEMMs. DOT_F16 (FP8 only, an A/B of kb/0029): both operands
+    go to float16 instead, where e4m3 converts in one instruction per pair; exact for the
+    weights, and for activations inside float16's normal range (bf16 → f16 keeps their 8
+    significant bits), so the products, and the fp32 sums, are those of the bf16 dot."""
     if W_FP8:
         s = tl.load(s_ptr + (n // S_ROWS) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]
+        if DOT_F16:
+            acc += tl.dot(a.to(tl.float16), w.to(tl.float16)) * s[None, :]
+        else:
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     return acc

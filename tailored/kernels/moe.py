@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import autotune_enabled, dot_precision, env_int, tuning
+from tailored.kernels import autotune_enabled, dot_precision, env_flag, env_int, tuning
 from tailored.kernels.fp8_linear import tile_dot
 
 
@@ -98,7 +98,7 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
                     s_up,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                    COMPACT: tl.constexpr):
+                    COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False):
     e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,9 +125,9 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
                              mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 # block scales (128 rows each): the up half's blocks start at s_up
                 acc_g = tile_dot(acc_g, x, wg, ws_base, n, n_ok, stride_sn, k0 + j * KB,
-                                 DOT_PREC, W_FP8, 128)
+                                 DOT_PREC, W_FP8, 128, DOT_F16)
                 acc_u = tile_dot(acc_u, x, wu, ws_base + s_up * stride_sn, n, n_ok, stride_sn,
-                                 k0 + j * KB, DOT_PREC, W_FP8, 128)
+                                 k0 + j * KB, DOT_PREC, W_FP8, 128, DOT_F16)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -139,7 +139,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                  stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                 COMPACT: tl.constexpr):
+                 COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False):
     e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,7 +161,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                 w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC,
-                               W_FP8, 128)
+                               W_FP8, 128, DOT_F16)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -211,6 +211,10 @@ def _tuned(kernel, decode: bool, fp8: bool = False):
 
 
 _LAUNCHERS: dict = {}
+# FP8 experts: dots in float16 instead of bf16 (kb/0029 A/B, scripts/bench_moe.py --ab f16): at
+# B=32 the FP8 expert GEMMs read at ~2.8 TB/s against bf16's ~4.1, and e4m3 → bf16 takes
+# several instructions per element where e4m3 → f16 takes one per pair. Off until measured
+FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
 
@@ -454,21 +458,23 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu, nb_i)
     dn_args = (act, down, order, offsets, experts, rw, y, down_scale,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
+    f16 = fp8 and FP8_DOT_F16
     if x.is_cuda and autotune_enabled(x.dtype):  # autotuned block sizes
         decode = bm == 16
         _launcher("gate_up", decode, fp8)[lambda m: (grid_e, triton.cdiv(I, m["BLOCK_N"]))](
             *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact)
+            COMPACT=compact, DOT_F16=f16)
         _launcher("down", decode, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact)
+            COMPACT=compact, DOT_F16=f16)
     else:  # Triton's interpreter (tests on the CPU), or TAILORED_AUTOTUNE=0: the fixed choice
         kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
         _gate_up_kernel[(grid_e, triton.cdiv(I, bn))](
             *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=kb, DOT_PREC=prec,
-            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps)
+            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps)
         bk_dn = min(bk, triton.next_power_of_2(I))
         _down_kernel[(grid_e, triton.cdiv(H, bn))](
             *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
-            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps)
+            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16,
+            num_warps=warps)
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y
