@@ -61,10 +61,8 @@ VARIANTS = {
     "route64": lambda: _set("kernels.moe", "ROUTE_ALIGN_USE_UP_TO", 64),
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),
-    # FP8 projections of >= 128 / 256 rows: dequantize to a bf16 scratch + cuBLAS (kb/0026);
-    # prefill switches: time them with --prefill-variants
-    "fp8_deq128": lambda: _set("model.fast", "FP8_DEQUANT_FROM", 128),
-    "fp8_deq256": lambda: _set("model.fast", "FP8_DEQUANT_FROM", 256),
+    # FP8 experts' dots in float16 (kb/0029; decode and prefill: also a --prefill-variants one)
+    "fp8_f16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", True),
 }
 
 
@@ -95,9 +93,7 @@ def prefill_ab(a, variants, fast, pre, pre_b):
                          f"({max(fast.prefill_graphs)}): the A/B would time eager prefills")
 
     def recapture():
-        # FP8_DEQUANT_FROM variants grow the dequant scratch in the capture's warm-up, which
-        # runs outside the capture (fast._capture_into); a capture that fails leaves prefill
-        # eager, which must not be timed as a replay
+        # a capture that fails leaves prefill eager, which must not be timed as a replay
         if graphs:
             fast.prefill_graphs.pop(bucket, None)
             fast.capture_prefill(bucket, buckets=[bucket])

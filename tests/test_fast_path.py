@@ -40,9 +40,18 @@ def _make_pair(ckpt):
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
 def pair(request, tiny_ckpt, tiny_fp8_ckpt):
     """(plain model, kernel-path model with its cache) loaded from the same checkpoint: the
-    tiny preset in bf16 layout, and in block-FP8 (the kernel path reads FP8 weights through
-    fp8_linear and the FP8 MoE; the plain path dequantizes)."""
-    return _make_pair(tiny_ckpt if request.param == "bf16" else tiny_fp8_ckpt)
+    tiny preset in bf16 layout, and in block-FP8 with TAILORED_FP8_DENSE_DEQUANT=0 (the kernel
+    path reads the FP8 weights through fp8_linear and the FP8 MoE; the plain path dequantizes).
+    The default FP8 layout, dense projections held dequantized, has its own test below."""
+    if request.param == "bf16":
+        return _make_pair(tiny_ckpt)
+    from tailored.model import fast as fastmod
+
+    held, fastmod.FP8_DENSE_DEQUANT = fastmod.FP8_DENSE_DEQUANT, False
+    try:  # read once, when FastPath lays the projections out
+        return _make_pair(tiny_fp8_ckpt)
+    finally:
+        fastmod.FP8_DENSE_DEQUANT = held
 
 
 def test_fused_weights_are_views_with_the_same_values(pair):
@@ -78,8 +87,9 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     kb/0023). switches: every kernel switch on at once (one variant, since each costs minutes
     in the interpreter): also the shared expert as routed expert E (kb/0019; threshold raised
     so that the 80-row mixed steps take it too), attention splits by batch (kb/0019), and the
-    GDN step over 4 programs a head; FP8 projections of ≥ 40 rows through the dequant
-    scratch + GEMM (kb/0026: the 80-row prefill step takes it, the 31-row mixed step not).
+    GDN step over 4 programs a head; the GDN prefill conv of all sequences in one launch, and
+    the FP8 experts' float16 dots, which must leave these fp32 steps alone (they apply to bf16
+    activations only) (kb/0029).
     The previous defaults (the fused GDN step, separate norms) stay reachable through the
     environment; their kernels keep their own tests (test_kernels.py)."""
     from tailored.kernels import attention_decode, gdn_decode, moe
@@ -92,15 +102,10 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", True)
         monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
-        monkeypatch.setattr(fastmod, "FP8_DEQUANT_FROM", 40)
-    deq_rows = []
-    real_deq = fastmod.dequantize_rows
-    monkeypatch.setattr(fastmod, "dequantize_rows",
-                        lambda w, *a, **k: deq_rows.append(w.shape) or real_deq(w, *a, **k))
+        monkeypatch.setattr(moe, "FP8_DOT_F16", True)
+        monkeypatch.setattr(fastmod, "GDN_PREFILL_CONV", True)
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
-    # the dequant path ran, and only where asked: FP8 with the switches (the 80-row step)
-    assert bool(deq_rows) == (variant == "switches" and plain.config.fp8 is not None), deq_rows
 
 
 def test_fp8_dense_dequant_matches_plain_path(tiny_fp8_ckpt, monkeypatch):
@@ -210,11 +215,17 @@ def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny_ckpt):
     C.steps_leave_other_slots_and_pages_bit_identical(make, quick=True)
 
 
-@pytest.mark.parametrize("T,n", [(3, 16), (65, 128)])
-def test_prefill_graph_body_equals_eager_prefill(pair, T, n):
+@pytest.mark.parametrize("T,n,conv_kernel", [(3, 16, False), (65, 128, False), (2, 16, True),
+                                             (65, 128, True)])
+def test_prefill_graph_body_equals_eager_prefill(pair, T, n, conv_kernel, monkeypatch):
     """The body a prefill CUDA graph captures (kb/0013), run eagerly on n ≥ T padded rows,
     computes what the eager prefill of the T-token prompt computes: hidden rows, the slot's
-    conv and recurrent states, the prompt's KV rows; pads touch only the sinks (slot 0, page 0)."""
+    conv and recurrent states, the prompt's KV rows; pads touch only the sinks (slot 0, page 0).
+    conv_kernel: both with GDN_PREFILL_CONV (kernels/gdn_conv.py, kb/0029; T=2 is shorter than
+    the conv window)."""
+    from tailored.model import fast as fastmod
+
+    monkeypatch.setattr(fastmod, "GDN_PREFILL_CONV", conv_kernel)
     _, fastm, cache = pair
     if fastm.config.fp8 is not None:
         pytest.skip("bf16 layout only: the body's FP8 projections are the eager path's (covered "

@@ -90,29 +90,36 @@ def test_fused_moe_fp8(dtype, T, E, k, H, I):
 
 
 @pytest.mark.parametrize("T", [1, 5, 37])
-def test_fused_moe_fp8_f16_dots_match_the_bf16_ones(T, monkeypatch):
+def test_fused_moe_fp8_f16_dots(T, monkeypatch):
     """FP8_DOT_F16 (kb/0029): e4m3 weights and bf16 activations both convert to float16
-    exactly (activations inside its normal range), so on the GPU the products are those of the
-    bf16 dots, and so should the output be. The interpreter runs bf16 tiles wrongly (the CPU suite
-    runs float32 only), so there the float32 activations' f16 rounding is what is bounded."""
+    exactly (activations inside its normal range), so the products are those of the bf16 dots:
+    on the GPU the outputs agree to fp32 summation order (the MMA's internal order is the
+    hardware's). Both against the reference over the dequantized experts; the interpreter
+    runs bf16 dots wrongly (the CPU suite is fp32), so on the CPU only that. Float32
+    activations keep the fp32 dots (the switch would round them)."""
     from tailored.kernels import moe
+    from tailored.model import fp8
 
     E, k, H, I = 16, 4, 256, 160
     g = torch.Generator().manual_seed(T + 40)
-    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16 if DEV == "cuda" else torch.float32)
-    qgu, qd, _, (rgu, rd) = _fp8_experts(E, H, I, g)
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    qgu, qd, (sgu, sd), (rgu, rd) = _fp8_experts(E, H, I, g)
     w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
-    outs = []
-    for f16 in (False, True):
+    want = ref.moe_experts(x.float(), w.float(), ids,
+                           fp8.DequantExperts(qgu.to(DEV), sgu.to(DEV), torch.float32, True),
+                           fp8.DequantExperts(qd.to(DEV), sd.to(DEV), torch.float32, False))
+
+    def run(f16, xx):
         monkeypatch.setattr(moe, "FP8_DOT_F16", f16)
-        outs.append(moe.fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV),
-                                  rd.to(DEV), reduce=False))
-    assert torch.isfinite(outs[1]).all()
-    if DEV == "cuda":  # same exact products and fp32 sums; the MMA's internal order is the
-        # hardware's, so bounded rather than asserted bitwise
-        assert rel_err(outs[1], outs[0]) < 1e-5
-    else:
-        assert rel_err(outs[1], outs[0]) < 3e-3
+        return moe.fused_moe(xx, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV), rd.to(DEV))
+
+    got = run(True, x)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL[torch.bfloat16]
+    if DEV == "cuda":
+        assert rel_err(got, run(False, x)) < 1e-5
+    x32 = x.float()
+    assert torch.equal(run(True, x32), run(False, x32))
 
 
 def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):

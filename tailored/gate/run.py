@@ -413,7 +413,7 @@ def _kernel_switches() -> dict:
             attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
             "combine_next_norm": fast.COMBINE_NEXT_NORM,
-            "fp8_dequant_from": fast.FP8_DEQUANT_FROM, "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
+            "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
             "moe_fp8_dot_f16": moe.FP8_DOT_F16}
 
 

@@ -1,11 +1,10 @@
-"""Block-FP8 weight → bf16, one pass, for the prefill GEMMs of an FP8 checkpoint (kb/0026).
+"""Block-FP8 weight → bf16 in one pass: how the kernel path holds an FP8 checkpoint's dense
+projections (`model.fast.FP8_DENSE_DEQUANT`, kb/0026, kb/0029), dequantized once at start.
 
-A prefill of hundreds of rows is compute bound: there the W8A16 Triton GEMM (`fp8_linear`)
-lost 2.6× to cuBLAS bf16 at M = 1024 (204.7 vs 77.7 µs on the GDN input projection, kb/0009).
-Converting the weight to bf16 first costs one read of 1 byte and one write of 2 bytes per
-weight (~25 µs for that 12288×2048 projection at ~3 TB/s), then cuBLAS runs the bf16 GEMM.
-kb/0009 measured this idea with torch ops (several elementwise passes over an fp32 copy: 323
-µs); this kernel does it in one pass.
+The W8A16 Triton GEMM (`fp8_linear`) has an ~11 µs floor per decode GEMV at K = 2048 and lost
+2.6× to cuBLAS bf16 at M = 1024 (kb/0009); with the weights held in bf16 cuBLAS runs them all.
+(Session 10 also used this kernel per prefill call into a scratch buffer, `FP8_DEQUANT_FROM`:
+the session-11 A/B matched holding them dequantized at prefill and lost at decode, so it went.)
 
 The rounding is the reference's (`tailored.model.fp8.dequantize_block`): q · scale in fp32,
 rounded once to the output dtype, so the GEMM that follows computes exactly what the plain
@@ -67,43 +66,3 @@ def dequantize_rows(weight: torch.Tensor, scale_rows: torch.Tensor,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return out
 
-
-class Scratch:
-    """One bf16 buffer that every FP8 projection of a model dequantizes into before its prefill
-    GEMM (the projections run one after another on one stream, so one buffer serves them all;
-    the largest, the GDN input projection 12288×2048, is 48 MiB).
-
-    `reserve` sizes it before CUDA graph capture; `view` hands out [N, K] views and grows the
-    buffer only outside a capture: a graph keeps the address it captured, so replacing the
-    buffer after a capture would leave that graph writing into freed memory. Raises
-    RuntimeError for a view larger than the buffer during a capture."""
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-
-    def _fits(self, numel: int, dtype, device) -> bool:
-        return (self.buf is not None and self.buf.numel() >= numel and self.buf.dtype == dtype
-                and self.buf.device == _device(device))
-
-    def reserve(self, numel: int, dtype, device) -> None:
-        if not self._fits(numel, dtype, device):
-            if _capturing(_device(device)):
-                raise RuntimeError(f"fp8_dequant.Scratch: {numel} elements during CUDA graph "
-                                   "capture: reserve() them before the capture")
-            self.buf = torch.empty(numel, dtype=dtype, device=_device(device))
-
-    def view(self, N: int, K: int, dtype, device) -> torch.Tensor:
-        self.reserve(N * K, dtype, device)
-        return self.buf[:N * K].view(N, K)
-
-
-def _device(device) -> torch.device:
-    """torch.device with its index ("cuda" → cuda:<current>), comparable to a tensor's."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -30,8 +30,9 @@ from torch import nn
 
 from tailored.kernels import env_flag, env_int
 from tailored.kernels.attention_decode import paged_decode_attention
-from tailored.kernels.fp8_dequant import Scratch, dequantize_rows
+from tailored.kernels.fp8_dequant import dequantize_rows
 from tailored.kernels.fp8_linear import fp8_linear
+from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
 from tailored.kernels.moe import fused_moe, route_align
@@ -59,15 +60,6 @@ SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 32, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
-# FP8 projections of at least this many rows (prefill) dequantize their weight into a bf16
-# scratch and run cuBLAS instead of the W8A16 Triton GEMM, which is 2.6x slower than cuBLAS
-# at 1024 rows (kb/0009, kb/0026). 0 = never. Off until an H200 A/B and the FP8 gate say so:
-# it changes the rounding (the reference's dequantize-then-GEMM instead of per-block scaled
-# fp32 partial sums). Rows as run: a prefill graph runs its bucket's padded row count, so a
-# 100-token prompt replayed from the 128 bucket takes the dequant path at FP8_DEQUANT_FROM=128
-# and W8A16 when eager. SHARED_IN_MOE runs the shared expert in FP8 inside the MoE whatever
-# these switches say.
-FP8_DEQUANT_FROM = env_int("TAILORED_FP8_DEQUANT_FROM", 0, 0, 1 << 20)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
 # W8A16 GEMM has an ~11 µs floor at K = 2048 where cuBLAS bf16 takes 7.5 (decode) and is 2.6x
@@ -78,6 +70,12 @@ FP8_DEQUANT_FROM = env_int("TAILORED_FP8_DEQUANT_FROM", 0, 0, 1 << 20)
 # 1024-token prefill 63.1 -> 56.5 ms; c=1 280 tok/s, TTFT 60.6 ms) and its FP8 gate passed;
 # =0 keeps every FP8 weight FP8 (W8A16 GEMMs, 2.8 GB less).
 FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
+# GDN prefill: the causal conv of every prefill sequence in one launch plus one for the carried
+# states (kernels/gdn_conv.py) instead of cat + cuDNN conv + cat per sequence and layer, 50 ms
+# of an 8 x 1024-token FP8 step's 314 on the H200 (kb/0029). Sums in fp32 like the decode step,
+# where the reference rounds the conv to bf16 before the SiLU: off until the gate runs with it.
+# Read at call time (a prefill graph keeps what it captured).
+GDN_PREFILL_CONV = env_flag("TAILORED_GDN_PREFILL_CONV", False)
 
 
 def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
@@ -140,7 +138,6 @@ class Proj:
     def __init__(self, mods: list[nn.Module], kind: str = "in"):
         self.kind = kind  # which projection (in, out, router, down)
         self.fp8 = isinstance(mods[0], Fp8Linear)
-        self.scratch: Scratch | None = None  # FP8: the model's dequant buffer (FP8_DEQUANT_FROM)
         self.sizes = [m.weight.shape[0] for m in mods]
         self.weight = fuse_linears(mods) if len(mods) > 1 else mods[0].weight.data
         self.scale = (torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in mods])
@@ -151,7 +148,7 @@ class Proj:
         """One `dtype` GEMM for linears of any kinds sharing an input (FP8_DENSE_DEQUANT): a new
         weight tensor, concatenated in module order; the modules keep their own weights."""
         p = cls.__new__(cls)
-        p.kind, p.fp8, p.scale, p.scratch = kind, False, None, None
+        p.kind, p.fp8, p.scale = kind, False, None
         p.sizes = [m.weight.shape[0] for m in mods]
         ws = [_dense_weight(m, dtype) for m in mods]
         p.weight = ws[0] if len(ws) == 1 else torch.cat(ws)
@@ -161,18 +158,13 @@ class Proj:
         """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
         n = sum(sizes)
         p = Proj.__new__(Proj)
-        p.fp8, p.sizes, p.kind, p.scratch = self.fp8, list(sizes), self.kind, self.scratch
+        p.fp8, p.sizes, p.kind = self.fp8, list(sizes), self.kind
         p.weight = self.weight[:n]
         p.scale = self.scale[:n] if self.fp8 else None
         return p
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
-            if 0 < FP8_DEQUANT_FROM <= x.shape[0] and self.scratch is not None:
-                N, K = self.weight.shape
-                w = dequantize_rows(self.weight, self.scale,
-                                    out=self.scratch.view(N, K, x.dtype, x.device))
-                return F.linear(x, w)
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x, self.weight)
 
@@ -229,6 +221,8 @@ class StepPlan:
     58 ms of GPU time). Views of one int64 buffer:
       pre_rows [n]: batch rows of the prefill sequences' tokens (in `pre` order);
       pre_slots [N], pre_reset [N] (0/1): their state slots and reset flags;
+      pre_seq [4, N]: per prefill sequence its first batch row, token count, first row in
+        `pre` order and reset flag (`kernels.gdn_conv`);
       kv_new[j], kv_ctx[j]: flat KV rows (page·page_size + offset) of seqs[j]'s new tokens and of
         its whole context 0..end_pos (None when the chunk is the whole context);
       dec_rows, dec_slots: the decode rows (None when there are none).
@@ -237,6 +231,7 @@ class StepPlan:
     pre_rows: torch.Tensor
     pre_slots: torch.Tensor
     pre_reset: torch.Tensor
+    pre_seq: torch.Tensor
     kv_new: list
     kv_ctx: list
     dec_rows: torch.Tensor | None
@@ -287,6 +282,9 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
     r_rows = add(_token_rows(pre))
     r_slots = add([q.slot for q in pre])
     r_reset = add([int(q.reset_state) for q in pre])
+    lens = [q.num_tokens for q in pre]
+    r_seq = add([[q.q_start for q in pre], lens, np.cumsum([0] + lens)[:-1],
+                 [int(q.reset_state) for q in pre]])
     rows = HybridCache.kv_rows
     r_new = [add(rows(q.page_ids, q.start_pos, q.end_pos, page_size)) for q in seqs]
     r_ctx = [add(rows(q.page_ids, 0, q.end_pos, page_size)) if q.start_pos else None for q in seqs]
@@ -298,6 +296,7 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
         return buf[r[0]:r[1]]
 
     return StepPlan(view(r_rows), view(r_slots), view(r_reset).bool(),
+                    view(r_seq).view(4, len(pre)),
                     [view(r) for r in r_new], [view(r) if r else None for r in r_ctx],
                     view(r_dec) if dec else None,
                     view(r_dslot).to(torch.int32) if dec else None)
@@ -361,17 +360,6 @@ class FastPath:
             log.info("FP8 dense projections held dequantized in %s (%.2f GiB; "
                      "TAILORED_FP8_DENSE_DEQUANT, kb/0026)", str(dq).removeprefix("torch."),
                      dense_dequant_bytes(model, dq) / 1024**3)
-        # one dequant buffer for every FP8 projection (they run one at a time on one stream),
-        # sized now when FP8_DEQUANT_FROM is on, so that no CUDA graph capture has to grow it
-        self.scratch = Scratch()
-        fp8_projs = [p for g in (self.p_in, self.p_moe) for pg in g.values()
-                     for p, _ in pg.parts if p.fp8]
-        fp8_projs += [p for g in (self.p_out, self.p_route, self.p_down) for p in g.values()
-                      if p.fp8]
-        for p in fp8_projs:
-            p.scratch = self.scratch
-        if fp8_projs and FP8_DEQUANT_FROM:
-            self.scratch.reserve(max(p.weight.numel() for p in fp8_projs), self.dtype, self.device)
         # decode graph state
         self.max_batch = max_batch
         self.max_pages = max_pages
@@ -454,14 +442,19 @@ class FastPath:
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         w = m.conv1d.weight[:, 0, :]
         g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
-        ys = []
-        for s in seqs:  # causal conv per sequence (its own carried window)
-            r = slice(s.q_start, s.q_start + s.num_tokens)
-            cs = torch.zeros_like(conv_cache[s.slot]) if s.reset_state else conv_cache[s.slot]
-            y, cs = ref.causal_conv1d(qkv[r], cs, w)
-            conv_cache[s.slot] = cs
-            ys.append(y)
-        y = torch.cat(ys)
+        if GDN_PREFILL_CONV:  # every sequence in one launch, then their states (kb/0029)
+            y = conv_prefill(qkv, conv_cache, w, plan.pre_seq, plan.pre_slots,
+                             plan.pre_rows.shape[0], max(s.num_tokens for s in seqs))
+            conv_state_update(qkv, conv_cache, w, plan.pre_seq, plan.pre_slots)
+        else:
+            ys = []
+            for s in seqs:  # causal conv per sequence (its own carried window)
+                r = slice(s.q_start, s.q_start + s.num_tokens)
+                cs = torch.zeros_like(conv_cache[s.slot]) if s.reset_state else conv_cache[s.slot]
+                y, cs = ref.causal_conv1d(qkv[r], cs, w)
+                conv_cache[s.slot] = cs
+                ys.append(y)
+            y = torch.cat(ys)
         rows, slots, reset = plan.pre_rows, plan.pre_slots, plan.pre_reset
         h0 = torch.where(reset[:, None, None, None], 0.0, rec_cache[slots])
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
@@ -819,6 +812,10 @@ class FastPath:
             "kv": torch.zeros(n_max, dtype=torch.long, device=dev),  # flat KV row per token
             "slot": torch.zeros(1, dtype=torch.long, device=dev),
             "conv_rows": torch.arange(W - 1, dtype=torch.long, device=dev),
+            # gdn_conv's sequence rows (GDN_PREFILL_CONV): the conv over the whole bucket
+            # (pads last, never read by real rows), the carried state from the real tokens
+            "conv_meta": torch.zeros(4, 1, dtype=torch.long, device=dev),
+            "state_meta": torch.zeros(4, 1, dtype=torch.long, device=dev),
         }
 
     def _fill_prefill_static(self, batch: ForwardBatch, n: int) -> None:
@@ -832,16 +829,19 @@ class FastPath:
         st["pos"][:T].copy_(batch.positions)
         st["ids"][T:n].zero_()
         st["pos"][T:n].zero_()
-        meta = np.zeros(2 * n + W, dtype=np.int64)
+        meta = np.zeros(2 * n + W + 8, dtype=np.int64)
         meta[:T] = HybridCache.kv_rows(s.page_ids, 0, T, ps)
         meta[n] = s.slot
         meta[n + 1:n + W] = T + np.arange(W - 1)
         meta[n + W:n + W + T] = 1
+        meta[2 * n + W:] = [0, n, 0, 1, 0, T, 0, 1]  # conv_meta, state_meta ([4, 1] each)
         m = h2d(meta, self.device)
         st["kv"][:n].copy_(m[:n])
         st["slot"].copy_(m[n:n + 1])
         st["conv_rows"].copy_(m[n + 1:n + W])
-        st["valid"][:n].copy_(m[n + W:] != 0)
+        st["valid"][:n].copy_(m[n + W:2 * n + W] != 0)
+        st["conv_meta"].copy_(m[2 * n + W:2 * n + W + 4].view(4, 1))
+        st["state_meta"].copy_(m[2 * n + W + 4:].view(4, 1))
 
     def _gdn_prefill_static(self, i: int, x: torch.Tensor, valid, slot, conv_rows):
         """GDN over the bucket for one fresh sequence: the eager prefill's computation with
@@ -855,11 +855,16 @@ class FastPath:
         qkv, z, b, a = self.p_in[i](x)
         w = m.conv1d.weight[:, 0, :]
         conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
-        zero = torch.zeros(conv_cache.shape[1:], dtype=conv_cache.dtype, device=x.device)
-        y, _ = ref.causal_conv1d(qkv, zero, w)
-        # carried conv state: the last W-1 real inputs, as causal_conv1d casts them
-        xin = torch.cat([zero.t().to(w.dtype), qkv.to(w.dtype)])  # [W-1+n, C]
-        conv_cache.index_copy_(0, slot, xin[conv_rows].t().to(conv_cache.dtype).unsqueeze(0))
+        if GDN_PREFILL_CONV:
+            st = self._pstatic
+            y = conv_prefill(qkv, conv_cache, w, st["conv_meta"], slot, n, n)
+            conv_state_update(qkv, conv_cache, w, st["state_meta"], slot)
+        else:
+            zero = torch.zeros(conv_cache.shape[1:], dtype=conv_cache.dtype, device=x.device)
+            y, _ = ref.causal_conv1d(qkv, zero, w)
+            # carried conv state: the last W-1 real inputs, as causal_conv1d casts them
+            xin = torch.cat([zero.t().to(w.dtype), qkv.to(w.dtype)])  # [W-1+n, C]
+            conv_cache.index_copy_(0, slot, xin[conv_rows].t().to(conv_cache.dtype).unsqueeze(0))
         g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
         keep = valid[:, None]
         g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
