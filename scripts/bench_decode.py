@@ -63,6 +63,8 @@ VARIANTS = {
     "route_warps2": lambda: _set_route_warps(2),
     # FP8 experts' dots in float16 (kb/0029; decode and prefill: also a --prefill-variants one)
     "fp8_f16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", True),
+    # the GDN prefill conv of every sequence in one launch (kb/0029): a --prefill-variants one
+    "gdn_conv": lambda: _set("model.fast", "GDN_PREFILL_CONV", True),
 }
 
 

@@ -134,6 +134,46 @@ def test_fp8_dense_dequant_matches_plain_path(tiny_fp8_ckpt, monkeypatch):
     _run_steps(plain, fastm, fcache)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_proj_row_align_pads_fused_gemms_and_matches_plain_path(precision, tiny_ckpt,
+                                                                tiny_fp8_ckpt, monkeypatch):
+    """TAILORED_PROJ_ROW_ALIGN (kb/0029): fused cuBLAS projections get zero rows up to a
+    multiple of 64 (FP8: the dense-dequant layout), the module weights stay views of the
+    padded tensor, single linears and W8A16 parts are left alone, the memory reserve counts
+    the pad; same steps as the plain path."""
+    from tailored.model import fast as fastmod
+
+    monkeypatch.setattr(fastmod, "PROJ_ROW_ALIGN", 64)
+    plain, fastm, fcache = _make_pair(tiny_ckpt if precision == "bf16" else tiny_fp8_ckpt)
+    fast = fastm.fast
+    padded = 0
+    for g in (fast.p_in, fast.p_moe):
+        for pg in g.values():
+            for proj, idx in pg.parts:
+                rows = sum(proj.sizes)
+                if len(idx) > 1 and not proj.fp8:
+                    assert proj.weight.shape[0] % 64 == 0 and proj.weight.shape[0] - rows == proj.pad
+                    assert not proj.weight[rows:].any()
+                    padded += proj.pad > 0
+                else:
+                    assert proj.pad == 0 and proj.weight.shape[0] == rows
+    assert padded > 0
+    mlp = fastm.model.layers[0].mlp
+    proj = fast.p_moe[0].parts[0][0]
+    if precision == "bf16":  # the module weights are views of the padded GEMM weight
+        assert mlp.gate.weight.untyped_storage().data_ptr() == \
+            proj.weight.untyped_storage().data_ptr()
+    else:
+        params = {q.untyped_storage().data_ptr() for q in fastm.parameters()}
+        projs = [p for g in (fast.p_in, fast.p_moe) for pg in g.values() for p, _ in pg.parts]
+        projs += list(fast.p_out.values()) + list(fast.p_down.values())
+        got = sum(p.weight.numel() * p.weight.element_size() for p in projs
+                  if p.weight.untyped_storage().data_ptr() not in params)
+        assert fastmod.dense_dequant_bytes(fastm, torch.float32) == got
+    assert all(p.pad == 0 for p in fast.p_route.values())
+    _run_steps(plain, fastm, fcache)
+
+
 def _run_steps(plain, fastm, fcache):
     """Prefill, mixed and decode steps (eager and graph body) on both models: same hidden
     rows, GDN states and KV pages."""

@@ -70,6 +70,13 @@ COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 # 1024-token prefill 63.1 -> 56.5 ms; c=1 280 tok/s, TTFT 60.6 ms) and its FP8 gate passed;
 # =0 keeps every FP8 weight FP8 (W8A16 GEMMs, 2.8 GB less).
 FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
+# Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
+# multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
+# 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
+# H200 ran it with an sm75 CUTLASS kernel at ~88 TFLOP/s, 19.4 ms of an 8 x 1024-token prefill
+# step (kb/0029). 1 = no padding; off until an A/B and the gate (another cuBLAS kernel rounds
+# differently). Read when FastPath lays the projections out.
+PROJ_ROW_ALIGN = env_int("TAILORED_PROJ_ROW_ALIGN", 1, 1, 256, power_of_2=True)
 # GDN prefill: the causal conv of every prefill sequence in one launch plus one for the carried
 # states (kernels/gdn_conv.py) instead of cat + cuDNN conv + cat per sequence and layer, 50 ms
 # of an 8 x 1024-token FP8 step's 314 on the H200 (kb/0029). Sums in fp32 like the decode step,
@@ -108,7 +115,14 @@ def dense_dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
         for group in (ins, [out], moe, [down]):
             if any(isinstance(m, Fp8Linear) for m in group):
                 n += sum(m.weight.numel() for m in group)
+                if len(group) > 1:  # the zero rows of PROJ_ROW_ALIGN
+                    n += _pad_rows(sum(m.weight.shape[0] for m in group)) * group[0].weight.shape[1]
     return n * dtype.itemsize
+
+
+def _pad_rows(rows: int) -> int:
+    """Zero rows that bring a fused projection of `rows` rows to a multiple of PROJ_ROW_ALIGN."""
+    return -rows % PROJ_ROW_ALIGN
 
 
 def _dense_weight(m: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -119,11 +133,14 @@ def _dense_weight(m: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return m.weight.data.to(dtype)
 
 
-def fuse_linears(mods: list[nn.Module]) -> torch.Tensor:
-    """Concatenate the weights of linears sharing an input into one [Σout, in] tensor and make
-    each module's weight a view into it (no second copy stays alive). FP8 modules keep their
-    block scales (`weight_scale_inv`), so their plain forward still works."""
-    fused = torch.cat([m.weight.data for m in mods], dim=0)
+def fuse_linears(mods: list[nn.Module], pad: int = 0) -> torch.Tensor:
+    """Concatenate the weights of linears sharing an input into one [Σout + pad, in] tensor
+    (`pad` zero rows last) and make each module's weight a view into it (no second copy stays
+    alive). FP8 modules keep their block scales (`weight_scale_inv`), so their plain forward
+    still works."""
+    w0 = mods[0].weight.data
+    zeros = [w0.new_zeros(pad, w0.shape[1])] if pad else []
+    fused = torch.cat([m.weight.data for m in mods] + zeros, dim=0)
     o = 0
     for m in mods:
         n = m.weight.shape[0]
@@ -139,7 +156,9 @@ class Proj:
         self.kind = kind  # which projection (in, out, router, down)
         self.fp8 = isinstance(mods[0], Fp8Linear)
         self.sizes = [m.weight.shape[0] for m in mods]
-        self.weight = fuse_linears(mods) if len(mods) > 1 else mods[0].weight.data
+        # zero rows after the modules' (PROJ_ROW_ALIGN): cuBLAS GEMMs of several linears only
+        self.pad = _pad_rows(sum(self.sizes)) if len(mods) > 1 and not self.fp8 else 0
+        self.weight = fuse_linears(mods, self.pad) if len(mods) > 1 else mods[0].weight.data
         self.scale = (torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in mods])
                       if self.fp8 else None)
 
@@ -151,6 +170,9 @@ class Proj:
         p.kind, p.fp8, p.scale = kind, False, None
         p.sizes = [m.weight.shape[0] for m in mods]
         ws = [_dense_weight(m, dtype) for m in mods]
+        p.pad = _pad_rows(sum(p.sizes)) if len(ws) > 1 else 0
+        if p.pad:
+            ws.append(ws[0].new_zeros(p.pad, ws[0].shape[1]))
         p.weight = ws[0] if len(ws) == 1 else torch.cat(ws)
         return p
 
@@ -158,7 +180,7 @@ class Proj:
         """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
         n = sum(sizes)
         p = Proj.__new__(Proj)
-        p.fp8, p.sizes, p.kind = self.fp8, list(sizes), self.kind
+        p.fp8, p.sizes, p.kind, p.pad = self.fp8, list(sizes), self.kind, 0
         p.weight = self.weight[:n]
         p.scale = self.scale[:n] if self.fp8 else None
         return p
@@ -198,7 +220,9 @@ class ProjGroup:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         out: list = [None] * self.n
         for proj, idx in self.parts:
-            for j, y in zip(idx, torch.split(proj(x), proj.sizes, dim=-1)):
+            # a padded GEMM's zero rows come last and are dropped (zip stops at idx)
+            for j, y in zip(idx, torch.split(proj(x), proj.sizes + [proj.pad] * bool(proj.pad),
+                                            dim=-1)):
                 out[j] = y
         return out
 
