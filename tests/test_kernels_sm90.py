@@ -105,6 +105,7 @@ def _calls():
     from tailored.kernels.attention_decode import paged_decode_attention
     from tailored.kernels.fp8_dequant import dequantize_rows
     from tailored.kernels.fp8_linear import fp8_linear
+    from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.moe import fused_moe, route_align
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
@@ -155,6 +156,28 @@ def _calls():
             calls.append(lambda rl=rl: route_align(rl[:, :E], K))
             calls.append(lambda rl=rl: route_align(rl[:, :E], K, shared_gate=rl[:, E:]))
             calls.append(lambda T=T, dt=dt: moe_combine_folded(torch.zeros(T * (K + 1), H), K, dt))
+        if dt == torch.bfloat16:  # FP8 experts with float16 dots (kb/0029: bf16 activations)
+            def f16_moe(x=torch.randn(40, H, dtype=dt)):
+                from tailored.kernels import moe
+
+                held, moe.FP8_DOT_F16 = moe.FP8_DOT_F16, True
+                try:
+                    fused_moe(x, torch.rand(40, K, dtype=dt), torch.randint(0, E, (40, K)),
+                              torch.zeros(E, 2 * I, H, dtype=f8), torch.zeros(E, H, I, dtype=f8),
+                              None, torch.ones(E, 2 * I // 128, H // 128),
+                              torch.ones(E, H // 128, I // 128))
+                finally:
+                    moe.FP8_DOT_F16 = held
+            calls.append(f16_moe)
+        # the GDN prefill conv of all sequences, and the carried states (kb/0029)
+        xs = torch.randn(50, 8192, dtype=dt)
+        cs = torch.zeros(5, 8192, 3, dtype=dt)
+        meta = torch.tensor([[0, 20], [20, 30], [0, 20], [1, 0]])
+        sl = torch.tensor([1, 3])
+        calls.append(lambda xs=xs, cs=cs, dt=dt: conv_prefill(
+            xs, cs, torch.zeros(8192, 4, dtype=dt), meta, sl, 50, 30))
+        calls.append(lambda xs=xs, cs=cs, dt=dt: conv_state_update(
+            xs, cs, torch.zeros(8192, 4, dtype=dt), meta, sl))
         B, S = 3, 5
         qkv = torch.randn(B, 8192, dtype=dt)
         conv_state = torch.zeros(S, 8192, 3, dtype=dt)
@@ -187,6 +210,7 @@ def test_every_kernel_compiles_for_sm90():
     assert {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_gate_up_kernel",
             "_down_kernel", "_fp8_linear_kernel", "_add_rms_norm_kernel", "_attn_split_kernel",
             "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
+            "_conv_prefill_kernel", "_conv_state_kernel",
             "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
             "_gated_norm_kernel", "_dequant_kernel"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

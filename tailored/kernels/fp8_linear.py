@@ -32,7 +32,7 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
     1: this linear, whose fused projections put a part's first row mid-block) or the block
     scales themselves (S_ROWS = 128: the MoE experts, where gate, up and down each start their
     own 128-row block grid at row 0, whatever their sizes). Unused when not W_FP8. Shared by
-    this linear and the MoE expert GEMMs. DOT_F16 (FP8 only, an A/B of kb/0029): both operands
+    this linear and the MoE expert GEMMs. DOT_F16 (FP8 only, the MoE gate_up, kb/0029): both operands
     go to float16 instead, where e4m3 converts in one instruction per pair; exact for the
     weights, and for activations inside float16's normal range (bf16 → f16 keeps their 8
     significant bits), so the products, and the fp32 sums, are those of the bf16 dot."""

@@ -10,8 +10,9 @@ a few µs of HBM time.
 
   1. `conv_prefill`: out[o_j + t] = silu(Σ_d w[:, d] · in_j[t − (W−1) + d]) for sequence j's
      tokens t < len_j, where in_j[p] is x[q_j + p] for p ≥ 0 and its carried state (or zero on
-     a reset) for p < 0. Sums in fp32, one rounding: the decode step's arithmetic
-     (`gdn_decode.conv_step`), so a sequence's conv is computed the same way in both phases.
+     a reset) for p < 0. Sums in fp32 and rounds once, as the decode step
+     (`gdn_decode.conv_step`) does (its taps are added in another order: equal to fp32
+     rounding, not bitwise); the reference rounds the conv to the model dtype before the SiLU.
   2. `conv_state_update`: each sequence's state becomes its last W−1 inputs (old state values
      when it has fewer than W−1 new tokens). A separate launch because (1) reads the old state.
 
@@ -29,7 +30,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C, N,
+def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C, N, n_out,
                          stride_x, stride_ss, stride_sc, stride_o,
                          W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     j = tl.program_id(0)
@@ -40,7 +41,7 @@ def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C
     o0 = tl.load(meta_ptr + 2 * N + j)
     reset = tl.load(meta_ptr + 3 * N + j)  # 0: the carried state is the prefix
     slot = tl.load(slot_ptr + j).to(tl.int64)
-    t_ok = t < L
+    t_ok = (t < L) & (o0 + t < n_out)  # a length past the output (a bucket's pads) is cut
     c_ok = c < C
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for d in tl.static_range(W):  # tap d multiplies input position t - (W-1) + d
@@ -78,8 +79,9 @@ def _conv_state_kernel(x_ptr, state_ptr, meta_ptr, slot_ptr, C, N, stride_x, str
     xv = tl.load(x_ptr + (q0 + p).to(tl.int64)[None, :] * stride_x + c[:, None],
                  mask=c_ok[:, None] & (e_ok & in_x)[None, :], other=0.0)
     sv = tl.load(base + (e + L)[None, :], mask=c_ok[:, None] & s_ok[None, :], other=0.0)
-    # every load above precedes the store (it depends on them): the old state is read first
     new = tl.where(in_x[None, :], xv.to(state_ptr.dtype.element_ty), sv)
+    # the store overwrites columns other lanes read above: every lane's old state first
+    tl.debug_barrier()
     tl.store(base + e[None, :], new, mask=c_ok[:, None] & e_ok[None, :])
 
 
@@ -106,9 +108,10 @@ def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     x: [T, C] the step's projection outputs (any rows; sequence j reads rows q_j..q_j+len_j−1);
     state: [num_slots, C, W−1] one layer's conv cache (read only here); weight: [C, W], tap
     W−1 on the current token; seq_meta: [4, N] int64 on x's device (q_j, len_j, o_j, reset_j);
-    slots: [N] int32/int64; n_out: output rows; max_len ≥ every len_j (the grid; larger is
-    only idle programs). Returns out [n_out, C] in x.dtype; rows no sequence covers are left
-    as allocated (torch.empty). Raises ValueError on mismatched shapes.
+    slots: [N] int32/int64; n_out: output rows (o_j + t ≥ n_out is not computed, so a length
+    may overstate: a prefill graph passes its largest bucket); max_len: the grid's tokens per
+    sequence, ≥ every len_j that counts. Returns out [n_out, C] in x.dtype; rows no sequence
+    covers are left as allocated (torch.empty). Raises ValueError on mismatched shapes.
     """
     C, W, N = _check(x, state, weight, seq_meta, slots)
     out = torch.empty(n_out, C, dtype=x.dtype, device=x.device)
@@ -116,7 +119,7 @@ def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
         return out
     bt, bc = 16, 128
     _conv_prefill_kernel[(N, triton.cdiv(max_len, bt), triton.cdiv(C, bc))](
-        x, state, weight.contiguous(), seq_meta, slots, out, C, N,
+        x, state, weight.contiguous(), seq_meta, slots, out, C, N, n_out,
         x.stride(0), state.stride(0), state.stride(1), out.stride(0),
         W=W, BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
     return out

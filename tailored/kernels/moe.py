@@ -139,7 +139,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                  stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                 COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False):
+                 COMPACT: tl.constexpr):
     e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,7 +161,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                 w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC,
-                               W_FP8, 128, DOT_F16)
+                               W_FP8, 128)  # bf16 dots: silu(g)·u has no bound below 65504
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -215,7 +215,11 @@ _LAUNCHERS: dict = {}
 # f16). ncu on the H200 (B=32): with bf16 dots gate_up is ALU-bound converting e4m3 → bf16 (79 %
 # SM, 61 % DRAM, 122.6 µs), with f16 dots 57 % SM / 81 % DRAM, 93.3 µs; the decode step fell
 # 12.2 → 10.3 ms at B=32, 3.7 → 3.5 ms at B=1. Products and sums equal the bf16 dots' (rel 3e-9
-# measured). Off until the FP8 gate runs with it (no device time was left in session 11)
+# measured). gate_up only: its input is the normed hidden state, while the down GEMM's,
+# silu(g)·u, has no bound below float16's 65504 (an inf would become NaN rows); session 11
+# measured both (down 66.1 -> 57.0 µs), so expect ~4/5 of that gain. The launch configs are
+# the bf16-dot ones (same tuning key). Off until the FP8 gate runs with it (no device time was
+# left in session 11)
 FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
@@ -468,7 +472,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             COMPACT=compact, DOT_F16=f16)
         _launcher("down", decode, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact, DOT_F16=f16)
+            COMPACT=compact)
     else:  # Triton's interpreter (tests on the CPU), or TAILORED_AUTOTUNE=0: the fixed choice
         kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
         _gate_up_kernel[(grid_e, triton.cdiv(I, bn))](
@@ -477,6 +481,5 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         bk_dn = min(bk, triton.next_power_of_2(I))
         _down_kernel[(grid_e, triton.cdiv(H, bn))](
             *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
-            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16,
-            num_warps=warps)
+            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps)
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y

@@ -837,9 +837,11 @@ class FastPath:
             "slot": torch.zeros(1, dtype=torch.long, device=dev),
             "conv_rows": torch.arange(W - 1, dtype=torch.long, device=dev),
             # gdn_conv's sequence rows (GDN_PREFILL_CONV): the conv over the whole bucket
-            # (pads last, never read by real rows), the carried state from the real tokens
-            "conv_meta": torch.zeros(4, 1, dtype=torch.long, device=dev),
-            "state_meta": torch.zeros(4, 1, dtype=torch.long, device=dev),
+            # (n_max, cut to the bucket by its output rows; pads last, never read by real
+            # rows), the carried state from the real tokens (one row until a fill says more:
+            # never past a bucket's rows, also in a warm-up)
+            "conv_meta": torch.tensor([[0], [n_max], [0], [1]], dtype=torch.long).to(dev),
+            "state_meta": torch.tensor([[0], [1], [0], [1]], dtype=torch.long).to(dev),
         }
 
     def _fill_prefill_static(self, batch: ForwardBatch, n: int) -> None:
@@ -853,19 +855,18 @@ class FastPath:
         st["pos"][:T].copy_(batch.positions)
         st["ids"][T:n].zero_()
         st["pos"][T:n].zero_()
-        meta = np.zeros(2 * n + W + 8, dtype=np.int64)
+        meta = np.zeros(2 * n + W + 4, dtype=np.int64)
         meta[:T] = HybridCache.kv_rows(s.page_ids, 0, T, ps)
         meta[n] = s.slot
         meta[n + 1:n + W] = T + np.arange(W - 1)
         meta[n + W:n + W + T] = 1
-        meta[2 * n + W:] = [0, n, 0, 1, 0, T, 0, 1]  # conv_meta, state_meta ([4, 1] each)
+        meta[2 * n + W:] = [0, T, 0, 1]  # state_meta [4, 1]
         m = h2d(meta, self.device)
         st["kv"][:n].copy_(m[:n])
         st["slot"].copy_(m[n:n + 1])
         st["conv_rows"].copy_(m[n + 1:n + W])
         st["valid"][:n].copy_(m[n + W:2 * n + W] != 0)
-        st["conv_meta"].copy_(m[2 * n + W:2 * n + W + 4].view(4, 1))
-        st["state_meta"].copy_(m[2 * n + W + 4:].view(4, 1))
+        st["state_meta"].copy_(m[2 * n + W:].view(4, 1))
 
     def _gdn_prefill_static(self, i: int, x: torch.Tensor, valid, slot, conv_rows):
         """GDN over the bucket for one fresh sequence: the eager prefill's computation with
@@ -946,6 +947,7 @@ class FastPath:
         st["valid"].fill_(True)  # warm-up/capture content: all rows real, KV and state → sinks
         st["kv"].zero_()
         st["slot"].zero_()
+        st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
         failed = None
         try:
             self._capture_into(self.prefill_graphs, sizes, self._prefill_body)
