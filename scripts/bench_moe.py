@@ -43,6 +43,7 @@ def main() -> None:
     # (label, module attribute, value) per variant: the first is the control
     ab = ([("full", "COMPACT_GRID", False), ("compact", "COMPACT_GRID", True)] if a.ab == "compact"
           else [("bf16dot", "FP8_DOT_F16", False), ("f16dot", "FP8_DOT_F16", True)])
+    (l0, *_), (l1, *_) = ab
     batches = [int(b) for b in a.batches.split(",")]
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -122,13 +123,11 @@ def main() -> None:
         row = {"batch": B, "experts_touched": distinct, **res, "bitwise_equal": same,
                "max_rel_diff": rel, "compact_applies": B * K < E, "ab": a.ab}
         rows.append(row)
-        (l0, *_), (l1, *_) = ab
         note = "; T*k >= E: both run the full grid" if a.ab == "compact" and B * K >= E else ""
         print(f"B={B}: {distinct:.0f} experts; {l0} {res[l0]['us_per_layer']:.1f} us "
               f"({res[l0]['tb_s']:.2f} TB/s), {l1} {res[l1]['us_per_layer']:.1f} us "
               f"({res[l1]['tb_s']:.2f} TB/s); bitwise equal {same} (rel diff {rel:.1e}){note}",
               flush=True)
-    (l0, *_), (l1, *_) = ab
     print(f"\n| batch | experts | {l0} us/layer | {l1} us/layer | TB/s {l0} | TB/s {l1} | equal |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -244,9 +244,9 @@ class StepPlan:
     so the host could never run ahead of the GPU (kb/0007: 1024-token prefill 131 ms wall for
     58 ms of GPU time). Views of one int64 buffer:
       pre_rows [n]: batch rows of the prefill sequences' tokens (in `pre` order);
-      pre_slots [N], pre_reset [N] (0/1): their state slots and reset flags;
+      pre_slots [N], pre_reset [N] (bool): their state slots and reset flags;
       pre_seq [4, N]: per prefill sequence its first batch row, token count, first row in
-        `pre` order and reset flag (`kernels.gdn_conv`);
+        `pre` order and reset flag (`kernels.gdn_conv`; pre_reset is its last row);
       kv_new[j], kv_ctx[j]: flat KV rows (page·page_size + offset) of seqs[j]'s new tokens and of
         its whole context 0..end_pos (None when the chunk is the whole context);
       dec_rows, dec_slots: the decode rows (None when there are none).
@@ -305,7 +305,6 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
 
     r_rows = add(_token_rows(pre))
     r_slots = add([q.slot for q in pre])
-    r_reset = add([int(q.reset_state) for q in pre])
     lens = [q.num_tokens for q in pre]
     r_seq = add([[q.q_start for q in pre], lens, np.cumsum([0] + lens)[:-1],
                  [int(q.reset_state) for q in pre]])
@@ -319,8 +318,8 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
     def view(r):
         return buf[r[0]:r[1]]
 
-    return StepPlan(view(r_rows), view(r_slots), view(r_reset).bool(),
-                    view(r_seq).view(4, len(pre)),
+    pre_seq = view(r_seq).view(4, len(pre))
+    return StepPlan(view(r_rows), view(r_slots), pre_seq[3].bool(), pre_seq,
                     [view(r) for r in r_new], [view(r) if r else None for r in r_ctx],
                     view(r_dec) if dec else None,
                     view(r_dslot).to(torch.int32) if dec else None)
