@@ -61,10 +61,9 @@ VARIANTS = {
     "route64": lambda: _set("kernels.moe", "ROUTE_ALIGN_USE_UP_TO", 64),
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),
-    # FP8 experts' dots in float16 (kb/0029; decode and prefill: also a --prefill-variants one)
-    "fp8_f16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", True),
-    # the GDN prefill conv of every sequence in one launch (kb/0029): a --prefill-variants one
-    "gdn_conv": lambda: _set("model.fast", "GDN_PREFILL_CONV", True),
+    # FP8 experts' gate_up dots in bf16, as before session 12's default float16 (kb/0029, 0030;
+    # decode and prefill: also a --prefill-variants one)
+    "fp8_bf16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", False),
 }
 
 
@@ -273,7 +272,7 @@ def main():
         pr = cProfile.Profile()
         t0 = time.perf_counter()
         pr.enable()
-        h = model(hb, cache)
+        model(hb, cache)
         pr.disable()
         t_host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()

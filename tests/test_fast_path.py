@@ -87,9 +87,9 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     kb/0023). switches: every kernel switch on at once (one variant, since each costs minutes
     in the interpreter): also the shared expert as routed expert E (kb/0019; threshold raised
     so that the 80-row mixed steps take it too), attention splits by batch (kb/0019), and the
-    GDN step over 4 programs a head; the GDN prefill conv of all sequences in one launch, and
-    the FP8 experts' float16 dots, which must leave these fp32 steps alone (they apply to bf16
-    activations only) (kb/0029).
+    GDN step over 4 programs a head. (The FP8 experts' float16 gate_up dots, on by default,
+    apply to bf16 activations only: these fp32 steps keep fp32 dots; test_kernels.py covers
+    them.)
     The previous defaults (the fused GDN step, separate norms) stay reachable through the
     environment; their kernels keep their own tests (test_kernels.py)."""
     from tailored.kernels import attention_decode, gdn_decode, moe
@@ -102,8 +102,6 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", True)
         monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
-        monkeypatch.setattr(moe, "FP8_DOT_F16", True)
-        monkeypatch.setattr(fastmod, "GDN_PREFILL_CONV", True)
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
 
@@ -137,8 +135,8 @@ def test_fp8_dense_dequant_matches_plain_path(tiny_fp8_ckpt, monkeypatch):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_proj_row_align_pads_fused_gemms_and_matches_plain_path(precision, tiny_ckpt,
                                                                 tiny_fp8_ckpt, monkeypatch):
-    """TAILORED_PROJ_ROW_ALIGN (kb/0029): fused cuBLAS projections get zero rows up to a
-    multiple of 64 (FP8: the dense-dequant layout), the module weights stay views of the
+    """TAILORED_PROJ_ROW_ALIGN (kb/0029, default 64 since kb/0030): fused cuBLAS projections
+    get zero rows up to a multiple of 64 (FP8: the dense-dequant layout), the module weights stay views of the
     padded tensor, single linears and W8A16 parts are left alone, the memory reserve counts
     the pad; same steps as the plain path."""
     from tailored.model import fast as fastmod
@@ -255,17 +253,12 @@ def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny_ckpt):
     C.steps_leave_other_slots_and_pages_bit_identical(make, quick=True)
 
 
-@pytest.mark.parametrize("T,n,conv_kernel", [(3, 16, False), (65, 128, False), (2, 16, True),
-                                             (65, 128, True)])
-def test_prefill_graph_body_equals_eager_prefill(pair, T, n, conv_kernel, monkeypatch):
+@pytest.mark.parametrize("T,n", [(3, 16), (65, 128), (2, 16)])
+def test_prefill_graph_body_equals_eager_prefill(pair, T, n):
     """The body a prefill CUDA graph captures (kb/0013), run eagerly on n ≥ T padded rows,
     computes what the eager prefill of the T-token prompt computes: hidden rows, the slot's
     conv and recurrent states, the prompt's KV rows; pads touch only the sinks (slot 0, page 0).
-    conv_kernel: both with GDN_PREFILL_CONV (kernels/gdn_conv.py, kb/0029; T=2 is shorter than
-    the conv window)."""
-    from tailored.model import fast as fastmod
-
-    monkeypatch.setattr(fastmod, "GDN_PREFILL_CONV", conv_kernel)
+    The conv is kernels/gdn_conv.py's in both (kb/0029); T=2 is shorter than the conv window."""
     _, fastm, cache = pair
     if fastm.config.fp8 is not None:
         pytest.skip("bf16 layout only: the body's FP8 projections are the eager path's (covered "

@@ -414,8 +414,7 @@ def _kernel_switches() -> dict:
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
             "combine_next_norm": fast.COMBINE_NEXT_NORM,
             "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
-            "moe_fp8_dot_f16": moe.FP8_DOT_F16, "gdn_prefill_conv": fast.GDN_PREFILL_CONV,
-            "proj_row_align": fast.PROJ_ROW_ALIGN}
+            "moe_fp8_dot_f16": moe.FP8_DOT_F16, "proj_row_align": fast.PROJ_ROW_ALIGN}
 
 
 def _free(dev) -> None:

@@ -74,15 +74,11 @@ FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
 # H200 ran it with an sm75 CUTLASS kernel at ~88 TFLOP/s, 19.4 ms of an 8 x 1024-token prefill
-# step (kb/0029). 1 = no padding; off until an A/B and the gate (another cuBLAS kernel rounds
-# differently). Read when FastPath lays the projections out.
-PROJ_ROW_ALIGN = env_int("TAILORED_PROJ_ROW_ALIGN", 1, 1, 256, power_of_2=True)
-# GDN prefill: the causal conv of every prefill sequence in one launch plus one for the carried
-# states (kernels/gdn_conv.py) instead of cat + cuDNN conv + cat per sequence and layer, 50 ms
-# of an 8 x 1024-token FP8 step's 314 on the H200 (kb/0029). Sums in fp32 like the decode step,
-# where the reference rounds the conv to bf16 before the SiLU: off until the gate runs with it.
-# Read at call time (a prefill graph keeps what it captured).
-GDN_PREFILL_CONV = env_flag("TAILORED_GDN_PREFILL_CONV", False)
+# step (kb/0029). 1 = no padding. 64 is the default since session 12: A/B in one process on the H200
+# (kb/0030) 1024-token prefill bf16 54.4 -> 51.3 ms, FP8 56.4 -> 53.5; 8 x 1024 step bf16 288
+# -> 272 ms, FP8 321 -> 303; bf16 decode B=1 4.00 -> 3.70 ms; both gates passed with it. Read
+# when FastPath lays the projections out.
+PROJ_ROW_ALIGN = env_int("TAILORED_PROJ_ROW_ALIGN", 64, 1, 256, power_of_2=True)
 
 
 def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
@@ -465,19 +461,11 @@ class FastPath:
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         w = m.conv1d.weight[:, 0, :]
         g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
-        if GDN_PREFILL_CONV:  # every sequence in one launch, then their states (kb/0029)
-            y = conv_prefill(qkv, conv_cache, w, plan.pre_seq, plan.pre_slots,
-                             plan.pre_rows.shape[0], max(s.num_tokens for s in seqs))
-            conv_state_update(qkv, conv_cache, w, plan.pre_seq, plan.pre_slots)
-        else:
-            ys = []
-            for s in seqs:  # causal conv per sequence (its own carried window)
-                r = slice(s.q_start, s.q_start + s.num_tokens)
-                cs = torch.zeros_like(conv_cache[s.slot]) if s.reset_state else conv_cache[s.slot]
-                y, cs = ref.causal_conv1d(qkv[r], cs, w)
-                conv_cache[s.slot] = cs
-                ys.append(y)
-            y = torch.cat(ys)
+        # the causal conv of every sequence in one launch, then their carried states: per
+        # sequence cat + cuDNN conv + cat took 50 ms of an 8 x 1024-token step (kb/0029, 0030)
+        y = conv_prefill(qkv, conv_cache, w, plan.pre_seq, plan.pre_slots,
+                         plan.pre_rows.shape[0], max(s.num_tokens for s in seqs))
+        conv_state_update(qkv, conv_cache, w, plan.pre_seq, plan.pre_slots)
         rows, slots, reset = plan.pre_rows, plan.pre_slots, plan.pre_reset
         h0 = torch.where(reset[:, None, None, None], 0.0, rec_cache[slots])
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
@@ -827,15 +815,14 @@ class FastPath:
                 and s.num_tokens <= max(self.prefill_graphs))
 
     def _alloc_prefill_static(self, n_max: int) -> None:
-        dev, W = self.device, self.cfg.linear_conv_kernel_dim
+        dev = self.device
         self._pstatic = {
             "ids": torch.zeros(n_max, dtype=torch.long, device=dev),
             "pos": torch.zeros(n_max, dtype=torch.long, device=dev),
             "valid": torch.zeros(n_max, dtype=torch.bool, device=dev),
             "kv": torch.zeros(n_max, dtype=torch.long, device=dev),  # flat KV row per token
             "slot": torch.zeros(1, dtype=torch.long, device=dev),
-            "conv_rows": torch.arange(W - 1, dtype=torch.long, device=dev),
-            # gdn_conv's sequence rows (GDN_PREFILL_CONV): the conv over the whole bucket
+            # gdn_conv's sequence rows: the conv over the whole bucket
             # (n_max, cut to the bucket by its output rows; pads last, never read by real
             # rows), the carried state from the real tokens (one row until a fill says more:
             # never past a bucket's rows, also in a warm-up)
@@ -845,29 +832,27 @@ class FastPath:
 
     def _fill_prefill_static(self, batch: ForwardBatch, n: int) -> None:
         """The prompt's ids/positions (device-to-device) and one host-to-device copy of the
-        rest: KV rows (pads → row 0 of the sink page 0), the slot, the rows T..T+W-2 of the
-        zero-prefixed conv input that become the carried conv state, and the valid mask."""
+        rest: KV rows (pads → row 0 of the sink page 0), the slot, the valid mask and the conv
+        state update's sequence meta (its T real rows)."""
         s = batch.seqs[0]
-        T, W, ps = s.num_tokens, self.cfg.linear_conv_kernel_dim, self.cache.page_size
+        T, ps = s.num_tokens, self.cache.page_size
         st = self._pstatic
         st["ids"][:T].copy_(batch.input_ids)
         st["pos"][:T].copy_(batch.positions)
         st["ids"][T:n].zero_()
         st["pos"][T:n].zero_()
-        meta = np.zeros(2 * n + W + 4, dtype=np.int64)
+        meta = np.zeros(2 * n + 5, dtype=np.int64)
         meta[:T] = HybridCache.kv_rows(s.page_ids, 0, T, ps)
         meta[n] = s.slot
-        meta[n + 1:n + W] = T + np.arange(W - 1)
-        meta[n + W:n + W + T] = 1
-        meta[2 * n + W:] = [0, T, 0, 1]  # state_meta [4, 1]
+        meta[n + 1:n + 1 + T] = 1
+        meta[2 * n + 1:] = [0, T, 0, 1]  # state_meta [4, 1]
         m = h2d(meta, self.device)
         st["kv"][:n].copy_(m[:n])
         st["slot"].copy_(m[n:n + 1])
-        st["conv_rows"].copy_(m[n + 1:n + W])
-        st["valid"][:n].copy_(m[n + W:2 * n + W] != 0)
-        st["state_meta"].copy_(m[2 * n + W:].view(4, 1))
+        st["valid"][:n].copy_(m[n + 1:2 * n + 1] != 0)
+        st["state_meta"].copy_(m[2 * n + 1:].view(4, 1))
 
-    def _gdn_prefill_static(self, i: int, x: torch.Tensor, valid, slot, conv_rows):
+    def _gdn_prefill_static(self, i: int, x: torch.Tensor, valid, slot):
         """GDN over the bucket for one fresh sequence: the eager prefill's computation with
         zero initial states, pads neutralized (g = 0, β = 0), states written with device
         indices (nothing in here depends on the prompt length on the host)."""
@@ -879,16 +864,9 @@ class FastPath:
         qkv, z, b, a = self.p_in[i](x)
         w = m.conv1d.weight[:, 0, :]
         conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
-        if GDN_PREFILL_CONV:
-            st = self._pstatic
-            y = conv_prefill(qkv, conv_cache, w, st["conv_meta"], slot, n, n)
-            conv_state_update(qkv, conv_cache, w, st["state_meta"], slot)
-        else:
-            zero = torch.zeros(conv_cache.shape[1:], dtype=conv_cache.dtype, device=x.device)
-            y, _ = ref.causal_conv1d(qkv, zero, w)
-            # carried conv state: the last W-1 real inputs, as causal_conv1d casts them
-            xin = torch.cat([zero.t().to(w.dtype), qkv.to(w.dtype)])  # [W-1+n, C]
-            conv_cache.index_copy_(0, slot, xin[conv_rows].t().to(conv_cache.dtype).unsqueeze(0))
+        st = self._pstatic
+        y = conv_prefill(qkv, conv_cache, w, st["conv_meta"], slot, n, n)
+        conv_state_update(qkv, conv_cache, w, st["state_meta"], slot)
         g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
         keep = valid[:, None]
         g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
@@ -925,7 +903,7 @@ class FastPath:
 
         def mixer(i, hn):
             if self.model.model.layers[i].layer_type == "linear_attention":
-                return self._gdn_prefill_static(i, hn, valid, st["slot"], st["conv_rows"])
+                return self._gdn_prefill_static(i, hn, valid, st["slot"])
             return self._attn_prefill_static(i, hn, cos, sin, kv)
 
         return self._layers(x, cos, sin, mixer)
