@@ -343,3 +343,18 @@ def test_mixed_step_sends_a_lone_fresh_prompt_to_the_prefill_graph(pair, monkeyp
     layout = [([7], 21, 1, False, [1, 2]), (p[:10], 0, 2, True, [3]), (p[10:], 0, 3, True, [4, 5])]
     hf = fastm(ForwardBatch.build(layout, [0, 10, 33], "cpu"), fcache)
     assert calls == [("decode", [(1, 21, 1)])], calls
+
+
+def test_warmup_prefill_touches_only_the_sinks(pair):
+    """The startup warm-up (single prompts, then three sequences of an odd total: kb/0030)
+    writes only slot 0 and page 0 of the cache: every other slot and page is bit-identical."""
+    _, fastm, cache = pair
+    g = torch.Generator().manual_seed(7)
+    for t in (cache.conv, cache.rec, cache.k, cache.v):
+        t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    before = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
+    fastm.fast.warmup_prefill([5], batch_tokens=40)  # then lengths 20, 10, 3
+    (conv, rec, k, v), (c0, r0, k0, v0) = (cache.conv, cache.rec, cache.k, cache.v), before
+    assert torch.equal(conv[:, 1:], c0[:, 1:]) and torch.equal(rec[:, 1:], r0[:, 1:])
+    assert torch.equal(k[:, 1:], k0[:, 1:]) and torch.equal(v[:, 1:], v0[:, 1:])
+    assert not torch.equal(conv[:, 0], c0[:, 0])  # it ran

@@ -29,7 +29,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Sequence and row counts change every step: Triton would compile a variant per count that is
+# 1, a multiple of 16 or neither (session 12: a cold server compiled them inside its first
+# mixed steps, 1.6 s for one; kb/0030). One variant for all of them.
+@triton.jit(do_not_specialize=["N", "n_out"])
 def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C, N, n_out,
                          stride_x, stride_ss, stride_sc, stride_o,
                          W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -60,7 +63,7 @@ def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C
              y.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _conv_state_kernel(x_ptr, state_ptr, meta_ptr, slot_ptr, C, N, stride_x, stride_ss, stride_sc,
                        W: tl.constexpr, WP: tl.constexpr, BLOCK_C: tl.constexpr):
     j = tl.program_id(0)

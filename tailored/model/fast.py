@@ -669,16 +669,32 @@ class FastPath:
         return out
 
     @torch.no_grad()  # startup forwards: never keep autograd's saved activations
-    def warmup_prefill(self, lengths) -> None:
+    def warmup_prefill(self, lengths, batch_tokens: int = 0) -> None:
         """Run prefills of these lengths into the pad sinks (slot 0, page 0) so that Triton
-        compiles and FLA/MoE autotuning happen at startup, not in a user's first request."""
+        compiles and FLA/MoE autotuning happen at startup, not in a user's first request.
+        batch_tokens > 4: also one prefill of three sequences with an odd token total up to
+        that many, the shape of a mixed step: Triton compiles a variant of a kernel for
+        integer arguments that are 1, multiples of 16 or neither, and single prompts of even
+        lengths only reach the first two (session 12, kb/0030: a cold bf16 server compiled
+        inside its first mixed steps, ~3 s of a c=32 benchmark)."""
         for n in sorted(set(int(x) for x in lengths if x > 1)):
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            pos = torch.arange(n, device=self.device)
-            pages = [0] * (n // self.cache.page_size + 1)
-            self.forward_eager(ForwardBatch(ids, pos, [SeqInfo(0, n, 0, 0, True, pages)], []))
+            self.forward_eager(self._sink_prefill([n]))
+        if batch_tokens > 4:
+            m = min(int(batch_tokens), 1024)
+            a, b = m // 2, m // 4
+            self.forward_eager(self._sink_prefill([a, b, 3 if (a + b) % 2 == 0 else 2]))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _sink_prefill(self, lengths: list[int]) -> ForwardBatch:
+        """Fresh prompts of zero tokens, all in the pad sinks (slot 0, page 0)."""
+        seqs, q = [], 0
+        for n in lengths:
+            seqs.append(SeqInfo(q, n, 0, 0, True, [0] * (n // self.cache.page_size + 1)))
+            q += n
+        ids = torch.zeros(q, dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        return ForwardBatch(ids, pos, seqs, [])
 
     # -------------------------------------------------------------------------------------------
     # CUDA graphs for decode
