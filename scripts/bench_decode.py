@@ -64,6 +64,9 @@ VARIANTS = {
     # FP8 experts' gate_up dots in bf16, as before session 12's default float16 (kb/0029, 0030;
     # decode and prefill: also a --prefill-variants one)
     "fp8_bf16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", False),
+    # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; decode and
+    # prefill: also a --prefill-variants one)
+    "pdl": lambda: _set("kernels.pdl", "PDL", True),
 }
 
 

@@ -151,6 +151,10 @@ class ModelRunner:
                                       "max_num_batched_tokens": ec.max_num_batched_tokens,
                                       "prefill_graphs": ec.prefill_graphs,
                                       "fp8": self.cfg.fp8 is not None})
+            # from here on a Triton compile stalls a step: name each one (kb/0030)
+            from tailored.kernels.compile_watch import watch_compiles
+
+            watch_compiles()
             free, _ = torch.cuda.mem_get_info(self.device)
             log.info("kernels warmed up%s in %.1f s; %.2f GiB of GPU memory free, %.2f GiB "
                      "reserved by this process", " and CUDA graphs captured" if fast.use_graphs

@@ -218,6 +218,41 @@ def test_cuda_graph_replay_equals_eager_bitwise(precision):
         assert torch.equal(t[:, 1:], s[:, 1:])  # slot/page 0 is the pad sink: skip it
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs sm_90")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_pdl_changes_no_bit(precision, monkeypatch):
+    """TAILORED_PDL=1 (kernels/pdl.py, kb/0030): every Triton kernel waits for the one before
+    it first, so a decode graph captured with PDL, and an eager prefill of two sequences, give
+    the same bits, and leave the same cache, as without it. A missed wait would race."""
+    from tailored.kernels import pdl
+    from tailored.model.fast import FastPath
+
+    model = _full4(torch.bfloat16, seed=3, precision=precision)
+    cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
+    fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
+    model.fast = fast
+    steps, state = _steps()
+    layout = [([9 + s], state[s][0], s, False, state[s][1]) for s in (1, 2, 3)]
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "PDL", on)
+        for t in (cache.conv, cache.rec, cache.k, cache.v):
+            t.zero_()
+        pre = model(ForwardBatch.build(steps[0], [0], "cuda"), cache).clone()
+        for lay in steps[1:]:
+            model(ForwardBatch.build(lay, [0], "cuda"), cache)
+        fast.drop_decode_graphs()
+        fast.capture(sizes=[4])
+        out = fast.forward_decode_graph(ForwardBatch.build(layout, [0, 1, 2], "cuda")).clone()
+        torch.cuda.synchronize()
+        results.append((pre, out, [t[:, 1:].clone() for t in (cache.conv, cache.rec, cache.k,
+                                                                cache.v)]))
+    (p0, o0, c0), (p1, o1, c1) = results
+    assert torch.equal(p0, p1) and torch.equal(o0, o1)
+    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_eager_prefill_forward_barely_syncs(precision):
     """A prefill forward (two sequences, one continuing a chunk) issues at most a handful of

@@ -471,3 +471,32 @@ def test_moe_combine_with_the_next_norm(dtype, folded, T, H, k):
         assert rel_err(got, want) < 1e-2 and (got == want).float().mean() > 0.95
     with pytest.raises(ValueError):
         moe_combine_folded(torch.zeros(T * (k + 1), H, device=DEV), k, dtype, (res[:, :-1], w, 1e-6))
+
+
+def test_pdl_launch_arguments(monkeypatch):
+    """kernels/pdl.py: off by default; on, only CUDA tensors of an sm_90+ device get Triton's
+    launch_pdl with the kernels' PDL constexpr (the interpreter never runs griddepcontrol; the
+    PTX is checked by test_kernels_sm90.py, the bits on the GPU by test_gpu.py)."""
+    from tailored.kernels import pdl
+
+    t = torch.zeros(2)
+    assert pdl.launch(t) == {"PDL": False}
+    monkeypatch.setattr(pdl, "PDL", True)
+    assert pdl.launch(t) == {"PDL": False}  # a CPU tensor
+    monkeypatch.setattr(pdl, "_on_sm90", lambda x: True)
+    assert pdl.launch(t) == {"PDL": True, "launch_pdl": True}
+
+
+def test_compile_watch_logs_and_chains(monkeypatch, caplog):
+    """kernels/compile_watch.py (kb/0030): after the warm-up, each Triton compile is logged
+    with the kernel and its specialization, and a hook installed before keeps being called."""
+    knobs = pytest.importorskip("triton").knobs
+    from tailored.kernels.compile_watch import watch_compiles
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw))
+    assert watch_compiles()
+    with caplog.at_level("WARNING", logger="tailored.kernels"):
+        knobs.runtime.jit_post_compile_hook(key=1, repr="_k[num_warps=4](x: *bf16)",
+                                            compile={"specialization_data": "{tt.divisibility}"})
+    assert seen and "_k[num_warps=4]" in caplog.text and "tt.divisibility" in caplog.text

@@ -49,7 +49,8 @@ for r in json.loads(sys.stdin.read()):
         k = triton.compile(ASTSource(fn, r["signature"], r["constexprs"]),
                            target=GPUTarget("cuda", 90, 32), options=r["options"])
         ptx = k.asm["ptx"]
-        out.append({"key": r["key"], "ok": True, "bf16_fma": "fma.rn.bf16" in ptx})
+        out.append({"key": r["key"], "ok": True, "bf16_fma": "fma.rn.bf16" in ptx,
+                    "gdc": ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx]})
     except Exception as e:  # report every failure, not only the first
         out.append({"key": r["key"], "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]})
 print(json.dumps(out))
@@ -84,7 +85,7 @@ def _record(calls) -> list[dict]:
             else:
                 raise TypeError(f"{self.fn.__name__}: argument {p.name}={v!r}")
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages",
-                                                            "enable_fp_fusion")}
+                                                            "enable_fp_fusion", "launch_pdl")}
         key = json.dumps([self.fn.__name__, sig, {k: str(v) for k, v in consts.items()}, options],
                          sort_keys=True)
         if key not in seen:
@@ -101,7 +102,7 @@ def _record(calls) -> list[dict]:
     return recs
 
 
-def _calls():
+def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.attention_decode import paged_decode_attention
     from tailored.kernels.fp8_dequant import dequantize_rows
     from tailored.kernels.fp8_linear import fp8_linear
@@ -116,7 +117,7 @@ def _calls():
     f8 = torch.float8_e4m3fn
     H, I, E, K = 2048, 512, 256, 8  # the model's MoE dims (spec §7)
     calls = []
-    for dt in (torch.float32, torch.bfloat16):
+    for dt in dtypes:
         for T in (1, 40):  # a decode batch and a prefill chunk
             x = torch.randn(T, H, dtype=dt)
             calls.append(lambda x=x: add_rms_norm_1p(x, x, torch.zeros(H, dtype=dt), 1e-6))
@@ -199,20 +200,16 @@ def _calls():
     return calls
 
 
-def test_every_kernel_compiles_for_sm90():
-    import triton
+KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_gate_up_kernel",
+           "_down_kernel", "_fp8_linear_kernel", "_add_rms_norm_kernel", "_attn_split_kernel",
+           "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
+           "_conv_prefill_kernel", "_conv_state_kernel",
+           "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
+           "_gated_norm_kernel", "_dequant_kernel"}
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("Triton's bundled ptxas is not installed")
-    recs = _record(_calls())
-    names = {r["name"] for r in recs}
-    assert {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_gate_up_kernel",
-            "_down_kernel", "_fp8_linear_kernel", "_add_rms_norm_kernel", "_attn_split_kernel",
-            "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
-            "_conv_prefill_kernel", "_conv_state_kernel",
-            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
-            "_gated_norm_kernel", "_dequant_kernel"} <= names, names
+
+def _compile(recs) -> list[dict]:
+    """Compile the recorded launches for sm_90 in a subprocess without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     p = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(recs), text=True,
@@ -221,5 +218,42 @@ def test_every_kernel_compiles_for_sm90():
     res = json.loads(p.stdout.strip().splitlines()[-1])
     bad = [r for r in res if not r["ok"]]
     assert not bad, "\n".join(f"{r['key']}\n  {r['error']}" for r in bad)
+    return res
+
+
+def _need_ptxas():
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's bundled ptxas is not installed")
+
+
+def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
+    """TAILORED_PDL=1 (kernels/pdl.py): every kernel launch carries the PDL constexpr and
+    Triton's launch_pdl option, and its PTX starts with the wait and the launch of dependents
+    (bf16 launches, the served dtype: half the compile time of the test below)."""
+    from tailored.kernels import pdl
+
+    _need_ptxas()
+    monkeypatch.setattr(pdl, "PDL", True)
+    monkeypatch.setattr(pdl, "_on_sm90", lambda t: True)
+    recs = _record(_calls((torch.bfloat16,)))
+    assert KERNELS <= {r["name"] for r in recs}
+    off = [r["key"] for r in recs if r["constexprs"].get("PDL") is not True
+           or r["options"].get("launch_pdl") is not True]
+    assert not off, f"launched without PDL: {off}"
+    res = _compile(recs)
+    missing = [r["key"] for r in res if r["gdc"] != [True, True]]
+    assert not missing, f"no griddepcontrol in: {missing}"
+
+
+def test_every_kernel_compiles_for_sm90():
+    _need_ptxas()
+    recs = _record(_calls())
+    names = {r["name"] for r in recs}
+    assert KERNELS <= names, names
+    assert all(r["constexprs"].get("PDL") is False for r in recs)  # off by default
+    res = _compile(recs)
     fma = [r["key"] for r in res if r["bf16_fma"] and json.loads(r["key"])[0] in NO_FMA]
     assert not fma, f"bf16 FMA in a kernel that must round like the eager ops: {fma}"

@@ -402,7 +402,7 @@ def _kernel_switches() -> dict:
     """Module switches that change the kernel path's numerics or launch shapes (recorded so a
     report says which variant it gated: kb/0016, kb/0017, kb/0019–0023, kb/0026)."""
     try:
-        from tailored.kernels import attention_decode, gdn_decode, moe
+        from tailored.kernels import attention_decode, gdn_decode, moe, pdl
         from tailored.model import fast
     except ImportError:  # no triton: the plain path ran
         return {}
@@ -414,7 +414,8 @@ def _kernel_switches() -> dict:
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
             "combine_next_norm": fast.COMBINE_NEXT_NORM,
             "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
-            "moe_fp8_dot_f16": moe.FP8_DOT_F16, "proj_row_align": fast.PROJ_ROW_ALIGN}
+            "moe_fp8_dot_f16": moe.FP8_DOT_F16, "proj_row_align": fast.PROJ_ROW_ALIGN,
+            "pdl": pdl.PDL}
 
 
 def _free(dev) -> None:

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from tailored.kernels import dot_precision, env_flag
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
 
 
 @triton.jit
@@ -26,7 +28,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, a
                        stride_tb, scale,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -68,7 +73,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, a
 @triton.jit
 def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                       BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                       BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     b = tl.program_id(0)
     hk = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -137,10 +145,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), D ** -0.5,
         GROUP=group, BLOCK_G=block_g, D=D, PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PREC=prec, num_warps=4)
+        DOT_PREC=prec, num_warps=4, **pdl_launch(q))
     out = torch.empty_like(q)
     block_d = D if num_splits <= 8 else min(D, 64)  # many splits: more merge programs
     _attn_merge_kernel[(B, Hkv, D // block_d)](m, l_, acc, out, out.stride(0), out.stride(1),
                                                GROUP=group, BLOCK_G=block_g, D=D,
-                                               BLOCK_D=block_d, NUM_SPLITS=num_splits)
+                                               BLOCK_D=block_d, NUM_SPLITS=num_splits,
+                                               **pdl_launch(out))
     return out

@@ -18,11 +18,16 @@ import triton
 import triton.language as tl
 
 from tailored.kernels.fp8_linear import SCALE_BLOCK
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
 
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_yn,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     # one [BLOCK_N, BLOCK_K] tile; BLOCK_K divides 128, so the tile's rows share one K block
     # and each row needs one scale
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,6 +68,6 @@ def dequantize_rows(weight: torch.Tensor, scale_rows: torch.Tensor,
         bn, bk = 64, min(128, max(16, triton.next_power_of_2(K)))
         _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
             weight, scale_rows, out, N, K, weight.stride(0), scale_rows.stride(0), out.stride(0),
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **pdl_launch(out))
     return out
 

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from tailored.kernels import autotune_enabled, dot_precision, tuning
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
 
 SCALE_BLOCK = 128
 
@@ -52,7 +54,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                        stride_xm, stride_wn, stride_sn, stride_ym,
                        M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
-                       W_FP8: tl.constexpr):
+                       W_FP8: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     # BLOCK_K of K per loop iteration, as BLOCK_K // KB dots of KB each (FP8: KB ≤ 128, one
     # scale per row and dot). The dots of one iteration are independent and their loads issue
     # together: at M ≤ 32 the K loop is a chain of dependent iterations (16 of 128 at K = 2048
@@ -131,9 +136,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
     prec = dot_precision(x.dtype)
     if x.is_cuda and autotune_enabled(x.dtype):
         _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
-            *args, BLOCK_M=bm, DOT_PREC=prec, W_FP8=True)
+            *args, BLOCK_M=bm, DOT_PREC=prec, W_FP8=True, **pdl_launch(x))
     else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, W_FP8=True)
+            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, W_FP8=True,
+            **pdl_launch(x))
     return y

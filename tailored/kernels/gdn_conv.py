@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
+
 
 # Sequence and row counts change every step: Triton would compile a variant per count that is
 # 1, a multiple of 16 or neither (session 12: a cold server compiled them inside its first
@@ -35,7 +38,10 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["N", "n_out"])
 def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C, N, n_out,
                          stride_x, stride_ss, stride_sc, stride_o,
-                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     j = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -65,7 +71,10 @@ def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C
 
 @triton.jit(do_not_specialize=["N"])
 def _conv_state_kernel(x_ptr, state_ptr, meta_ptr, slot_ptr, C, N, stride_x, stride_ss, stride_sc,
-                       W: tl.constexpr, WP: tl.constexpr, BLOCK_C: tl.constexpr):
+                       W: tl.constexpr, WP: tl.constexpr, BLOCK_C: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     j = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     q0 = tl.load(meta_ptr + j)
@@ -124,7 +133,7 @@ def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     _conv_prefill_kernel[(N, triton.cdiv(max_len, bt), triton.cdiv(C, bc))](
         x, state, weight.contiguous(), seq_meta, slots, out, C, N, n_out,
         x.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        W=W, BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
+        W=W, BLOCK_T=bt, BLOCK_C=bc, num_warps=4, **pdl_launch(x))
     return out
 
 
@@ -140,4 +149,4 @@ def conv_state_update(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
     bc = 128
     _conv_state_kernel[(N, triton.cdiv(C, bc))](
         x, state, seq_meta, slots, C, N, x.stride(0), state.stride(0), state.stride(1),
-        W=W, WP=triton.next_power_of_2(W - 1), BLOCK_C=bc, num_warps=4)
+        W=W, WP=triton.next_power_of_2(W - 1), BLOCK_C=bc, num_warps=4, **pdl_launch(x))

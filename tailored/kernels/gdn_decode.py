@@ -18,12 +18,17 @@ import triton
 import triton.language as tl
 
 from tailored.kernels import env_int
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
 
 
 @triton.jit
 def _conv_step_kernel(x_ptr, state_ptr, w_ptr, slot_ptr, out_ptr, C,
                       stride_xb, stride_ss, stride_sc, stride_ob,
-                      W: tl.constexpr, BLOCK_C: tl.constexpr):
+                      W: tl.constexpr, BLOCK_C: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
@@ -56,7 +61,8 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     block = 256
     _conv_step_kernel[(B, triton.cdiv(C, block))](
         x, state, weight.contiguous(), slots, out, C,
-        x.stride(0), state.stride(0), state.stride(1), out.stride(0), W=W, BLOCK_C=block)
+        x.stride(0), state.stride(0), state.stride(1), out.stride(0), W=W, BLOCK_C=block,
+        **pdl_launch(out))
     return out
 
 
@@ -66,12 +72,15 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                       stride_cb, stride_ab, stride_bb, stride_zb, stride_ss, stride_ob,
                       KEY_DIM, eps, scale,
                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_V: tl.constexpr, FUSE_NORM: tl.constexpr):
+                      BLOCK_V: tl.constexpr, FUSE_NORM: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """One (sequence, value head, BLOCK_V columns of the state) per program. The state's value
     columns update independently (S[:, j] depends on v_j only), so a head may be split over
     DV // BLOCK_V programs; the gated norm needs the whole head's output, so it is fused only
     when BLOCK_V == DV (FUSE_NORM) and otherwise `_gated_norm_kernel` follows, reading the
     rounded output from out_ptr."""
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     bi = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -120,9 +129,12 @@ def _gated_norm(o, z_ptr, norm_w_ptr, out_ptr, eps, DV: tl.constexpr):
 
 @triton.jit
 def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
-                       DV: tl.constexpr):
+                       DV: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """The gated norm of one (sequence, head) after a split `_recurrent_kernel`, in place on
     its rounded output."""
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     bi = tl.program_id(0)
     h = tl.program_id(1)
     base = out_ptr + bi * stride_ob + h * DV
@@ -164,8 +176,8 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
         conv_out.stride(0), a.stride(0), b.stride(0), z.stride(0), state.stride(0), out.stride(0),
         key_dim, eps, DK ** -0.5,
         HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, BLOCK_V=DV // split,
-        FUSE_NORM=split == 1, num_warps=8 if split == 1 else 4)
+        FUSE_NORM=split == 1, num_warps=8 if split == 1 else 4, **pdl_launch(out))
     if split > 1:
         _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
-                                    num_warps=1)
+                                    num_warps=1, **pdl_launch(out))
     return out

@@ -23,6 +23,8 @@ import triton.language as tl
 
 from tailored.kernels import autotune_enabled, dot_precision, env_flag, env_int, tuning
 from tailored.kernels.fp8_linear import tile_dot
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
 
 
 def moe_align(ids: torch.Tensor, num_experts: int):
@@ -63,7 +65,10 @@ def _store_active_first(experts_ptr, e, counts, ok, EXTRA: tl.constexpr = 0):
 
 
 @triton.jit
-def _partition_kernel(offsets_ptr, experts_ptr, E, BLOCK_E: tl.constexpr):
+def _partition_kernel(offsets_ptr, experts_ptr, E, BLOCK_E: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     counts = tl.load(offsets_ptr + e + 1, mask=ok, other=0) - tl.load(offsets_ptr + e, mask=ok, other=0)
@@ -77,7 +82,8 @@ def expert_partition(offsets: torch.Tensor) -> torch.Tensor:
     pairs is among the first T·k, and the rest of those are empty (they exit at once)."""
     E = offsets.numel() - 1
     experts = torch.empty(E, dtype=torch.int32, device=offsets.device)
-    _partition_kernel[(1,)](offsets, experts, E, BLOCK_E=max(2, triton.next_power_of_2(E)))
+    _partition_kernel[(1,)](offsets, experts, E, BLOCK_E=max(2, triton.next_power_of_2(E)),
+                            **pdl_launch(offsets))
     return experts
 
 
@@ -98,7 +104,10 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
                     s_up,
                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                    COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False):
+                    COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,7 +148,10 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                  stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                 COMPACT: tl.constexpr):
+                 COMPACT: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,8 +309,11 @@ def _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E: tl.cons
 @triton.jit
 def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_ptr, experts_ptr,
                         T, stride_l, stride_s, E: tl.constexpr, K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Routing and alignment of all T tokens in one program (small batches)."""
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     sel = _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, stride_l, stride_s, E, K,
@@ -309,9 +324,12 @@ def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_
 @triton.jit
 def _route_rows_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, T, stride_l, stride_s,
                        E: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
+                       BLOCK_S: tl.constexpr, SHARED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Routing of ROWS tokens per program (larger batches: the top-k reductions run per token
     in parallel instead of over one [T, E] tile)."""
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t < T, stride_l, stride_s, E, K,
                BLOCK_S, SHARED)
@@ -319,12 +337,15 @@ def _route_rows_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, T, stride_l, stride_
 
 @triton.jit
 def _align_sort_kernel(ids_ptr, order_ptr, offsets_ptr, experts_ptr, P, NE,
-                       BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                       BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """moe_align + expert_partition of P (token, slot) pairs with expert ids < NE, in one
     program: sort the keys expert·BLOCK_P + pair (bitonic, `tl.sort`; the pair index in the
     key keeps it stable), histogram of the experts, exclusive cumsum. Pads carry expert
     BLOCK_E-1 ≥ NE, so they sort last and count nowhere. (The [T, E] tile and column cumsum of
     `_align_tile` took 27.7 µs at T=32 on the H200, kb/0021.)"""
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     p = tl.arange(0, BLOCK_P)
     ok = p < P
     ex = tl.load(ids_ptr + p, mask=ok, other=BLOCK_E - 1).to(tl.int32)
@@ -390,16 +411,16 @@ def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tens
         _route_align_kernel[(1,)](router_logits, seg, w, ids, order, offsets, experts, T,
                                   router_logits.stride(0), seg.stride(0), E=E, K=top_k,
                                   BLOCK_T=bt, BLOCK_S=bs, SHARED=shared,
-                                  num_warps=ROUTE_ALIGN_WARPS[bt])
+                                  num_warps=ROUTE_ALIGN_WARPS[bt], **pdl_launch(router_logits))
     else:  # top-k per 2 tokens in parallel programs, then one sorting program
         _route_rows_kernel[(triton.cdiv(T, 2),)](router_logits, seg, w, ids, T,
                                                  router_logits.stride(0), seg.stride(0), E=E,
                                                  K=top_k, ROWS=2, BLOCK_S=bs, SHARED=shared,
-                                                 num_warps=1)
+                                                 num_warps=1, **pdl_launch(router_logits))
         _align_sort_kernel[(1,)](ids, order, offsets, experts, T * S, En,
                                  BLOCK_P=triton.next_power_of_2(T * S),
                                  BLOCK_E=triton.next_power_of_2(En + 1),
-                                 num_warps=ROUTE_ALIGN_WARPS[bt])
+                                 num_warps=ROUTE_ALIGN_WARPS[bt], **pdl_launch(ids))
     return w, ids, order, offsets, experts
 
 
@@ -470,17 +491,19 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         decode = bm == 16
         _launcher("gate_up", decode, fp8)[lambda m: (grid_e, triton.cdiv(I, m["BLOCK_N"]))](
             *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact, DOT_F16=f16)
+            COMPACT=compact, DOT_F16=f16, **pdl_launch(x))
         _launcher("down", decode, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact)
+            COMPACT=compact, **pdl_launch(x))
     else:  # Triton's interpreter (tests on the CPU), or TAILORED_AUTOTUNE=0: the fixed choice
         kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
         _gate_up_kernel[(grid_e, triton.cdiv(I, bn))](
             *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=kb, DOT_PREC=prec,
-            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps)
+            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps,
+            **pdl_launch(x))
         bk_dn = min(bk, triton.next_power_of_2(I))
         _down_kernel[(grid_e, triton.cdiv(H, bn))](
             *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
-            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps)
+            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps,
+            **pdl_launch(x))
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y

@@ -19,10 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
+
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, stride_o,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < N
@@ -45,7 +51,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(N))
     _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, out, N, gate.stride(0), up.stride(0),
                                                  out.stride(0), BLOCK=block, num_warps=4,
-                                                 enable_fp_fusion=False)
+                                                 enable_fp_fusion=False, **pdl_launch(out))
     return out
 
 
@@ -53,7 +59,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, H, eps,
                         stride_s, stride_sh, stride_o, stride_r, stride_ro,
                         K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr,
-                        NORM: tl.constexpr):
+                        NORM: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < H
@@ -100,7 +109,7 @@ def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm):
         pairs, seg, shared, out, res, res_out, w, H, eps, seg.stride(0), shared.stride(0),
         out.stride(0), res.stride(0), res_out.stride(0), K=k, BLOCK=block, FOLDED=folded,
         NORM=bool(norm), num_warps=8 if block >= 2048 else 4,
-        enable_fp_fusion=False)  # no FMA: keep each rounding
+        enable_fp_fusion=False, **pdl_launch(out))  # no FMA: keep each rounding
     return (res_out, out) if norm else out
 
 

@@ -12,11 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, res_ptr, out_ptr, N, eps,
                          stride_x, stride_h, stride_r, stride_o,
-                         HAS_H: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_H: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
@@ -45,5 +51,5 @@ def add_rms_norm_1p(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tenso
     _add_rms_norm_kernel[(T,)](
         x, h if h is not None else x, weight, res, out, N, eps,
         x.stride(0), (h if h is not None else x).stride(0), res.stride(0), out.stride(0),
-        HAS_H=h is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        HAS_H=h is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4, **pdl_launch(out))
     return res, out

@@ -19,13 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
+
 
 @triton.jit
 def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr, v_ptr, v_out_ptr,
                          eps, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
                          stride_vt, stride_vh, stride_vot, stride_voh,
                          D: tl.constexpr, R: tl.constexpr, TO_ROWS: tl.constexpr,
-                         COPY_V: tl.constexpr):
+                         COPY_V: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -95,5 +101,6 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
                                  out.stride(1), vv.stride(0), vv.stride(1), vo.stride(0),
                                  vo.stride(1), D=D, R=R, TO_ROWS=to_rows, COPY_V=v is not None,
                                  num_warps=2 if D <= 256 else 4,
-                                 enable_fp_fusion=False)  # no FMA: keep each rounding
+                                 enable_fp_fusion=False,  # no FMA: keep each rounding
+                                 **pdl_launch(x))
     return out

@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels, behind `TAILORED_PDL=1`.
+
+Why: a B=1 decode step is ~660 kernels, most of them 1–5 µs long (kb/0029 §4): each pays its
+launch, block scheduling and first loads after the previous kernel has drained. With PDL
+(Hopper, CUDA programming guide §4.5 "Programmatic Dependent Launch and Synchronization";
+PTX `griddepcontrol`), a kernel launched with the programmatic-serialization attribute may
+start once every block of the kernel before it has executed `griddepcontrol.launch_dependents`;
+its `griddepcontrol.wait` then blocks until that kernel has completed and its memory is
+visible. CUDA graph capture keeps these as programmatic edges.
+
+The rule here, simple enough to hold for every kernel: a kernel launched with PDL executes
+`enter()` first, in every program — wait for the previous kernel, then let the next one
+launch. Nothing is read or written before the wait, so the stream order of memory effects is
+unchanged; what overlaps is the next kernel's launch and scheduling with this kernel's work.
+Kernels launched without PDL (cuBLAS, torch) keep full stream serialization, and since every
+PDL kernel completes only after its wait, ordering stays transitive across the whole step.
+
+`launch(t)` gives a launch's keyword arguments: `PDL` (the kernels' constexpr) and Triton's
+`launch_pdl` launch option, on for CUDA tensors of an sm_90+ device when `TAILORED_PDL=1`;
+`{"PDL": False}` otherwise (the interpreter never sees the PTX). Read at each launch: a bench
+can flip `PDL` and re-capture its graphs. Reference: Triton's tutorial
+`11-programmatic-dependent-launch.py` (`tl.extra.cuda.gdc_wait` / `gdc_launch_dependents`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tailored.kernels import env_flag
+
+# Off until an A/B on the H200 and the gates (kb/0030): built in session 12 with no device
+# time left to measure it.
+PDL = env_flag("TAILORED_PDL", False)
+
+
+@triton.jit
+def enter():
+    """Wait for the previous kernel's completion and memory, then allow the next launch."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _on_sm90(t: torch.Tensor) -> bool:
+    """t lives on a GPU with PDL (compute capability 9.0 or newer)."""
+    if not t.is_cuda:
+        return False
+    return _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch(t: torch.Tensor) -> dict:
+    """Keyword arguments for launching a kernel that takes the `PDL` constexpr on t's device:
+    {"PDL": True, "launch_pdl": True} with TAILORED_PDL=1 on sm_90+, else {"PDL": False}."""
+    if PDL and _on_sm90(t):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
