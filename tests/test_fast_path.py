@@ -353,8 +353,10 @@ def test_warmup_prefill_touches_only_the_sinks(pair):
     for t in (cache.conv, cache.rec, cache.k, cache.v):
         t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
     before = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
-    fastm.fast.warmup_prefill([5], batch_tokens=40)  # then lengths 20, 10, 3
+    fastm.fast.warmup_prefill([5], batch_tokens=40)  # then lengths 20, 10, 9
     (conv, rec, k, v), (c0, r0, k0, v0) = (cache.conv, cache.rec, cache.k, cache.v), before
     assert torch.equal(conv[:, 1:], c0[:, 1:]) and torch.equal(rec[:, 1:], r0[:, 1:])
     assert torch.equal(k[:, 1:], k0[:, 1:]) and torch.equal(v[:, 1:], v0[:, 1:])
     assert not torch.equal(conv[:, 0], c0[:, 0])  # it ran
+    for t, b in zip((cache.conv, cache.rec, cache.k, cache.v), before):  # module-scoped pair
+        t.copy_(b)

@@ -8,6 +8,8 @@ are odd and slots/pages are permuted so that indexing bugs show.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -500,3 +502,10 @@ def test_compile_watch_logs_and_chains(monkeypatch, caplog):
         knobs.runtime.jit_post_compile_hook(key=1, repr="_k[num_warps=4](x: *bf16)",
                                             compile={"specialization_data": "{tt.divisibility}"})
     assert seen and "_k[num_warps=4]" in caplog.text and "tt.divisibility" in caplog.text
+    assert watch_compiles()  # a second runner: no second wrapper, no doubled log lines
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tailored.kernels"):
+        knobs.runtime.jit_post_compile_hook(repr="_k2", compile={"specialization_data": json.dumps(
+            {"attrs_keys": [[3]], "attrs_vals": [[["tt.divisibility", 16]]], "constant_vals": [8]})})
+    assert caplog.text.count("_k2") == 1 and "tt.divisibility" in caplog.text
+    assert len(seen) == 2

@@ -50,7 +50,11 @@ for r in json.loads(sys.stdin.read()):
                            target=GPUTarget("cuda", 90, 32), options=r["options"])
         ptx = k.asm["ptx"]
         out.append({"key": r["key"], "ok": True, "bf16_fma": "fma.rn.bf16" in ptx,
-                    "gdc": ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx]})
+                    # PDL: both instructions, before the first global load or store
+                    "gdc": ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+                            0 <= ptx.find("griddepcontrol.wait")
+                            < min([i for i in (ptx.find("ld.global"), ptx.find("st.global"))
+                                   if i >= 0] or [len(ptx)])]})
     except Exception as e:  # report every failure, not only the first
         out.append({"key": r["key"], "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]})
 print(json.dumps(out))
@@ -231,8 +235,10 @@ def _need_ptxas():
 
 def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
     """TAILORED_PDL=1 (kernels/pdl.py): every kernel launch carries the PDL constexpr and
-    Triton's launch_pdl option, and its PTX starts with the wait and the launch of dependents
-    (bf16 launches, the served dtype: half the compile time of the test below)."""
+    Triton's launch_pdl option, and its PTX has the wait and the launch of dependents, the wait
+    before any global load or store (bf16 launches, the served dtype: half the compile time of
+    the test below). The CUDA-only autotuned launchers share the kernels and pdl_launch calls
+    with the interpreter branch recorded here."""
     from tailored.kernels import pdl
 
     _need_ptxas()
@@ -244,7 +250,7 @@ def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
            or r["options"].get("launch_pdl") is not True]
     assert not off, f"launched without PDL: {off}"
     res = _compile(recs)
-    missing = [r["key"] for r in res if r["gdc"] != [True, True]]
+    missing = [r["key"] for r in res if r["gdc"] != [True, True, True]]
     assert not missing, f"no griddepcontrol in: {missing}"
 
 

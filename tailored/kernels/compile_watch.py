@@ -8,11 +8,13 @@ had not reached them all. This names each one, so the warm-up can be made to cov
 
 Uses Triton's `knobs.runtime.jit_post_compile_hook` (Triton ≥ 3.4; `runtime/jit.py` calls it
 after each in-memory cache miss, an on-disk hit included). Any hook already installed keeps
-being called.
+being called; a second call (another runner in the process) installs nothing more, and that
+runner's own warm-up compiles are then logged too.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 log = logging.getLogger("tailored.kernels")
@@ -28,14 +30,29 @@ def watch_compiles() -> bool:
     if not hasattr(rt, "jit_post_compile_hook"):
         return False
     prev = rt.jit_post_compile_hook
+    if getattr(prev, "_tailored_watch", False):  # a second runner in this process
+        return True
     count = [0]
 
     def hook(**kw):  # Triton passes key, repr, fn, compile, is_manual_warmup, already_compiled
         count[0] += 1
-        spec = str((kw.get("compile") or {}).get("specialization_data", ""))
-        log.warning("Triton compile #%d after warm-up (this step waits for it): %s %s",
-                    count[0], str(kw.get("repr", "?"))[:300], spec[-300:])
+        log.warning("Triton compile #%d after warm-up (this step waits for it): %s; %s",
+                    count[0], str(kw.get("repr", "?"))[:300], _specialization(kw))
         return prev(**kw) if prev is not None else None
 
+    hook._tailored_watch = True
     rt.jit_post_compile_hook = hook
     return True
+
+
+def _specialization(kw: dict) -> str:
+    """The integer/pointer specializations (attrs: divisibility, value 1) and constexprs of a
+    compile, from Triton's serialized specialization data; the raw text's start if it is not
+    the JSON this Triton version writes."""
+    raw = str((kw.get("compile") or {}).get("specialization_data", ""))
+    try:
+        d = json.loads(raw)
+        return (f"attrs {dict(zip(map(str, d['attrs_keys']), d['attrs_vals']))} "
+                f"constexprs {d['constant_vals']}")[:600]
+    except (ValueError, KeyError, TypeError):
+        return raw[:600]

@@ -19,7 +19,8 @@ PDL kernel completes only after its wait, ordering stays transitive across the w
 `launch_pdl` launch option, on for CUDA tensors of an sm_90+ device when `TAILORED_PDL=1`;
 `{"PDL": False}` otherwise (the interpreter never sees the PTX). Read at each launch: a bench
 can flip `PDL` and re-capture its graphs. Reference: Triton's tutorial
-`11-programmatic-dependent-launch.py` (`tl.extra.cuda.gdc_wait` / `gdc_launch_dependents`).
+`11-programmatic-dependent-launch.py` (its `gdc_wait` / `gdc_launch_dependents` emit the same
+two instructions).
 """
 
 from __future__ import annotations
@@ -39,9 +40,15 @@ PDL = env_flag("TAILORED_PDL", False)
 
 @triton.jit
 def enter():
-    """Wait for the previous kernel's completion and memory, then allow the next launch."""
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+    """Wait for the previous kernel's completion and memory, then allow the next launch.
+
+    Our own inline PTX rather than `tl.extra.cuda.gdc_*`: some Triton releases declared the
+    launch_dependents helper pure, so with its dummy result unused the compiler may drop it
+    (then the next kernel launches only when this one ends). Both are side effects here."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)

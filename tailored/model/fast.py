@@ -682,7 +682,8 @@ class FastPath:
         if batch_tokens > 4:
             m = min(int(batch_tokens), 1024)
             a, b = m // 2, m // 4
-            self.forward_eager(self._sink_prefill([a, b, 3 if (a + b) % 2 == 0 else 2]))
+            c = (m if m % 2 else m - 1) - a - b  # an odd total, at most m (c ≥ 1 for m ≥ 5)
+            self.forward_eager(self._sink_prefill([a, b, c]))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
