@@ -136,9 +136,9 @@ def test_fp8_dense_dequant_matches_plain_path(tiny_fp8_ckpt, monkeypatch):
 def test_proj_row_align_pads_fused_gemms_and_matches_plain_path(precision, tiny_ckpt,
                                                                 tiny_fp8_ckpt, monkeypatch):
     """TAILORED_PROJ_ROW_ALIGN (kb/0029, default 64 since kb/0030): fused cuBLAS projections
-    get zero rows up to a multiple of 64 (FP8: the dense-dequant layout), the module weights stay views of the
-    padded tensor, single linears and W8A16 parts are left alone, the memory reserve counts
-    the pad; same steps as the plain path."""
+    get zero rows up to a multiple of 64 (FP8: the dense-dequant layout), the module weights
+    stay views of the padded tensor, single linears and W8A16 parts are left alone, the memory
+    reserve counts the pad; same steps as the plain path."""
     from tailored.model import fast as fastmod
 
     monkeypatch.setattr(fastmod, "PROJ_ROW_ALIGN", 64)

@@ -244,13 +244,18 @@ def test_pdl_changes_no_bit(precision, monkeypatch):
             model(ForwardBatch.build(lay, [0], "cuda"), cache)
         fast.drop_decode_graphs()
         fast.capture(sizes=[4])
-        out = fast.forward_decode_graph(ForwardBatch.build(layout, [0, 1, 2], "cuda")).clone()
-        torch.cuda.synchronize()
-        results.append((pre, out, [t[:, 1:].clone() for t in (cache.conv, cache.rec, cache.k,
-                                                                cache.v)]))
-    (p0, o0, c0), (p1, o1, c1) = results
-    assert torch.equal(p0, p1) and torch.equal(o0, o1)
-    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
+        snap = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
+        for _ in range(3):  # a race need not show in every replay
+            for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), snap):
+                t.copy_(s)
+            out = fast.forward_decode_graph(ForwardBatch.build(layout, [0, 1, 2], "cuda"))
+            torch.cuda.synchronize()
+            results.append((pre, out.clone(), [t[:, 1:].clone() for t in (
+                cache.conv, cache.rec, cache.k, cache.v)]))
+    p0, o0, c0 = results[0]
+    for p1, o1, c1 in results[1:]:
+        assert torch.equal(p0, p1) and torch.equal(o0, o1)
+        assert all(torch.equal(a, b) for a, b in zip(c0, c1))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -505,7 +505,9 @@ def test_compile_watch_logs_and_chains(monkeypatch, caplog):
     assert watch_compiles()  # a second runner: no second wrapper, no doubled log lines
     caplog.clear()
     with caplog.at_level("WARNING", logger="tailored.kernels"):
-        knobs.runtime.jit_post_compile_hook(repr="_k2", compile={"specialization_data": json.dumps(
-            {"attrs_keys": [[3]], "attrs_vals": [[["tt.divisibility", 16]]], "constant_vals": [8]})})
+        spec = {"attrs_keys": [[3]], "attrs_vals": [[["tt.divisibility", 16]]],
+                "constant_vals": [8]}
+        knobs.runtime.jit_post_compile_hook(repr="_k2",
+                                            compile={"specialization_data": json.dumps(spec)})
     assert caplog.text.count("_k2") == 1 and "tt.divisibility" in caplog.text
     assert len(seen) == 2
