@@ -1135,3 +1135,46 @@ def test_chat_messages_that_cannot_fit_are_refused_before_validation(srv):
     assert len(tok.template_calls) == n_before
     ok = [{"role": "user", "content": "x"}] * 8
     assert chat(client, messages=ok).status_code == 200
+
+
+def test_long_stop_strings_and_contentless_messages_are_refused(srv):
+    """New-user trial (session 12): 8 MB stop strings were accepted and slowed every token of
+    the request; a user message without content was rendered as empty. Both are 400s now,
+    while an assistant message may still carry only tool calls."""
+    client, _, _ = srv
+    from tailored.server.protocol import MAX_STOP_STRING_CHARS
+
+    r = completion(client, prompt="x", stop=["s" * (MAX_STOP_STRING_CHARS + 1)])
+    err = assert_openai_error(r, 400, f"at most {MAX_STOP_STRING_CHARS} characters")
+    assert err["param"] == "stop"
+    r = completion(client, prompt="SAY:ok", stop=["s" * MAX_STOP_STRING_CHARS], max_tokens=2)
+    assert r.status_code == 200, r.text
+    for role in ("user", "system", "tool"):
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": role}],
+                                                      "max_tokens": 2})
+        assert_openai_error(r, 400, f"a {role} message needs 'content'")
+
+
+def test_body_cut_short_is_a_client_disconnect_not_an_error(srv, caplog):
+    """A client that leaves before sending its declared body: no 'unexpected error' log, no
+    traceback (starlette's ClientDisconnect is the client's doing)."""
+    import asyncio
+
+    client, _, _ = srv
+    app = client.app
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "server": ("test", 80), "client": ("c", 1),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]}
+    with caplog.at_level("INFO", logger="tailored.server.app"):
+        asyncio.run(app(scope, receive, send))
+    assert "unexpected error" not in caplog.text
+    assert "client left before sending the whole body" in caplog.text

@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tailored.engine.types import FinishReason, RequestOutput
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -329,6 +330,9 @@ class _Server:
             return await self.complete(request, stream, fmt)
         except OpenAIError as e:
             return error_response(e)
+        except ClientDisconnect:  # left before its body was complete: nothing was started
+            logger.info("client left before sending the whole body of %s", request.url.path)
+            return error_response(OpenAIError("client disconnected while sending the body"))
         except Exception as e:  # one bad request must not take the server down
             logger.exception("unexpected error while handling %s", request.url.path)
             return error_response(_internal_error(e))

@@ -30,12 +30,17 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from tailored.engine.types import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# characters a stop string may have: the detokenizer re-checks a tail of this length after each
+# token, so megabyte stop strings made every token of the request slower (and any match needs
+# that much output first)
+MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024  # the engine checks each sampled token against them
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper -> 400
 MAX_ERROR_MESSAGE_CHARS = 2000
@@ -338,6 +343,10 @@ class _BaseRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
         if any(s == "" for s in v):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in v):
+            longest = max(len(s) for s in v)
+            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                             f"got {longest}")
         return v
 
     @field_validator("stop_token_ids", mode="before")
@@ -464,6 +473,14 @@ class ChatMessage(BaseModel):
                 got = "missing" if "text" not in part else f"got {shown(part['text'])}"
                 raise ValueError(f"content part {i}: 'text' must be a string ({got})")
         return v
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        """OpenAI: only an assistant message (one carrying tool calls) may leave content out or
+        null; a user, system, developer or tool message without it is a client bug."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content' (a string or content parts)")
+        return self
 
     @field_validator("tool_calls")
     @classmethod
