@@ -32,6 +32,14 @@ from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
 
+@triton.jit
+def _sequence(meta_ptr, slot_ptr, N, j):
+    """Sequence j of `seq_meta` [4, N]: (first input row, token count, first output row, reset
+    flag, state slot as int64)."""
+    return (tl.load(meta_ptr + j), tl.load(meta_ptr + N + j), tl.load(meta_ptr + 2 * N + j),
+            tl.load(meta_ptr + 3 * N + j), tl.load(slot_ptr + j).to(tl.int64))
+
+
 # Sequence and row counts change every step: Triton would compile a variant per count that is
 # 1, a multiple of 16 or neither (session 12: a cold server compiled them inside its first
 # mixed steps, 1.6 s for one; kb/0030). One variant for all of them.
@@ -42,14 +50,10 @@ def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C
                          PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
-    j = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    q0 = tl.load(meta_ptr + j)
-    L = tl.load(meta_ptr + N + j)
-    o0 = tl.load(meta_ptr + 2 * N + j)
-    reset = tl.load(meta_ptr + 3 * N + j)  # 0: the carried state is the prefix
-    slot = tl.load(slot_ptr + j).to(tl.int64)
+    # reset 0: the carried state is the prefix
+    q0, L, o0, reset, slot = _sequence(meta_ptr, slot_ptr, N, tl.program_id(0))
     t_ok = (t < L) & (o0 + t < n_out)  # a length past the output (a bucket's pads) is cut
     c_ok = c < C
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
@@ -75,12 +79,8 @@ def _conv_state_kernel(x_ptr, state_ptr, meta_ptr, slot_ptr, C, N, stride_x, str
                        PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
-    j = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    q0 = tl.load(meta_ptr + j)
-    L = tl.load(meta_ptr + N + j)
-    reset = tl.load(meta_ptr + 3 * N + j)
-    slot = tl.load(slot_ptr + j).to(tl.int64)
+    q0, L, _, reset, slot = _sequence(meta_ptr, slot_ptr, N, tl.program_id(0))
     c_ok = c < C
     e = tl.arange(0, WP)  # new state column e = input position L - (W-1) + e
     e_ok = e < W - 1

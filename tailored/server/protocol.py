@@ -343,8 +343,8 @@ class _BaseRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
         if any(s == "" for s in v):
             raise ValueError("stop strings must not be empty")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in v):
-            longest = max(len(s) for s in v)
+        longest = max(map(len, v), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
             raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
                              f"got {longest}")
         return v
