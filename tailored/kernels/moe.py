@@ -230,10 +230,9 @@ _LAUNCHERS: dict = {}
 # measured). gate_up only: its input is the normed hidden state, while the down GEMM's,
 # silu(g)·u, has no bound below float16's 65504 (an inf would become NaN rows); session 11
 # measured both (down 66.1 -> 57.0 µs); gate_up alone gave about half the gain (kb/0030). The
-# launch configs are
-# the bf16-dot ones (same tuning key). On by default since session 12 (kb/0030): in one process
-# decode B=32 11.80 -> 10.82 ms, B=1 3.81 -> 3.68, 1024-token prefill 56.4 -> 52.2 ms; the FP8
-# gate passed with it.
+# launch configs are the bf16-dot ones (same tuning key). On by default since session 12
+# (kb/0030): in one process decode B=32 11.80 -> 10.82 ms, B=1 3.81 -> 3.68, 1024-token prefill
+# 56.4 -> 52.2 ms; the FP8 gate passed with it.
 FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
