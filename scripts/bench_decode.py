@@ -67,6 +67,10 @@ VARIANTS = {
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; decode and
     # prefill: also a --prefill-variants one)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),
+    # routed experts of eager prefill steps of >= 2048 tokens through torch's grouped GEMM
+    # (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the batched step)
+    "moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", True),
+    "no_moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", False),
 }
 
 

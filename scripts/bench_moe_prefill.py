@@ -1,5 +1,5 @@
-"""MoE experts of a prefill step on the GPU, one layer at the published shapes (E=256 routed +
-the shared expert stacked as expert 256, k=8+1, H=2048, I=512): where the 8192-token step's
+"""Routed experts of a prefill step on the GPU, one layer at the published shapes (E=256, k=8,
+H=2048, I=512; the prefill path runs the shared expert as its own GEMMs): where the 8192-token step's
 largest cost goes (kb/0029 §6: gate_up + down ~134 ms of a 314 ms FP8 step, ~15 % of the
 tensor peak) and what a better grouped GEMM would give.
 
@@ -7,9 +7,13 @@ Variants, each timed alone (CUDA events, median of --reps calls after a warm-up)
   tuned        `fused_moe` as served (autotuned, the tuned.json table).
   fixed:...    `fused_moe`'s fixed-config path with (BLOCK_M, BLOCK_N, BLOCK_K, warps) forced,
                to see whether larger M tiles (128) help: 8192 tokens give ~290 rows an expert.
-  grouped_mm   torch._grouped_mm (CUTLASS grouped GEMM, bf16 only): pairs sorted by expert
-               (`moe_align`), rows gathered, gate_up GEMM, silu·mul, down GEMM, weighted.
-               FP8: the experts dequantized to bf16 first, that time shown apart ("+deq").
+  grouped      `moe_grouped.grouped_experts` (torch._grouped_mm, CUTLASS's grouped GEMM, bf16
+               only): pairs sorted by expert, rows gathered, gate_up GEMM, silu·mul, down
+               GEMM, weighted unsort. FP8: the experts dequantized to bf16 first
+               (`moe_grouped.dequantize_experts`, timed inside "grouped" and alone as
+               "dequant").
+(Session 13's first run stacked the shared expert as expert 256, whose 8192 rows one program
+per N block walked alone: a tail that no prefill step has.)
 Prints ms per layer, TFLOP/s over 6·pairs·H·I and the relative difference to `tuned`.
 Usage: python scripts/bench_moe_prefill.py [--tokens 1024,8192] [--fp8] [--json F]
 """
@@ -21,14 +25,12 @@ import json
 import statistics
 
 import torch
-import torch.nn.functional as F
 
-from tailored.kernels import moe
+from tailored.kernels import moe, moe_grouped
 from tailored.model import fp8 as fp8mod
 
-E, K, H, I = 257, 9, 2048, 512  # the shared expert stacked as expert 256, slot 8 of every token
-FIXED = [(64, 64, 64, 4), (64, 128, 64, 8), (128, 64, 64, 8), (128, 128, 64, 8),
-         (128, 64, 128, 8), (128, 128, 32, 8)]
+E, K, H, I = 256, 8, 2048, 512  # routed experts only: prefill runs the shared one apart
+FIXED = [(64, 64, 64, 4), (128, 64, 64, 8), (128, 64, 128, 8)]
 
 
 def timed(fn, reps: int) -> float:
@@ -46,24 +48,9 @@ def timed(fn, reps: int) -> float:
     return statistics.median(out)
 
 
-def grouped_mm_moe(x, w, ids, gu_t, dn_t):
-    """Σ_i w_i · Expert_{e_i}(x) through torch._grouped_mm; [T·k, H] fp32 pair terms in
-    (token, slot) order like fused_moe(reduce=False). gu_t [E, H, 2I], dn_t [E, I, H]
-    (column-major views of the checkpoint's [E, 2I, H] / [E, H, I])."""
-    T, k = ids.shape
-    order, offsets = moe.moe_align(ids, E)
-    xs = x.index_select(0, (order // k).long())
-    h = torch._grouped_mm(xs, gu_t, offs=offsets[1:])
-    act = F.silu(h[:, :I]) * h[:, I:]
-    y = torch._grouped_mm(act, dn_t, offs=offsets[1:])
-    out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    out[order.long()] = y.float() * w.reshape(-1)[order.long()].float()[:, None]
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1024,8192")
+    ap.add_argument("--tokens", default="1024,2048,4096,8192")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--json", default=None)
@@ -78,22 +65,26 @@ def main() -> None:
         qdn, sdn = fp8mod.quantize_experts(dn, False)
         scales = (fp8mod.expert_block_scales(sgu, True), fp8mod.expert_block_scales(sdn, False))
         wgu, wdn = qgu, qdn
+        scratch = (torch.empty_like(gu), torch.empty_like(dn))
+        del gu, dn
 
-        from tailored.kernels.fp8_dequant import dequantize_rows
-
-        rs = [fp8mod.row_scales(s, q.shape[1]).view(-1, s.shape[-1])
-              for q, s in ((qgu, scales[0]), (qdn, scales[1]))]
-
-        def dequant():  # every expert to bf16 with the dense-weight kernel (rows = E·N)
-            return tuple(dequantize_rows(q.view(-1, q.shape[-1]), r).view(q.shape)
-                         for q, r in zip((qgu, qdn), rs))
+        def dequant():
+            return (moe_grouped.dequantize_experts(qgu, scales[0], True, out=scratch[0]),
+                    moe_grouped.dequantize_experts(qdn, scales[1], False, out=scratch[1]))
     else:
         wgu, wdn = gu, dn
+
+        def dequant():
+            return gu, dn
+
+    def grouped(x, w, ids):
+        dgu, ddn = dequant()
+        return moe_grouped.grouped_experts(x, w, ids, dgu, ddn)
+
     rows = []
     for T in [int(t) for t in a.tokens.split(",")]:
         x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
-        routed = torch.rand(T, 256, device=dev, generator=g).topk(8, dim=1).indices
-        ids = torch.cat([routed, torch.full((T, 1), 256, device=dev)], 1)
+        ids = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
         w = torch.rand(T, K, device=dev, generator=g).to(dt)
         flop = 6 * T * K * H * I
         res = {}
@@ -117,21 +108,13 @@ def main() -> None:
         finally:
             moe.autotune_enabled, moe._blocks = auto, blocks
         try:
+            out = grouped(x, w, ids)
+            res["grouped"] = timed(lambda: grouped(x, w, ids), a.reps)
+            res["grouped:rel"] = ((out - ref_out).norm() / ref_out.norm()).item()
             if a.fp8:
-                dgu, ddn = dequant()
                 res["dequant"] = timed(dequant, a.reps)
-            else:
-                dgu, ddn = gu, dn
-            gu_t, dn_t = dgu.transpose(1, 2), ddn.transpose(1, 2)
-            out = grouped_mm_moe(x, w, ids, gu_t, dn_t)
-            res["grouped_mm"] = timed(lambda: grouped_mm_moe(x, w, ids, gu_t, dn_t), a.reps)
-            res["grouped_mm:rel"] = ((out - ref_out).norm() / ref_out.norm()).item()
-            xs = x.index_select(0, torch.arange(T * K, device=dev) % T)
-            order, offsets = moe.moe_align(ids, E)
-            res["grouped_mm:gate_up_only"] = timed(
-                lambda: torch._grouped_mm(xs, gu_t, offs=offsets[1:]), a.reps)
         except Exception as e:
-            print(f"T={T} grouped_mm: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"T={T} grouped: {type(e).__name__}: {str(e)[:200]}", flush=True)
         row = {"tokens": T, "pairs": T * K, "gflop": flop / 1e9, "fp8": a.fp8, **res}
         rows.append(row)
         for name, ms in res.items():

@@ -76,16 +76,19 @@ def kernel_path_asked(ec: EngineConfig, device: torch.device) -> bool:
 
 def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
     """GPU bytes the kernel path will allocate after the cache (FP8 dense projections held
-    dequantized, `fast.dense_dequant_bytes`, kb/0026): 0 where it will not run on a GPU (the
+    dequantized, `fast.dense_dequant_bytes`, kb/0026; the grouped prefill experts' scratch and
+    activations, `fast.moe_grouped_reserve_bytes`): 0 where it will not run on a GPU (the
     CPU, --kernels off, no Triton: the plain-path fallback must still start)."""
     from tailored import kernels
 
     if device.type != "cuda" or not kernel_path_asked(ec, device) or \
             kernels.unavailable_reason("cuda", model.lm_head.weight.dtype) is not None:
         return 0
-    from tailored.model.fast import dense_dequant_bytes
+    from tailored.model.fast import dense_dequant_bytes, moe_grouped_reserve_bytes
 
-    return dense_dequant_bytes(model, model.lm_head.weight.dtype)
+    dtype = model.lm_head.weight.dtype
+    return (dense_dequant_bytes(model, dtype)
+            + moe_grouped_reserve_bytes(model, dtype, ec.max_num_batched_tokens))
 
 
 class ModelRunner:

@@ -141,7 +141,8 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
     switches "new": every kernel switch on — the shared expert inside the fused MoE and
     attention splits by batch (kb/0019), both off by default; route_align up to 64 rows
     (kb/0021) and the MoE combine with the next norm (kb/0023), on by default; the GDN step
-    over 4 programs a head (kb/0022; default 2)."""
+    over 4 programs a head (kb/0022; default 2); the grouped-GEMM prefill experts from 64
+    tokens (kb/0031; bf16 activations only, so the fp32 runs keep fused_moe)."""
     from tailored.kernels import attention_decode, gdn_decode, moe
     from tailored.model import fast as fastmod
     from tailored.model.fast import FastPath
@@ -152,6 +153,8 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
         monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)
         monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", True)
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
+        monkeypatch.setattr(fastmod, "MOE_GROUPED", True)
+        monkeypatch.setattr(fastmod, "MOE_GROUPED_FROM", 64)  # both _steps prefills
 
     model = _full4(dtype, precision=precision)
     cfg = model.config

@@ -35,6 +35,7 @@ from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
+from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
@@ -79,6 +80,14 @@ FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
 # -> 272 ms, FP8 321 -> 303; bf16 decode B=1 4.00 -> 3.70 ms; both gates passed with it. Read
 # when FastPath lays the projections out.
 PROJ_ROW_ALIGN = env_int("TAILORED_PROJ_ROW_ALIGN", 64, 1, 256, power_of_2=True)
+# The routed experts of an eager prefill step of at least MOE_GROUPED_FROM tokens through
+# torch's grouped GEMM (kernels/moe_grouped.py, kb/0031): at 8192 tokens an expert has ~256 rows
+# and our Triton expert GEMMs ran at ~100 TFLOP/s where CUTLASS's grouped GEMM ran the same
+# gate_up at ~470 (scripts/bench_moe_prefill.py, session 13). FP8 experts are dequantized into
+# one bf16 scratch first (1.6 GB at full size, reserved: `moe_grouped_reserve_bytes`). Never
+# inside a CUDA graph capture (prefill graphs keep fused_moe). Read at call time (A/B).
+MOE_GROUPED = env_flag("TAILORED_MOE_GROUPED", False)
+MOE_GROUPED_FROM = env_int("TAILORED_MOE_GROUPED_FROM", 2048, 1, 1 << 20)
 
 
 def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
@@ -114,6 +123,22 @@ def dense_dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
                 if len(group) > 1:  # the zero rows of PROJ_ROW_ALIGN
                     n += _pad_rows(sum(m.weight.shape[0] for m in group)) * group[0].weight.shape[1]
     return n * dtype.itemsize
+
+
+def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens: int) -> int:
+    """GPU bytes the MOE_GROUPED path allocates beyond what runner.plan_cache's activation
+    estimate covers: the FP8 experts' bf16 scratch (one layer's gate_up + down, `dtype`) and,
+    per token of the largest step, its k rows of gathered input, gate|up, activation and
+    bf16 output (the fp32 pair terms are fused_moe's too). 0 when the switch is off."""
+    if not MOE_GROUPED or step_tokens < MOE_GROUPED_FROM:
+        return 0
+    cfg = model.config
+    H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    n = step_tokens * k * (H + 2 * I + I + H) * dtype.itemsize
+    ex = model.model.layers[0].mlp.experts
+    if fp8.is_fp8_experts(ex):
+        n += (ex.gate_up_proj.numel() + ex.down_proj.numel()) * dtype.itemsize
+    return n
 
 
 def _pad_rows(rows: int) -> int:
@@ -349,6 +374,7 @@ class FastPath:
         # routed experts + the shared one as expert E (kb/0019; FP8: with block scales)
         self.stacks: dict[int, ExpertStack] = {}
         self.experts: dict[int, tuple] = {}  # FP8 experts: block scales (gate_up, down)
+        self._grouped_scratch: tuple | None = None  # MOE_GROUPED's bf16 FP8 experts
         dq = self.dtype if FP8_DENSE_DEQUANT and model.config.fp8 is not None else None
 
         def single(m, kind):  # one linear's projection
@@ -423,11 +449,30 @@ class FastPath:
         else:
             w, ids = ref.route_topk(r, k)
             aligned = None
-        pairs = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned,
-                          *self.experts.get(i, (None, None)), reduce=False)
+        if (MOE_GROUPED and T >= MOE_GROUPED_FROM and x.dtype == torch.bfloat16
+                and x.is_cuda and not torch.cuda.is_current_stream_capturing()):
+            pairs = self._grouped_experts(i, x, w, ids)
+        else:
+            pairs = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj,
+                              aligned, *self.experts.get(i, (None, None)), reduce=False)
         shared = self.p_down[i](silu_mul(sg, su))
         # Σ_k pairs + sigmoid(seg)·shared in one launch instead of five (kernels/moe_combine.py)
         return moe_combine(pairs, k, seg, shared, norm)
+
+    def _grouped_experts(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+        """Layer i's routed-expert pair terms through `moe_grouped.grouped_experts`; FP8
+        experts are first dequantized into a scratch that every layer reuses."""
+        ex = self.model.model.layers[i].mlp.experts
+        gu, dn = ex.gate_up_proj, ex.down_proj
+        if i in self.experts:
+            if self._grouped_scratch is None:  # reserved at start (moe_grouped_reserve_bytes)
+                self._grouped_scratch = (
+                    torch.empty(gu.shape, dtype=x.dtype, device=x.device),
+                    torch.empty(dn.shape, dtype=x.dtype, device=x.device))
+            s_gu, s_dn = self.experts[i]
+            gu = moe_grouped.dequantize_experts(gu, s_gu, True, out=self._grouped_scratch[0])
+            dn = moe_grouped.dequantize_experts(dn, s_dn, False, out=self._grouped_scratch[1])
+        return moe_grouped.grouped_experts(x, w, ids, gu, dn)
 
     def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
         """x [T, H] normed. dec_rows/dec_slots: device tensors of the decode rows (all rows in
