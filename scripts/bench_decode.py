@@ -71,6 +71,9 @@ VARIANTS = {
     # (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the batched step)
     "moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", True),
     "no_moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", False),
+    # prefill M tiles as before session 13 (32 rows up to 32 an expert, never 128; kb/0031)
+    "old_tiles": lambda: (lambda a, b: lambda: (a(), b()))(
+        _set("kernels.moe", "BM64_ABOVE", 32), _set("kernels.moe", "BM128_ABOVE", 1 << 30)),
 }
 
 

@@ -140,7 +140,7 @@ class ModelRunner:
             log.info("warming up the kernels%s (Triton tunes each new shape unless a saved "
                      "table has it: minutes on a first FP8 start, kb/0020)",
                      " and capturing CUDA graphs" if fast.use_graphs else "")
-            fast.warmup_prefill([min(1024, ec.max_num_batched_tokens), ec.max_num_batched_tokens],
+            fast.warmup_prefill(fast.warmup_lengths(ec.max_num_batched_tokens),
                                 batch_tokens=ec.max_num_batched_tokens)
             if fast.use_graphs:
                 fast.capture()

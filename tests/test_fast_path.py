@@ -360,3 +360,34 @@ def test_warmup_prefill_touches_only_the_sinks(pair):
     assert not torch.equal(conv[:, 0], c0[:, 0])  # it ran
     for t, b in zip((cache.conv, cache.rec, cache.k, cache.v), before):  # module-scoped pair
         t.copy_(b)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_warmup_lengths_reach_every_moe_launch_class(fp8, grouped, monkeypatch):
+    """Every eager prefill of 33..8192 tokens picks a MoE launch class (fused_moe's M tile and,
+    for few-row steps, pair bucket; or the grouped path) that one of the warm-up lengths
+    already picked: nothing is tuned or compiled for a new class inside a served step
+    (kb/0030, kb/0031). Up to 32 rows the decode graphs' warm-up covers them."""
+    from types import SimpleNamespace
+
+    import triton
+
+    from tailored.kernels import moe
+    from tailored.model import fast as fastm
+
+    monkeypatch.setattr(fastm, "MOE_GROUPED", grouped)
+    E, k, bt = 256, 8, 8192
+    fake = SimpleNamespace(cfg=SimpleNamespace(num_experts=E, num_experts_per_tok=k))
+    lengths = fastm.FastPath.warmup_lengths(fake, bt)
+    assert max(lengths) == bt and all(1 < n <= bt for n in lengths)
+
+    def launch_class(T):
+        if grouped and T >= fastm.MOE_GROUPED_FROM:
+            return "grouped"
+        bm = moe._blocks(T * k, E, fp8)[0]
+        return bm, triton.next_power_of_2(T * k) if bm == 16 else 0
+
+    warmed = {launch_class(n) for n in lengths}
+    missing = sorted({launch_class(T) for T in range(33, bt + 1)} - warmed, key=str)
+    assert not missing, missing

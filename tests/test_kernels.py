@@ -36,7 +36,8 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 2, 64, 32), (3, 32, 4, 64, 48), (5, 8, 2, 64, 48),
-                                       (37, 16, 4, 128, 64)])
+                                       (37, 16, 4, 128, 64),
+                                       (203, 8, 2, 64, 48)])  # 50 rows an expert: 128-row tiles
 def test_fused_moe(dtype, T, E, k, H, I):
     """T·k < E (the first two cases): the compact expert grid (kb/0016)."""
     from tailored.kernels.moe import fused_moe

@@ -180,14 +180,27 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
         m0 += BLOCK_M
 
 
-def _blocks(num_pairs: int, num_experts: int):
+# Prefill M tiles by the mean rows an expert gets (scripts/bench_moe_prefill.py on the H200,
+# session 13, kb/0031; routed experts, µs a layer as served → with the larger tile):
+#   1024 tokens (32 rows an expert): 32-row tiles 1030 → 64-row 692 (bf16), 1060 → 853 (FP8);
+#   2048 / 4096 / 8192 tokens, bf16: 64-row 1090 / 1694 / 2895 → 128-row 873 / 1269 / 2104.
+# FP8 lost with 128 rows at every size (1455 / 1915 / 3338 against 1357 / 1858 / 3107): its
+# e4m3 conversion of the weight tiles. Above 16 rows an expert an expert rarely fills two
+# 32-row tiles, and each extra tile re-reads the expert's weights.
+BM64_ABOVE = 16
+BM128_ABOVE = 48  # bf16 experts only
+
+
+def _blocks(num_pairs: int, num_experts: int, fp8: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean number of pairs per expert (the
     fixed choice; on CUDA the autotuned launchers below pick BLOCK_N/BLOCK_K/warps/stages)."""
     per_expert = num_pairs / num_experts
     if per_expert <= 4:  # decode: a handful of rows per expert, memory bound
         return 16, 64, 128, 4
-    if per_expert <= 32:
+    if per_expert <= BM64_ABOVE:
         return 32, 64, 64, 4
+    if per_expert > BM128_ABOVE and not fp8:
+        return 128, 64, 64, 8
     return 64, 128, 64, 8
 
 
@@ -474,7 +487,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     compact = COMPACT_GRID and T * k < E
     experts = (rest[0] if rest else expert_partition(offsets)) if compact else offsets
     grid_e = T * k if compact else E
-    bm, bn, bk, warps = _blocks(T * k, E)
+    bm, bn, bk, warps = _blocks(T * k, E, fp8)
     prec = dot_precision(x.dtype)
     # decode: one tuning per power-of-2 pair count; prefill: one for all sizes (tuning mid-serve
     # would stall a request)

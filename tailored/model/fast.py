@@ -86,8 +86,12 @@ PROJ_ROW_ALIGN = env_int("TAILORED_PROJ_ROW_ALIGN", 64, 1, 256, power_of_2=True)
 # gate_up at ~470 (scripts/bench_moe_prefill.py, session 13). FP8 experts are dequantized into
 # one bf16 scratch first (1.6 GB at full size, reserved: `moe_grouped_reserve_bytes`). Never
 # inside a CUDA graph capture (prefill graphs keep fused_moe). Read at call time (A/B).
-MOE_GROUPED = env_flag("TAILORED_MOE_GROUPED", False)
-MOE_GROUPED_FROM = env_int("TAILORED_MOE_GROUPED_FROM", 2048, 1, 1 << 20)
+# Bench, µs a layer, Triton as served → grouped: 2048 tokens bf16 1090 → 940 (but 128-row
+# Triton tiles 873), FP8 1357 → 1396; 4096: bf16 1694 → 1317 (128-row tiles 1269), FP8 1858
+# → 1672; 8192: bf16 2895 → 1638 (128-row 2104), FP8 3107 → 2059. Hence from 6144 tokens: the
+# c=32 benchmark's prefill waves (~8192-token steps).
+MOE_GROUPED = env_flag("TAILORED_MOE_GROUPED", True)
+MOE_GROUPED_FROM = env_int("TAILORED_MOE_GROUPED_FROM", 6144, 1, 1 << 20)
 
 
 def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
@@ -712,6 +716,24 @@ class FastPath:
         rows_p = h2d(_token_rows([s for j, s in enumerate(batch.seqs) if j not in dec_set]), dev)
         out[rows_p] = hp
         return out
+
+    def warmup_lengths(self, batch_tokens: int) -> list[int]:
+        """Prompt lengths (≤ batch_tokens) whose prefills reach every MoE launch class an
+        eager prefill step can pick: fused_moe's pair-count buckets of few-row steps (33..128
+        tokens: a prompt's last chunk), each prefill M tile (`moe._blocks`: tuned per tile
+        when first seen), the grouped path, 1024 and batch_tokens itself. Session 13's new
+        tiles would otherwise tune inside the first steps that reach them (kb/0031); each
+        length is odd or a multiple of 16 so Triton's integer specializations are met too."""
+        E, k = self.cfg.num_experts, self.cfg.num_experts_per_tok
+
+        def fewest(per_expert):  # fewest tokens with more than per_expert rows an expert
+            return int(per_expert * E / k) + 1
+
+        want = {40, 100, fewest(4), fewest(moe_kernels.BM64_ABOVE),
+                fewest(moe_kernels.BM128_ABOVE), 1024, batch_tokens}
+        if MOE_GROUPED:
+            want.add(MOE_GROUPED_FROM)
+        return sorted(n for n in want if 1 < n <= batch_tokens)
 
     @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def warmup_prefill(self, lengths, batch_tokens: int = 0) -> None:
