@@ -730,7 +730,8 @@ class FastPath:
             return int(per_expert * E / k) + 1
 
         want = {40, 100, fewest(4), fewest(moe_kernels.BM64_ABOVE),
-                fewest(moe_kernels.BM128_ABOVE), 1024, batch_tokens}
+                fewest(moe_kernels.BM64_ABOVE_FP8), fewest(moe_kernels.BM128_ABOVE), 1024,
+                batch_tokens}
         if MOE_GROUPED:
             want.add(MOE_GROUPED_FROM)
         return sorted(n for n in want if 1 < n <= batch_tokens)
