@@ -138,7 +138,7 @@ def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):
     w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
     outs = []
     for bk in (128, 256):
-        monkeypatch.setattr(moe, "_blocks", lambda pairs, experts, bk=bk: (16, 32, bk, 4))
+        monkeypatch.setattr(moe, "_blocks", lambda pairs, experts, fp8=False, bk=bk: (16, 32, bk, 4))
         outs.append(moe.fused_moe(x, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV),
                                   rd.to(DEV), reduce=False))
     assert torch.equal(outs[0], outs[1])
