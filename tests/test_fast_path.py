@@ -365,10 +365,12 @@ def test_warmup_prefill_touches_only_the_sinks(pair):
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_warmup_lengths_reach_every_moe_launch_class(fp8, grouped, monkeypatch):
-    """Every eager prefill of 33..8192 tokens picks a MoE launch class (fused_moe's M tile and,
-    for few-row steps, pair bucket; or the grouped path) that one of the warm-up lengths
-    already picked: nothing is tuned or compiled for a new class inside a served step
-    (kb/0030, kb/0031). Up to 32 rows the decode graphs' warm-up covers them."""
+    """Every prefill of 33..8192 tokens picks a MoE launch class (fused_moe's M tile and, for
+    few-row steps, pair bucket; or, eager from MOE_GROUPED_FROM, the grouped path) that the
+    warm-up already ran: it runs every length through fused_moe (prefill graphs of any size
+    launch it) and the grouped path where it applies, so nothing is tuned or compiled for a
+    new class inside a served step or a graph capture (kb/0030, kb/0031). Up to 32 rows the
+    decode graphs' warm-up covers them."""
     from types import SimpleNamespace
 
     import triton
@@ -382,12 +384,47 @@ def test_warmup_lengths_reach_every_moe_launch_class(fp8, grouped, monkeypatch):
     lengths = fastm.FastPath.warmup_lengths(fake, bt)
     assert max(lengths) == bt and all(1 < n <= bt for n in lengths)
 
-    def launch_class(T):
-        if grouped and T >= fastm.MOE_GROUPED_FROM:
-            return "grouped"
+    def fused_class(T):
         bm = moe._blocks(T * k, E, fp8)[0]
         return bm, triton.next_power_of_2(T * k) if bm == 16 else 0
 
-    warmed = {launch_class(n) for n in lengths}
-    missing = sorted({launch_class(T) for T in range(33, bt + 1)} - warmed, key=str)
+    def classes(T):  # what a prefill of T tokens may launch: graph (fused) or eager
+        return {fused_class(T)} | ({"grouped"} if grouped and T >= fastm.MOE_GROUPED_FROM
+                                   else set())
+
+    warmed = set().union(*(classes(n) for n in lengths))
+    missing = sorted(set().union(*(classes(T) for T in range(33, bt + 1))) - warmed, key=str)
     assert not missing, missing
+
+
+def test_grouped_experts_only_in_eager_steps_past_the_threshold(monkeypatch):
+    """MOE_GROUPED applies to bf16 CUDA inputs of ≥ MOE_GROUPED_FROM rows, never in a prefill
+    graph body or warm-up run (`_moe_fused_only`); the warm-up runs each length through
+    fused_moe and, where an eager step would take them, the grouped experts too (kb/0031)."""
+    from types import SimpleNamespace
+
+    from tailored.model import fast as fastm
+
+    monkeypatch.setattr(fastm, "MOE_GROUPED", True)
+    monkeypatch.setattr(fastm, "MOE_GROUPED_FROM", 6144)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU torch
+    use = fastm.FastPath._use_grouped
+
+    def x(T, dtype=torch.bfloat16, cuda=True):
+        return SimpleNamespace(shape=(T, 2048), dtype=dtype, is_cuda=cuda)
+
+    me = SimpleNamespace(_moe_fused_only=False)
+    assert use(me, x(6144)) and not use(me, x(6143))
+    assert not use(me, x(8192, torch.float32)) and not use(me, x(8192, cuda=False))
+    assert not use(SimpleNamespace(_moe_fused_only=True), x(8192))
+    monkeypatch.setattr(fastm, "MOE_GROUPED", False)
+    assert not use(me, x(8192))
+    monkeypatch.setattr(fastm, "MOE_GROUPED", True)
+
+    runs = []
+    fake = SimpleNamespace(_moe_fused_only=False, device=torch.device("cpu"),
+                           _sink_prefill=lambda lengths: lengths)
+    fake.forward_eager = lambda lengths: runs.append((lengths, fake._moe_fused_only))
+    fastm.FastPath.warmup_prefill(fake, [100, 7000], batch_tokens=0)
+    assert runs == [([100], True), ([7000], True), ([7000], False)]
+    assert fake._moe_fused_only is False

@@ -121,6 +121,7 @@ def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, tiny_f
     model = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.float32)
     load_checkpoint(model, tiny_fp8_ckpt, progress=False)
     monkeypatch.setattr(fast, "FP8_DENSE_DEQUANT", True)
+    monkeypatch.setattr(fast, "MOE_GROUPED", False)  # its own test below
     ec = EngineConfig()
     cuda = torch.device("cuda")
     monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
@@ -133,6 +134,36 @@ def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, tiny_f
     monkeypatch.setattr(fast, "FP8_DENSE_DEQUANT", False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
     assert kernel_path_reserve(model, ec, cuda) == 0
+
+
+def test_kernel_path_reserve_holds_the_grouped_experts_scratch(monkeypatch, tiny_fp8_ckpt):
+    """fast.MOE_GROUPED (kb/0031): the reserve adds, for a step budget that reaches the grouped
+    experts, k rows per token of gathered input, gate|up, activation and output, and for FP8
+    experts one layer's bf16 copy of them; nothing below MOE_GROUPED_FROM or when off."""
+    from tailored import kernels
+    from tailored.config import EngineConfig, ModelConfig
+    from tailored.model import fast
+    from tailored.model.loader import load_checkpoint
+    from tailored.runner import kernel_path_reserve
+    from tailored.synth import build_empty_model
+
+    model = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.float32)
+    load_checkpoint(model, tiny_fp8_ckpt, progress=False)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(fast, "MOE_GROUPED", True)
+    monkeypatch.setattr(fast, "MOE_GROUPED_FROM", 64)
+    cfg, ex = model.config, model.model.layers[0].mlp.experts
+    H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    scratch = (ex.gate_up_proj.numel() + ex.down_proj.numel()) * 2
+    assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == \
+        100 * k * (2 * H + 3 * I) * 2 + scratch
+    assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 63) == 0
+    ec = EngineConfig(max_num_batched_tokens=100)
+    assert kernel_path_reserve(model, ec, torch.device("cuda")) == \
+        fast.dense_dequant_bytes(model, torch.float32) + \
+        fast.moe_grouped_reserve_bytes(model, torch.float32, 100)
+    monkeypatch.setattr(fast, "MOE_GROUPED", False)
+    assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == 0
 
 
 def test_model_runner_hands_the_kernel_paths_reserve_to_plan_cache(monkeypatch, tiny_model):

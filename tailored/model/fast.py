@@ -379,6 +379,10 @@ class FastPath:
         self.stacks: dict[int, ExpertStack] = {}
         self.experts: dict[int, tuple] = {}  # FP8 experts: block scales (gate_up, down)
         self._grouped_scratch: tuple | None = None  # MOE_GROUPED's bf16 FP8 experts
+        # fused_moe even where MOE_GROUPED applies: prefill graph bodies (their eager warm-up
+        # runs must tune what the capture will launch: session 13's gate with grouped experts
+        # from 1024 tokens tuned a new tile inside the capture, which failed) and warm-up runs
+        self._moe_fused_only = False
         dq = self.dtype if FP8_DENSE_DEQUANT and model.config.fp8 is not None else None
 
         def single(m, kind):  # one linear's projection
@@ -453,8 +457,7 @@ class FastPath:
         else:
             w, ids = ref.route_topk(r, k)
             aligned = None
-        if (MOE_GROUPED and T >= MOE_GROUPED_FROM and x.dtype == torch.bfloat16
-                and x.is_cuda and not torch.cuda.is_current_stream_capturing()):
+        if self._use_grouped(x):
             pairs = self._grouped_experts(i, x, w, ids)
         else:
             pairs = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj,
@@ -462,6 +465,13 @@ class FastPath:
         shared = self.p_down[i](silu_mul(sg, su))
         # Σ_k pairs + sigmoid(seg)·shared in one launch instead of five (kernels/moe_combine.py)
         return moe_combine(pairs, k, seg, shared, norm)
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        """Whether this MoE input [T, H] takes the grouped experts (MOE_GROUPED): eager,
+        T ≥ MOE_GROUPED_FROM, bf16 on CUDA, not a prefill graph body or warm-up run."""
+        return (MOE_GROUPED and x.shape[0] >= MOE_GROUPED_FROM and x.dtype == torch.bfloat16
+                and x.is_cuda and not self._moe_fused_only
+                and not torch.cuda.is_current_stream_capturing())
 
     def _grouped_experts(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
         """Layer i's routed-expert pair terms through `moe_grouped.grouped_experts`; FP8
@@ -718,12 +728,12 @@ class FastPath:
         return out
 
     def warmup_lengths(self, batch_tokens: int) -> list[int]:
-        """Prompt lengths (≤ batch_tokens) whose prefills reach every MoE launch class an
-        eager prefill step can pick: fused_moe's pair-count buckets of few-row steps (33..128
-        tokens: a prompt's last chunk), each prefill M tile (`moe._blocks`: tuned per tile
-        when first seen), the grouped path, 1024 and batch_tokens itself. Session 13's new
-        tiles would otherwise tune inside the first steps that reach them (kb/0031); each
-        length is odd or a multiple of 16 so Triton's integer specializations are met too."""
+        """Prompt lengths (≤ batch_tokens) whose prefills reach every MoE launch class a
+        prefill can pick: fused_moe's pair-count buckets of few-row steps (33..128 tokens: a
+        prompt's last chunk), each prefill M tile (`moe._blocks`: tuned per tile when first
+        seen; `warmup_prefill` runs every length through fused_moe, as a prefill graph of that
+        size would), the grouped path, 1024 and batch_tokens itself. Session 13's new tiles
+        would otherwise tune inside the first steps that reach them (kb/0031)."""
         E, k = self.cfg.num_experts, self.cfg.num_experts_per_tok
 
         def fewest(per_expert):  # fewest tokens with more than per_expert rows an expert
@@ -746,7 +756,15 @@ class FastPath:
         lengths only reach the first two (session 12, kb/0030: a cold bf16 server compiled
         inside its first mixed steps, ~3 s of a c=32 benchmark)."""
         for n in sorted(set(int(x) for x in lengths if x > 1)):
-            self.forward_eager(self._sink_prefill([n]))
+            # every length through fused_moe (a prefill graph of that size would launch it),
+            # and through the grouped experts too where an eager step would take them
+            self._moe_fused_only = True
+            try:
+                self.forward_eager(self._sink_prefill([n]))
+            finally:
+                self._moe_fused_only = False
+            if MOE_GROUPED and n >= MOE_GROUPED_FROM:
+                self.forward_eager(self._sink_prefill([n]))
         if batch_tokens > 4:
             m = min(int(batch_tokens), 1024)
             a, b = m // 2, m // 4
@@ -1011,10 +1029,13 @@ class FastPath:
         st["slot"].zero_()
         st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
         failed = None
+        self._moe_fused_only = True  # the bodies' warm-up and capture launch the same MoE
         try:
             self._capture_into(self.prefill_graphs, sizes, self._prefill_body)
         except Exception as e:  # noqa: BLE001 - serving continues with eager prefill
             failed = f"{type(e).__name__}: {e}"
+        finally:
+            self._moe_fused_only = False
         if failed is not None:
             # after the except block: inside it the exception being handled still holds the
             # failed warm-up's frames (and tensors) through its traceback; those frames form a
