@@ -112,6 +112,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
+    from tailored.kernels import moe_grouped
     from tailored.kernels.moe import fused_moe, route_align
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.norm import add_rms_norm_1p
@@ -156,6 +157,25 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             if T == 1:  # FP8 weight -> activation dtype for the prefill GEMMs (kb/0026)
                 calls.append(lambda wl=wl, dt=dt: dequantize_rows(
                     wl, torch.ones(1024, H // 128), dtype=dt))
+        # the grouped prefill experts' kernels (kb/0031): weighted unsort, expert dequant,
+        # the combine gathering expert-sorted outputs; fused_moe's 128-row bf16 tiles
+        T, P = 40, 40 * K
+        rows, w40 = torch.arange(P, dtype=torch.int32), torch.rand(40, K, dtype=dt)
+        calls.append(lambda rows=rows, w40=w40, dt=dt: moe_grouped.unsort_weighted(
+            torch.zeros(P, H, dtype=dt), rows, w40))
+        calls.append(lambda rows=rows, w40=w40, dt=dt: moe_combine(
+            torch.zeros(P, H, dtype=dt), K, torch.zeros(40, 1, dtype=dt),
+            torch.zeros(40, H, dtype=dt), (torch.zeros(40, H, dtype=dt), torch.zeros(H, dtype=dt),
+                                           1e-6), rows=rows, weights=w40))
+        for gate_up, (n, kk) in ((True, (2 * I, H)), (False, (H, I))):
+            calls.append(lambda gate_up=gate_up, n=n, kk=kk, dt=dt: moe_grouped.dequantize_experts(
+                torch.zeros(2, n, kk, dtype=f8), torch.ones(2, n // 128, kk // 128), gate_up,
+                dtype=dt))
+        if dt == torch.bfloat16:
+            calls.append(lambda dt=dt: fused_moe(
+                torch.randn(1600, H, dtype=dt), torch.rand(1600, K, dtype=dt),
+                torch.randint(0, E, (1600, K)), torch.zeros(E, 2 * I, H, dtype=dt),
+                torch.zeros(E, H, I, dtype=dt)))
         for T in (1, 32):  # one program; top-k programs + the sorting align (kb/0021)
             rl = torch.randn(T, E + 1, dtype=dt)
             calls.append(lambda rl=rl: route_align(rl[:, :E], K))
@@ -209,7 +229,8 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
            "_conv_prefill_kernel", "_conv_state_kernel",
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
-           "_gated_norm_kernel", "_dequant_kernel"}
+           "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
+           "_dequant_experts_kernel"}
 
 
 def _compile(recs) -> list[dict]:

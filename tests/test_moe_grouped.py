@@ -119,3 +119,37 @@ def test_dequantize_experts_refuses_bad_input():
     with pytest.raises(ValueError):
         moe_grouped.dequantize_experts(q, s, gate_up=False,
                                        out=torch.empty(2, 128, 64, device=DEV))
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_combine_gathering_sorted_outputs_is_bitwise_the_unsorted_path(with_norm):
+    """moe_combine(y, ..., rows=, weights=) over expert-sorted outputs equals, bit for bit,
+    unsort_weighted then moe_combine: the same fp32 products, summed in the same order
+    (kb/0031), with and without the next norm."""
+    from tailored.kernels.moe_combine import moe_combine
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    bf = torch.bfloat16
+    T, E, k, H, I = 21, 16, 4, 64, 32
+    x = torch.randn(T, H, device=DEV, generator=g).to(bf)
+    gate_up = (torch.randn(E, 2 * I, H, device=DEV, generator=g) * H ** -0.5).to(bf)
+    down = (torch.randn(E, H, I, device=DEV, generator=g) * I ** -0.5).to(bf)
+    ids = torch.rand(T, E, device=DEV, generator=g).topk(k, dim=1).indices
+    w = torch.rand(T, k, device=DEV, generator=g).to(bf)
+    seg = torch.randn(T, 1, device=DEV, generator=g).to(bf)
+    shared = torch.randn(T, H, device=DEV, generator=g).to(bf)
+    norm = ((torch.randn(T, H, device=DEV, generator=g).to(bf),
+             torch.randn(H, device=DEV, generator=g).to(bf), 1e-6) if with_norm else None)
+    want = moe_combine(moe_grouped.grouped_experts(x, w, ids, gate_up, down), k, seg, shared,
+                       norm)
+    y, rows = moe_grouped.grouped_experts_sorted(x, w, ids, gate_up, down)
+    assert y.dtype == bf and rows.shape == (T * k,)
+    got = moe_combine(y, k, seg, shared, norm, rows=rows, weights=w)
+    for a, b in zip(got if with_norm else [got], want if with_norm else [want]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        moe_combine(y, k, seg, shared, rows=rows)  # weights missing
+    with pytest.raises(ValueError):
+        moe_combine(y, k, seg, shared, rows=rows[:-1], weights=w)
+    with pytest.raises(ValueError):
+        moe_combine(y, k, seg, shared)  # bf16 pairs without rows

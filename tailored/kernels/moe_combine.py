@@ -56,10 +56,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, H, eps,
-                        stride_s, stride_sh, stride_o, stride_r, stride_ro,
+def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
+                        rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
                         K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr,
-                        NORM: tl.constexpr,
+                        NORM: tl.constexpr, GATHER: tl.constexpr = False,
                         PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
@@ -70,7 +70,12 @@ def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_
     S: tl.constexpr = K + 1 if FOLDED else K  # pair rows per token
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
-        acc += tl.load(p_ptr + (t * S + j) * H + c, mask=ok, other=0.0)
+        if GATHER:  # pair t·K + j is row rows[t·K + j] of expert-sorted, unweighted outputs
+            r = tl.load(rows_ptr + t * K + j).to(tl.int64)
+            w = tl.load(rw_ptr + t * K + j).to(tl.float32)
+            acc += tl.load(p_ptr + r * H + c, mask=ok, other=0.0).to(tl.float32) * w
+        else:
+            acc += tl.load(p_ptr + (t * S + j) * H + c, mask=ok, other=0.0)
     routed = acc.to(dt).to(tl.float32)
     if FOLDED:  # the shared expert's weighted term is the token's last pair row
         shared = tl.load(p_ptr + (t * S + K) * H + c, mask=ok, other=0.0).to(dt).to(tl.float32)
@@ -92,8 +97,9 @@ def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_
         tl.store(out_ptr + t * stride_o + c, y, mask=ok)
 
 
-def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm):
-    """Shared launcher: out [T, H] (and the new residual with norm = (res, weight, eps))."""
+def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm, rows=None, weights=None):
+    """Shared launcher: out [T, H] (and the new residual with norm = (res, weight, eps));
+    rows/weights: pairs are expert-sorted unweighted outputs gathered by rows."""
     out = torch.empty(T, H, dtype=dtype, device=pairs.device)
     res_out = torch.empty(T, H, dtype=dtype, device=pairs.device) if norm else out
     if T == 0:
@@ -105,30 +111,45 @@ def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm):
                  or w.shape != (H,)):
         raise ValueError(f"moe_combine: residual{tuple(res.shape)} {res.dtype} weight"
                          f"{tuple(w.shape)} for [{T}, {H}] {dtype}")
+    gather = rows is not None
     _moe_combine_kernel[(T, triton.cdiv(H, block))](
-        pairs, seg, shared, out, res, res_out, w, H, eps, seg.stride(0), shared.stride(0),
+        pairs, seg, shared, out, res, res_out, w, rows if gather else out,
+        weights if gather else out, H, eps, seg.stride(0), shared.stride(0),
         out.stride(0), res.stride(0), res_out.stride(0), K=k, BLOCK=block, FOLDED=folded,
-        NORM=bool(norm), num_warps=8 if block >= 2048 else 4,
+        NORM=bool(norm), GATHER=gather, num_warps=8 if block >= 2048 else 4,
         enable_fp_fusion=False, **pdl_launch(out))  # no FMA: keep each rounding
     return (res_out, out) if norm else out
 
 
 def moe_combine(pairs: torch.Tensor, k: int, shared_gate: torch.Tensor,
-                shared: torch.Tensor, norm: tuple | None = None):
+                shared: torch.Tensor, norm: tuple | None = None, *,
+                rows: torch.Tensor | None = None, weights: torch.Tensor | None = None):
     """Σ_k pairs + sigmoid(shared_gate) · shared, with the reference's roundings.
 
     pairs: [T·k, H] fp32 contiguous (`fused_moe(..., reduce=False)`); shared_gate: [T, 1] logits
     (row stride free); shared: [T, H] (unit column stride). Returns [T, H] in shared.dtype.
     norm = (residual [T, H], weight [H], eps): also the next layer's input in the same launch,
     as `add_rms_norm_1p(residual, moe_out, weight, eps)` computes it; returns (residual +
-    moe_out, its zero-centred RMSNorm) instead (kb/0023). Raises ValueError on bad shapes.
+    moe_out, its zero-centred RMSNorm) instead (kb/0023).
+    rows [T·k] int32/int64 and weights [T, k]: pairs are instead the experts' unweighted
+    outputs in expert-sorted order ([T·k, H], any float dtype, contiguous:
+    `moe_grouped.grouped_experts_sorted`), pair t·k + j being row rows[t·k + j], weighted here:
+    bitwise what `moe_grouped.unsort_weighted` then this combine give, without the fp32
+    [T·k, H] copy between them (kb/0031). Raises ValueError on bad shapes.
     """
     T, H = shared.shape
-    if (pairs.shape != (T * k, H) or pairs.dtype != torch.float32 or not pairs.is_contiguous()
-            or shared_gate.shape != (T, 1) or shared.stride(1) != 1):
+    gather = rows is not None or weights is not None
+    if (pairs.shape != (T * k, H) or not pairs.is_contiguous()
+            or (pairs.dtype != torch.float32 and not gather)
+            or shared_gate.shape != (T, 1) or shared.stride(1) != 1
+            or (gather and (rows is None or weights is None or rows.shape != (T * k,)
+                            or weights.shape != (T, k) or not weights.is_contiguous()))):
         raise ValueError(f"moe_combine: pairs{tuple(pairs.shape)} {pairs.dtype} k={k} "
-                         f"shared_gate{tuple(shared_gate.shape)} shared{tuple(shared.shape)}")
-    return _launch(pairs, k, shared_gate, shared, T, H, shared.dtype, False, norm)
+                         f"shared_gate{tuple(shared_gate.shape)} shared{tuple(shared.shape)}"
+                         + (f" rows{tuple(rows.shape) if rows is not None else None} weights"
+                            f"{tuple(weights.shape) if weights is not None else None}"
+                            if gather else ""))
+    return _launch(pairs, k, shared_gate, shared, T, H, shared.dtype, False, norm, rows, weights)
 
 
 def moe_combine_folded(pairs: torch.Tensor, k: int, dtype: torch.dtype,

@@ -145,6 +145,24 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     to bf16 rounding). Raises ValueError on mismatched shapes or a non-bf16 operand (the CUDA
     grouped GEMM is bf16 only).
     """
+    y, order = _sorted_outputs(x, weights, ids, gate_up, down)
+    return unsort_weighted(y, order, weights)
+
+
+def grouped_experts_sorted(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                           gate_up: torch.Tensor, down: torch.Tensor):
+    """`grouped_experts` without its unsort: (y [T·k, H] bf16, the experts' unweighted outputs
+    in expert-sorted order; rows [T·k] int32, pair p = token·k + slot being row rows[p]), for
+    `moe_combine(y, k, ..., rows=rows, weights=weights)` to weight and sum in one pass. Same
+    arguments and errors as `grouped_experts`."""
+    y, order = _sorted_outputs(x, weights, ids, gate_up, down)
+    rows = torch.empty_like(order)
+    rows[order.long()] = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    return y, rows
+
+
+def _sorted_outputs(x, weights, ids, gate_up, down):
+    """(y [P, H] bf16 in expert-sorted order, order [P] int32) of the grouped GEMMs."""
     T, H = x.shape
     E, two_i, H2 = gate_up.shape
     I = two_i // 2
@@ -160,5 +178,4 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     xs = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
     h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)
     act = silu_mul(h[:, :I], h[:, I:])
-    y = torch._grouped_mm(act, down.transpose(1, 2), offs=ends)
-    return unsort_weighted(y, order, weights)
+    return torch._grouped_mm(act, down.transpose(1, 2), offs=ends), order

@@ -133,7 +133,8 @@ def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens:
     """GPU bytes the MOE_GROUPED path allocates beyond what runner.plan_cache's activation
     estimate covers: the FP8 experts' bf16 scratch (one layer's gate_up + down, `dtype`) and,
     per token of the largest step, its k rows of gathered input, gate|up, activation and
-    bf16 output (the fp32 pair terms are fused_moe's too). 0 when the switch is off."""
+    bf16 output (the estimate's fp32 pair terms, fused_moe's, are not allocated on this path:
+    conservative). 0 when the switch is off."""
     if not MOE_GROUPED or step_tokens < MOE_GROUPED_FROM:
         return 0
     cfg = model.config
@@ -458,10 +459,12 @@ class FastPath:
             w, ids = ref.route_topk(r, k)
             aligned = None
         if self._use_grouped(x):
-            pairs = self._grouped_experts(i, x, w, ids)
-        else:
-            pairs = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj,
-                              aligned, *self.experts.get(i, (None, None)), reduce=False)
+            # expert-sorted outputs, weighted and summed by the combine's gather (kb/0031)
+            y, rows = self._grouped_experts(i, x, w, ids)
+            shared = self.p_down[i](silu_mul(sg, su))
+            return moe_combine(y, k, seg, shared, norm, rows=rows, weights=w.contiguous())
+        pairs = fused_moe(x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, aligned,
+                          *self.experts.get(i, (None, None)), reduce=False)
         shared = self.p_down[i](silu_mul(sg, su))
         # Σ_k pairs + sigmoid(seg)·shared in one launch instead of five (kernels/moe_combine.py)
         return moe_combine(pairs, k, seg, shared, norm)
@@ -474,8 +477,9 @@ class FastPath:
                 and not torch.cuda.is_current_stream_capturing())
 
     def _grouped_experts(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
-        """Layer i's routed-expert pair terms through `moe_grouped.grouped_experts`; FP8
-        experts are first dequantized into a scratch that every layer reuses."""
+        """Layer i's routed experts through `moe_grouped.grouped_experts_sorted`: (outputs in
+        expert-sorted order, each pair's row); FP8 experts are first dequantized into a
+        scratch that every layer reuses."""
         ex = self.model.model.layers[i].mlp.experts
         gu, dn = ex.gate_up_proj, ex.down_proj
         if i in self.experts:
@@ -486,7 +490,7 @@ class FastPath:
             s_gu, s_dn = self.experts[i]
             gu = moe_grouped.dequantize_experts(gu, s_gu, True, out=self._grouped_scratch[0])
             dn = moe_grouped.dequantize_experts(dn, s_dn, False, out=self._grouped_scratch[1])
-        return moe_grouped.grouped_experts(x, w, ids, gu, dn)
+        return moe_grouped.grouped_experts_sorted(x, w, ids, gu, dn)
 
     def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
         """x [T, H] normed. dec_rows/dec_slots: device tensors of the decode rows (all rows in
