@@ -67,8 +67,9 @@ VARIANTS = {
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; decode and
     # prefill: also a --prefill-variants one)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),
-    # routed experts of eager prefill steps of >= 2048 tokens through torch's grouped GEMM
-    # (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the batched step)
+    # routed experts of eager prefill steps of >= fast.MOE_GROUPED_FROM (6144) tokens through
+    # torch's grouped GEMM (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the
+    # batched step). Turned on after start it allocates the FP8 scratch outside the reserve.
     "moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", True),
     "no_moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", False),
     # prefill M tiles as before session 13 (32 rows up to 32 an expert, never 128; kb/0031)

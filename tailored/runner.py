@@ -33,7 +33,8 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     max_model_len (+1 pad page), limited by memory: on the GPU the free memory after weights
     times gpu_memory_utilization's share, on the CPU CPU_CACHE_BYTES. Raises RuntimeError when
     not even one max_model_len request fits. reserve_bytes: GPU memory the kernel path will
-    allocate after the cache (fast.dense_dequant_bytes), kept out of the budget.
+    allocate after the cache (`kernel_path_reserve`: fast.dense_dequant_bytes and
+    fast.moe_grouped_reserve_bytes), kept out of the budget.
     """
     num_slots = ec.max_num_seqs + 1
     per_page = HybridCache.bytes_per_page(cfg, ec.page_size, dtype)

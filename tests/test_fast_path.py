@@ -380,7 +380,8 @@ def test_warmup_lengths_reach_every_moe_launch_class(fp8, grouped, monkeypatch):
 
     monkeypatch.setattr(fastm, "MOE_GROUPED", grouped)
     E, k, bt = 256, 8, 8192
-    fake = SimpleNamespace(cfg=SimpleNamespace(num_experts=E, num_experts_per_tok=k))
+    fake = SimpleNamespace(cfg=SimpleNamespace(num_experts=E, num_experts_per_tok=k),
+                           dtype=torch.bfloat16, device=torch.device("cuda"))
     lengths = fastm.FastPath.warmup_lengths(fake, bt)
     assert max(lengths) == bt and all(1 < n <= bt for n in lengths)
 
@@ -399,8 +400,9 @@ def test_warmup_lengths_reach_every_moe_launch_class(fp8, grouped, monkeypatch):
 
 def test_grouped_experts_only_in_eager_steps_past_the_threshold(monkeypatch):
     """MOE_GROUPED applies to bf16 CUDA inputs of ≥ MOE_GROUPED_FROM rows, never in a prefill
-    graph body or warm-up run (`_moe_fused_only`); the warm-up runs each length through
-    fused_moe and, where an eager step would take them, the grouped experts too (kb/0031)."""
+    graph body, a warm-up run (`_moe_fused_only`) or a capture; the warm-up runs each length
+    through fused_moe and, where an eager step would take them, the grouped experts too
+    (kb/0031)."""
     from types import SimpleNamespace
 
     from tailored.model import fast as fastm
@@ -411,7 +413,8 @@ def test_grouped_experts_only_in_eager_steps_past_the_threshold(monkeypatch):
     use = fastm.FastPath._use_grouped
 
     def x(T, dtype=torch.bfloat16, cuda=True):
-        return SimpleNamespace(shape=(T, 2048), dtype=dtype, is_cuda=cuda)
+        return SimpleNamespace(shape=(T, 2048), dtype=dtype,
+                               device=torch.device("cuda" if cuda else "cpu"))
 
     me = SimpleNamespace(_moe_fused_only=False)
     assert use(me, x(6144)) and not use(me, x(6143))
@@ -421,10 +424,41 @@ def test_grouped_experts_only_in_eager_steps_past_the_threshold(monkeypatch):
     assert not use(me, x(8192))
     monkeypatch.setattr(fastm, "MOE_GROUPED", True)
 
-    runs = []
-    fake = SimpleNamespace(_moe_fused_only=False, device=torch.device("cpu"),
-                           _sink_prefill=lambda lengths: lengths)
-    fake.forward_eager = lambda lengths: runs.append((lengths, fake._moe_fused_only))
-    fastm.FastPath.warmup_prefill(fake, [100, 7000], batch_tokens=0)
-    assert runs == [([100], True), ([7000], True), ([7000], False)]
-    assert fake._moe_fused_only is False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not use(me, x(8192))  # inside a capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    # the warm-up: a CUDA bf16 model runs 7000 tokens twice, an fp32 one once (no grouped path)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    for dtype, want in ((torch.bfloat16, [([100], True), ([7000], True), ([7000], False)]),
+                        (torch.float32, [([100], True), ([7000], True)])):
+        runs = []
+        fake = SimpleNamespace(_moe_fused_only=False, device=torch.device("cuda"), dtype=dtype,
+                               _sink_prefill=lambda lengths: lengths)
+        fake.forward_eager = lambda lengths, f=fake: runs.append((lengths, f._moe_fused_only))
+        fastm.FastPath.warmup_prefill(fake, [100, 7000], batch_tokens=0)
+        assert runs == want and fake._moe_fused_only is False
+
+
+def test_prefill_graph_capture_launches_fused_moe_only(monkeypatch):
+    """capture_prefill sets `_moe_fused_only` for the bodies' warm-up runs and capture (the
+    session-13 bf16 gate tuned a new tile inside the capture when they took the grouped path,
+    kb/0031), and resets it when the capture fails."""
+    from types import SimpleNamespace
+
+    from tailored.model import fast as fastm
+
+    seen = []
+
+    def capture_into(graphs, sizes, body):
+        seen.append(fake._moe_fused_only)
+        raise RuntimeError("capture failed")
+
+    st = {k: torch.zeros(2, dtype=torch.long) for k in ("valid", "kv", "slot")}
+    st["state_meta"] = torch.zeros(4, 1, dtype=torch.long)
+    fake = SimpleNamespace(use_graphs=True, _pstatic=st, prefill_graphs={}, _moe_fused_only=False,
+                           _capture_into=capture_into, _prefill_body=None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    fastm.FastPath.capture_prefill(fake, 256, buckets=[128, 256])
+    assert seen == [True] and fake._moe_fused_only is False and fake.prefill_graphs == {}

@@ -37,6 +37,7 @@ def rel_err(a, b):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 2, 64, 32), (3, 32, 4, 64, 48), (5, 8, 2, 64, 48),
                                        (37, 16, 4, 128, 64),
+                                       (100, 8, 2, 64, 48),  # 25 rows an expert: 64-row tiles
                                        (203, 8, 2, 64, 48)])  # 50 rows an expert: 128-row tiles
 def test_fused_moe(dtype, T, E, k, H, I):
     """T·k < E (the first two cases): the compact expert grid (kb/0016)."""
@@ -66,7 +67,8 @@ def _fp8_experts(E, H, I, g):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 2, 64, 32), (5, 8, 2, 200, 48),
-                                       (37, 16, 4, 256, 160), (3, 256, 8, 2048, 512)])
+                                       (37, 16, 4, 256, 160), (3, 256, 8, 2048, 512),
+                                       (150, 8, 2, 128, 48)])  # 37 rows an expert: 64-row tiles
 def test_fused_moe_fp8(dtype, T, E, k, H, I):
     """Block-FP8 experts (W8A16) against the reference over the dequantized weights; sizes off
     the 128 grid so that partial scale blocks and the gate/up split inside a block show."""

@@ -158,10 +158,15 @@ def test_kernel_path_reserve_holds_the_grouped_experts_scratch(monkeypatch, tiny
     assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == \
         100 * k * (2 * H + 3 * I) * 2 + scratch
     assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 63) == 0
+    # the path is bf16 only: an fp32 model reserves nothing for it
+    assert fast.moe_grouped_reserve_bytes(model, torch.float32, 100) == 0
     ec = EngineConfig(max_num_batched_tokens=100)
     assert kernel_path_reserve(model, ec, torch.device("cuda")) == \
-        fast.dense_dequant_bytes(model, torch.float32) + \
-        fast.moe_grouped_reserve_bytes(model, torch.float32, 100)
+        fast.dense_dequant_bytes(model, torch.float32)
+    bf = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.bfloat16)
+    assert kernel_path_reserve(bf, ec, torch.device("cuda")) == \
+        fast.dense_dequant_bytes(bf, torch.bfloat16) + \
+        fast.moe_grouped_reserve_bytes(bf, torch.bfloat16, 100)
     monkeypatch.setattr(fast, "MOE_GROUPED", False)
     assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == 0
 

@@ -185,8 +185,9 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
 #   1024 tokens (32 rows an expert): 32-row tiles 1030 → 64-row 692 (bf16), 1060 → 853 (FP8);
 #   2048 / 4096 / 8192 tokens, bf16: 64-row 1090 / 1694 / 2895 → 128-row 873 / 1269 / 2104.
 # FP8 lost with 128 rows at every size (1455 / 1915 / 3338 against 1357 / 1858 / 3107): its
-# e4m3 conversion of the weight tiles. Above 16 rows an expert an expert rarely fills two
-# 32-row tiles, and each extra tile re-reads the expert's weights. In the model (one process,
+# e4m3 conversion of the weight tiles. Why 64 rows from 16 an expert: each M tile of an
+# expert re-reads that expert's weights, and with 16-32 rows an expert many experts need two
+# 32-row tiles but only one 64-row tile. In the model (one process,
 # prefill graph of 1024 tokens) bf16 went 45.5 -> 39.8 ms, but FP8 43.8 -> 46.2: its tuned
 # 64-row config is not the bench's fixed one, so FP8 keeps 32-row tiles up to 32 rows.
 BM64_ABOVE = 16  # bf16 experts
@@ -225,8 +226,10 @@ def _tuned(kernel, decode: bool, fp8: bool = False):
         cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64, "KB": 64}, num_warps=w,
                               num_stages=3)
                 for bn in (64, 128) for w in (4, 8)]
-        # shared memory per stage of gate_up (BLOCK_M ≤ 64, two weight tiles): 48 KB at
-        # BLOCK_N 64, 80 KB at 128 → at most 4 resp. 2 stages in the H200's 228 KB
+        # shared memory per stage of gate_up (BLOCK_M = 64, two weight tiles): 48 KB at
+        # BLOCK_N 64, 80 KB at 128 → at most 4 resp. 2 stages in the H200's 228 KB. With
+        # 128-row tiles (bf16, session 13) the 4-stage one needs ~256 KB: it fails to compile
+        # and the tuner skips it (Triton's autotuner times out-of-resources configs as inf)
         cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "KB": 128}, num_warps=w,
                                num_stages=st)
                  for bn, w, st in ((64, 4, 4), (64, 8, 3), (128, 8, 2))]

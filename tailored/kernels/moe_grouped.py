@@ -17,8 +17,12 @@ calls and silu · up in bf16), where `fused_moe` keeps gate/up in fp32 until the
 Block-FP8 experts are first dequantized to bf16 (`dequantize_experts`, q · scale rounded once:
 `fp8.dequantize_block`), the reference's "FP8 weights dequantized" semantics.
 
-The model takes this path in eager prefill steps only, never inside a CUDA graph capture. Tests: tests/test_moe_grouped.py (CPU: the torch fallback of grouped_mm and the interpreter),
-tests/test_gpu.py (against fused_moe and the reference on the H200).
+The model takes this path in eager prefill steps only, never inside a CUDA graph capture
+(`fast.grouped_applies`). On sm90/sm100 torch's grouped GEMM reads the group offsets on the
+device; elsewhere it falls back to a loop that copies them to the host per GEMM (slow, not
+capture-safe), so the path is for the H200. Tests: tests/test_moe_grouped.py (CPU: torch's
+CPU grouped_mm and the interpreter; the same file on the H200), tests/test_gpu.py (the fast
+path with it against the plain path).
 """
 
 from __future__ import annotations
@@ -27,12 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tailored.kernels.fp8_linear import SCALE_BLOCK
 from tailored.kernels.moe import moe_align
 from tailored.kernels.moe_combine import silu_mul
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
-
-SCALE_BLOCK = 128  # block-FP8 scale tiles are 128 x 128 (spec §9.1)
 
 
 def available() -> bool:
@@ -64,9 +67,12 @@ def unsort_weighted(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor)
     `moe_combine`. Raises ValueError on mismatched shapes.
     """
     P, H = y.shape
-    if order.shape != (P,) or weights.numel() != P or y.stride(1) != 1:
+    if (order.shape != (P,) or weights.numel() != P or y.stride(1) != 1
+            or order.dtype not in (torch.int32, torch.int64)
+            or order.device != y.device or weights.device != y.device):
         raise ValueError(f"unsort_weighted: y{tuple(y.shape)} {y.stride()} order"
-                         f"{tuple(order.shape)} weights{tuple(weights.shape)}")
+                         f"{tuple(order.shape)} {order.dtype} weights{tuple(weights.shape)}: "
+                         "need int order [P] and weights of P values on y's device")
     out = torch.empty(P, H, dtype=torch.float32, device=y.device)
     if P == 0:
         return out
@@ -77,6 +83,9 @@ def unsort_weighted(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor)
     return out
 
 
+# Not fp8_dequant's kernel: that one reads per-row scales (its fused dense parts break the
+# 128-row block grid), while experts keep the checkpoint's block scales (kb/0027), here with
+# the gate/up halves' own block rows.
 @triton.jit
 def _dequant_experts_kernel(q_ptr, s_ptr, out_ptr, N, K, SPLIT, NB_SPLIT,
                             stride_qe, stride_qn, stride_se, stride_sn, stride_oe, stride_on,
@@ -109,7 +118,8 @@ def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, gate_up: bool,
     q: [E, N, K] float8_e4m3fn contiguous; scale: the MoE kernels' block scales
     (`fp8.expert_block_scales`): gate_up [E, 2·ceil(I/128), ceil(K/128)] with N = 2I (gate
     blocks, then up blocks), down [E, ceil(N/128), ceil(K/128)]. out: [E, N, K] contiguous
-    scratch of `dtype` to write into (else allocated). Returns out.
+    float scratch on q's device to write into (its dtype wins over `dtype`; else allocated in
+    `dtype`). Returns out.
     Raises ValueError on mismatched shapes, dtypes or layouts."""
     E, N, K = q.shape
     nbk = triton.cdiv(K, SCALE_BLOCK)
@@ -123,8 +133,10 @@ def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, gate_up: bool,
                          f"contiguous and fp32 block scales {want}")
     if out is None:
         out = torch.empty(E, N, K, dtype=dtype, device=q.device)
-    if out.shape != q.shape or not out.is_contiguous():
-        raise ValueError(f"dequantize_experts: out{tuple(out.shape)} for q{tuple(q.shape)}")
+    if out.shape != q.shape or not out.is_contiguous() or out.device != q.device \
+            or not out.dtype.is_floating_point or out.dtype == torch.float8_e4m3fn:
+        raise ValueError(f"dequantize_experts: out{tuple(out.shape)} {out.dtype} on "
+                         f"{out.device} for q{tuple(q.shape)} on {q.device}")
     if E and N and K:
         bn, bk = 64, min(128, max(16, triton.next_power_of_2(K)))
         _dequant_experts_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk), E)](
@@ -138,9 +150,10 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The weighted routed-expert terms of every (token, slot) pair, through torch._grouped_mm.
 
-    x: [T, H] bf16 (unit column stride); weights: [T, k] routing weights; ids: [T, k] int64
-    expert ids in 0..E-1; gate_up: [E, 2I, H] bf16 (gate rows first); down: [E, H, I] bf16
-    (FP8 experts: `dequantize_experts` first). Returns [T·k, H] fp32 in (token, slot) order,
+    x: [T, H] bf16; weights: [T, k] routing weights; ids: [T, k] int64 expert ids in
+    0..E-1; gate_up: [E, 2I, H] bf16 (gate rows first); down: [E, H, I] bf16 (FP8 experts:
+    `dequantize_experts` first); H and I multiples of 8 (grouped_mm's 16-byte strides: torch
+    raises RuntimeError otherwise). Returns [T·k, H] fp32 in (token, slot) order,
     `fused_moe(..., reduce=False)`'s contract (the sum over slots equals `ref.moe_experts` up
     to bf16 rounding). Raises ValueError on mismatched shapes or a non-bf16 operand (the CUDA
     grouped GEMM is bf16 only).

@@ -94,6 +94,14 @@ MOE_GROUPED = env_flag("TAILORED_MOE_GROUPED", True)
 MOE_GROUPED_FROM = env_int("TAILORED_MOE_GROUPED_FROM", 6144, 1, 1 << 20)
 
 
+def grouped_applies(tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an eager MoE input of `tokens` rows in `dtype` on `device` takes the grouped
+    experts: the switch, the threshold, bf16 (the CUDA grouped GEMM's only dtype) on CUDA.
+    One rule for the forward (`FastPath._use_grouped`), the warm-up and the memory reserve."""
+    return (MOE_GROUPED and tokens >= MOE_GROUPED_FROM and dtype == torch.bfloat16
+            and device.type == "cuda")
+
+
 def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
     """The kernel path's GEMM groups of one decoder layer: (input projections sharing the
     normed input: GDN qkv|z|b|a or attention q|k|v, the mixer's output projection, router|
@@ -135,7 +143,7 @@ def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens:
     per token of the largest step, its k rows of gathered input, gate|up, activation and
     bf16 output (the estimate's fp32 pair terms, fused_moe's, are not allocated on this path:
     conservative). 0 when the switch is off."""
-    if not MOE_GROUPED or step_tokens < MOE_GROUPED_FROM:
+    if not grouped_applies(step_tokens, dtype, torch.device("cuda")):  # a CUDA-only reserve
         return 0
     cfg = model.config
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
@@ -472,8 +480,7 @@ class FastPath:
     def _use_grouped(self, x: torch.Tensor) -> bool:
         """Whether this MoE input [T, H] takes the grouped experts (MOE_GROUPED): eager,
         T ≥ MOE_GROUPED_FROM, bf16 on CUDA, not a prefill graph body or warm-up run."""
-        return (MOE_GROUPED and x.shape[0] >= MOE_GROUPED_FROM and x.dtype == torch.bfloat16
-                and x.is_cuda and not self._moe_fused_only
+        return (grouped_applies(x.shape[0], x.dtype, x.device) and not self._moe_fused_only
                 and not torch.cuda.is_current_stream_capturing())
 
     def _grouped_experts(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
@@ -483,7 +490,9 @@ class FastPath:
         ex = self.model.model.layers[i].mlp.experts
         gu, dn = ex.gate_up_proj, ex.down_proj
         if i in self.experts:
-            if self._grouped_scratch is None:  # reserved at start (moe_grouped_reserve_bytes)
+            # reserved at start (moe_grouped_reserve_bytes) when the switch was on then; an A/B
+            # that turns it on later (bench_decode variants) allocates it outside the reserve
+            if self._grouped_scratch is None:
                 self._grouped_scratch = (
                     torch.empty(gu.shape, dtype=x.dtype, device=x.device),
                     torch.empty(dn.shape, dtype=x.dtype, device=x.device))
@@ -746,7 +755,7 @@ class FastPath:
         want = {40, 100, fewest(4), fewest(moe_kernels.BM64_ABOVE),
                 fewest(moe_kernels.BM64_ABOVE_FP8), fewest(moe_kernels.BM128_ABOVE), 1024,
                 batch_tokens}
-        if MOE_GROUPED:
+        if grouped_applies(MOE_GROUPED_FROM, self.dtype, self.device):
             want.add(MOE_GROUPED_FROM)
         return sorted(n for n in want if 1 < n <= batch_tokens)
 
@@ -767,7 +776,7 @@ class FastPath:
                 self.forward_eager(self._sink_prefill([n]))
             finally:
                 self._moe_fused_only = False
-            if MOE_GROUPED and n >= MOE_GROUPED_FROM:
+            if grouped_applies(n, self.dtype, self.device):
                 self.forward_eager(self._sink_prefill([n]))
         if batch_tokens > 4:
             m = min(int(batch_tokens), 1024)
