@@ -443,6 +443,18 @@ def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tens
     return w, ids, order, offsets, experts
 
 
+def expert_shapes(x, weights, ids, gate_up, down, who: str) -> tuple[int, int, int, int]:
+    """(T, H, E, I) of an expert call: x [T, H], weights/ids [T, k], gate_up [E, 2I, H], down
+    [E, H, I]; raises ValueError (naming `who`) when they do not fit together."""
+    T, H = x.shape
+    E, two_i, H2 = gate_up.shape
+    I = two_i // 2
+    if H2 != H or down.shape != (E, H, I) or ids.shape != weights.shape or ids.shape[0] != T:
+        raise ValueError(f"{who}: shapes x{tuple(x.shape)} ids{tuple(ids.shape)} "
+                         f"gate_up{tuple(gate_up.shape)} down{tuple(down.shape)}")
+    return T, H, E, I
+
+
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               gate_up: torch.Tensor, down: torch.Tensor, aligned=None,
               gate_up_scale: torch.Tensor | None = None,
@@ -464,12 +476,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     fp32 in (token, choice) order, for `moe_combine` to sum with the shared expert in one pass.
     Raises ValueError on mismatched shapes.
     """
-    T, H = x.shape
-    E, two_i, H2 = gate_up.shape
-    I = two_i // 2
-    if H2 != H or down.shape != (E, H, I) or ids.shape != weights.shape or ids.shape[0] != T:
-        raise ValueError(f"fused_moe: shapes x{tuple(x.shape)} ids{tuple(ids.shape)} "
-                         f"gate_up{tuple(gate_up.shape)} down{tuple(down.shape)}")
+    T, H, E, I = expert_shapes(x, weights, ids, gate_up, down, "fused_moe")
     fp8 = gate_up.dtype == torch.float8_e4m3fn
     nb_i, nb_h = triton.cdiv(I, 128), triton.cdiv(H, 128)
     if fp8 and (gate_up_scale is None or down_scale is None

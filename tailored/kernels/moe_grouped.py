@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tailored.kernels.fp8_linear import SCALE_BLOCK
-from tailored.kernels.moe import moe_align
+from tailored.kernels.moe import expert_shapes, moe_align
 from tailored.kernels.moe_combine import silu_mul
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
@@ -176,12 +176,7 @@ def grouped_experts_sorted(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 
 def _sorted_outputs(x, weights, ids, gate_up, down):
     """(y [P, H] bf16 in expert-sorted order, order [P] int32) of the grouped GEMMs."""
-    T, H = x.shape
-    E, two_i, H2 = gate_up.shape
-    I = two_i // 2
-    if H2 != H or down.shape != (E, H, I) or ids.shape != weights.shape or ids.shape[0] != T:
-        raise ValueError(f"grouped_experts: shapes x{tuple(x.shape)} ids{tuple(ids.shape)} "
-                         f"gate_up{tuple(gate_up.shape)} down{tuple(down.shape)}")
+    T, H, E, I = expert_shapes(x, weights, ids, gate_up, down, "grouped_experts")
     if not (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
         raise ValueError(f"grouped_experts: bf16 operands only, got x {x.dtype}, gate_up "
                          f"{gate_up.dtype}, down {down.dtype}")
