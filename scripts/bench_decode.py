@@ -72,6 +72,9 @@ VARIANTS = {
     # batched step). Turned on after start it allocates the FP8 scratch outside the reserve.
     "moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", True),
     "no_moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", False),
+    # FP8 experts' 64-row prefill tiles from 16 rows an expert, as bf16 (kb/0031 §3: worth a
+    # try once the FP8 64-row tuned.json entry holds the bench's better config)
+    "fp8_tiles16": lambda: _set("kernels.moe", "BM64_ABOVE_FP8", 16),
     # prefill M tiles as before session 13 (32 rows up to 32 an expert, never 128; kb/0031)
     "old_tiles": lambda: (lambda a, b: lambda: (a(), b()))(
         _set("kernels.moe", "BM64_ABOVE", 32), _set("kernels.moe", "BM128_ABOVE", 1 << 30)),
