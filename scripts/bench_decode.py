@@ -348,7 +348,10 @@ def main():
                 print(f"round {rnd + 1}: B={B}: graph {ms:.2f} ms/step with {v}", flush=True)
             undo()
     for v in variants:
+        # min too: session 13's B=1 control re-captures differed by 10 % (3.64 / 4.01 ms,
+        # kb/0031), so a few-% switch needs several rounds and both statistics
         res["variants"][v] = [dict(batch=B, graph_ms=statistics.median(samples[v][B]),
+                                   graph_ms_min=min(samples[v][B]),
                                    tok_s=1e3 * B / statistics.median(samples[v][B]),
                                    samples_ms=samples[v][B]) for B in batches]
     if a.profile:
@@ -384,6 +387,12 @@ def main():
     if a.rounds > 1:
         print(f"(variants: median of {a.rounds} rounds; ratios vs "
               f"{'control' if base else 'the first defaults row'})")
+        mins = {v: {r["batch"]: r["graph_ms_min"] for r in rs} for v, rs in res["variants"].items()}
+        bmin = mins.get("control")
+        for B in batches:
+            print(f"B={B} min of rounds: " + ", ".join(
+                f"{v} {m[B]:.2f}" + (f" ({m[B] / bmin[B] - 1:+.1%})" if bmin else "")
+                for v, m in mins.items()))
     print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms")
     if a.json:
         with open(a.json, "w") as fh:

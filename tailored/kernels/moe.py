@@ -187,9 +187,10 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
 # FP8 lost with 128 rows at every size (1455 / 1915 / 3338 against 1357 / 1858 / 3107): its
 # e4m3 conversion of the weight tiles. Why 64 rows from 16 an expert: each M tile of an
 # expert re-reads that expert's weights, and with 16-32 rows an expert many experts need two
-# 32-row tiles but only one 64-row tile. In the model (one process,
-# prefill graph of 1024 tokens) bf16 went 45.5 -> 39.8 ms, but FP8 43.8 -> 46.2: its tuned
-# 64-row config is not the bench's fixed one, so FP8 keeps 32-row tiles up to 32 rows.
+# 32-row tiles but only one 64-row tile. In the model (one process, prefill graph of 1024
+# tokens) bf16 went 45.5 -> 39.8 ms, but FP8 43.8 -> 46.2: its tuned 64-row config was not the
+# bench's fixed one, so FP8 keeps 32-row tiles up to 32 rows (tuned.json's FP8 64-row entry
+# now holds the fixed config; bench_decode's fp8_tiles16 variant tries 16 again, kb/0031).
 BM64_ABOVE = 16  # bf16 experts
 BM64_ABOVE_FP8 = 32
 BM128_ABOVE = 48  # bf16 experts only
