@@ -63,7 +63,8 @@ def _serve_parser(sub) -> None:
                    help="seconds that SIGTERM or a first Ctrl-C lets in-flight requests run "
                         "before they end with an error event (default 30; a second Ctrl-C "
                         "exits at once)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
 
 
 def _synth_parser(sub) -> None:
@@ -253,6 +254,14 @@ def _bounded_shutdown_server(config, async_engine, timeout_s: float):
 
 def cmd_synth(args) -> int:
     from tailored.synth import write_synthetic_checkpoint
+
+    if str(args.device).startswith("cuda") and not args.config_only:
+        import torch
+
+        if not torch.cuda.is_available():  # before any directory is made (new-user trial)
+            print(f"error: --device {args.device}: no CUDA GPU is available here; use --device "
+                  "cpu", file=sys.stderr)
+            return 2
 
     out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
                                      num_layers=args.num_layers, config_only=args.config_only, device=args.device,

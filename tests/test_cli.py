@@ -100,3 +100,21 @@ def test_fewer_layers_than_the_first_attention_layer(tiny_ckpt):
     while eng.has_unfinished():
         outs += eng.step()
     assert outs[-1].finished and outs[-1].num_output_tokens == 3
+
+
+def test_synth_on_cuda_without_a_gpu_is_one_line_and_leaves_nothing(tmp_path, capsys,
+                                                                    monkeypatch):
+    """`synth --device cuda` on a machine without a GPU: one error line, exit 2, no directory
+    left behind (new-user trial, session 13: a PyTorch internals error and an empty OUT/)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "ck"
+    assert main(["synth", str(out), "--preset", "tiny", "--device", "cuda"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_serve_refuses_an_unknown_log_level(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--log-level", "bogus"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
