@@ -107,14 +107,8 @@ def _check_serve_args(args) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: no CUDA GPU is available on this machine")
+    _require_cuda_if_asked(args.device)
     if args.kernels == "on":  # the runner checks too; here it fails before the weights load
-        import torch
-
         from tailored import kernels
         from tailored.stack import DTYPES, pick_device
 
@@ -252,17 +246,20 @@ def _bounded_shutdown_server(config, async_engine, timeout_s: float):
     return Server(config)
 
 
+def _require_cuda_if_asked(device: str) -> None:
+    """Raises ValueError when `device` names CUDA and this machine has no CUDA GPU."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA GPU is available on this machine")
+
+
 def cmd_synth(args) -> int:
     from tailored.synth import write_synthetic_checkpoint
 
-    if str(args.device).startswith("cuda") and not args.config_only:
-        import torch
-
-        if not torch.cuda.is_available():  # before any directory is made (new-user trial)
-            print(f"error: --device {args.device}: no CUDA GPU is available here; use --device "
-                  "cpu", file=sys.stderr)
-            return 2
-
+    if not args.config_only:  # before any directory is made (new-user trial, session 13)
+        _require_cuda_if_asked(args.device)
     out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
                                      num_layers=args.num_layers, config_only=args.config_only, device=args.device,
                                      precision=args.dtype)
