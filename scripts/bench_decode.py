@@ -40,6 +40,12 @@ def _set_route_warps(n):
     return _set("kernels.moe", "ROUTE_ALIGN_WARPS", warps)
 
 
+def _set_old_tiles():
+    """fused_moe's prefill M tiles as before session 13; returns the undo of both settings."""
+    undos = [_set("kernels.moe", "BM64_ABOVE", 32), _set("kernels.moe", "BM128_ABOVE", 1 << 30)]
+    return lambda: [u() for u in reversed(undos)]
+
+
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
 VARIANTS = {
     # a re-capture with nothing changed: the H200 run of session 8 measured +1.0 % and +2.3 % at
@@ -76,8 +82,7 @@ VARIANTS = {
     # try once the FP8 64-row tuned.json entry holds the bench's better config)
     "fp8_tiles16": lambda: _set("kernels.moe", "BM64_ABOVE_FP8", 16),
     # prefill M tiles as before session 13 (32 rows up to 32 an expert, never 128; kb/0031)
-    "old_tiles": lambda: (lambda a, b: lambda: (a(), b()))(
-        _set("kernels.moe", "BM64_ABOVE", 32), _set("kernels.moe", "BM128_ABOVE", 1 << 30)),
+    "old_tiles": lambda: _set_old_tiles(),
 }
 
 
