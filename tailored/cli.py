@@ -51,6 +51,16 @@ def _serve_parser(sub) -> None:
                         "(kb/0025). auto (default): on CUDA; on the CPU the forward runs at "
                         "launch, so there is nothing to overlap and each token would only "
                         "arrive a step later")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding: drafts the checkpoint's MTP head proposes per "
+                        "decode step of a greedy request, verified by the model in the same "
+                        "step (0 = off, default). The output stays the greedy output. Plain "
+                        "path only so far (--kernels off)")
+    p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
+                   help="benchmarks on random weights only: keep each draft with this "
+                        "probability instead of verifying it (as vLLM's synthetic rejection "
+                        "sampler in the baseline kit's `serve mtp`); the text is then not the "
+                        "model's")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "
@@ -101,6 +111,15 @@ def _check_serve_args(args) -> None:
         # here would only fail after the weights load, naming other flags
         raise ValueError(f"--max-num-batched-tokens must be <= {MAX_STEP_TOKENS}, "
                          f"got {args.max_num_batched_tokens}")
+    from tailored.config import MAX_SPECULATIVE_TOKENS
+
+    if not 0 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
+                         f"got {args.num_speculative_tokens}")
+    rate = args.spec_synthetic_acceptance
+    if rate is not None and (not 0 <= rate <= 1 or args.num_speculative_tokens == 0):
+        raise ValueError("--spec-synthetic-acceptance must be in [0, 1] and needs "
+                         f"--num-speculative-tokens >= 1, got {rate}")
     if args.gil_switch_interval_ms is not None and not 0 < args.gil_switch_interval_ms <= 1000:
         raise ValueError(f"--gil-switch-interval-ms must be in (0, 1000], got {args.gil_switch_interval_ms}")
     if not 0 < args.port < 65536:
@@ -164,6 +183,8 @@ def cmd_serve(args) -> int:
         prefill_graphs="auto" if args.prefill_graphs == "auto" else args.prefill_graphs == "on",
         async_scheduling=async_scheduling_on(args.async_scheduling, args.checkpoint_dir,
                                              args.device),
+        num_speculative_tokens=args.num_speculative_tokens,
+        spec_synthetic_acceptance=args.spec_synthetic_acceptance,
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

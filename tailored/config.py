@@ -229,6 +229,9 @@ class ModelConfig:
         return replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n])
 
 
+MAX_SPECULATIVE_TOKENS = 8  # drafts a step at most (vLLM's recipe uses 1-3 with this head)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Serving knobs. Units: tokens, pages, slots, bytes.
@@ -248,6 +251,15 @@ class EngineConfig:
     async_scheduling: a pure decode step is launched before the previous step's tokens are
         read, its input ids fed on the device (kb/0015): the host's detokenize/stream/schedule
         work of step N overlaps the device's step N+1. Other steps run synchronously.
+    num_speculative_tokens: drafts the MTP head proposes per decode step of a greedy request
+        without penalties (0 = off; spec §8, model/mtp.py). Each step verifies them with the
+        target and keeps the matching prefix plus one token of its own, so the output is the
+        greedy output either way. Such steps run synchronously (the next step's drafts come
+        from this one).
+    spec_synthetic_acceptance: benchmarking with random weights only: accept each draft with
+        this probability instead of comparing it with the target's token (vLLM's 'synthetic'
+        rejection sampler, used by the baseline kit's `serve mtp`); the output is then not the
+        greedy output. None = real verification.
     """
 
     page_size: int = 16
@@ -262,3 +274,5 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     prefill_graphs: bool = False  # CUDA graphs for single-prompt prefill (kb/0013)
     async_scheduling: bool = True  # launch decode step N+1 before reading step N's tokens
+    num_speculative_tokens: int = 0  # MTP drafts per decode step (greedy requests), 0 = off
+    spec_synthetic_acceptance: float | None = None  # benchmarks with random weights only

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass
 
 import torch
 
-from tailored.config import EngineConfig, ModelConfig
+from tailored.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ModelConfig
 from tailored.engine.sampler import Sampled, sample_on_device
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import ModelOutput, SchedulerOutput
-from tailored.model.batch import ForwardBatch, HybridCache, to_device
+from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, to_device
+from tailored.model.mtp import MTPDrafter
 
 log = logging.getLogger("tailored.runner")
 
@@ -38,6 +40,8 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     """
     num_slots = ec.max_num_seqs + 1
     per_page = HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
+    if ec.num_speculative_tokens > 0:  # the MTP layer's own KV pages (model/mtp.py)
+        per_page += MTPDrafter.bytes_per_page(cfg, ec.page_size, dtype)
     per_slot = HybridCache.bytes_per_slot(cfg, dtype)
     want_pages = ec.max_num_seqs * math.ceil(ec.max_model_len / ec.page_size) + 1
     if ec.num_pages is not None:
@@ -108,6 +112,32 @@ class ModelRunner:
         log.info("cache: %d KV pages x %d tokens, %d GDN state slots (%.2f GiB)",
                  self.num_pages, ec.page_size, self.num_slots, gib)
         self.fast = self._maybe_fast_path(ec)
+        self.drafter = self._maybe_drafter(ec, dtype)
+
+    def _maybe_drafter(self, ec: EngineConfig, dtype: torch.dtype):
+        """The MTP drafter of speculative decoding (EngineConfig.num_speculative_tokens > 0),
+        else None. Raises ValueError for a bad setting, a model without its MTP head, or the
+        kernel path (not wired for verify chunks yet: run --kernels off)."""
+        n, rate = ec.num_speculative_tokens, ec.spec_synthetic_acceptance
+        if n < 0 or n > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
+                             f"got {n}")
+        if rate is not None and not 0 <= rate <= 1:
+            raise ValueError(f"spec_synthetic_acceptance must be in [0, 1], got {rate}")
+        self.spec_synthetic_acceptance = rate
+        self._spec_rng = random.Random(0)
+        # verify steps, drafts verified, drafts kept (the acceptance rate; server metrics)
+        self.spec_stats = [0, 0, 0]
+        if n == 0:
+            return None
+        if self.fast is not None:
+            raise ValueError("speculative decoding runs on the plain path only so far: add "
+                             "--kernels off (the kernel path's verify chunk is not written yet)")
+        drafter = MTPDrafter(self.model, self.num_pages, ec.page_size, dtype, self.device)
+        log.info("speculative decoding: %d MTP draft%s a step for greedy requests%s", n,
+                 "s" if n > 1 else "", "" if rate is None
+                 else f", synthetic acceptance {rate} (benchmarks only: not the greedy output)")
+        return drafter
 
     def _maybe_fast_path(self, ec: EngineConfig):
         """Bind the kernel path (model/fast.py) to this cache when EngineConfig.kernels asks."""
@@ -198,11 +228,14 @@ class ModelRunner:
                                        "feed it")
                 fed.append((q, prev_rows[s.request_id]))
                 toks = [0]  # overwritten on the device below
-            layout.append((toks, s.start_pos, s.slot, s.reset_state, s.page_ids))
+            layout.append((toks, s.start_pos, s.slot, s.reset_state, s.page_ids,
+                           s.num_draft > 0))
             q += len(toks)
             if s.sample:
-                rows.append(q - 1)
-                sampled_seqs.append(s)
+                # a verify chunk samples every row: the target's token after each draft
+                for r in range(q - 1 - s.num_draft, q):
+                    rows.append(r)
+                    sampled_seqs.append(s)
         batch = ForwardBatch.build(layout, rows, self.device)
         if fed:
             dst, src = zip(*fed)
@@ -232,7 +265,9 @@ class ModelRunner:
             sampled = None
         if timer is not None:
             timer.runner_phase("launch", t)
-        return LaunchedStep(sched, sampled_seqs, sampled, events)
+        # the MTP reads this step's hidden states after its tokens are known (collect)
+        spec = (batch, hidden) if any(s.mtp for s in sched.seqs) else None
+        return LaunchedStep(sched, sampled_seqs, sampled, events, spec)
 
     def collect(self, step: "LaunchedStep") -> ModelOutput:
         """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
@@ -249,9 +284,58 @@ class ModelRunner:
             if step.events is not None:
                 step.events[1].synchronize()  # done already (the sampler waited): no stall
                 timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
+        bad = frozenset(step.sampled_seqs[i].request_id for i in step.sampled.bad_rows)
+        if step.spec is not None:
+            return self._speculate(step, tokens, bad)
         return ModelOutput(token_ids={s.request_id: t for s, t in zip(step.sampled_seqs, tokens)},
-                           bad=frozenset(step.sampled_seqs[i].request_id
-                                         for i in step.sampled.bad_rows))
+                           bad=bad)
+
+    def _speculate(self, step: "LaunchedStep", tokens: list[int], bad) -> ModelOutput:
+        """Verify the drafts of a step's verify chunks, set their GDN state to the one after
+        the last kept token, and run the MTP over every drafting chunk for the next drafts
+        (model/mtp.py)."""
+        from tailored.model.mtp import DraftRow, accept, emitted
+
+        batch, hidden = step.spec
+        synthetic = self.spec_synthetic_acceptance
+        out_ids, extra, rows, owners = {}, {}, [], []
+        row_of = {}  # request id -> its sampled tokens, in row order
+        for s, t in zip(step.sampled_seqs, tokens):
+            row_of.setdefault(s.request_id, []).append(t)
+        for s, info in zip(step.sched.seqs, batch.seqs):
+            if not s.sample:
+                if s.mtp:  # a prompt chunk: the MTP fills its cache, the next token is known
+                    rows.append(DraftRow(info, list(s.token_ids[1:]) + [s.next_token], 0))
+                    owners.append(None)
+                continue
+            target = row_of[s.request_id]
+            if s.num_draft:
+                drafts = list(s.token_ids[-s.num_draft:])
+                kept = accept(drafts, target, synthetic, self._spec_rng)
+                em = emitted(drafts, target, kept, synthetic is not None)
+                self.model_cache_commit(s.slot, kept + 1)
+                self.spec_stats[0] += 1
+                self.spec_stats[1] += s.num_draft
+                self.spec_stats[2] += kept
+            else:
+                em = target
+            out_ids[s.request_id], extra[s.request_id] = em[0], tuple(em[1:])
+            if s.mtp and s.request_id not in bad:
+                # rows up to the last emitted position, each fed the token after it
+                n = info.num_tokens - s.num_draft + len(em) - 1
+                seq = SeqInfo(info.q_start, n, info.start_pos, info.slot, False, info.page_ids)
+                nxt = list(s.token_ids[1:n]) + [em[-1]] if not s.num_draft else em
+                rows.append(DraftRow(seq, nxt, s.num_propose))
+                owners.append(s.request_id)
+        drafts = {}
+        for rid, d in zip(owners, self.drafter.propose(hidden, rows)):
+            if rid is not None and d:
+                drafts[rid] = tuple(d)
+        return ModelOutput(token_ids=out_ids, bad=bad, extra_ids=extra, draft_ids=drafts)
+
+    def model_cache_commit(self, slot: int, num_tokens: int) -> None:
+        """The GDN state of `slot` after the first num_tokens tokens of its verify chunk."""
+        self.cache.commit_states(slot, num_tokens)
 
 
 @dataclass
@@ -262,6 +346,7 @@ class LaunchedStep:
     sampled_seqs: list  # the ScheduledSeqs with sample=True, in row order
     sampled: Sampled | None  # None: nothing sampled (prefill chunks only)
     events: tuple | None  # CUDA events around forward + logits (step timing)
+    spec: tuple | None = None  # (ForwardBatch, hidden) of a step with MTP chunks
 
 
 def _index(rows, device) -> torch.Tensor:

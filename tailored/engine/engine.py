@@ -225,16 +225,26 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _emit(self, req: Request) -> RequestOutput:
-        """Detokenize the token sampled this step and build the request's output."""
-        token = req.output_ids[-1]
+        """Detokenize the tokens this step gave the request (one, or a verify chunk's kept
+        drafts and the target's next token) and build the request's output. A stop string
+        ends the request at the token that completes it; later tokens of the step are dropped."""
+        new = req.output_ids[len(req.output_ids) - req.num_new_tokens:]
         sp = req.sampling
-        # finish_reason is STOP here only for an EOS / stop token id (scheduler.update)
+        # finish_reason is STOP here only for an EOS / stop token id (scheduler.update): the
+        # last of `new`
         stop_token = req.finish_reason is FinishReason.STOP
         detok = self._detoks[req.request_id]
-        if stop_token and not sp.include_stop_str_in_output:
-            text, matched = "", None
-        else:
-            text, matched = detok.add([token])
+        text, matched = "", None
+        for i, t in enumerate(new):
+            if stop_token and i == len(new) - 1 and not sp.include_stop_str_in_output:
+                break
+            piece, matched = detok.add([t])  # one at a time: a match must cut right here
+            text += piece
+            if matched is not None:
+                if i + 1 < len(new):
+                    del req.output_ids[i + 1 - len(new):]
+                    new = new[:i + 1]
+                break
         if matched is not None:
             if req.finish_reason is None:
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
@@ -244,7 +254,7 @@ class Engine:
         if req.finish_reason is not None:
             del self._requests[req.request_id]
             del self._detoks[req.request_id]
-        return _output(req, text, [token], req.finish_reason)
+        return _output(req, text, new, req.finish_reason)
 
     def _fail_batch(self, sched_out: SchedulerOutput, message: str,
                     owners: dict | None = None) -> list[RequestOutput]:

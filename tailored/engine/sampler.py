@@ -34,13 +34,12 @@ import logging
 import numpy as np
 import torch
 
-from tailored.engine.types import ScheduledSeq
+from tailored.engine.types import GREEDY_TEMPERATURE, ScheduledSeq
 from tailored.model.batch import to_device
 
 logger = logging.getLogger(__name__)
 
 _MASK = float("-inf")
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # clamped to this
 
 

@@ -147,18 +147,21 @@ class Scheduler:
         blocked = False  # a running request could not grow this step: admit nobody new
         preemptions_before = self.num_preemptions
 
-        # 1) decodes, oldest first: they hold a slot and are 1 token each
+        # 1) decodes, oldest first: they hold a slot and are 1 token each (plus the drafts of
+        # speculative decoding, as far as budget, limits and free pages allow)
         for req in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if not self._grow(req, 1, scheduled):
+            drafts = self._usable_drafts(req, budget)
+            # with drafts the pages are free already (_usable_drafts): no preemption
+            if not self._grow(req, 1 + len(drafts), scheduled):
                 blocked = True
                 continue
-            decodes.append(self._scheduled(req, 1))
+            decodes.append(self._scheduled(req, 1, drafts))
             scheduled.add(req.request_id)
-            budget -= 1
+            budget -= 1 + len(drafts)
 
         # 2) prefill chunks of running requests (partial prompt or recompute), oldest first
         for req in [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
@@ -241,14 +244,27 @@ class Scheduler:
             # (never: the engine resolves a step before advancing the one after it)
             assert req.output_ids and req.output_ids[-1] == PENDING_TOKEN, \
                 "resolve without advance"
-            token = model_out.token_ids[seq.request_id]
+            rid = seq.request_id
+            token = model_out.token_ids[rid]
+            extra = model_out.extra_ids.get(rid, ())
+            assert len(extra) <= seq.num_draft, f"{rid!r}: more tokens kept than drafts"
+            # a verify chunk keeps len(extra) drafts: its rejected positions are not cached
+            req.num_computed_tokens -= seq.num_draft - len(extra)
             req.output_ids[-1] = token
+            req.num_new_tokens = 1
             applied.append(req)
             reason = self._stop_reason(req, token)
+            for t in extra:  # further tokens of a verify chunk, each stop-checked in turn
+                if reason is not None:
+                    break
+                req.output_ids.append(t)
+                req.num_new_tokens += 1
+                reason = self._stop_reason(req, t)
+            req.draft_ids = list(model_out.draft_ids.get(rid, ()))
             if reason is not None:
-                self.finish(req.request_id, reason)
-            elif req.request_id in recompute:
-                self.no_ahead.add(req.request_id)
+                self.finish(rid, reason)
+            elif rid in recompute:
+                self.no_ahead.add(rid)
                 self._preempt(req)
         return applied
 
@@ -267,9 +283,10 @@ class Scheduler:
         need = 0
         for seq in seqs:
             req = self.requests.get(seq.request_id)
+            # seq.mtp: the next step's drafts come from this step's results
             if (req is None or req.status is not RequestStatus.RUNNING or not seq.sample
                     or len(seq.token_ids) != 1 or seq.start_pos != req.num_computed_tokens
-                    or seq.request_id in self.no_ahead):
+                    or seq.request_id in self.no_ahead or seq.mtp):
                 return False
             sp = req.sampling
             if sp.uses_penalties:
@@ -333,6 +350,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         _remove(self.running, req)
         self._release(req)
+        req.draft_ids = []  # the recompute's last chunk proposes new ones
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0  # recompute prompt + outputs later
         # keep the waiting queue in arrival order: a preempted request goes ahead of newer ones
@@ -350,7 +368,44 @@ class Scheduler:
         req.pages = []
         req.slot = 0
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+    def _drafting(self, req: Request) -> bool:
+        """Whether `req` runs the MTP head (speculative decoding on, a request that can draft)."""
+        return self.config.num_speculative_tokens > 0 and req.sampling.can_draft
+
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens `req` may still emit (max_tokens, max_model_len)."""
+        return min(req.sampling.max_tokens - len(req.output_ids),
+                   self.config.max_model_len - req.num_tokens)
+
+    def _usable_drafts(self, req: Request, budget: int) -> list[int]:
+        """The drafts a decode of `req` verifies this step: as many of its proposed drafts as
+        the step budget, its length limits (a step emits at most drafts + 1 tokens) and the
+        free pages allow without a preemption; none otherwise."""
+        if not req.draft_ids or not self._drafting(req):
+            return []
+        d = min(len(req.draft_ids), budget - 1, self._tokens_left(req) - 1)
+        if d <= 0:
+            return []
+        if _cdiv(req.num_computed_tokens + 1 + d, self.page_size) - len(req.pages) \
+                > self.pages.num_free:
+            return []
+        return req.draft_ids[:d]
+
+    def _num_propose(self, req: Request, end: int) -> int:
+        """Drafts the MTP proposes after a sampling chunk of `req` that ends at position `end`:
+        num_speculative_tokens, no more than the next step could use (it emits drafts + 1 of
+        the tokens left after this step's one) nor than its pages hold: the chain writes the
+        MTP KV of positions end .. end + drafts - 2. Pages for those are taken when free, never
+        by preempting."""
+        n = min(self.config.num_speculative_tokens, self._tokens_left(req) - 2)
+        if n <= 1:
+            return max(n, 0)
+        want = _cdiv(end + n - 1, self.page_size) - len(req.pages)
+        if want > 0:
+            req.pages += self.pages.allocate(min(want, self.pages.num_free))
+        return min(n, len(req.pages) * self.page_size - end + 1)
+
+    def _scheduled(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = req.num_computed_tokens
         end = start + n
         sp = req.sampling
@@ -360,16 +415,24 @@ class Scheduler:
                 tokens = tokens + req.output_ids[: end - len(req.prompt_ids)]
         else:
             tokens = req.output_ids[start - len(req.prompt_ids) : end - len(req.prompt_ids)]
+        sample = end == req.num_tokens
+        mtp = self._drafting(req)
+        # after the pages of the chunk itself: the chain's, when free
+        num_propose = self._num_propose(req, end + len(drafts)) if mtp and sample else 0
         return ScheduledSeq(
             request_id=req.request_id,
-            token_ids=tuple(tokens),
+            token_ids=tuple(tokens) + tuple(drafts),
             start_pos=start,
             slot=req.slot,
             reset_state=start == 0,  # first chunk since this slot was taken (also after preempt)
             page_ids=tuple(req.pages),
-            sample=end == req.num_tokens,
+            sample=sample,
             sampling=sp,
             prompt_ids=tuple(req.prompt_ids) if sp.repetition_penalty != 1.0 else (),
             output_ids=tuple(req.output_ids) if sp.uses_penalties else (),
             num_generated=len(req.output_ids),
+            num_draft=len(drafts),
+            mtp=mtp,
+            num_propose=num_propose,
+            next_token=-1 if sample or not mtp else req.all_ids[end],
         )

@@ -18,6 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5  # the sampler picks greedily below this temperature (sampler.py)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS id, stop token id or stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
@@ -65,6 +68,13 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def can_draft(self) -> bool:
+        """Whether speculative decoding may draft for this request (model/mtp.py): the sampler
+        picks greedily (temperature below GREEDY_TEMPERATURE) and no penalty reads the token
+        history, which drafts would extend before they are verified."""
+        return self.temperature < GREEDY_TEMPERATURE and not self.uses_penalties
+
 
 _req_counter = itertools.count()
 
@@ -92,6 +102,8 @@ class Request:
     slot: int = 0
     finish_reason: FinishReason | None = None
     seq_no: int = field(default_factory=lambda: next(_req_counter))
+    draft_ids: list[int] = field(default_factory=list)  # MTP drafts for the next step
+    num_new_tokens: int = 0  # output ids the last Scheduler.resolve appended
 
     @property
     def all_ids(self) -> list[int]:
@@ -130,6 +142,11 @@ class ScheduledSeq:
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
     num_generated: int = 0  # tokens already generated (seeds the per-request RNG stream)
+    # speculative decoding (model/mtp.py), for requests that draft:
+    num_draft: int = 0  # the last num_draft of token_ids are MTP drafts to verify
+    mtp: bool = False  # run the MTP head over this chunk (its KV cache) after the target
+    num_propose: int = 0  # drafts to propose for the next step (when sample)
+    next_token: int = -1  # the known token after a chunk that does not sample (the MTP's input)
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,10 @@ class ModelOutput:
 
     token_ids: dict[str, int]
     bad: frozenset[str] = frozenset()
+    # speculative decoding: the tokens a verify chunk emits after token_ids[id] (its kept
+    # drafts' successors), and the drafts proposed for each request's next step
+    extra_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    draft_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass

@@ -28,6 +28,9 @@ class SeqInfo:
     slot: int  # GDN state slot
     reset_state: bool  # zero the slot before use (first chunk)
     page_ids: list[int]  # KV pages covering positions [0, start_pos + num_tokens)
+    # a speculative verify chunk (model/mtp.py): the GDN layers keep their state after every
+    # token, so that the state after the last accepted one can be committed (spec §8.4)
+    keep_states: bool = False
 
     @property
     def end_pos(self) -> int:
@@ -47,10 +50,12 @@ class ForwardBatch:
     @classmethod
     def build(cls, seqs_tokens: list[tuple[list[int], int, int, bool, list[int]]], logits_rows,
               device) -> "ForwardBatch":
-        """seqs_tokens: per sequence (token_ids, start_pos, slot, reset_state, page_ids)."""
+        """seqs_tokens: per sequence (token_ids, start_pos, slot, reset_state, page_ids) and
+        optionally a sixth item, keep_states (a speculative verify chunk)."""
         ids, pos, seqs = [], [], []
-        for toks, start, slot, reset, pages in seqs_tokens:
-            seqs.append(SeqInfo(len(ids), len(toks), start, slot, reset, list(pages)))
+        for toks, start, slot, reset, pages, *keep in seqs_tokens:
+            seqs.append(SeqInfo(len(ids), len(toks), start, slot, reset, list(pages),
+                                bool(keep and keep[0])))
             ids.extend(toks)
             pos.extend(range(start, start + len(toks)))
         return cls(
@@ -95,6 +100,23 @@ class HybridCache:
         # layer index -> index inside its cache kind
         self.attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
         self.gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layers)}
+        # (GDN cache index, slot) -> [(conv, recurrent) state after each token] of the last
+        # forward's keep_states chunks (plain path); `commit_states` picks one
+        self.kept_states: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def commit_states(self, slot: int, num_tokens: int) -> None:
+        """Make slot's GDN state the one after the first `num_tokens` tokens of its last
+        keep_states chunk (a speculative verify step that accepted num_tokens - 1 drafts; the
+        state after the whole chunk is in place already). Raises KeyError if the last forward
+        kept no states for the slot, ValueError for num_tokens outside 1..chunk length."""
+        for li in range(self.conv.shape[0]):
+            kept = self.kept_states.pop((li, slot))
+            if not 1 <= num_tokens <= len(kept):
+                raise ValueError(f"commit_states: {num_tokens} tokens of a {len(kept)}-token chunk")
+            if num_tokens < len(kept):
+                cs, rs = kept[num_tokens - 1]
+                self.conv[li, slot] = cs
+                self.rec[li, slot] = rs
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

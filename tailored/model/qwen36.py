@@ -105,6 +105,22 @@ class GatedDeltaNet(nn.Module):
             r = slice(s.q_start, s.q_start + s.num_tokens)
             cs = conv_cache[s.slot] if not s.reset_state else torch.zeros_like(conv_cache[s.slot])
             rs = rec_cache[s.slot] if not s.reset_state else torch.zeros_like(rec_cache[s.slot])
+            if s.keep_states:
+                # a verify chunk: token by token as decode steps would run it, keeping each
+                # state for HybridCache.commit_states (spec §8.4)
+                kept = cache.kept_states[(li, s.slot)] = []
+                for t in range(s.q_start, s.q_start + s.num_tokens):
+                    y, cs = ref.causal_conv1d_step(qkv[t:t + 1], cs[None], w)
+                    cs = cs[0]
+                    q, k, v = split(y, 1)
+                    o, rs = ref.gated_delta_rule_recurrent(q, k, v, g[t:t + 1, None],
+                                                           beta[t:t + 1, None], rs[None])
+                    rs = rs[0]
+                    kept.append((cs, rs))
+                    core[t] = o[0, 0]
+                conv_cache[s.slot] = cs
+                rec_cache[s.slot] = rs
+                continue
             y, cs = ref.causal_conv1d(qkv[r], cs, w)
             q, k, v = split(y, 1)
             o, rs = ref.gated_delta_rule_chunked(q[0], k[0], v[0], g[r], beta[r], rs)
