@@ -1,0 +1,302 @@
+"""Speculative decoding with the MTP head (model/mtp.py, spec §8): CPU, the nano checkpoint.
+
+The output of a greedy request must not change with drafts (the verify chunk keeps the state
+after each token, the scheduler cuts drafts at every limit, the engine emits several tokens a
+step); the drafter must be the MTP head of spec §8.1-§8.2 (checked against the training code's
+teacher-forced chain); sampling requests never draft and keep their seeded outputs.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tailored
+from tailored.config import EngineConfig, ModelConfig
+from tailored.engine.scheduler import Scheduler
+from tailored.engine.types import FinishReason, Request, SamplingParams
+from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
+from tailored.model.mtp import MTPDrafter, accept, emitted
+from tailored.stack import build_stack
+from tailored.tokenizer import load_tokenizer
+
+NANO = Path(tailored.__file__).parent / "data" / "nano"
+PROMPTS = ["def fibonacci(n):", "import os\n\nclass Reader:\n    def __init__(self",
+           "for i in range(10):\n", "    return"]
+
+
+def _stack(n: int, **kw):
+    kw.setdefault("max_model_len", 512)
+    return build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="off",
+                       max_num_seqs=8, async_scheduling=False, num_speculative_tokens=n, **kw)
+
+
+def _run(engine, reqs):
+    """reqs: {id: (prompt ids, SamplingParams)} → ({id: output ids}, {id: finish reason},
+    {id: text}, engine steps)."""
+    for rid, (ids, sp) in reqs.items():
+        engine.add_request(rid, ids, sp)
+    out, why, text, steps = {}, {}, {}, 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.delta_token_ids)
+            text[o.request_id] = text.get(o.request_id, "") + o.delta_text
+            assert o.num_output_tokens == len(out[o.request_id])
+            if o.finished:
+                why[o.request_id] = o.finish_reason
+        steps += 1
+        assert steps < 10_000
+    return out, why, text, steps
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(NANO)
+
+
+@pytest.fixture(scope="module")
+def plain(tok):
+    """Outputs without drafts: 48 greedy tokens per prompt."""
+    eng = _stack(0).engine
+    reqs = {f"g{i}": (tok.encode(p), SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)}
+    return _run(eng, reqs)
+
+
+# ---- acceptance rule ---------------------------------------------------------------------------
+def test_accept_greedy_prefix():
+    assert accept([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accept([5, 6, 7], [5, 6, 7, 1]) == 3
+    assert accept([5, 6, 7], [4, 6, 7, 1]) == 0
+    assert emitted([5, 6, 7], [5, 6, 9, 1], 2, False) == [5, 6, 9]
+    assert emitted([5, 6, 7], [4, 6, 7, 1], 0, False) == [4]
+    with pytest.raises(ValueError, match="target tokens"):
+        accept([1, 2], [1, 2])
+
+
+def test_accept_synthetic_rates():
+    rng = random.Random(1)
+    assert accept([5, 6, 7], [0, 0, 0, 0], 1.0, rng) == 3
+    assert accept([5, 6, 7], [5, 6, 7, 0], 0.0, rng) == 0
+    # synthetic: the kept drafts, then the target's token after them
+    assert emitted([5, 6, 7], [0, 1, 2, 3], 2, True) == [5, 6, 2]
+    kept = [accept([1], [1, 1], 0.8, rng) for _ in range(4000)]
+    assert abs(sum(kept) / len(kept) - 0.8) < 0.03
+
+
+# ---- the verify chunk's GDN states -------------------------------------------------------------
+def test_verify_chunk_commits_the_state_of_its_kept_prefix():
+    """A keep_states chunk of 4 tokens committed at k tokens leaves the GDN state (and gives the
+    hidden rows) that k one-token decode steps give; KV rows past k are left behind unread."""
+    st = _stack(0)
+    model = st.engine.runner.model
+    cfg = model.config
+    cache_a = HybridCache(cfg, 16, 16, 3, torch.float32, "cpu")
+    cache_b = HybridCache(cfg, 16, 16, 3, torch.float32, "cpu")
+    prompt = load_tokenizer(NANO).encode(PROMPTS[1])
+    L = len(prompt)
+    pages = [1, 2, 3]
+    for c in (cache_a, cache_b):
+        model(ForwardBatch.build([(prompt, 0, 1, True, pages)], [L - 1], "cpu"), c)
+    chunk = [17, 230, 5, 99]
+    h_chunk = model(ForwardBatch.build([(chunk, L, 1, False, pages, True)], [], "cpu"), cache_a)
+    for k in (1, 2, 3, 4):
+        ca = HybridCache(cfg, 16, 16, 3, torch.float32, "cpu")
+        for name in ("k", "v", "conv", "rec"):
+            getattr(ca, name).copy_(getattr(cache_a, name))
+        ca.kept_states = {key: list(v) for key, v in cache_a.kept_states.items()}
+        ca.commit_states(1, k)
+        cb = HybridCache(cfg, 16, 16, 3, torch.float32, "cpu")
+        for name in ("k", "v", "conv", "rec"):
+            getattr(cb, name).copy_(getattr(cache_b, name))
+        for j in range(k):
+            h = model(ForwardBatch.build([([chunk[j]], L + j, 1, False, pages)], [], "cpu"), cb)
+            torch.testing.assert_close(h[0], h_chunk[j], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ca.conv[:, 1], cb.conv[:, 1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ca.rec[:, 1], cb.rec[:, 1], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="tokens of a 4-token chunk"):
+        cache_a.commit_states(1, 5)
+    cache_a.kept_states.clear()
+    with pytest.raises(KeyError):
+        cache_a.commit_states(1, 1)
+
+
+# ---- the drafter -------------------------------------------------------------------------------
+def test_drafter_matches_the_training_chain():
+    """MTPDrafter.propose from rows 0..t equals scripts/nano/evaluate.py's teacher-forced drafts
+    of position t (drafts 1-3, spec §8.1-§8.2), which test_nano checks against brute force."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from nano import evaluate as ev
+
+    st = _stack(0)
+    model = st.engine.runner.model
+    ids = load_tokenizer(NANO).encode(PROMPTS[1] + "):\n        self.path = path\n")[:40]
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        want, _ = ev.mtp_drafts(model, seq, 3)
+        cache = HybridCache(model.config, 8, 16, 2, torch.float32, "cpu")
+        hidden = model(ForwardBatch.build([(ids, 0, 1, True, [1, 2, 3, 4])], [], "cpu"), cache)
+    from tailored.model.mtp import DraftRow
+
+    drafter = MTPDrafter(model, 8, 16, torch.float32, "cpu")
+    assert len(ids) > 12
+    for t in (0, 5, len(ids) // 2, len(ids) - 2):
+        rows = [DraftRow(SeqInfo(0, t + 1, 0, 1, False, [1, 2, 3, 4]), ids[1:t + 2], 3)]
+        got = drafter.propose(hidden, rows)
+        assert got == [want[0, t].tolist()], t
+    with pytest.raises(ValueError, match="next ids"):
+        drafter.propose(hidden, [DraftRow(SeqInfo(0, 3, 0, 1, False, [1]), [1, 2], 1)])
+
+
+def test_drafter_needs_the_mtp_head():
+    st = _stack(0)
+    model = st.engine.runner.model
+    mtp, model.mtp = model.mtp, None
+    try:
+        with pytest.raises(ValueError, match="MTP head"):
+            MTPDrafter(model, 4, 16, torch.float32, "cpu")
+    finally:
+        model.mtp = mtp
+
+
+# ---- the engine --------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_greedy_output_unchanged_by_drafts(plain, tok, n):
+    eng = _stack(n).engine
+    reqs = {f"g{i}": (tok.encode(p), SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)}
+    out, why, text, steps = _run(eng, reqs)
+    assert out == plain[0]
+    assert text == plain[2]
+    assert all(w is FinishReason.LENGTH for w in why.values())
+    verify, drafted, kept = eng.runner.spec_stats
+    # the trained nano head keeps ~0.8 of first drafts (docs/nano.md: 0.814)
+    assert drafted > 0 and kept / verify > 0.6 * min(n, 2)
+    assert steps < plain[3] * 0.75
+
+
+def test_sampling_requests_do_not_draft_and_keep_their_seeded_output(tok):
+    sp = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    pen = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    reqs = {"s": (tok.encode(PROMPTS[0]), sp), "p": (tok.encode(PROMPTS[2]), pen),
+            "g": (tok.encode(PROMPTS[1]), greedy)}
+    base = _run(_stack(0).engine, reqs)[0]
+    eng = _stack(2).engine
+    got = _run(eng, reqs)[0]
+    assert got == base
+    assert eng.runner.spec_stats[0] > 0
+
+
+def test_stops_inside_a_verify_chunk(plain, tok):
+    """A stop token id, a stop string and max_tokens that fall inside a step's kept tokens end
+    the request exactly where the plain engine ends it; nothing after the stop is emitted."""
+    ref = plain[0]["g0"]
+    ids = tok.encode(PROMPTS[0])
+    for cut in (5, 11, 20):
+        stop_id = ref[cut]
+        if stop_id in ref[:cut]:
+            continue
+        reqs = {"a": (ids, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
+                                          stop_token_ids=[stop_id])),
+                "b": (ids, SamplingParams(max_tokens=cut, temperature=0, ignore_eos=True))}
+        want = _run(_stack(0).engine, reqs)
+        got = _run(_stack(3).engine, reqs)
+        assert got[0] == want[0] and got[1] == want[1] and got[2] == want[2]
+        assert got[0]["a"] == ref[:cut + 1] and got[0]["b"] == ref[:cut]
+    text = tok.decode(ref)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    reqs = {"c": (ids, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
+                                      stop=[stop]))}
+    want = _run(_stack(0).engine, reqs)
+    got = _run(_stack(3).engine, reqs)
+    assert got[0] == want[0] and got[2] == want[2] and got[1]["c"] is FinishReason.STOP
+
+
+def test_preemption_and_recompute_with_drafts(plain, tok):
+    """A KV pool too small for all four requests at once: preempted requests recompute and
+    draft again; outputs unchanged."""
+    reqs = {f"g{i}": (tok.encode(p), SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)}
+    eng = _stack(2, num_pages=12, max_model_len=96).engine
+    out = _run(eng, reqs)[0]
+    assert eng.scheduler.num_preemptions > 0
+    assert out == plain[0]
+
+
+def test_synthetic_acceptance_keeps_the_rate():
+    reqs = lambda: {"a": ([1, 2, 3, 4], SamplingParams(max_tokens=41, temperature=0,  # noqa: E731
+                                                       ignore_eos=True))}
+    eng = _stack(2, spec_synthetic_acceptance=1.0).engine
+    out, _, _, steps = _run(eng, reqs())
+    assert len(out["a"]) == 41
+    assert steps <= 15  # a prefill step, then 3 tokens a step
+    eng = _stack(2, spec_synthetic_acceptance=0.0).engine
+    out, _, _, steps = _run(eng, reqs())
+    assert len(out["a"]) == 41 and eng.runner.spec_stats[2] == 0
+
+
+# ---- the scheduler's drafts --------------------------------------------------------------------
+def _sched(n=2, **kw) -> Scheduler:
+    ec = EngineConfig(num_speculative_tokens=n, max_num_batched_tokens=kw.pop("budget", 64),
+                      max_model_len=kw.pop("max_model_len", 256), **kw)
+    return Scheduler(ec, num_pages=kw.get("num_pages") or 64, num_slots=9)
+
+
+def test_scheduler_cuts_drafts_at_max_tokens_and_budget():
+    s = _sched(3, budget=3)
+    req = Request("r", [1] * 2, SamplingParams(max_tokens=4, temperature=0))
+    s.add(req)
+    out = s.schedule()
+    assert out.seqs[0].mtp and out.seqs[0].num_propose == 2  # max_tokens 4: 1 now, 1 + 2 next
+    s.advance(out)
+    from tailored.engine.types import ModelOutput
+
+    s.resolve(out, ModelOutput({"r": 7}, draft_ids={"r": (8, 9)}))
+    out = s.schedule()
+    seq = out.seqs[0]
+    assert seq.token_ids == (7, 8, 9) and seq.num_draft == 2
+    s.advance(out)
+    s.resolve(out, ModelOutput({"r": 8}, extra_ids={"r": (9,)}, draft_ids={"r": (3, 4, 5)}))
+    assert req.output_ids == [7, 8, 9] and req.num_computed_tokens == 4
+    out = s.schedule()  # one token left: no drafts
+    assert out.seqs[0].token_ids == (9,) and out.seqs[0].num_draft == 0
+    assert out.seqs[0].num_propose == 0
+    # the step budget: 2 tokens leave room for one draft
+    s = _sched(3, budget=2)
+    s.add(Request("q", [1], SamplingParams(max_tokens=20, temperature=0)))
+    out = s.schedule()
+    s.advance(out)
+    s.resolve(out, ModelOutput({"q": 7}, draft_ids={"q": (8, 9, 10)}))
+    assert s.schedule().seqs[0].token_ids == (7, 8)
+
+
+def test_scheduler_no_drafts_for_sampling_or_when_off():
+    s = _sched(2)
+    s.add(Request("t", [1] * 4, SamplingParams(max_tokens=8, temperature=0.7)))
+    assert not s.schedule().seqs[0].mtp
+    s = _sched(0)
+    s.add(Request("g", [1] * 4, SamplingParams(max_tokens=8, temperature=0)))
+    assert not s.schedule().seqs[0].mtp
+
+
+def test_kernel_path_refuses_drafts_for_now():
+    from tailored import kernels
+
+    if kernels.unavailable_reason("cpu", torch.float32):
+        pytest.skip("no Triton interpreter")
+    with pytest.raises(ValueError, match="plain path only"):
+        build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="on",
+                    max_model_len=256, max_num_seqs=2, num_speculative_tokens=1)
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        _stack(9)
+    with pytest.raises(ValueError, match="synthetic_acceptance"):
+        _stack(1, spec_synthetic_acceptance=1.5)
+    assert ModelConfig.from_dir(NANO).mtp_num_hidden_layers == 1
