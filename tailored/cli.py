@@ -54,8 +54,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="speculative decoding: drafts the checkpoint's MTP head proposes per "
                         "decode step of a greedy request, verified by the model in the same "
-                        "step (0 = off, default). The output stays the greedy output. Plain "
-                        "path only so far (--kernels off)")
+                        "step (0 = off, default). The output stays the greedy output. The "
+                        "kernel path runs verify steps eagerly so far (no CUDA graphs)")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="benchmarks on random weights only: keep each draft with this "
                         "probability instead of verifying it (as vLLM's synthetic rejection "

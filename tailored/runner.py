@@ -130,9 +130,6 @@ class ModelRunner:
         self.spec_stats = [0, 0, 0]
         if n == 0:
             return None
-        if self.fast is not None:
-            raise ValueError("speculative decoding runs on the plain path only so far: add "
-                             "--kernels off (the kernel path's verify chunk is not written yet)")
         drafter = MTPDrafter(self.model, self.num_pages, ec.page_size, dtype, self.device)
         log.info("speculative decoding: %d MTP draft%s a step for greedy requests%s", n,
                  "s" if n > 1 else "", "" if rate is None

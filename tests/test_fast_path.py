@@ -217,15 +217,18 @@ def _run_steps(plain, fastm, fcache):
             toks[s] += 7
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_engine_greedy_same_with_kernels_on_and_off(precision, tiny_ckpt, tiny_fp8_ckpt):
+@pytest.mark.parametrize("precision,drafts", [("bf16", 0), ("fp8", 0), ("bf16", 2)])
+def test_engine_greedy_same_with_kernels_on_and_off(precision, drafts, tiny_ckpt, tiny_fp8_ckpt):
+    """drafts: speculative decoding on the kernel path (model/mtp.py) against the plain path
+    without it; random weights reject most drafts, so most verify chunks commit early."""
     from tailored.engine.types import SamplingParams
     from tailored.stack import build_stack
 
     outs = {}
     for mode in ("off", "on"):
         st = build_stack(tiny_ckpt if precision == "bf16" else tiny_fp8_ckpt, device="cpu", dtype="float32", progress=False, kernels=mode,
-                         max_model_len=256, max_num_seqs=4, num_pages=80)
+                         max_model_len=256, max_num_seqs=4, num_pages=80,
+                         num_speculative_tokens=drafts if mode == "on" else 0)
         eng = st.engine
         sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         for i, T in enumerate((5, 40, 17)):
@@ -235,6 +238,8 @@ def test_engine_greedy_same_with_kernels_on_and_off(precision, tiny_ckpt, tiny_f
             for o in eng.step():
                 got[o.request_id].extend(o.delta_token_ids)
         outs[mode] = got
+        if drafts and mode == "on":
+            assert eng.runner.spec_stats[1] > 0  # drafts were verified
     assert outs["on"] == outs["off"]
 
 
@@ -462,3 +467,37 @@ def test_prefill_graph_capture_launches_fused_moe_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     fastm.FastPath.capture_prefill(fake, 256, buckets=[128, 256])
     assert seen == [True] and fake._moe_fused_only is False and fake.prefill_graphs == {}
+
+
+def test_verify_chunk_matches_plain_path(pair):
+    """A speculative verify chunk (`SeqInfo.keep_states`, model/mtp.py) beside a decode row:
+    the kernel path's hidden rows and, after `commit_states` at each kept length, its GDN
+    states equal the plain path's (which equal decode steps, test_spec_decode.py)."""
+    plain, fastm, fcache = pair
+    if plain.config.fp8 is not None:
+        pytest.skip("the bf16 layout covers the verify chunk's code; FP8 adds nothing to it")
+    cfg = plain.config
+    pcache = new_cache(cfg)
+    prompt = _ids(9, 3)
+    other = _ids(5, 4)
+    for m, c in ((plain, pcache), (fastm, fcache)):
+        c.conv.zero_()
+        c.rec.zero_()
+        m(ForwardBatch.build([(prompt, 0, 1, True, [1]), (other, 0, 2, True, [2])], [], "cpu"), c)
+    snap = {n: getattr(fcache, n).clone() for n in ("conv", "rec")}
+    psnap = {n: getattr(pcache, n).clone() for n in ("conv", "rec")}
+    chunk = _ids(3, 5)
+    for k in (1, 3):
+        outs = []
+        for m, c, sn in ((plain, pcache, psnap), (fastm, fcache, snap)):
+            for n, t in sn.items():
+                getattr(c, n).copy_(t)
+            b = ForwardBatch.build([([7], 5, 2, False, [2]), (chunk, 9, 1, False, [1], True)],
+                                   [], "cpu")
+            outs.append(m(b, c))
+            c.commit_states(1, k)
+            assert not c.kept_states
+        assert rel_err(outs[1], outs[0]) < 1e-4
+        assert rel_err(fcache.rec[:, 1], pcache.rec[:, 1]) < 1e-4
+        assert rel_err(fcache.conv[:, 1], pcache.conv[:, 1]) < 1e-4
+        assert rel_err(fcache.rec[:, 2], pcache.rec[:, 2]) < 1e-4

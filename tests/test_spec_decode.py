@@ -284,16 +284,6 @@ def test_scheduler_no_drafts_for_sampling_or_when_off():
     assert not s.schedule().seqs[0].mtp
 
 
-def test_kernel_path_refuses_drafts_for_now():
-    from tailored import kernels
-
-    if kernels.unavailable_reason("cpu", torch.float32):
-        pytest.skip("no Triton interpreter")
-    with pytest.raises(ValueError, match="plain path only"):
-        build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="on",
-                    max_model_len=256, max_num_seqs=2, num_speculative_tokens=1)
-
-
 def test_bad_settings():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         _stack(9)

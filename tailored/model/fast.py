@@ -283,7 +283,9 @@ class StepPlan:
         `pre` order and reset flag (`kernels.gdn_conv`; pre_reset is its last row);
       kv_new[j], kv_ctx[j]: flat KV rows (page·page_size + offset) of seqs[j]'s new tokens and of
         its whole context 0..end_pos (None when the chunk is the whole context);
-      dec_rows, dec_slots: the decode rows (None when there are none).
+      dec_rows, dec_slots: the decode rows (None when there are none);
+      ver_rows[j], ver_slots[j]: the rows and slots of token j of the verify chunks longer
+        than j (speculative decoding, `SeqInfo.keep_states`), and ver_seqs[j] those chunks.
     """
 
     pre_rows: torch.Tensor
@@ -294,6 +296,9 @@ class StepPlan:
     kv_ctx: list
     dec_rows: torch.Tensor | None
     dec_slots: torch.Tensor | None
+    ver_rows: list = None
+    ver_slots: list = None
+    ver_seqs: list = None
 
 
 def h2d(a: np.ndarray, device) -> torch.Tensor:
@@ -325,9 +330,9 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return o[0].transpose(0, 1)
 
 
-def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
-    """StepPlan for an eager forward over `seqs` (all), `pre` (prefill-path seqs) and `dec`
-    (decode rows); one host-to-device copy."""
+def build_plan(seqs, pre, dec, page_size: int, device, ver=()) -> StepPlan:
+    """StepPlan for an eager forward over `seqs` (all), `pre` (prefill-path seqs), `dec`
+    (decode rows) and `ver` (verify chunks); one host-to-device copy."""
     parts: list[np.ndarray] = []
     size = [0]  # elements in parts so far
 
@@ -347,6 +352,10 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
     r_ctx = [add(rows(q.page_ids, 0, q.end_pos, page_size)) if q.start_pos else None for q in seqs]
     r_dec = add([q.q_start for q in dec])
     r_dslot = add([q.slot for q in dec])
+    ver_seqs = [[q for q in ver if q.num_tokens > j]
+                for j in range(max((q.num_tokens for q in ver), default=0))]
+    r_ver = [(add([q.q_start + j for q in sel]), add([q.slot for q in sel]))
+             for j, sel in enumerate(ver_seqs)]
     buf = h2d(np.concatenate(parts), device)
 
     def view(r):
@@ -356,7 +365,9 @@ def build_plan(seqs, pre, dec, page_size: int, device) -> StepPlan:
     return StepPlan(view(r_rows), view(r_slots), pre_seq[3].bool(), pre_seq,
                     [view(r) for r in r_new], [view(r) if r else None for r in r_ctx],
                     view(r_dec) if dec else None,
-                    view(r_dslot).to(torch.int32) if dec else None)
+                    view(r_dslot).to(torch.int32) if dec else None,
+                    [view(r) for r, _ in r_ver], [view(r).to(torch.int32) for _, r in r_ver],
+                    ver_seqs)
 
 
 class FastPath:
@@ -522,10 +533,34 @@ class FastPath:
             core[dec_rows] = recurrent_step(y, a[dec_rows], b[dec_rows], z[dec_rows], rec_cache,
                                             dec_slots, m.A_log, m.dt_bias, m.norm.weight, HK,
                                             m.norm.eps)
-        pre = batch.seqs  # the caller left out the decode rows
+        pre = batch.seqs  # the caller left out the decode rows and verify chunks
         if pre:
             self._gdn_prefill(m, pre, qkv, a, b, z, core, conv_cache, rec_cache, self._plan)
+        if self._plan.ver_seqs:
+            self._gdn_verify(m, li, qkv, a, b, z, core, conv_cache, rec_cache, self._plan)
         return self.p_out[i](core)
+
+    def _gdn_verify(self, m, li, qkv, a, b, z, core, conv_cache, rec_cache, plan: StepPlan):
+        """The verify chunks of speculative decoding (model/mtp.py): token j of every chunk
+        through the decode kernels, as decode steps would run it, then each chunk's state
+        after token j kept (`HybridCache.kept_states`) for `commit_states`."""
+        HK = self.cfg.linear_num_key_heads
+        w = m.conv1d.weight[:, 0, :]
+        for sel in plan.ver_seqs[0]:
+            self.cache.kept_states[(li, sel.slot)] = []
+        for j, (rows, slots, sel) in enumerate(zip(plan.ver_rows, plan.ver_slots,
+                                                   plan.ver_seqs)):
+            y = conv_step(qkv[rows], conv_cache, w, slots)
+            core[rows] = recurrent_step(y, a[rows], b[rows], z[rows], rec_cache, slots,
+                                        m.A_log, m.dt_bias, m.norm.weight, HK, m.norm.eps)
+            last = [q.num_tokens == j + 1 for q in sel]
+            if all(last):  # the state after a chunk's last token is in its slot already
+                for q in sel:
+                    self.cache.kept_states[(li, q.slot)].append(None)
+                continue
+            cs, rs = conv_cache[slots], rec_cache[slots]  # copies
+            for n, q in enumerate(sel):
+                self.cache.kept_states[(li, q.slot)].append(None if last[n] else (cs[n], rs[n]))
 
     def _gdn_prefill(self, m, seqs, qkv, a, b, z, core, conv_cache, rec_cache, plan: StepPlan):
         cfg = self.cfg
@@ -679,12 +714,14 @@ class FastPath:
         x = self.model.model.embed_tokens(batch.input_ids)
         cos, sin = ref.rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         dec = [s for s in batch.seqs if s.num_tokens == 1 and not s.reset_state]
+        ver = [s for s in batch.seqs if s.keep_states]  # never 1 token: not in dec
         # sequences that start with a 1-token prompt take the prefill path (it resets the slot)
         pre_batch = ForwardBatch(batch.input_ids, batch.positions,
-                                 [s for s in batch.seqs if not (s.num_tokens == 1 and not s.reset_state)],
+                                 [s for s in batch.seqs if not (s.num_tokens == 1 and not s.reset_state)
+                                  and not s.keep_states],
                                  batch.logits_rows)
         plan = self._plan = build_plan(batch.seqs, pre_batch.seqs, dec, self.cache.page_size,
-                                       x.device)
+                                       x.device, ver)
         dec_rows, dec_slots = plan.dec_rows, plan.dec_slots
 
         def mixer(i, hn):
@@ -719,7 +756,8 @@ class FastPath:
         for j, s in enumerate(batch.seqs):
             if j in dec_set:
                 continue
-            pre.append(SeqInfo(q, s.num_tokens, s.start_pos, s.slot, s.reset_state, s.page_ids))
+            pre.append(SeqInfo(q, s.num_tokens, s.start_pos, s.slot, s.reset_state, s.page_ids,
+                               s.keep_states))
             ids.append(batch.input_ids[s.q_start:s.q_start + s.num_tokens])
             pos.append(batch.positions[s.q_start:s.q_start + s.num_tokens])
             q += s.num_tokens
