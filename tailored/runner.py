@@ -39,9 +39,8 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     fast.moe_grouped_reserve_bytes), kept out of the budget.
     """
     num_slots = ec.max_num_seqs + 1
-    per_page = HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
-    if ec.num_speculative_tokens > 0:  # the MTP layer's own KV pages (model/mtp.py)
-        per_page += MTPDrafter.bytes_per_page(cfg, ec.page_size, dtype)
+    # with speculative decoding the MTP layer's KV too (model/mtp.py)
+    per_page = HybridCache.bytes_per_page(cfg, ec.page_size, dtype, _mtp_layers(ec))
     per_slot = HybridCache.bytes_per_slot(cfg, dtype)
     want_pages = ec.max_num_seqs * math.ceil(ec.max_model_len / ec.page_size) + 1
     if ec.num_pages is not None:
@@ -68,6 +67,11 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
             f"one {ec.max_model_len}-token request needs {need}; lower --max-model-len or --max-num-seqs"
         )
     return int(pages), num_slots
+
+
+def _mtp_layers(ec: EngineConfig) -> int:
+    """MTP layers the cache holds KV for: 1 with speculative decoding (model/mtp.py), else 0."""
+    return 1 if ec.num_speculative_tokens > 0 else 0
 
 
 def kernel_path_asked(ec: EngineConfig, device: torch.device) -> bool:
@@ -106,15 +110,17 @@ class ModelRunner:
         self.page_size = ec.page_size
         self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device,
                                                     kernel_path_reserve(model, ec, self.device))
-        self.cache = HybridCache(cfg, self.num_pages, ec.page_size, self.num_slots, dtype, self.device)
-        gib = (self.num_pages * HybridCache.bytes_per_page(cfg, ec.page_size, dtype)
+        self.cache = HybridCache(cfg, self.num_pages, ec.page_size, self.num_slots, dtype,
+                                 self.device, _mtp_layers(ec))
+        gib = (self.num_pages * HybridCache.bytes_per_page(cfg, ec.page_size, dtype,
+                                                           _mtp_layers(ec))
                + self.num_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3
         log.info("cache: %d KV pages x %d tokens, %d GDN state slots (%.2f GiB)",
                  self.num_pages, ec.page_size, self.num_slots, gib)
         self.fast = self._maybe_fast_path(ec)
-        self.drafter = self._maybe_drafter(ec, dtype)
+        self.drafter = self._maybe_drafter(ec)
 
-    def _maybe_drafter(self, ec: EngineConfig, dtype: torch.dtype):
+    def _maybe_drafter(self, ec: EngineConfig):
         """The MTP drafter of speculative decoding (EngineConfig.num_speculative_tokens > 0),
         else None. Raises ValueError for a bad setting, a model without its MTP head, or the
         kernel path (not wired for verify chunks yet: run --kernels off)."""
@@ -130,7 +136,7 @@ class ModelRunner:
         self.spec_stats = [0, 0, 0]
         if n == 0:
             return None
-        drafter = MTPDrafter(self.model, self.num_pages, ec.page_size, dtype, self.device)
+        drafter = MTPDrafter(self.model, self.cache)
         log.info("speculative decoding: %d MTP draft%s a step for greedy requests%s", n,
                  "s" if n > 1 else "", "" if rate is None
                  else f", synthetic acceptance {rate} (benchmarks only: not the greedy output)")

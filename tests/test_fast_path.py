@@ -501,3 +501,38 @@ def test_verify_chunk_matches_plain_path(pair):
         assert rel_err(fcache.rec[:, 1], pcache.rec[:, 1]) < 1e-4
         assert rel_err(fcache.conv[:, 1], pcache.conv[:, 1]) < 1e-4
         assert rel_err(fcache.rec[:, 2], pcache.rec[:, 2]) < 1e-4
+
+
+def test_mtp_layer_matches_plain_path(tiny_ckpt):
+    """The MTP head on the kernel path (model/fast_mtp.py) against the plain path: the layer's
+    hidden rows over a prompt and a chained proposal of 3 drafts."""
+    from tailored.config import ModelConfig
+    from tailored.model.batch import HybridCache, SeqInfo
+    from tailored.model.fast import FastPath
+    from tailored.model.mtp import DraftRow, MTPDrafter
+
+    cfg = ModelConfig.from_dir(tiny_ckpt)
+    models, caches = [], []
+    for fast in (False, True):
+        m = build_empty_model(cfg, "cpu", torch.float32)
+        load_checkpoint(m, tiny_ckpt, progress=False)
+        c = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
+        if fast:
+            m.fast = FastPath(m, c, max_batch=4, max_pages=12, use_graphs=False)
+            assert m.fast.mtp_layer == cfg.num_hidden_layers
+        models.append(m)
+        caches.append(c)
+    ids = _ids(20, 9)
+    hs, drafts, layer = [], [], []
+    for m, c in zip(models, caches):
+        h = m(ForwardBatch.build([(ids, 0, 1, True, [1, 2])], [], "cpu"), c)
+        d = MTPDrafter(m, c)
+        seq = SeqInfo(0, 19, 0, 1, False, [1, 2])
+        layer.append(d._layer(h[:19], torch.tensor(ids[1:]), [seq]))
+        drafts.append(d.propose(h, [DraftRow(SeqInfo(0, 20, 0, 1, False, [1, 2]),
+                                             ids[1:] + [5], 3)]))
+        hs.append(h)
+    assert rel_err(hs[1], hs[0]) < 1e-4
+    assert rel_err(layer[1], layer[0]) < 1e-4
+    assert drafts[1] == drafts[0] and len(drafts[0][0]) == 3
+    assert rel_err(caches[1].k[-1], caches[0].k[-1]) < 1e-4  # the MTP layer's KV

@@ -138,11 +138,11 @@ def test_drafter_matches_the_training_chain():
     seq = torch.tensor([ids])
     with torch.no_grad():
         want, _ = ev.mtp_drafts(model, seq, 3)
-        cache = HybridCache(model.config, 8, 16, 2, torch.float32, "cpu")
+        cache = HybridCache(model.config, 8, 16, 2, torch.float32, "cpu", mtp_layers=1)
         hidden = model(ForwardBatch.build([(ids, 0, 1, True, [1, 2, 3, 4])], [], "cpu"), cache)
     from tailored.model.mtp import DraftRow
 
-    drafter = MTPDrafter(model, 8, 16, torch.float32, "cpu")
+    drafter = MTPDrafter(model, cache)
     assert len(ids) > 12
     for t in (0, 5, len(ids) // 2, len(ids) - 2):
         rows = [DraftRow(SeqInfo(0, t + 1, 0, 1, False, [1, 2, 3, 4]), ids[1:t + 2], 3)]
@@ -156,11 +156,16 @@ def test_drafter_needs_the_mtp_head():
     st = _stack(0)
     model = st.engine.runner.model
     mtp, model.mtp = model.mtp, None
+    cache = HybridCache(model.config, 4, 16, 2, torch.float32, "cpu", mtp_layers=1)
     try:
         with pytest.raises(ValueError, match="MTP head"):
-            MTPDrafter(model, 4, 16, torch.float32, "cpu")
+            MTPDrafter(model, cache)
     finally:
         model.mtp = mtp
+    with pytest.raises(ValueError, match="holds no MTP layer"):
+        MTPDrafter(model, HybridCache(model.config, 4, 16, 2, torch.float32, "cpu"))
+    assert cache.k.shape[0] == len(model.config.attn_layers) + 1
+    assert cache.attn_index[model.config.num_hidden_layers] == len(model.config.attn_layers)
 
 
 # ---- the engine --------------------------------------------------------------------------------

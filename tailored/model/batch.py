@@ -82,12 +82,15 @@ class HybridCache:
     """KV pages + GDN state slots for all layers (allocated once; pools hand out indices)."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, mtp_layers: int = 0):
+        """mtp_layers: KV for that many MTP layers too (speculative decoding, model/mtp.py),
+        after the decoder's attention layers; MTP layer j is layer num_hidden_layers + j."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_slots
         n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
-        kv_shape = (n_attn, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_shape = (n_attn + mtp_layers, num_pages, page_size, cfg.num_key_value_heads,
+                    cfg.head_dim)
         self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
         W = cfg.linear_conv_kernel_dim
@@ -99,6 +102,8 @@ class HybridCache:
         )
         # layer index -> index inside its cache kind
         self.attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
+        for j in range(mtp_layers):
+            self.attn_index[cfg.num_hidden_layers + j] = n_attn + j
         self.gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layers)}
         # (GDN cache index, slot) -> [(conv, recurrent) state after each token] of the last
         # forward's keep_states chunks (plain path); `commit_states` picks one
@@ -119,9 +124,11 @@ class HybridCache:
                 self.rec[li, slot] = rs
 
     @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
+                       mtp_layers: int = 0) -> int:
         el = torch.tensor([], dtype=dtype).element_size()
-        return 2 * len(cfg.attn_layers) * page_size * cfg.num_key_value_heads * cfg.head_dim * el
+        n = len(cfg.attn_layers) + mtp_layers
+        return 2 * n * page_size * cfg.num_key_value_heads * cfg.head_dim * el
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:

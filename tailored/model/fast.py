@@ -409,7 +409,15 @@ class FastPath:
             return Proj.dequantized([m], kind, dq) if dq is not None and \
                 isinstance(m, Fp8Linear) else Proj([m], kind)
 
-        for i, layer in enumerate(model.model.layers):
+        # the decoder layers, then the MTP layer when the cache holds its KV (speculative
+        # decoding, model/mtp.py): layer num_hidden_layers, run by `mtp_eager`
+        self.layers = list(model.model.layers)
+        self.mtp_layer = None
+        if model.mtp is not None and len(self.layers) in cache.attn_index:
+            self.mtp_layer = len(self.layers)
+            self.layers += list(model.mtp.layers)[:1]
+            self.p_fc = Proj([model.mtp.fc], "in")
+        for i, layer in enumerate(self.layers):
             ins, out, moe, down = layer_projections(layer)
             self.p_in[i] = ProjGroup(ins, dequant=dq)
             self.p_out[i] = single(out, "out")
@@ -453,7 +461,7 @@ class FastPath:
         """The MoE block of layer i on its normed input x [T, H]. norm = (residual, weight,
         eps): returns (residual + block output, the next norm of it) from the combine's launch
         (kb/0023) instead of the block output."""
-        cfg, mlp = self.cfg, self.model.model.layers[i].mlp
+        cfg, mlp = self.cfg, self.layers[i].mlp
         E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]
         # decode batches: routing + align in one or two launches (read at call time: A/B)
         one_launch = T <= moe_kernels.ROUTE_ALIGN_USE_UP_TO and not E & (E - 1)
@@ -498,7 +506,7 @@ class FastPath:
         """Layer i's routed experts through `moe_grouped.grouped_experts_sorted`: (outputs in
         expert-sorted order, each pair's row); FP8 experts are first dequantized into a
         scratch that every layer reuses."""
-        ex = self.model.model.layers[i].mlp.experts
+        ex = self.layers[i].mlp.experts
         gu, dn = ex.gate_up_proj, ex.down_proj
         if i in self.experts:
             # reserved at start (moe_grouped_reserve_bytes) when the switch was on then; an A/B
@@ -515,7 +523,7 @@ class FastPath:
     def _gdn(self, i: int, x: torch.Tensor, batch: ForwardBatch | None, dec_rows, dec_slots):
         """x [T, H] normed. dec_rows/dec_slots: device tensors of the decode rows (all rows in
         graph mode, batch None) and their slots."""
-        cfg, m = self.cfg, self.model.model.layers[i].linear_attn
+        cfg, m = self.cfg, self.layers[i].linear_attn
         li = self.cache.gdn_index[i]
         T = x.shape[0]
         V, HK = cfg.value_dim, cfg.linear_num_key_heads
@@ -630,7 +638,7 @@ class FastPath:
         """q, k, v [T, heads, D] and the output gate [T, Hq·D]. kv_rows (decode): k and v go
         straight into layer i's KV cache rows in the k norm's launch; k and v are then that
         layer's cache tensors [pages, page_size, Hkv, D]."""
-        cfg, m = self.cfg, self.model.model.layers[i].self_attn
+        cfg, m = self.cfg, self.layers[i].self_attn
         T, D, Hq, Hkv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         qg, k, v = self.p_in[i](x)
         qg = qg.view(T, Hq, 2 * D)
@@ -725,7 +733,7 @@ class FastPath:
         dec_rows, dec_slots = plan.dec_rows, plan.dec_slots
 
         def mixer(i, hn):
-            if self.model.model.layers[i].layer_type == "linear_attention":
+            if self.layers[i].layer_type == "linear_attention":
                 return self._gdn(i, hn, pre_batch, dec_rows, dec_slots)
             return self._attn_eager(i, hn, cos, sin, batch)
 
@@ -846,7 +854,7 @@ class FastPath:
         cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
 
         def mixer(i, hn):
-            if self.model.model.layers[i].layer_type == "linear_attention":
+            if self.layers[i].layer_type == "linear_attention":
                 return self._gdn(i, hn, None, None, slots)
             return self._attn_decode(i, hn, cos, sin, kv_rows, table, lens)
 
@@ -1010,7 +1018,7 @@ class FastPath:
         """GDN over the bucket for one fresh sequence: the eager prefill's computation with
         zero initial states, pads neutralized (g = 0, β = 0), states written with device
         indices (nothing in here depends on the prompt length on the host)."""
-        cfg, m = self.cfg, self.model.model.layers[i].linear_attn
+        cfg, m = self.cfg, self.layers[i].linear_attn
         li = self.cache.gdn_index[i]
         n = x.shape[0]
         HK, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -1056,7 +1064,7 @@ class FastPath:
         cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
 
         def mixer(i, hn):
-            if self.model.model.layers[i].layer_type == "linear_attention":
+            if self.layers[i].layer_type == "linear_attention":
                 return self._gdn_prefill_static(i, hn, valid, st["slot"])
             return self._attn_prefill_static(i, hn, cos, sin, kv)
 

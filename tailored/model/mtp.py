@@ -24,11 +24,10 @@ penalties never draft (`SamplingParams.can_draft`). Sources: spec §8.1–§8.4;
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
 from tailored.ops import reference as ref
 
@@ -60,11 +59,6 @@ def emitted(drafts: list[int], target: list[int], kept: int, synthetic: bool) ->
     return list(target[:kept + 1])
 
 
-def mtp_config(cfg: ModelConfig) -> ModelConfig:
-    """The config of the MTP's cache: one full-attention layer (spec §2.5)."""
-    return replace(cfg, num_hidden_layers=1, layer_types=("full_attention",))
-
-
 @dataclass
 class DraftRow:
     """One drafting sequence of a step, for `MTPDrafter.propose`.
@@ -80,32 +74,36 @@ class DraftRow:
 
 
 class MTPDrafter:
-    """The MTP head over its own KV cache (one attention layer, pages shared with the target's
-    page table: a request's page ids index both)."""
+    """The MTP head over its KV cache: the target's HybridCache built with mtp_layers=1, whose
+    extra attention layer is layer num_hidden_layers (pages are the target's: a request's page
+    ids index both)."""
 
-    def __init__(self, model, num_pages: int, page_size: int, dtype: torch.dtype, device):
+    def __init__(self, model, cache: HybridCache):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the checkpoint's MTP head (mtp.*); this "
                              "model has mtp_num_hidden_layers = 0 or was built without it")
+        self.layer = model.config.num_hidden_layers
+        if self.layer not in cache.attn_index:
+            raise ValueError("MTPDrafter: the cache holds no MTP layer (HybridCache mtp_layers=1)")
         self.model = model
-        self.cache = HybridCache(mtp_config(model.config), num_pages, page_size, 1, dtype, device)
-
-    @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        """KV bytes of one page of the MTP layer (runner.plan_cache adds them per page)."""
-        return HybridCache.bytes_per_page(mtp_config(cfg), page_size, dtype)
+        self.cache = cache
 
     def _layer(self, h: torch.Tensor, ids: torch.Tensor, seqs: list[SeqInfo]) -> torch.Tensor:
         """MTP layer (spec §8.1) over rows with target/own hidden h [R, H] and next-token ids
         [R]; seqs lay the rows out (positions, pages). Returns the post-`mtp.norm` hidden [R, H]."""
         mtp, model = self.model.mtp, self.model
+        fast = model.fast
+        if fast is not None and fast.cache is self.cache and fast.mtp_layer is not None:
+            from tailored.model.fast_mtp import mtp_eager  # the kernel path
+
+            return mtp_eager(fast, h, ids, seqs)
         cfg = model.config
         e = mtp.pre_fc_norm_embedding(model.model.embed_tokens(ids))
         c = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(h)], dim=-1))
         pos = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs]).to(h.device)
         cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, c.dtype)
         batch = ForwardBatch(ids, pos, seqs, [])
-        x = mtp.layers[0](c, cos, sin, batch, self.cache, 0)
+        x = mtp.layers[0](c, cos, sin, batch, self.cache, self.layer)
         return mtp.norm(x)
 
     @torch.no_grad()

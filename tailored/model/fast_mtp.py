@@ -1,0 +1,58 @@
+"""The MTP draft head on the kernel path (spec §8.1; speculative decoding, model/mtp.py).
+
+The MTP layer is a full-attention decoder layer with the backbone's MoE; `FastPath` lays out
+its projections like a decoder layer's under index num_hidden_layers (`FastPath.mtp_layer`),
+and the cache holds its KV as one more attention layer (`HybridCache(mtp_layers=1)`). So the
+layer runs through the same kernels: fused residual-add + RMSNorm, the q|k|v GEMM with q/k norm
+and RoPE, paged attention, the routed + shared experts and their combine, which applies
+`mtp.norm` in its launch. Checked against the plain `MTPDrafter` path in
+tests/test_fast_path.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailored.kernels.norm import add_rms_norm_1p
+from tailored.model.batch import ForwardBatch, SeqInfo
+from tailored.ops import reference as ref
+
+
+def mtp_input(fp, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fc([RMSNorm1p(embed(ids)), RMSNorm1p(h)]) (spec §8.1: embedding first): h [R, H] the
+    target's (or the MTP's own) final-normed hidden states, ids [R] the next tokens. [R, H]."""
+    mtp = fp.model.mtp
+    e = fp.model.model.embed_tokens(ids)
+    _, en = add_rms_norm_1p(e, None, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_embedding.eps)
+    _, hn = add_rms_norm_1p(h, None, mtp.pre_fc_norm_hidden.weight, mtp.pre_fc_norm_hidden.eps)
+    return fp.p_fc(torch.cat([en, hn], dim=-1))
+
+
+def mtp_layer(fp, c: torch.Tensor, mixer) -> torch.Tensor:
+    """The MTP decoder layer on its input c [R, H], then `mtp.norm`; mixer(i, normed) is the
+    attention (eager or paged decode). Returns the post-`mtp.norm` hidden [R, H]."""
+    from tailored.model import fast
+
+    L, mtp = fp.mtp_layer, fp.model.mtp
+    layer = fp.layers[L]
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    res, hn = add_rms_norm_1p(c, None, norm1.weight, norm1.eps)
+    res, hn = add_rms_norm_1p(res, mixer(L, hn), norm2.weight, norm2.eps)
+    if fast.COMBINE_NEXT_NORM:
+        return fp._moe(L, hn, (res, mtp.norm.weight, mtp.norm.eps))[1]
+    return add_rms_norm_1p(res, fp._moe(L, hn), mtp.norm.weight, mtp.norm.eps)[1]
+
+
+def mtp_eager(fp, h: torch.Tensor, ids: torch.Tensor, seqs: list[SeqInfo]) -> torch.Tensor:
+    """The MTP layer over rows laid out by `seqs` (their positions and pages; the MTP KV of
+    those positions is written), eagerly: attention as for prefill chunks. Same contract as
+    `MTPDrafter._layer` of the plain path. h [R, H], ids [R]; returns [R, H]."""
+    from tailored.model.fast import build_plan
+
+    cfg = fp.cfg
+    pos = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs]).to(h.device)
+    cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, h.dtype)
+    fp._plan = build_plan(seqs, [], [], fp.cache.page_size, h.device)
+    batch = ForwardBatch(ids, pos, seqs, [])
+    return mtp_layer(fp, mtp_input(fp, h, ids),
+                     lambda i, hn: fp._attn_eager(i, hn, cos, sin, batch))
