@@ -260,6 +260,9 @@ class EngineConfig:
         this probability instead of comparing it with the target's token (vLLM's 'synthetic'
         rejection sampler, used by the baseline kit's `serve mtp`); the output is then not the
         greedy output. None = real verification.
+    spec_max_running: requests draft only while at most this many run: larger batches are
+        bound by the experts' weight reads, where verifying drafts costs what it saves; verify
+        steps are captured in CUDA graphs up to this batch size (model/fast_spec.py).
     """
 
     page_size: int = 16
@@ -276,3 +279,4 @@ class EngineConfig:
     async_scheduling: bool = True  # launch decode step N+1 before reading step N's tokens
     num_speculative_tokens: int = 0  # MTP drafts per decode step (greedy requests), 0 = off
     spec_synthetic_acceptance: float | None = None  # benchmarks with random weights only
+    spec_max_running: int = 8  # draft only while at most this many requests run

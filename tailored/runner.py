@@ -25,6 +25,7 @@ from tailored.model.mtp import MTPDrafter
 log = logging.getLogger("tailored.runner")
 
 CPU_CACHE_BYTES = 512 * 1024**2  # KV + state budget when running on the CPU
+SPEC_LOG_EVERY = 2000  # verify steps between speculative-decoding log lines
 
 
 def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -94,10 +95,19 @@ def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
             kernels.unavailable_reason("cuda", model.lm_head.weight.dtype) is not None:
         return 0
     from tailored.model.fast import dense_dequant_bytes, moe_grouped_reserve_bytes
+    from tailored.model.fast_spec import snapshot_bytes
 
     dtype = model.lm_head.weight.dtype
+    spec = (snapshot_bytes(model.config, ec.num_speculative_tokens, spec_max_batch(ec), dtype)
+            if ec.num_speculative_tokens > 0 and not ec.enforce_eager else 0)
     return (dense_dequant_bytes(model, dtype)
-            + moe_grouped_reserve_bytes(model, dtype, ec.max_num_batched_tokens))
+            + moe_grouped_reserve_bytes(model, dtype, ec.max_num_batched_tokens) + spec)
+
+
+def spec_max_batch(ec: EngineConfig) -> int:
+    """Largest batch of verify steps in CUDA graphs (speculative decoding): the scheduler
+    drafts while at most this many requests run (EngineConfig.spec_max_running)."""
+    return max(1, min(ec.spec_max_running, ec.max_num_seqs))
 
 
 class ModelRunner:
@@ -166,6 +176,10 @@ class ModelRunner:
                         max_pages=math.ceil(ec.max_model_len / ec.page_size) + 1,
                         use_graphs=not ec.enforce_eager)
         self.model.fast = fast
+        if ec.num_speculative_tokens > 0 and fast.use_graphs and fast.mtp_layer is not None:
+            from tailored.model.fast_spec import SpecGraphs
+
+            fast.spec = SpecGraphs(fast, ec.num_speculative_tokens, spec_max_batch(ec))
         if ec.prefill_graphs and (self.device.type != "cuda" or ec.enforce_eager):
             log.info("--prefill-graphs has no effect %s", "with --enforce-eager"
                      if ec.enforce_eager else "on the CPU (CUDA graphs)")
@@ -178,6 +192,8 @@ class ModelRunner:
                                 batch_tokens=ec.max_num_batched_tokens)
             if fast.use_graphs:
                 fast.capture()
+                if fast.spec is not None:
+                    fast.spec.capture()
                 if ec.prefill_graphs:
                     fast.capture_prefill(min(ec.max_num_batched_tokens, ec.max_model_len))
             # TAILORED_TUNING_DUMP=PATH: save the launch configs tuned at this warm-up, for
@@ -317,13 +333,20 @@ class ModelRunner:
                 kept = accept(drafts, target, synthetic, self._spec_rng)
                 em = emitted(drafts, target, kept, synthetic is not None)
                 self.model_cache_commit(s.slot, kept + 1)
-                self.spec_stats[0] += 1
-                self.spec_stats[1] += s.num_draft
-                self.spec_stats[2] += kept
+                st = self.spec_stats
+                st[0] += 1
+                st[1] += s.num_draft
+                st[2] += kept
+                if st[0] % SPEC_LOG_EVERY == 0:
+                    log.info("speculative decoding: %d verify steps, %.3f of %d drafts kept, "
+                             "%.2f tokens a verify step", st[0], st[2] / max(st[1], 1), st[1],
+                             1 + st[2] / st[0])
             else:
                 em = target
             out_ids[s.request_id], extra[s.request_id] = em[0], tuple(em[1:])
-            if s.mtp and s.request_id not in bad:
+            # num_propose 0 at a sampling chunk: the request ends within 2 tokens and never
+            # drafts again, so its MTP KV is not needed
+            if s.mtp and s.num_propose > 0 and s.request_id not in bad:
                 # rows up to the last emitted position, each fed the token after it
                 n = info.num_tokens - s.num_draft + len(em) - 1
                 seq = SeqInfo(info.q_start, n, info.start_pos, info.slot, False, info.page_ids)

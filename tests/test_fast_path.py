@@ -536,3 +536,56 @@ def test_mtp_layer_matches_plain_path(tiny_ckpt):
     assert rel_err(layer[1], layer[0]) < 1e-4
     assert drafts[1] == drafts[0] and len(drafts[0][0]) == 3
     assert rel_err(caches[1].k[-1], caches[0].k[-1]) < 1e-4  # the MTP layer's KV
+
+
+def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
+    """The verify and MTP graph bodies (model/fast_spec.py), run eagerly over their static
+    buffers, against the eager kernel path: two verify chunks (one padded: fewer drafts than
+    N) and the batch padded to a larger size; hidden rows, committed GDN states at several
+    kept lengths, the MTP KV and the proposed drafts."""
+    from tailored.config import ModelConfig
+    from tailored.model.batch import HybridCache, SeqInfo
+    from tailored.model.fast import FastPath
+    from tailored.model.fast_spec import SpecGraphs
+    from tailored.model.mtp import DraftRow, MTPDrafter
+
+    cfg = ModelConfig.from_dir(tiny_ckpt)
+    m = build_empty_model(cfg, "cpu", torch.float32)
+    load_checkpoint(m, tiny_ckpt, progress=False)
+    cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
+    fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
+    spec = fp.spec = SpecGraphs(fp, 3, 4)  # forward() routes to it with graphs only
+    p1, p2 = _ids(11, 21), _ids(6, 22)
+    m(ForwardBatch.build([(p1, 0, 1, True, [1]), (p2, 0, 2, True, [2])], [], "cpu"), cache)
+    base = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
+    layout = [(_ids(4, 23), 11, 1, False, [1], True), (_ids(2, 24), 6, 2, False, [2], True)]
+    kept = {1: 2, 2: 1}  # tokens kept of each chunk (4 and 2 long)
+    rows_of = {1: 4, 2: 2}
+    results = []
+    for use_spec in (False, True):
+        for n, t in base.items():
+            getattr(cache, n).copy_(t)
+        b = ForwardBatch.build(layout, [], "cpu")
+        assert spec.fits(b)
+        h = spec.forward(b) if use_spec else fp.forward_eager(b)
+        for slot, k in kept.items():
+            cache.commit_states(slot, k)
+        assert cache.kept_batch is None and not cache.kept_states
+        seqs = {s.slot: s for s in b.seqs}
+        rows = [DraftRow(SeqInfo(seqs[sl].q_start, k, seqs[sl].start_pos, sl, False,
+                                 seqs[sl].page_ids), _ids(k, 30 + sl), 3)
+                for sl, k in kept.items()]
+        assert spec._layout is not None if use_spec else True
+        drafts = MTPDrafter(m, cache).propose(h, rows)
+        results.append((h, cache.conv.clone(), cache.rec.clone(), cache.k[-1].clone(), drafts))
+        assert spec._layout is None
+    (h0, c0, r0, k0, d0), (h1, c1, r1, k1, d1) = results
+    assert rel_err(h1, h0) < 1e-4
+    assert rel_err(c1, c0) < 1e-5 and rel_err(r1, r0) < 1e-5
+    # the MTP KV of the kept rows (the rest is rewritten before it is read)
+    for slot, k in kept.items():
+        page, start = {1: (1, 11), 2: (2, 6)}[slot]
+        rows = slice(start, start + k)
+        assert rel_err(k1[page, rows], k0[page, rows]) < 1e-4
+    assert d1 == d0 and all(len(d) == 3 for d in d0)
+    assert rows_of  # (documentation of the chunk lengths above)

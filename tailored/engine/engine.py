@@ -221,7 +221,14 @@ class Engine:
             "free_pages": s.pages.num_free,
             "free_slots": s.slots.num_free,
             "num_preemptions": s.num_preemptions,
+            # speculative decoding (model/mtp.py): verify steps, drafts verified, drafts kept
+            "spec_verify_steps": self._spec_stats()[0],
+            "spec_drafts": self._spec_stats()[1],
+            "spec_drafts_kept": self._spec_stats()[2],
         }
+
+    def _spec_stats(self) -> list[int]:
+        return list(getattr(self.runner, "spec_stats", None) or (0, 0, 0))
 
     # ---- helpers -----------------------------------------------------------------------------
     def _emit(self, req: Request) -> RequestOutput:

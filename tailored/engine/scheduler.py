@@ -369,8 +369,13 @@ class Scheduler:
         req.slot = 0
 
     def _drafting(self, req: Request) -> bool:
-        """Whether `req` runs the MTP head (speculative decoding on, a request that can draft)."""
-        return self.config.num_speculative_tokens > 0 and req.sampling.can_draft
+        """Whether `req` runs the MTP head this step: speculative decoding on, a request that
+        can draft, and at most spec_max_running requests running (the MTP KV of a request's
+        positions computed while more ran stays unwritten: its later drafts are worse, and
+        still verified)."""
+        ec = self.config
+        return (ec.num_speculative_tokens > 0 and req.sampling.can_draft
+                and len(self.running) <= ec.spec_max_running)
 
     def _tokens_left(self, req: Request) -> int:
         """Tokens `req` may still emit (max_tokens, max_model_len)."""

@@ -108,12 +108,28 @@ class HybridCache:
         # (GDN cache index, slot) -> [(conv, recurrent) state after each token] of the last
         # forward's keep_states chunks (plain path); `commit_states` picks one
         self.kept_states: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # the same from a verify CUDA graph (model/fast_spec.py): (conv snapshots [G, n-1, B,
+        # ...], recurrent snapshots, {slot: b}, n): the state after token j of sequence b
+        self.kept_batch: tuple | None = None
 
     def commit_states(self, slot: int, num_tokens: int) -> None:
         """Make slot's GDN state the one after the first `num_tokens` tokens of its last
         keep_states chunk (a speculative verify step that accepted num_tokens - 1 drafts; the
-        state after the whole chunk is in place already). Raises KeyError if the last forward
-        kept no states for the slot, ValueError for num_tokens outside 1..chunk length."""
+        state after the whole chunk is in place already, except after a verify graph's pad
+        tokens). Raises KeyError if the last forward kept no states for the slot, ValueError
+        for num_tokens outside 1..chunk length."""
+        kb = self.kept_batch
+        if kb is not None and slot in kb[2] and (0, slot) not in self.kept_states:
+            snap_c, snap_r, where, n = kb
+            b = where.pop(slot)
+            if not where:
+                self.kept_batch = None
+            if not 1 <= num_tokens <= n:
+                raise ValueError(f"commit_states: {num_tokens} tokens of a {n}-token chunk")
+            if num_tokens < n:  # chunks shorter than n were padded: always from the snapshot
+                self.conv[:, slot] = snap_c[:, num_tokens - 1, b]
+                self.rec[:, slot] = snap_r[:, num_tokens - 1, b]
+            return
         for li in range(self.conv.shape[0]):
             kept = self.kept_states.pop((li, slot))
             if not 1 <= num_tokens <= len(kept):

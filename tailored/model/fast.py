@@ -453,6 +453,7 @@ class FastPath:
         self._pstatic = None
         self._fla_ctx = None  # (lens, cu_seqlens, cu_seqlens_cpu, chunk_indices) of this forward
         self._plan: StepPlan | None = None  # index tensors of the current eager forward
+        self.spec = None  # fast_spec.SpecGraphs: verify + MTP graphs (speculative decoding)
 
     # -------------------------------------------------------------------------------------------
     # blocks
@@ -748,6 +749,8 @@ class FastPath:
         pages and slots are disjoint from the prefills')."""
         if not self.use_graphs:
             return self.forward_eager(batch)
+        if self.spec is not None and self.spec.fits(batch):  # a speculative verify step
+            return self.spec.forward(batch)
         if self.prefill_graphs and self.prefill_graph_fits(batch):
             return self.forward_prefill_graph(batch)
         dec = [j for j, s in enumerate(batch.seqs) if s.num_tokens == 1 and not s.reset_state]

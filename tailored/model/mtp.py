@@ -114,6 +114,11 @@ class MTPDrafter:
         the wrong length."""
         if not rows:
             return []
+        fast = self.model.fast
+        if fast is not None and fast.spec is not None and fast.cache is self.cache:
+            got = fast.spec.propose(rows)  # after a verify graph: the MTP graph
+            if got is not None:
+                return got
         dev = hidden.device
         seqs, h_idx, ids, q = [], [], [], 0
         for r in rows:

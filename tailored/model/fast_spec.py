@@ -1,0 +1,270 @@
+"""CUDA graphs of speculative decode steps (model/mtp.py): a verify graph and an MTP graph.
+
+A step whose every sequence is a drafting request's verify chunk (its last token and up to N
+drafts, `SeqInfo.keep_states`) is the c=1..8 case of speculative decoding. Eagerly it would be
+host-bound like any eager step (~660 launches for ~3.5 ms of GPU work, kb/0029), so it replays
+two graphs per padded batch size B (SPEC_BATCH_SIZES):
+
+  verify: the target over B·n rows, n = N + 1, laid out token-major (row j·B + b is token j of
+    sequence b). Every row is a decode row of its own: attention reads keys 0..its position
+    (the chunk's keys are all stored in the k-norm launch before it), projections and experts
+    are row-wise. The GDN layers run token j of all B sequences through the decode kernels, j
+    = 0..n-1, in place on the slots, and copy each slot's state after token j < n-1 into a
+    snapshot (`snap_conv`, `snap_rec`): `HybridCache.commit_states` takes the one after the
+    last kept token from there. A chunk shorter than n is padded (ids 0, KV into the sink
+    row): its state is always committed from a snapshot, so the pad tokens' updates vanish.
+  mtp: the MTP layer over the same B·n rows, fed the verify graph's hidden output and the
+    tokens the step emitted (host-filled after acceptance), which writes the MTP KV of those
+    positions; then from each sequence's last emitted row, draft 1 and N-1 chained drafts at
+    the next positions, each one paged-decode row a sequence (spec §8.2). Output [B, N].
+
+Between them the runner reads the verified tokens, keeps the matching drafts and commits the
+states (one sync); the drafts are the second. Rows of pad sequences use slot 0 and page 0
+(the sinks). Checked on the CPU by running the bodies eagerly against the eager step
+(tests/test_fast_path.py); the graphs themselves run on the GPU (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tailored.kernels.gdn_decode import conv_step, recurrent_step
+from tailored.model.batch import ForwardBatch, HybridCache, pinned, to_device
+from tailored.model.fast_mtp import mtp_input, mtp_layer
+from tailored.ops import reference as ref
+
+log = logging.getLogger("tailored.fast")
+
+SPEC_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype) -> int:
+    """GPU bytes of the verify graphs' GDN snapshots: N states of every GDN layer for
+    max_batch sequences (full size: 61.5 MB a sequence and draft)."""
+    return num_draft * max_batch * HybridCache.bytes_per_slot(cfg, dtype)
+
+
+class SpecGraphs:
+    """The verify and MTP graphs of one FastPath (`FastPath.spec`). num_draft: N drafts a
+    step; max_batch: the largest padded batch captured."""
+
+    def __init__(self, fp, num_draft: int, max_batch: int):
+        if fp.mtp_layer is None:
+            raise ValueError("SpecGraphs: the FastPath has no MTP layer (cache mtp_layers=1)")
+        self.fp = fp
+        self.N, self.n = num_draft, num_draft + 1
+        self.sizes = tuple(b for b in SPEC_BATCH_SIZES if b < max_batch) + (max_batch,)
+        self.max_batch = max_batch
+        cache, dev = fp.cache, fp.device
+        R, P, G = max_batch * self.n, fp.max_pages, cache.conv.shape[0]
+        self.st = {
+            "ids": torch.zeros(R, dtype=torch.long, device=dev),
+            "pos": torch.zeros(R, dtype=torch.long, device=dev),
+            "kv": torch.zeros(R, dtype=torch.long, device=dev),
+            "table": torch.zeros(R, P, dtype=torch.int32, device=dev),
+            "lens": torch.ones(R, dtype=torch.int32, device=dev),
+            "slots": torch.zeros(max_batch, dtype=torch.int32, device=dev),
+            "m_ids": torch.zeros(R, dtype=torch.long, device=dev),
+            "m_sel": torch.zeros(max_batch, dtype=torch.long, device=dev),
+            "c_pos": torch.zeros(max(self.N - 1, 1), max_batch, dtype=torch.long, device=dev),
+            "c_kv": torch.zeros(max(self.N - 1, 1), max_batch, dtype=torch.long, device=dev),
+            "c_lens": torch.ones(max(self.N - 1, 1), max_batch, dtype=torch.int32, device=dev),
+        }
+        self.snap_conv = torch.zeros((G, self.N, max_batch) + tuple(cache.conv.shape[2:]),
+                                     dtype=cache.conv.dtype, device=dev)
+        self.snap_rec = torch.zeros((G, self.N, max_batch) + tuple(cache.rec.shape[2:]),
+                                    dtype=cache.rec.dtype, device=dev)
+        self.verify: dict[int, tuple] = {}  # padded B -> (graph, hidden [B·n, H])
+        self.mtp: dict[int, tuple] = {}  # padded B -> (graph, drafts [B, N])
+        self._layout = None  # (padded B, {slot: (b, SeqInfo)}) of the last verify replay
+
+    # ---- which steps --------------------------------------------------------------------------
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Every sequence a verify chunk of ≤ n tokens, at most max_batch of them."""
+        return (0 < len(batch.seqs) <= self.max_batch
+                and all(s.keep_states and not s.reset_state and s.num_tokens <= self.n
+                        for s in batch.seqs))
+
+    # ---- bodies (what the graphs capture; eager on the CPU in tests) --------------------------
+    def verify_body(self, B: int) -> torch.Tensor:
+        fp, st, cfg = self.fp, self.st, self.fp.cfg
+        R = B * self.n
+        ids, pos, kv, table, lens = (st["ids"][:R], st["pos"][:R], st["kv"][:R],
+                                     st["table"][:R], st["lens"][:R])
+        x = fp.model.model.embed_tokens(ids)
+        cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+
+        def mixer(i, hn):
+            if fp.layers[i].layer_type == "linear_attention":
+                return self._gdn(i, hn, B)
+            return fp._attn_decode(i, hn, cos, sin, kv, table, lens)
+
+        return fp._layers(x, cos, sin, mixer)
+
+    def _gdn(self, i: int, x: torch.Tensor, B: int) -> torch.Tensor:
+        """Token j of the B sequences at a time through the decode kernels; each state after
+        token j < n-1 copied into the snapshot."""
+        fp = self.fp
+        m = fp.layers[i].linear_attn
+        li = fp.cache.gdn_index[i]
+        HK = fp.cfg.linear_num_key_heads
+        qkv, z, b, a = fp.p_in[i](x)
+        w = m.conv1d.weight[:, 0, :]
+        conv, rec = fp.cache.conv[li], fp.cache.rec[li]
+        slots = self.st["slots"][:B]
+        core = torch.empty(x.shape[0], fp.cfg.value_dim, dtype=x.dtype, device=x.device)
+        for j in range(self.n):
+            r = slice(j * B, (j + 1) * B)
+            y = conv_step(qkv[r], conv, w, slots)
+            core[r] = recurrent_step(y, a[r], b[r], z[r], rec, slots, m.A_log, m.dt_bias,
+                                     m.norm.weight, HK, m.norm.eps)
+            if j < self.n - 1:
+                torch.index_select(conv, 0, slots, out=self.snap_conv[li, j, :B])
+                torch.index_select(rec, 0, slots, out=self.snap_rec[li, j, :B])
+        return fp.p_out[i](core)
+
+    def mtp_body(self, B: int) -> torch.Tensor:
+        fp, st, cfg = self.fp, self.st, self.fp.cfg
+        R = B * self.n
+        hidden = self.verify[B][1] if B in self.verify else self._eager_hidden
+        pos, kv, table, lens = st["pos"][:R], st["kv"][:R], st["table"][:R], st["lens"][:R]
+        cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, hidden.dtype)
+        out = mtp_layer(fp, mtp_input(fp, hidden, st["m_ids"][:R]),
+                        lambda i, hn: fp._attn_decode(i, hn, cos, sin, kv, table, lens))
+        h = out.index_select(0, st["m_sel"][:B])
+        tok = fp.model.compute_logits(h).argmax(-1)
+        drafts = [tok]
+        for k in range(self.N - 1):  # chain: own hidden, previous draft, one position on
+            c_pos, c_kv, c_lens = st["c_pos"][k, :B], st["c_kv"][k, :B], st["c_lens"][k, :B]
+            cos, sin = ref.rope_cos_sin(c_pos, cfg.rotary_dim, cfg.rope_theta, h.dtype)
+            h = mtp_layer(fp, mtp_input(fp, h, tok),
+                          lambda i, hn: fp._attn_decode(i, hn, cos, sin, c_kv, table[:B], c_lens))
+            tok = fp.model.compute_logits(h).argmax(-1)
+            drafts.append(tok)
+        return torch.stack(drafts, 1)
+
+    # ---- steps --------------------------------------------------------------------------------
+    def _padded(self, B: int) -> int:
+        return min(b for b in self.sizes if b >= B)
+
+    def fill_verify(self, batch: ForwardBatch) -> tuple[int, torch.Tensor]:
+        """Static buffers of a verify step: returns (padded B, graph row of every batch row)."""
+        ps, n = self.fp.cache.page_size, self.n
+        B = len(batch.seqs)
+        Bp = self._padded(B)
+        R = Bp * n
+        table = np.zeros((R, self.fp.max_pages), dtype=np.int32)
+        meta = np.zeros((4, R), dtype=np.int64)  # pos, kv rows, lens, id source (-1: pad)
+        meta[2] = 1
+        meta[3] = -1
+        slots = np.zeros(Bp, dtype=np.int64)
+        back = np.zeros(batch.input_ids.shape[0], dtype=np.int64)
+        layout = {}
+        for b, s in enumerate(batch.seqs):
+            slots[b] = s.slot
+            layout[s.slot] = (b, s)
+            for j in range(n):
+                row = j * Bp + b
+                table[row, :len(s.page_ids)] = s.page_ids
+                p = s.start_pos + j
+                meta[0, row] = p
+                if j < s.num_tokens:
+                    meta[1, row] = s.page_ids[p // ps] * ps + p % ps
+                    meta[2, row] = p + 1
+                    meta[3, row] = s.q_start + j
+                    back[s.q_start + j] = row
+                # else a pad token: KV into the sink row, its state never committed
+        st, dev = self.st, self.fp.device
+        st["table"][:R].copy_(pinned(torch.from_numpy(table), dev), non_blocking=True)
+        m = to_device(torch.from_numpy(np.concatenate([meta.reshape(-1), slots, back])), dev)
+        st["pos"][:R].copy_(m[:R])
+        st["kv"][:R].copy_(m[R:2 * R])
+        st["lens"][:R].copy_(m[2 * R:3 * R])
+        src = m[3 * R:4 * R]
+        st["ids"][:R].copy_(torch.where(src >= 0, batch.input_ids[src.clamp(min=0)], 0))
+        st["slots"][:Bp].copy_(m[4 * R:4 * R + Bp])
+        self._layout = (Bp, layout)
+        return Bp, m[4 * R + Bp:]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of a verify batch (`fits`), from the verify graph
+        (eagerly through its body without graphs). Leaves the GDN snapshots for
+        `HybridCache.commit_states` (cache.kept_batch)."""
+        Bp, back = self.fill_verify(batch)
+        if Bp in self.verify:
+            g, hidden = self.verify[Bp]
+            g.replay()
+        else:
+            hidden = self._eager_hidden = self.verify_body(Bp)
+        cache = self.fp.cache
+        cache.kept_states.clear()
+        cache.kept_batch = (self.snap_conv, self.snap_rec,
+                            {slot: b for slot, (b, _) in self._layout[1].items()}, self.n)
+        return hidden.index_select(0, back)
+
+    def propose(self, rows) -> list[list[int]] | None:
+        """Drafts for the DraftRows of the last verify step (some or all of its sequences, any
+        order), or None when one is not that step's (the caller runs the MTP eagerly)."""
+        if self._layout is None:
+            return None
+        Bp, layout = self._layout
+        if any(r.seq.slot not in layout for r in rows):
+            return None
+        # sequences of the step without a row (they draft no more, or hit a NaN) keep pad
+        # inputs: their MTP rows compute garbage that nobody reads
+        ps, n = self.fp.cache.page_size, self.n
+        R = Bp * n
+        ids = np.zeros(R, dtype=np.int64)
+        sel = np.zeros(Bp, dtype=np.int64)
+        C = max(self.N - 1, 1)
+        chain = np.zeros((3, C, Bp), dtype=np.int64)  # pos, kv rows, lens
+        chain[2] = 1
+        for r in rows:
+            b, s = layout[r.seq.slot]
+            kept = r.seq.num_tokens  # rows up to the last emitted one
+            if len(r.next_ids) != kept or not 1 <= kept <= s.num_tokens:
+                return None
+            for j, t in enumerate(r.next_ids):
+                ids[j * Bp + b] = t
+            sel[b] = (kept - 1) * Bp + b
+            for k in range(self.N - 1):
+                p = s.start_pos + kept + k
+                if p // ps < len(s.page_ids):
+                    chain[0, k, b] = p
+                    chain[1, k, b] = s.page_ids[p // ps] * ps + p % ps
+                    chain[2, k, b] = p + 1
+        st, dev = self.st, self.fp.device
+        m = to_device(torch.from_numpy(np.concatenate([ids, sel, chain.reshape(-1)])), dev)
+        st["m_ids"][:R].copy_(m[:R])
+        st["m_sel"][:Bp].copy_(m[R:R + Bp])
+        c = m[R + Bp:].view(3, C, Bp)
+        st["c_pos"][:, :Bp].copy_(c[0])
+        st["c_kv"][:, :Bp].copy_(c[1])
+        st["c_lens"][:, :Bp].copy_(c[2])
+        if Bp in self.mtp:
+            g, drafts = self.mtp[Bp]
+            g.replay()
+        else:
+            drafts = self.mtp_body(Bp)
+        self._layout = None
+        got = drafts.tolist()
+        return [got[layout[r.seq.slot][0]][:r.num_drafts] for r in rows]
+
+    # ---- capture ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture the verify graphs, then the MTP graphs (which read the verify graphs'
+        outputs), largest batch first, in the FastPath's memory pool."""
+        st = self.st
+        for name in ("ids", "pos", "kv", "table", "slots", "m_ids", "m_sel", "c_pos", "c_kv"):
+            st[name].zero_()
+        st["lens"].fill_(1)
+        st["c_lens"].fill_(1)
+        sizes = sorted(self.sizes, reverse=True)
+        self.fp._capture_into(self.verify, sizes, self.verify_body)
+        self.fp._capture_into(self.mtp, sizes, self.mtp_body)
+        log.info("captured speculative-decoding CUDA graphs (%d drafts) for batch sizes %s",
+                 self.N, sorted(self.verify))

@@ -1,0 +1,119 @@
+"""Speculative decoding on the H200 (skipped without CUDA): the verify and MTP CUDA graphs
+(model/fast_spec.py) against their bodies run eagerly, and whole generations with drafts.
+
+The CPU checks the bodies against the eager kernel path (tests/test_fast_path.py) and the
+engine logic on the nano checkpoint (tests/test_spec_decode.py); what only a GPU shows is the
+capture itself: static buffers, the shared memory pool, the MTP graph reading the verify
+graph's output, and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailored.config import ModelConfig
+from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
+from tailored.synth import build_empty_model, init_dummy_weights, preset_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _model(dtype, precision):
+    """The full-width model cut to 4 layers, with its MTP head (random weights)."""
+    cfg = ModelConfig.from_dict(preset_config("full", num_layers=4, precision=precision))
+    m = build_empty_model(cfg, "cuda", dtype)
+    init_dummy_weights(m, seed=3)
+    return m
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@torch.no_grad()
+def test_spec_graphs_replay_equal_their_bodies_bitwise(precision):
+    from tailored.model.fast import FastPath
+    from tailored.model.fast_spec import SpecGraphs
+    from tailored.model.mtp import DraftRow, MTPDrafter
+
+    model = _model(torch.bfloat16, precision)
+    cache = HybridCache(model.config, 64, 16, 5, torch.bfloat16, "cuda", mtp_layers=1)
+    fast = model.fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
+    g = torch.Generator().manual_seed(4)
+    ids = {s: torch.randint(0, 248044, (40,), generator=g).tolist() for s in (1, 2, 3)}
+    pages = {1: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}
+    for s in (1, 2, 3):
+        model(ForwardBatch.build([(ids[s], 0, s, True, pages[s])], [39], "cuda"), cache)
+    fast.capture(sizes=[4])
+    spec = fast.spec = SpecGraphs(fast, 2, 4)
+    spec.capture()
+    assert sorted(spec.verify) == sorted(spec.mtp) == [1, 2, 4]
+    layout = [([11, 12, 13], 40, 1, False, pages[1], True), ([21, 22], 40, 2, False, pages[2], True),
+              ([31, 32, 33], 40, 3, False, pages[3], True)]
+    kept = {1: 3, 2: 1, 3: 2}
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    snap = [t.clone() for t in tensors]
+    results = []
+    for graphs in (True, False):
+        for t, s_ in zip(tensors, snap):
+            t.copy_(s_)
+        held = (spec.verify, spec.mtp)
+        if not graphs:  # the same step through the bodies, eagerly
+            spec.verify, spec.mtp = {}, {}
+        try:
+            b = ForwardBatch.build(layout, [], "cuda")
+            h = model(b, cache).clone() if graphs else spec.forward(b).clone()
+            for slot, k in kept.items():
+                cache.commit_states(slot, k)
+            rows = [DraftRow(SeqInfo(sq.q_start, kept[sq.slot], sq.start_pos, sq.slot, False,
+                                     sq.page_ids), [5] * kept[sq.slot], 2) for sq in b.seqs]
+            d = MTPDrafter(model, cache).propose(h, rows)
+        finally:
+            spec.verify, spec.mtp = held
+        results.append((h, [t.clone() for t in tensors], d))
+    (h0, t0, d0), (h1, t1, d1) = results
+    assert torch.equal(h0, h1)
+    for a, b_ in zip(t0, t1):
+        assert torch.equal(a[:, 1:], b_[:, 1:])  # slot / page 0: the pad sinks
+    assert d0 == d1 and all(len(d) == 2 for d in d0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_engine_with_drafts_on_the_gpu(precision, tmp_path):
+    """Whole greedy generations through the engine with 2 drafts a step (verify graphs) and
+    without (decode graphs), bf16 at full width (4 layers): random weights keep few drafts,
+    so most steps commit early; the outputs may part once a bf16 rounding flips an argmax
+    (the verify rows are GEMMs of 3 rows where decode has 1), so the check is on the first
+    tokens, the lengths, and that steps took the graphs. Synthetic acceptance 1.0 then keeps
+    every draft: 3 tokens a step."""
+    from tailored.engine.types import SamplingParams
+    from tailored.stack import build_stack
+    from tailored.synth import write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(tmp_path / "m", "full", seed=0, progress=False,
+                                      num_layers=4, config_only=True,
+                                      precision=precision)
+    outs, steps = {}, {}
+    for n, rate in ((0, None), (2, None), (2, 1.0)):
+        st = build_stack(ckpt, load_format="dummy", device="cuda", progress=False,
+                         max_model_len=512, max_num_seqs=4, num_speculative_tokens=n,
+                         spec_synthetic_acceptance=rate, prefill_graphs=False)
+        eng = st.engine
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        for i in range(3):
+            eng.add_request(f"r{i}", list(range(100 + i, 140 + i)), sp)
+        got, k = {}, 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.delta_token_ids)
+            k += 1
+        outs[(n, rate)], steps[(n, rate)] = got, k
+        if n:
+            assert eng.runner.fast.spec is not None and eng.runner.fast.spec.verify
+        del st, eng
+        torch.cuda.empty_cache()
+    for r in ("r0", "r1", "r2"):
+        assert len(outs[(2, None)][r]) == len(outs[(2, 1.0)][r]) == 24
+        assert outs[(2, None)][r][:2] == outs[(0, None)][r][:2]
+    assert steps[(2, 1.0)] <= 2 + 24 // 3 + 1
