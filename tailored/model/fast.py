@@ -749,8 +749,10 @@ class FastPath:
         pages and slots are disjoint from the prefills')."""
         if not self.use_graphs:
             return self.forward_eager(batch)
-        if self.spec is not None and self.spec.fits(batch):  # a speculative verify step
-            return self.spec.forward(batch)
+        if self.spec is not None:
+            self.spec.forget()  # its MTP graph reads the verify graph of this step only
+            if self.spec.fits(batch):  # a speculative verify step
+                return self.spec.forward(batch)
         if self.prefill_graphs and self.prefill_graph_fits(batch):
             return self.forward_prefill_graph(batch)
         dec = [j for j, s in enumerate(batch.seqs) if s.num_tokens == 1 and not s.reset_state]

@@ -81,6 +81,10 @@ class SpecGraphs:
         self.mtp: dict[int, tuple] = {}  # padded B -> (graph, drafts [B, N])
         self._layout = None  # (padded B, {slot: (b, SeqInfo)}) of the last verify replay
 
+    def forget(self) -> None:
+        """Drop the last verify step's layout: a later `propose` runs the MTP eagerly."""
+        self._layout = None
+
     # ---- which steps --------------------------------------------------------------------------
     def fits(self, batch: ForwardBatch) -> bool:
         """Every sequence a verify chunk of ≤ n tokens, at most max_batch of them."""
