@@ -185,11 +185,17 @@ def test_greedy_output_unchanged_by_drafts(plain, tok, n):
 
 
 def test_sampling_requests_do_not_draft_and_keep_their_seeded_output(tok):
-    sp = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
-    pen = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, ignore_eos=True)
+    """failure-cases §4 (MTP with batch > 2 and temperature > 0 corrupting tokens): seeded
+    sampling requests beside drafting greedy ones, 6 at once, give the tokens they give
+    without speculation (a stronger check than matching distributions: they never draft)."""
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    reqs = {"s": (tok.encode(PROMPTS[0]), sp), "p": (tok.encode(PROMPTS[2]), pen),
-            "g": (tok.encode(PROMPTS[1]), greedy)}
+    reqs = {"p": (tok.encode(PROMPTS[2]), SamplingParams(
+        max_tokens=24, temperature=0, repetition_penalty=1.3, ignore_eos=True))}
+    for i in range(3):
+        reqs[f"s{i}"] = (tok.encode(PROMPTS[i]), SamplingParams(
+            max_tokens=24, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True))
+    for i in (1, 3):
+        reqs[f"g{i}"] = (tok.encode(PROMPTS[i]), greedy)
     base = _run(_stack(0).engine, reqs)[0]
     eng = _stack(2).engine
     got = _run(eng, reqs)[0]
@@ -197,29 +203,32 @@ def test_sampling_requests_do_not_draft_and_keep_their_seeded_output(tok):
     assert eng.runner.spec_stats[0] > 0
 
 
-def test_stops_inside_a_verify_chunk(plain, tok):
-    """A stop token id, a stop string and max_tokens that fall inside a step's kept tokens end
-    the request exactly where the plain engine ends it; nothing after the stop is emitted."""
+def test_stops_at_every_position_of_an_accepted_block(plain, tok):
+    """failure-cases §5: a stop token id at each of the first 16 output positions, with
+    max_tokens just below, at and above it, and stop strings ending at several positions: the
+    engine with 3 drafts a step ends each request exactly where the plain engine does (ids,
+    text, finish reason; usage = the ids returned, checked in _run), nothing after a stop."""
     ref = plain[0]["g0"]
     ids = tok.encode(PROMPTS[0])
-    for cut in (5, 11, 20):
-        stop_id = ref[cut]
-        if stop_id in ref[:cut]:
-            continue
-        reqs = {"a": (ids, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
-                                          stop_token_ids=[stop_id])),
-                "b": (ids, SamplingParams(max_tokens=cut, temperature=0, ignore_eos=True))}
-        want = _run(_stack(0).engine, reqs)
-        got = _run(_stack(3).engine, reqs)
-        assert got[0] == want[0] and got[1] == want[1] and got[2] == want[2]
-        assert got[0]["a"] == ref[:cut + 1] and got[0]["b"] == ref[:cut]
+    reqs = {}
+    for cut in range(16):
+        if ref[cut] not in ref[:cut]:
+            for mt in (cut, cut + 1, cut + 2):
+                if mt >= 1:
+                    reqs[f"id{cut}-{mt}"] = (ids, SamplingParams(
+                        max_tokens=mt, temperature=0, ignore_eos=True, stop_token_ids=[ref[cut]]))
     text = tok.decode(ref)
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    reqs = {"c": (ids, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
-                                      stop=[stop]))}
-    want = _run(_stack(0).engine, reqs)
-    got = _run(_stack(3).engine, reqs)
-    assert got[0] == want[0] and got[2] == want[2] and got[1]["c"] is FinishReason.STOP
+    for k, end in enumerate(range(6, len(text), max(1, len(text) // 12))):
+        reqs[f"str{k}"] = (ids, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
+                                               stop=[text[end - 3:end]]))
+    engines = (_stack(0).engine, _stack(3).engine)
+    for rid, (p, sp) in reqs.items():  # one at a time: every request drafts
+        want, got = (_run(e, {rid: (p, sp)}) for e in engines)
+        assert got[:3] == want[:3], rid
+        if rid.startswith("id"):
+            cut, mt = map(int, rid[2:].split("-"))
+            assert got[0][rid] == ref[:min(cut + 1, mt)], rid
+    assert engines[1].runner.spec_stats[2] > 0
 
 
 def test_preemption_and_recompute_with_drafts(plain, tok):
