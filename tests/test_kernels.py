@@ -286,9 +286,13 @@ def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv, dv_split):
         gg.unsqueeze(1), beta.unsqueeze(1), rec0[slots])
     out_ref = ref.gated_rms_norm(o_ref[:, 0], z.view(B, HV, Dv), norm_w, 1e-6).reshape(B, -1)
 
-    y = conv_step(x, conv_state, weight, slots)
+    # snapshots (speculative verify steps): the new states of each row, NaN-poisoned first
+    snap_c = torch.full((B, C, 3), float("nan"), device=DEV, dtype=dtype)
+    snap_r = torch.full((B, HV, Dk, Dv), float("nan"), device=DEV)
+    y = conv_step(x, conv_state, weight, slots, snapshot=snap_c)
     out = recurrent_step(y, a, b, z, rec_state, slots, A_log, dt_bias, norm_w, HK, 1e-6,
-                         dv_split=dv_split)
+                         dv_split=dv_split, snapshot=snap_r)
+    assert torch.equal(snap_c, conv_state[slots]) and torch.equal(snap_r, rec_state[slots])
     with pytest.raises(ValueError):
         recurrent_step(y, a, b, z, rec_state.clone(), slots, A_log, dt_bias, norm_w, HK, 1e-6,
                        dv_split=3)

@@ -210,12 +210,17 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
         # default arguments bind this dtype's tensors (a bare closure would see the last loop's)
         calls.append(lambda qkv=qkv, conv_state=conv_state, dt=dt: conv_step(
             qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots))
+        # with the snapshot of speculative verify steps (model/fast_spec.py)
+        calls.append(lambda qkv=qkv, conv_state=conv_state, dt=dt: conv_step(
+            qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots,
+            snapshot=torch.zeros(B, 8192, 3, dtype=dt)))
         rec = torch.zeros(S, 32, 128, 128)
         for split in (1, 4):  # 4: columns over programs + the gated-norm kernel (kb/0022)
-            calls.append(lambda split=split, dt=dt, qkv=qkv: recurrent_step(
-                qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
-                torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
-                torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split))
+            for snap in (None, torch.zeros(B, 32, 128, 128)):
+                calls.append(lambda split=split, dt=dt, qkv=qkv, snap=snap: recurrent_step(
+                    qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
+                    torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
+                    torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split, snapshot=snap))
         kc = torch.zeros(9, 16, 2, 256, dtype=dt)
         for splits in (8, 32):  # 32: 32-key blocks, merge over D (kb/0019)
             calls.append(lambda splits=splits, dt=dt, kc=kc: paged_decode_attention(

@@ -23,9 +23,9 @@ from tailored.kernels.pdl import launch as pdl_launch
 
 
 @triton.jit
-def _conv_step_kernel(x_ptr, state_ptr, w_ptr, slot_ptr, out_ptr, C,
-                      stride_xb, stride_ss, stride_sc, stride_ob,
-                      W: tl.constexpr, BLOCK_C: tl.constexpr,
+def _conv_step_kernel(x_ptr, state_ptr, w_ptr, slot_ptr, out_ptr, snap_ptr, C,
+                      stride_xb, stride_ss, stride_sc, stride_ob, stride_pb,
+                      W: tl.constexpr, BLOCK_C: tl.constexpr, SNAP: tl.constexpr = False,
                       PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
@@ -41,38 +41,50 @@ def _conv_step_kernel(x_ptr, state_ptr, w_ptr, slot_ptr, out_ptr, C,
         acc += s * tl.load(w_ptr + c * W + j, mask=ok, other=0.0).to(tl.float32)
         if j > 0:  # shift the window left by one
             tl.store(s_base + (j - 1), s.to(state_ptr.dtype.element_ty), mask=ok)
+            if SNAP:  # the new window of row b, also into its snapshot (verify steps)
+                tl.store(snap_ptr + b * stride_pb + c * (W - 1) + (j - 1),
+                         s.to(snap_ptr.dtype.element_ty), mask=ok)
     tl.store(s_base + (W - 2), x.to(state_ptr.dtype.element_ty), mask=ok)
+    if SNAP:
+        tl.store(snap_ptr + b * stride_pb + c * (W - 1) + (W - 2),
+                 x.to(snap_ptr.dtype.element_ty), mask=ok)
     y = acc * tl.sigmoid(acc)
     tl.store(out_ptr + b * stride_ob + c, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-              slots: torch.Tensor) -> torch.Tensor:
+              slots: torch.Tensor, snapshot: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token per row through the causal conv, updating `state` in place.
 
     x: [B, C] projection outputs (row stride free); state: [num_slots, C, W-1] (one layer's conv
     cache, unit stride on the last dim); weight: [C, W]; slots: [B] int32/int64 slot per row.
+    snapshot: [B, C, W-1] (contiguous per row, state's dtype) that also receives each row's new
+    state, = state[slots] after the call (speculative verify steps, model/fast_spec.py).
     Returns out [B, C] in x.dtype = silu(conv). Rows sharing a slot race: only the pad sink may.
     """
     B, C = x.shape
     W = weight.shape[-1]
     assert state.shape[1:] == (C, W - 1) and state.stride(2) == 1 and x.stride(1) == 1
+    if snapshot is not None:
+        assert (snapshot.shape == (B, C, W - 1) and snapshot.dtype == state.dtype
+                and snapshot[0].is_contiguous())
     out = torch.empty(B, C, dtype=x.dtype, device=x.device)
     block = 256
     _conv_step_kernel[(B, triton.cdiv(C, block))](
-        x, state, weight.contiguous(), slots, out, C,
-        x.stride(0), state.stride(0), state.stride(1), out.stride(0), W=W, BLOCK_C=block,
-        **pdl_launch(out))
+        x, state, weight.contiguous(), slots, out, out if snapshot is None else snapshot, C,
+        x.stride(0), state.stride(0), state.stride(1), out.stride(0),
+        0 if snapshot is None else snapshot.stride(0), W=W, BLOCK_C=block,
+        SNAP=snapshot is not None, **pdl_launch(out))
     return out
 
 
 @triton.jit
 def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
-                      A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr,
+                      A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, snap_ptr,
                       stride_cb, stride_ab, stride_bb, stride_zb, stride_ss, stride_ob,
-                      KEY_DIM, eps, scale,
+                      stride_pb, KEY_DIM, eps, scale,
                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_V: tl.constexpr, FUSE_NORM: tl.constexpr,
+                      BLOCK_V: tl.constexpr, FUSE_NORM: tl.constexpr, SNAP: tl.constexpr = False,
                       PDL: tl.constexpr = False):
     """One (sequence, value head, BLOCK_V columns of the state) per program. The state's value
     columns update independently (S[:, j] depends on v_j only), so a head may be split over
@@ -105,6 +117,8 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     delta = (v - mem) * beta
     S = S + k[:, None] * delta[None, :]
     tl.store(s_ptrs, S)
+    if SNAP:  # the new state of row bi, also into its snapshot (verify steps)
+        tl.store(snap_ptr + bi * stride_pb + h * DK * DV + dk[:, None] * DV + dv[None, :], S)
     o = tl.sum(S * q[:, None], 0)
     dt = out_ptr.dtype.element_ty
     if FUSE_NORM:
@@ -152,15 +166,18 @@ DV_SPLIT = env_int("TAILORED_GDN_DV_SPLIT", 2, 1, 16, power_of_2=True)
 def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
                    state: torch.Tensor, slots: torch.Tensor, A_log: torch.Tensor,
                    dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int,
-                   eps: float, dv_split: int | None = None) -> torch.Tensor:
+                   eps: float, dv_split: int | None = None,
+                   snapshot: torch.Tensor | None = None) -> torch.Tensor:
     """Gates + delta-rule step + gated norm for one token per row; `state` updated in place.
 
     conv_out: [B, 2·HK·Dk + HV·Dv] = [q | k | v] after conv+SiLU; a, b: [B, HV] raw in_proj_a/b
     outputs; z: [B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32 contiguous per slot;
     slots: [B]; A_log, dt_bias: [HV]; norm_weight: [Dv]. dv_split: programs per (row, head)
     over the value columns (None = DV_SPLIT; > 1 adds a gated-norm launch). Returns [B, HV·Dv]
-    in conv_out.dtype (input of out_proj). Raises ValueError for a split that does not divide
-    Dv into a power of 2.
+    in conv_out.dtype (input of out_proj). snapshot: [B, HV, Dk, Dv] fp32 (contiguous per row)
+    that also receives each row's new state, = state[slots] after the call (speculative verify
+    steps, model/fast_spec.py). Raises ValueError for a split that does not divide Dv into a
+    power of 2.
     """
     B = conv_out.shape[0]
     _, HV, DK, DV = state.shape
@@ -169,14 +186,19 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
     split = DV_SPLIT if dv_split is None else dv_split
     if split < 1 or DV % split or (DV // split) & (DV // split - 1):
         raise ValueError(f"recurrent_step: dv_split={split} must divide DV={DV} into a power of 2")
+    if snapshot is not None:
+        assert (snapshot.shape == (B, HV, DK, DV) and snapshot.dtype == torch.float32
+                and snapshot[0].is_contiguous())
     key_dim = num_k_heads * DK
     out = torch.empty(B, HV * DV, dtype=conv_out.dtype, device=conv_out.device)
     _recurrent_kernel[(B, HV, split)](
         conv_out, a, b, z, state, slots, A_log, dt_bias, norm_weight, out,
+        state if snapshot is None else snapshot,
         conv_out.stride(0), a.stride(0), b.stride(0), z.stride(0), state.stride(0), out.stride(0),
-        key_dim, eps, DK ** -0.5,
+        0 if snapshot is None else snapshot.stride(0), key_dim, eps, DK ** -0.5,
         HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, BLOCK_V=DV // split,
-        FUSE_NORM=split == 1, num_warps=8 if split == 1 else 4, **pdl_launch(out))
+        FUSE_NORM=split == 1, SNAP=snapshot is not None, num_warps=8 if split == 1 else 4,
+        **pdl_launch(out))
     if split > 1:
         _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
                                     num_warps=1, **pdl_launch(out))

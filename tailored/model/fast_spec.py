@@ -9,9 +9,9 @@ two graphs per padded batch size B (SPEC_BATCH_SIZES):
     sequence b). Every row is a decode row of its own: attention reads keys 0..its position
     (the chunk's keys are all stored in the k-norm launch before it), projections and experts
     are row-wise. The GDN layers run token j of all B sequences through the decode kernels, j
-    = 0..n-1, in place on the slots, and copy each slot's state after token j < n-1 into a
-    snapshot (`snap_conv`, `snap_rec`): `HybridCache.commit_states` takes the one after the
-    last kept token from there. A chunk shorter than n is padded (ids 0, KV into the sink
+    = 0..n-1, in place on the slots; for j < n-1 the kernels also write each new state into a
+    snapshot (`snap_conv`, `snap_rec`; no extra launch or read): `HybridCache.commit_states`
+    takes the one after the last kept token from there. A chunk shorter than n is padded (ids 0, KV into the sink
     row): its state is always committed from a snapshot, so the pad tokens' updates vanish.
   mtp: the MTP layer over the same B·n rows, fed the verify graph's hidden output and the
     tokens the step emitted (host-filled after acceptance), which writes the MTP KV of those
@@ -122,12 +122,13 @@ class SpecGraphs:
         core = torch.empty(x.shape[0], fp.cfg.value_dim, dtype=x.dtype, device=x.device)
         for j in range(self.n):
             r = slice(j * B, (j + 1) * B)
-            y = conv_step(qkv[r], conv, w, slots)
+            # the kernels write the states after token j into the snapshot as well: no copies
+            last = j == self.n - 1
+            y = conv_step(qkv[r], conv, w, slots,
+                          snapshot=None if last else self.snap_conv[li, j, :B])
             core[r] = recurrent_step(y, a[r], b[r], z[r], rec, slots, m.A_log, m.dt_bias,
-                                     m.norm.weight, HK, m.norm.eps)
-            if j < self.n - 1:
-                torch.index_select(conv, 0, slots, out=self.snap_conv[li, j, :B])
-                torch.index_select(rec, 0, slots, out=self.snap_rec[li, j, :B])
+                                     m.norm.weight, HK, m.norm.eps,
+                                     snapshot=None if last else self.snap_rec[li, j, :B])
         return fp.p_out[i](core)
 
     def mtp_body(self, B: int) -> torch.Tensor:
