@@ -51,16 +51,18 @@ def _serve_parser(sub) -> None:
                         "(kb/0025). auto (default): on CUDA; on the CPU the forward runs at "
                         "launch, so there is nothing to overlap and each token would only "
                         "arrive a step later")
-    p.add_argument("--num-speculative-tokens", type=int, default=0,
-                   help="speculative decoding: drafts the checkpoint's MTP head proposes per "
-                        "decode step of a greedy request, verified by the model in the same "
-                        "step (0 = off, default). The output stays the greedy output. The "
-                        "kernel path runs verify steps eagerly so far (no CUDA graphs)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="N",
+                   help="speculative decoding, 0..8 (0 = off, default): the checkpoint's MTP "
+                        "head drafts N tokens per decode step of each greedy request without "
+                        "penalties, and the model verifies them in the same step, so the output "
+                        "stays the greedy output. Drafting pauses while more than 8 requests "
+                        "run. On CUDA the verify and drafting steps replay CUDA graphs. The log "
+                        "reports the share of drafts kept every 10 s")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
-                   help="benchmarks on random weights only: keep each draft with this "
-                        "probability instead of verifying it (as vLLM's synthetic rejection "
-                        "sampler in the baseline kit's `serve mtp`); the text is then not the "
-                        "model's")
+                   help="benchmarks on random weights only, needs --num-speculative-tokens: "
+                        "keep each draft with probability RATE in [0, 1] instead of verifying "
+                        "it (as vLLM's synthetic rejection sampler in the baseline kit's "
+                        "`serve mtp`); the text is then not the model's")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "
@@ -117,9 +119,10 @@ def _check_serve_args(args) -> None:
         raise ValueError(f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
                          f"got {args.num_speculative_tokens}")
     rate = args.spec_synthetic_acceptance
-    if rate is not None and (not 0 <= rate <= 1 or args.num_speculative_tokens == 0):
-        raise ValueError("--spec-synthetic-acceptance must be in [0, 1] and needs "
-                         f"--num-speculative-tokens >= 1, got {rate}")
+    if rate is not None and not 0 <= rate <= 1:  # also NaN
+        raise ValueError(f"--spec-synthetic-acceptance must be in [0, 1], got {rate}")
+    if rate is not None and args.num_speculative_tokens == 0:
+        raise ValueError("--spec-synthetic-acceptance needs --num-speculative-tokens >= 1")
     if args.gil_switch_interval_ms is not None and not 0 < args.gil_switch_interval_ms <= 1000:
         raise ValueError(f"--gil-switch-interval-ms must be in (0, 1000], got {args.gil_switch_interval_ms}")
     if not 0 < args.port < 65536:

@@ -25,7 +25,7 @@ from tailored.model.mtp import MTPDrafter
 log = logging.getLogger("tailored.runner")
 
 CPU_CACHE_BYTES = 512 * 1024**2  # KV + state budget when running on the CPU
-SPEC_LOG_EVERY = 2000  # verify steps between speculative-decoding log lines
+SPEC_LOG_EVERY_S = 10.0  # seconds between speculative-decoding log lines (totals so far)
 
 
 def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -132,8 +132,7 @@ class ModelRunner:
 
     def _maybe_drafter(self, ec: EngineConfig):
         """The MTP drafter of speculative decoding (EngineConfig.num_speculative_tokens > 0),
-        else None. Raises ValueError for a bad setting, a model without its MTP head, or the
-        kernel path (not wired for verify chunks yet: run --kernels off)."""
+        else None. Raises ValueError for a bad setting or a model without its MTP head."""
         n, rate = ec.num_speculative_tokens, ec.spec_synthetic_acceptance
         if n < 0 or n > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
@@ -144,6 +143,7 @@ class ModelRunner:
         self._spec_rng = random.Random(0)
         # verify steps, drafts verified, drafts kept (the acceptance rate; server metrics)
         self.spec_stats = [0, 0, 0]
+        self._spec_logged = time.monotonic() - SPEC_LOG_EVERY_S  # the first verify step logs
         if n == 0:
             return None
         drafter = MTPDrafter(self.model, self.cache)
@@ -337,7 +337,9 @@ class ModelRunner:
                 st[0] += 1
                 st[1] += s.num_draft
                 st[2] += kept
-                if st[0] % SPEC_LOG_EVERY == 0:
+                now = time.monotonic()
+                if now - self._spec_logged >= SPEC_LOG_EVERY_S:
+                    self._spec_logged = now
                     log.info("speculative decoding: %d verify steps, %.3f of %d drafts kept, "
                              "%.2f tokens a verify step", st[0], st[2] / max(st[1], 1), st[1],
                              1 + st[2] / st[0])

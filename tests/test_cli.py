@@ -22,6 +22,13 @@ from tailored.stack import build_stack
     (["--device", "tpu"], "--device must be"),
     (["--gil-switch-interval-ms", "0"], "--gil-switch-interval-ms must be in"),
     (["--max-num-batched-tokens", "99999999999"], "--max-num-batched-tokens must be <= 65536"),
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be in 0..8"),
+    (["--num-speculative-tokens", "9"], "--num-speculative-tokens must be in 0..8"),
+    (["--num-speculative-tokens", "1", "--spec-synthetic-acceptance", "1.5"],
+     "--spec-synthetic-acceptance must be in [0, 1]"),
+    (["--num-speculative-tokens", "1", "--spec-synthetic-acceptance", "nan"],
+     "--spec-synthetic-acceptance must be in [0, 1]"),
+    (["--spec-synthetic-acceptance", "0.5"], "needs --num-speculative-tokens >= 1"),
 ])
 def test_bad_serve_flags(tiny_ckpt, capsys, flags, msg):
     assert main(["serve", str(tiny_ckpt), "--port", "8197", *flags]) == 2
