@@ -241,7 +241,7 @@ class ModelRunner:
                                              for i, s in enumerate(feed.sampled_seqs)}
         for s in sched.seqs:
             toks = list(s.token_ids)
-            if toks and toks[-1] == PENDING_TOKEN:
+            if PENDING_TOKEN in toks:  # only ever a lone decode token (with no drafts)
                 if len(toks) != 1 or s.request_id not in prev_rows:
                     raise RuntimeError(f"pending token of {s.request_id!r} without a step to "
                                        "feed it")
@@ -292,7 +292,9 @@ class ModelRunner:
         """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
         fallbacks, which differ from the ids a fed next step used)."""
         if step.sampled is None:
-            return ModelOutput(token_ids={})
+            # prompt chunks only: with speculative decoding the MTP still fills its KV there
+            return self._speculate(step, [], frozenset()) if step.spec is not None \
+                else ModelOutput(token_ids={})
         t0 = time.perf_counter()
         tokens = step.sampled.tolist()
         timer = self.timer

@@ -31,8 +31,10 @@ PROMPTS = ["def fibonacci(n):", "import os\n\nclass Reader:\n    def __init__(se
 
 def _stack(n: int, **kw):
     kw.setdefault("max_model_len", 512)
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("async_scheduling", False)
     return build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="off",
-                       max_num_seqs=8, async_scheduling=False, num_speculative_tokens=n, **kw)
+                       num_speculative_tokens=n, **kw)
 
 
 def _run(engine, reqs):
@@ -304,3 +306,77 @@ def test_bad_settings():
     with pytest.raises(ValueError, match="synthetic_acceptance"):
         _stack(1, spec_synthetic_acceptance=1.5)
     assert ModelConfig.from_dir(NANO).mtp_num_hidden_layers == 1
+
+
+# ---- regressions of the session-14 review ------------------------------------------------------
+def test_no_stale_drafts_after_a_preemption_lets_a_request_draft_again(tok):
+    """A request that did not draft (more than spec_max_running running) keeps no drafts; when
+    a preemption in the same schedule brings the count down, the step launched ahead (async
+    scheduling) must not verify stale drafts behind a pending token (it fed id -1 to the
+    embedding). Scheduler level, then the engine with async scheduling."""
+    from tailored.engine.scheduler import PENDING_TOKEN
+    from tailored.engine.types import ModelOutput
+
+    ec = EngineConfig(page_size=4, num_speculative_tokens=1, spec_max_running=2,
+                      max_num_batched_tokens=64, max_model_len=64, max_num_seqs=4)
+    s = Scheduler(ec, num_pages=4, num_slots=5)  # 3 usable pages
+    g = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    t = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    for rid, p, sp in (("A", [11], g), ("S", [12] * 4, t), ("G", [13] * 4, g)):
+        s.add(Request(rid, p, sp))
+    o1 = s.schedule()
+    s.update(o1, ModelOutput({"A": 1, "S": 2, "G": 3}, draft_ids={"A": (5,)}))
+    o2 = s.schedule()
+    assert s.num_preemptions == 1 and not s.requests["A"].draft_ids
+    assert s.can_schedule_ahead(o2)
+    s.advance(o2)
+    for q in s.schedule().seqs:
+        assert q.num_draft == 0 and not q.mtp and PENDING_TOKEN in q.token_ids
+    eng = _stack(1, spec_max_running=2, page_size=4, num_pages=4, max_model_len=64,
+                 max_num_seqs=4, async_scheduling=True).engine
+    reqs = {"A": ([11], g), "S": ([12] * 4, SamplingParams(max_tokens=8, temperature=1.0,
+                                                            seed=1, ignore_eos=True)),
+            "G": ([13] * 4, g)}
+    out, why, _, _ = _run(eng, reqs)
+    assert all(w is FinishReason.LENGTH for w in why.values()) and len(why) == 3
+
+
+def test_mtp_cache_filled_by_prompt_chunks_that_do_not_sample(tok):
+    """A prompt longer than the step budget: its first chunks sample nothing, and the MTP
+    still writes its KV for every prompt position (spec §8.1)."""
+    eng = _stack(2, max_num_batched_tokens=16).engine
+    ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return "
+                     "fibonacci(n - 1) + fibonacci(n - 2)\n\nclass Reader:\n")
+    assert len(ids) > 40
+    eng.add_request("a", ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    cache = eng.runner.cache
+    mi = cache.attn_index[eng.runner.model.config.num_hidden_layers]
+    pages = None
+    while eng.has_unfinished():
+        req = eng.scheduler.requests.get("a")
+        pages = list(req.pages) if req else pages
+        eng.step()
+    ps = cache.page_size
+    for p in range(len(ids)):
+        assert cache.k[mi, pages[p // ps], p % ps].abs().sum() > 0, p
+
+
+def test_chain_pages_never_take_a_newer_requests_pages():
+    """The MTP chain's extra pages come after every request of the step has its chunk's pages:
+    an admission that fits without them is not blocked by them."""
+    from tailored.engine.types import ModelOutput
+
+    ec = EngineConfig(page_size=4, num_speculative_tokens=3, max_num_batched_tokens=64,
+                      max_model_len=64, max_num_seqs=4)
+    s = Scheduler(ec, num_pages=5, num_slots=5)  # 4 usable pages
+    s.add(Request("A", [1] * 3, SamplingParams(max_tokens=10, temperature=0)))
+    o = s.schedule()  # A's 3-token prompt: 1 page, and the chain's page as it is free
+    assert o.seqs[0].num_propose == 3 and len(s.requests["A"].pages) == 2
+    s.update(o, ModelOutput({"A": 7}, draft_ids={"A": (8, 9, 10)}))
+    s.add(Request("B", [2] * 8, SamplingParams(max_tokens=4, temperature=0.5)))
+    o = s.schedule()
+    assert [q.request_id for q in o.seqs] == ["A", "B"] and s.num_preemptions == 0
+    assert len(s.requests["B"].pages) == 2 and s.pages.num_free == 0
+    a = o.seqs[0]
+    # A's verify chunk at positions 3..6 holds its pages; no page was left for a longer chain
+    assert a.num_draft == 3 and a.num_propose == len(a.page_ids) * 4 - (a.start_pos + 4) + 1

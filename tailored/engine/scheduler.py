@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from dataclasses import replace
 
 from tailored.config import EngineConfig
 from tailored.engine.memory import PagePool, SlotPool
@@ -196,6 +197,8 @@ class Scheduler:
             budget -= n
 
         seqs = tuple(decodes + prefills)
+        if self.config.num_speculative_tokens > 0:
+            seqs = tuple(self._chain_pages(list(seqs)))
         return SchedulerOutput(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs))
 
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[Request]:
@@ -374,8 +377,13 @@ class Scheduler:
         positions computed while more ran stays unwritten: its later drafts are worse, and
         still verified)."""
         ec = self.config
+        # not while its last token is pending (a step launched ahead, async scheduling): the
+        # next drafts come from that token's step. A request can reach here from a step that
+        # did not draft when a preemption in the same schedule brought the running count down
+        # to spec_max_running (session-14 review)
         return (ec.num_speculative_tokens > 0 and req.sampling.can_draft
-                and len(self.running) <= ec.spec_max_running)
+                and len(self.running) <= ec.spec_max_running
+                and not (req.output_ids and req.output_ids[-1] == PENDING_TOKEN))
 
     def _tokens_left(self, req: Request) -> int:
         """Tokens `req` may still emit (max_tokens, max_model_len)."""
@@ -396,19 +404,35 @@ class Scheduler:
             return []
         return req.draft_ids[:d]
 
+    def _wanted_drafts(self, req: Request) -> int:
+        """Drafts worth proposing after this step: num_speculative_tokens, no more than the
+        next step could use (it emits drafts + 1 of the tokens left after this step's one)."""
+        return max(0, min(self.config.num_speculative_tokens, self._tokens_left(req) - 2))
+
     def _num_propose(self, req: Request, end: int) -> int:
         """Drafts the MTP proposes after a sampling chunk of `req` that ends at position `end`:
-        num_speculative_tokens, no more than the next step could use (it emits drafts + 1 of
-        the tokens left after this step's one) nor than its pages hold: the chain writes the
-        MTP KV of positions end .. end + drafts - 2. Pages for those are taken when free, never
-        by preempting."""
-        n = min(self.config.num_speculative_tokens, self._tokens_left(req) - 2)
-        if n <= 1:
-            return max(n, 0)
-        want = _cdiv(end + n - 1, self.page_size) - len(req.pages)
-        if want > 0:
-            req.pages += self.pages.allocate(min(want, self.pages.num_free))
-        return min(n, len(req.pages) * self.page_size - end + 1)
+        `_wanted_drafts`, no more than its pages hold (the chain writes the MTP KV of
+        positions end .. end + drafts - 2)."""
+        n = self._wanted_drafts(req)
+        return n if n <= 1 else min(n, len(req.pages) * self.page_size - end + 1)
+
+    def _chain_pages(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """After every request of the step has its pages: pages for the MTP chains of the
+        drafting chunks that sample, oldest first, from the pages still free (never by
+        preempting, never ahead of another request's chunk)."""
+        out = []
+        for seq in seqs:
+            req = self.requests[seq.request_id]
+            want = self._wanted_drafts(req) if seq.mtp and seq.sample else 0
+            if want > seq.num_propose:
+                end = seq.start_pos + len(seq.token_ids)
+                need = _cdiv(end + want - 1, self.page_size) - len(req.pages)
+                if need > 0 and self.pages.num_free:
+                    req.pages += self.pages.allocate(min(need, self.pages.num_free))
+                    seq = replace(seq, page_ids=tuple(req.pages),
+                                  num_propose=self._num_propose(req, end))
+            out.append(seq)
+        return out
 
     def _scheduled(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = req.num_computed_tokens
@@ -422,7 +446,10 @@ class Scheduler:
             tokens = req.output_ids[start - len(req.prompt_ids) : end - len(req.prompt_ids)]
         sample = end == req.num_tokens
         mtp = self._drafting(req)
-        # after the pages of the chunk itself: the chain's, when free
+        if not mtp:
+            req.draft_ids = []  # drafts of an earlier position: never usable later
+        # the pages the MTP chain writes are added after every request has its chunk's pages
+        # (`_chain_pages`): here only what the pages already held cover
         num_propose = self._num_propose(req, end + len(drafts)) if mtp and sample else 0
         return ScheduledSeq(
             request_id=req.request_id,
