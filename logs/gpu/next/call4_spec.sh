@@ -28,10 +28,17 @@ serve)
     wait_for_server 8001 "$PID" "$LOGF" 330 || exit 1
     stamp "ready"
     grep -i "speculative\|captured" "$LOGF" | cut -c1-200
+    # the manifest names the server's flags: these numbers pair with vLLM `serve mtp` only
+    CFG=$(python3 -c 'import json, sys; print(json.dumps({"engine": "tailored serve",
+        "variant": sys.argv[1] + " + MTP", "command": "python3 -m tailored serve " + sys.argv[2]
+        + " --load-format dummy --max-model-len 16384 --max-num-seqs 128"
+        " --max-num-batched-tokens 8192 --num-speculative-tokens " + sys.argv[3]
+        + " --spec-synthetic-acceptance " + sys.argv[4]}))' "$PREC" "$CKPT" "$N" "$RATE")
     python3 -m tailored.bench --base-url http://127.0.0.1:8001 --model qwen36-35b-a3b \
         --concurrency 1,4 --num-prompts 16,16 --input-len 1024 --output-len 512 --ignore-eos \
         --temperature 0 --precision "$PREC" --label "tailored-$PREC-spec$N-$RATE" \
-        --checkpoint-dir "$CKPT" --out "$OUT/tailored-$PREC-spec$N-$RATE.json" 2>&1 | tail -n 30
+        --checkpoint-dir "$CKPT" --engine-config "$CFG" \
+        --out "$OUT/tailored-$PREC-spec$N-$RATE.json" 2>&1 | tail -n 30
     grep -i "speculative decoding:\|step timing\|Triton compile" "$LOGF" | tail -n 6 | cut -c1-300
     kill -TERM "$PID"; sleep 5; kill -9 "$PID" 2>/dev/null
     stamp "done"
