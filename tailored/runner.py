@@ -20,7 +20,7 @@ from tailored.engine.sampler import Sampled, sample_on_device
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import ModelOutput, SchedulerOutput
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, to_device
-from tailored.model.mtp import MTPDrafter
+from tailored.model.mtp import DraftRow, MTPDrafter, accept, emitted
 
 log = logging.getLogger("tailored.runner")
 
@@ -315,8 +315,6 @@ class ModelRunner:
         """Verify the drafts of a step's verify chunks, set their GDN state to the one after
         the last kept token, and run the MTP over every drafting chunk for the next drafts
         (model/mtp.py)."""
-        from tailored.model.mtp import DraftRow, accept, emitted
-
         batch, hidden = step.spec
         synthetic = self.spec_synthetic_acceptance
         out_ids, extra, rows, owners = {}, {}, [], []
@@ -334,7 +332,7 @@ class ModelRunner:
                 drafts = list(s.token_ids[-s.num_draft:])
                 kept = accept(drafts, target, synthetic, self._spec_rng)
                 em = emitted(drafts, target, kept, synthetic is not None)
-                self.model_cache_commit(s.slot, kept + 1)
+                self.cache.commit_states(s.slot, kept + 1)
                 st = self.spec_stats
                 st[0] += 1
                 st[1] += s.num_draft
@@ -362,10 +360,6 @@ class ModelRunner:
             if rid is not None and d:
                 drafts[rid] = tuple(d)
         return ModelOutput(token_ids=out_ids, bad=bad, extra_ids=extra, draft_ids=drafts)
-
-    def model_cache_commit(self, slot: int, num_tokens: int) -> None:
-        """The GDN state of `slot` after the first num_tokens tokens of its verify chunk."""
-        self.cache.commit_states(slot, num_tokens)
 
 
 @dataclass

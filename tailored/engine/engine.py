@@ -215,6 +215,7 @@ class Engine:
 
     def stats(self) -> dict:
         s = self.scheduler
+        verify, drafts, kept = getattr(self.runner, "spec_stats", None) or (0, 0, 0)
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),
@@ -222,13 +223,10 @@ class Engine:
             "free_slots": s.slots.num_free,
             "num_preemptions": s.num_preemptions,
             # speculative decoding (model/mtp.py): verify steps, drafts verified, drafts kept
-            "spec_verify_steps": self._spec_stats()[0],
-            "spec_drafts": self._spec_stats()[1],
-            "spec_drafts_kept": self._spec_stats()[2],
+            "spec_verify_steps": verify,
+            "spec_drafts": drafts,
+            "spec_drafts_kept": kept,
         }
-
-    def _spec_stats(self) -> list[int]:
-        return list(getattr(self.runner, "spec_stats", None) or (0, 0, 0))
 
     # ---- helpers -----------------------------------------------------------------------------
     def _emit(self, req: Request) -> RequestOutput:

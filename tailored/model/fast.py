@@ -559,17 +559,20 @@ class FastPath:
             self.cache.kept_states[(li, sel.slot)] = []
         for j, (rows, slots, sel) in enumerate(zip(plan.ver_rows, plan.ver_slots,
                                                    plan.ver_seqs)):
-            y = conv_step(qkv[rows], conv_cache, w, slots)
-            core[rows] = recurrent_step(y, a[rows], b[rows], z[rows], rec_cache, slots,
-                                        m.A_log, m.dt_bias, m.norm.weight, HK, m.norm.eps)
             last = [q.num_tokens == j + 1 for q in sel]
-            if all(last):  # the state after a chunk's last token is in its slot already
-                for q in sel:
-                    self.cache.kept_states[(li, q.slot)].append(None)
-                continue
-            cs, rs = conv_cache[slots], rec_cache[slots]  # copies
+            # the state after a chunk's last token stays in its slot; before that, the kernels
+            # also write each new state into a snapshot (as the verify graph does)
+            cs = rs = None
+            if not all(last):
+                cs = conv_cache.new_empty((len(sel),) + tuple(conv_cache.shape[1:]))
+                rs = rec_cache.new_empty((len(sel),) + tuple(rec_cache.shape[1:]))
+            y = conv_step(qkv[rows], conv_cache, w, slots, snapshot=cs)
+            core[rows] = recurrent_step(y, a[rows], b[rows], z[rows], rec_cache, slots,
+                                        m.A_log, m.dt_bias, m.norm.weight, HK, m.norm.eps,
+                                        snapshot=rs)
             for n, q in enumerate(sel):
-                self.cache.kept_states[(li, q.slot)].append(None if last[n] else (cs[n], rs[n]))
+                self.cache.kept_states[(li, q.slot)].append(
+                    None if last[n] else (cs[n], rs[n]))
 
     def _gdn_prefill(self, m, seqs, qkv, a, b, z, core, conv_cache, rec_cache, plan: StepPlan):
         cfg = self.cfg

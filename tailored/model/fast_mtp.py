@@ -43,14 +43,15 @@ def mtp_layer(fp, c: torch.Tensor, mixer) -> torch.Tensor:
     return add_rms_norm_1p(res, fp._moe(L, hn), mtp.norm.weight, mtp.norm.eps)[1]
 
 
-def mtp_eager(fp, h: torch.Tensor, ids: torch.Tensor, seqs: list[SeqInfo]) -> torch.Tensor:
-    """The MTP layer over rows laid out by `seqs` (their positions and pages; the MTP KV of
-    those positions is written), eagerly: attention as for prefill chunks. Same contract as
-    `MTPDrafter._layer` of the plain path. h [R, H], ids [R]; returns [R, H]."""
+def mtp_eager(fp, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+              seqs: list[SeqInfo]) -> torch.Tensor:
+    """The MTP layer over rows laid out by `seqs` (their pages; the MTP KV of those positions
+    is written), eagerly: attention as for prefill chunks. Same contract as
+    `MTPDrafter._layer` of the plain path. h [R, H], ids [R], pos [R] (the rows' positions);
+    returns [R, H]."""
     from tailored.model.fast import build_plan
 
     cfg = fp.cfg
-    pos = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs]).to(h.device)
     cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, h.dtype)
     fp._plan = build_plan(seqs, [], [], fp.cache.page_size, h.device)
     batch = ForwardBatch(ids, pos, seqs, [])

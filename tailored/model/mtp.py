@@ -92,15 +92,15 @@ class MTPDrafter:
         """MTP layer (spec §8.1) over rows with target/own hidden h [R, H] and next-token ids
         [R]; seqs lay the rows out (positions, pages). Returns the post-`mtp.norm` hidden [R, H]."""
         mtp, model = self.model.mtp, self.model
+        pos = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs]).to(h.device)
         fast = model.fast
         if fast is not None and fast.cache is self.cache and fast.mtp_layer is not None:
             from tailored.model.fast_mtp import mtp_eager  # the kernel path
 
-            return mtp_eager(fast, h, ids, seqs)
+            return mtp_eager(fast, h, ids, pos, seqs)
         cfg = model.config
         e = mtp.pre_fc_norm_embedding(model.model.embed_tokens(ids))
         c = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(h)], dim=-1))
-        pos = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs]).to(h.device)
         cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, c.dtype)
         batch = ForwardBatch(ids, pos, seqs, [])
         x = mtp.layers[0](c, cos, sin, batch, self.cache, self.layer)
