@@ -55,9 +55,14 @@ def _serve_parser(sub) -> None:
                    help="speculative decoding, 0..8 (0 = off, default): the checkpoint's MTP "
                         "head drafts N tokens per decode step of each greedy request without "
                         "penalties, and the model verifies them in the same step, so the output "
-                        "stays the greedy output. Drafting pauses while more than 8 requests "
-                        "run. On CUDA the verify and drafting steps replay CUDA graphs. The log "
+                        "stays the greedy output. Drafting pauses while more than "
+                        "--spec-max-running requests run. On CUDA the verify and drafting steps "
+                        "replay CUDA graphs. The log "
                         "reports the share of drafts kept every 10 s")
+    p.add_argument("--spec-max-running", type=int, default=8, metavar="B",
+                   help="with --num-speculative-tokens: requests draft only while at most B "
+                        "run (default 8); verify steps replay CUDA graphs up to B sequences, "
+                        "whose GDN snapshots take 61.5 MB a sequence and draft (full size)")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="benchmarks on random weights only, needs --num-speculative-tokens: "
                         "keep each draft with probability RATE in [0, 1] instead of verifying "
@@ -118,6 +123,8 @@ def _check_serve_args(args) -> None:
     if not 0 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
                          f"got {args.num_speculative_tokens}")
+    if args.spec_max_running < 1:
+        raise ValueError(f"--spec-max-running must be >= 1, got {args.spec_max_running}")
     rate = args.spec_synthetic_acceptance
     if rate is not None and not 0 <= rate <= 1:  # also NaN
         raise ValueError(f"--spec-synthetic-acceptance must be in [0, 1], got {rate}")
@@ -188,6 +195,7 @@ def cmd_serve(args) -> int:
                                              args.device),
         num_speculative_tokens=args.num_speculative_tokens,
         spec_synthetic_acceptance=args.spec_synthetic_acceptance,
+        spec_max_running=args.spec_max_running,
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

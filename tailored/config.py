@@ -260,9 +260,10 @@ class EngineConfig:
         this probability instead of comparing it with the target's token (vLLM's 'synthetic'
         rejection sampler, used by the baseline kit's `serve mtp`); the output is then not the
         greedy output. None = real verification.
-    spec_max_running: requests draft only while at most this many run: larger batches are
-        bound by the experts' weight reads, where verifying drafts costs what it saves; verify
-        steps are captured in CUDA graphs up to this batch size (model/fast_spec.py).
+    spec_max_running: requests draft only while at most this many run; verify steps are
+        captured in CUDA graphs up to this batch size (model/fast_spec.py), with GDN snapshots
+        of num_speculative_tokens states a sequence. Whether drafting pays at large batches
+        is a measurement (kb/0033): the experts' reads grow less than the tokens verified.
     """
 
     page_size: int = 16

@@ -29,6 +29,8 @@ from tailored.stack import build_stack
     (["--num-speculative-tokens", "1", "--spec-synthetic-acceptance", "nan"],
      "--spec-synthetic-acceptance must be in [0, 1]"),
     (["--spec-synthetic-acceptance", "0.5"], "needs --num-speculative-tokens >= 1"),
+    (["--num-speculative-tokens", "1", "--spec-max-running", "0"],
+     "--spec-max-running must be >= 1"),
 ])
 def test_bad_serve_flags(tiny_ckpt, capsys, flags, msg):
     assert main(["serve", str(tiny_ckpt), "--port", "8197", *flags]) == 2

@@ -38,7 +38,7 @@ from tailored.ops import reference as ref
 
 log = logging.getLogger("tailored.fast")
 
-SPEC_BATCH_SIZES = (1, 2, 4, 8, 16)
+SPEC_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
 
 
 def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype) -> int:
