@@ -104,6 +104,12 @@ def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
             + moe_grouped_reserve_bytes(model, dtype, ec.max_num_batched_tokens) + spec)
 
 
+def _lone_decode(s) -> bool:
+    """A decode row without drafts: one token of a request past its first chunk that
+    samples (ScheduledSeq)."""
+    return s.sample and len(s.token_ids) == 1 and not s.reset_state and not s.num_draft
+
+
 def spec_max_batch(ec: EngineConfig) -> int:
     """Largest batch of verify steps in CUDA graphs (speculative decoding): the scheduler
     drafts while at most this many requests run (EngineConfig.spec_max_running)."""
@@ -239,6 +245,10 @@ class ModelRunner:
         q = 0
         prev_rows = {} if feed is None else {s.request_id: i
                                              for i, s in enumerate(feed.sampled_seqs)}
+        # in a step that verifies drafts, every other decode row (a request without drafts
+        # this step) is a verify chunk of one token too: the verify CUDA graph then takes the
+        # whole step, not only steps where every request drafts (`_speculate` commits it at 1)
+        verify_step = any(s.num_draft for s in sched.seqs)
         for s in sched.seqs:
             toks = list(s.token_ids)
             if PENDING_TOKEN in toks:  # only ever a lone decode token (with no drafts)
@@ -248,7 +258,7 @@ class ModelRunner:
                 fed.append((q, prev_rows[s.request_id]))
                 toks = [0]  # overwritten on the device below
             layout.append((toks, s.start_pos, s.slot, s.reset_state, s.page_ids,
-                           s.num_draft > 0))
+                           s.num_draft > 0 or (verify_step and _lone_decode(s))))
             q += len(toks)
             if s.sample:
                 # a verify chunk samples every row: the target's token after each draft
@@ -344,6 +354,8 @@ class ModelRunner:
                              "%.2f tokens a verify step", st[0], st[2] / max(st[1], 1), st[1],
                              1 + st[2] / st[0])
             else:
+                if info.keep_states:  # a lone decode row of a verify step (launch)
+                    self.cache.commit_states(s.slot, 1)
                 em = target
             out_ids[s.request_id], extra[s.request_id] = em[0], tuple(em[1:])
             # num_propose 0 at a sampling chunk: the request ends within 2 tokens and never

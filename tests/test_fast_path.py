@@ -541,7 +541,7 @@ def test_mtp_layer_matches_plain_path(tiny_ckpt):
 def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
     """The verify and MTP graph bodies (model/fast_spec.py), run eagerly over their static
     buffers, against the eager kernel path: two verify chunks (one padded: fewer drafts than
-    N) and the batch padded to a larger size; hidden rows, committed GDN states at several
+    N), a lone decode row, and the batch padded to a larger size; hidden rows, committed GDN states at several
     kept lengths, the MTP KV and the proposed drafts."""
     from tailored.config import ModelConfig
     from tailored.model.batch import HybridCache, SeqInfo
@@ -555,12 +555,15 @@ def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
     cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
     fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
     spec = fp.spec = SpecGraphs(fp, 3, 4)  # forward() routes to it with graphs only
-    p1, p2 = _ids(11, 21), _ids(6, 22)
-    m(ForwardBatch.build([(p1, 0, 1, True, [1]), (p2, 0, 2, True, [2])], [], "cpu"), cache)
+    p1, p2, p3 = _ids(11, 21), _ids(6, 22), _ids(9, 25)
+    m(ForwardBatch.build([(p1, 0, 1, True, [1]), (p2, 0, 2, True, [2]), (p3, 0, 3, True, [3])],
+                         [], "cpu"), cache)
     base = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
-    layout = [(_ids(4, 23), 11, 1, False, [1], True), (_ids(2, 24), 6, 2, False, [2], True)]
-    kept = {1: 2, 2: 1}  # tokens kept of each chunk (4 and 2 long)
-    rows_of = {1: 4, 2: 2}
+    # the third: a lone decode row of the verify step (a request without drafts, runner.launch)
+    layout = [(_ids(4, 23), 11, 1, False, [1], True), (_ids(2, 24), 6, 2, False, [2], True),
+              (_ids(1, 26), 9, 3, False, [3], True)]
+    kept = {1: 2, 2: 1, 3: 1}  # tokens kept of each chunk (4, 2 and 1 long)
+    rows_of = {1: 4, 2: 2, 3: 1}
     results = []
     for use_spec in (False, True):
         for n, t in base.items():
@@ -581,11 +584,14 @@ def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
         assert spec._layout is None
     (h0, c0, r0, k0, d0), (h1, c1, r1, k1, d1) = results
     assert rel_err(h1, h0) < 1e-4
-    assert rel_err(c1, c0) < 1e-5 and rel_err(r1, r0) < 1e-5
+    # slot 0 is the sink: the pad sequence of the padded batch (3 -> 4) writes it
+    assert rel_err(c1[:, 1:], c0[:, 1:]) < 1e-5 and rel_err(r1[:, 1:], r0[:, 1:]) < 1e-5
     # the MTP KV of the kept rows (the rest is rewritten before it is read)
     for slot, k in kept.items():
-        page, start = {1: (1, 11), 2: (2, 6)}[slot]
+        page, start = {1: (1, 11), 2: (2, 6), 3: (3, 9)}[slot]
         rows = slice(start, start + k)
         assert rel_err(k1[page, rows], k0[page, rows]) < 1e-4
     assert d1 == d0 and all(len(d) == 3 for d in d0)
+    # the lone decode row's state is the one-token decode's (not its pad tokens')
+    assert rel_err(r1[:, 3], r0[:, 3]) < 1e-5
     assert rows_of  # (documentation of the chunk lengths above)

@@ -725,8 +725,11 @@ class FastPath:
         self._fla_ctx = None
         x = self.model.model.embed_tokens(batch.input_ids)
         cos, sin = ref.rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-        dec = [s for s in batch.seqs if s.num_tokens == 1 and not s.reset_state]
-        ver = [s for s in batch.seqs if s.keep_states]  # never 1 token: not in dec
+        # a 1-token verify chunk (a lone decode row of a verify step, runner.launch) is a
+        # verify chunk: its state must be kept for commit_states
+        dec = [s for s in batch.seqs
+               if s.num_tokens == 1 and not s.reset_state and not s.keep_states]
+        ver = [s for s in batch.seqs if s.keep_states]
         # sequences that start with a 1-token prompt take the prefill path (it resets the slot)
         pre_batch = ForwardBatch(batch.input_ids, batch.positions,
                                  [s for s in batch.seqs if not (s.num_tokens == 1 and not s.reset_state)
@@ -758,7 +761,8 @@ class FastPath:
                 return self.spec.forward(batch)
         if self.prefill_graphs and self.prefill_graph_fits(batch):
             return self.forward_prefill_graph(batch)
-        dec = [j for j, s in enumerate(batch.seqs) if s.num_tokens == 1 and not s.reset_state]
+        dec = [j for j, s in enumerate(batch.seqs)
+               if s.num_tokens == 1 and not s.reset_state and not s.keep_states]
         if not dec or len(dec) > self.max_batch:
             return self.forward_eager(batch)
         if len(dec) == len(batch.seqs):
@@ -948,6 +952,9 @@ class FastPath:
                 body(n)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
+        # the warm-up's blocks stay cached for the side stream, where no graph pool can take
+        # them: 19 GiB of them failed the bf16 prefill capture with an OOM (s15, kb/0033)
+        torch.cuda.empty_cache()
         for n in sizes:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):

@@ -99,6 +99,9 @@ class GatedDeltaNet(nn.Module):
             conv_cache[slots] = cs
             rec_cache[slots] = rs
             core[rows] = o[:, 0]
+            for i, s in enumerate(dec):
+                if s.keep_states:  # a 1-token verify chunk (runner.launch): its only state
+                    cache.kept_states[(li, s.slot)] = [(cs[i], rs[i])]
         for s in batch.seqs:
             if s.num_tokens == 1:
                 continue
