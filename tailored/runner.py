@@ -28,6 +28,16 @@ CPU_CACHE_BYTES = 512 * 1024**2  # KV + state budget when running on the CPU
 SPEC_LOG_EVERY_S = 10.0  # seconds between speculative-decoding log lines (totals so far)
 
 
+# Speculative decoding's share of GPU memory that nothing above counts yet (the verify and MTP
+# graphs' pools, the eager MTP over prompt chunks). Without it the cache took the whole budget
+# and the H200 ran out (session 15, kb/0033): the 1024 -> 8192-token prefill graphs failed to
+# capture with 2 drafts (0.24 GiB free), and with 1 draft the first request failed. The plain
+# serve never reaches the limit there (its pages are capped by max_num_seqs x max_model_len with
+# 4.07 GiB free after every capture); the MTP layer's KV makes each page 10 % larger, so the
+# spec serve is memory-bound and needs the slack said out loud. A measured margin, not a model.
+SPEC_HEADROOM_BYTES = 6 * 1024**3
+
+
 def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
                reserve_bytes: int = 0):
     """Choose (num_pages, num_slots) for the hybrid cache.
@@ -37,7 +47,8 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     times gpu_memory_utilization's share, on the CPU CPU_CACHE_BYTES. Raises RuntimeError when
     not even one max_model_len request fits. reserve_bytes: GPU memory the kernel path will
     allocate after the cache (`kernel_path_reserve`: fast.dense_dequant_bytes and
-    fast.moe_grouped_reserve_bytes), kept out of the budget.
+    fast.moe_grouped_reserve_bytes), kept out of the budget; with speculative decoding also
+    SPEC_HEADROOM_BYTES.
     """
     num_slots = ec.max_num_seqs + 1
     # with speculative decoding the MTP layer's KV too (model/mtp.py)
@@ -56,6 +67,8 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
         # again
         act = ec.max_num_batched_tokens * 256 * 1024
         budget -= 2 * 1024**3 + act * (2 if ec.prefill_graphs else 1) + reserve_bytes
+        if ec.num_speculative_tokens > 0:
+            budget -= SPEC_HEADROOM_BYTES
     else:
         budget = CPU_CACHE_BYTES
     budget -= num_slots * per_slot
@@ -317,7 +330,11 @@ class ModelRunner:
                 timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
         bad = frozenset(step.sampled_seqs[i].request_id for i in step.sampled.bad_rows)
         if step.spec is not None:
-            return self._speculate(step, tokens, bad)
+            t0 = time.perf_counter()
+            out = self._speculate(step, tokens, bad)
+            if timer is not None:
+                timer.runner_phase("draft", t0)
+            return out
         return ModelOutput(token_ids={s.request_id: t for s, t in zip(step.sampled_seqs, tokens)},
                            bad=bad)
 

@@ -595,3 +595,47 @@ def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
     # the lone decode row's state is the one-token decode's (not its pad tokens')
     assert rel_err(r1[:, 3], r0[:, 3]) < 1e-5
     assert rows_of  # (documentation of the chunk lengths above)
+
+
+def test_verify_chunks_beside_a_prompt_split_like_the_eager_step(tiny_ckpt):
+    """A step with verify chunks and a fresh prompt (a request arriving while others draft):
+    FastPath._split replays the verify graph (its body here, eagerly) for the chunks and runs
+    the prompt after it; hidden rows, the committed states and the prompt's state equal the
+    whole step through the eager kernel path."""
+    from tailored.config import ModelConfig
+    from tailored.model.batch import HybridCache
+    from tailored.model.fast import FastPath, _sub_batch
+    from tailored.model.fast_spec import SpecGraphs
+
+    cfg = ModelConfig.from_dir(tiny_ckpt)
+    m = build_empty_model(cfg, "cpu", torch.float32)
+    load_checkpoint(m, tiny_ckpt, progress=False)
+    cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
+    fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
+    spec = fp.spec = SpecGraphs(fp, 2, 4)
+    m(ForwardBatch.build([(_ids(7, 41), 0, 1, True, [1]), (_ids(5, 42), 0, 2, True, [2])], [],
+                         "cpu"), cache)
+    base = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
+    # a verify chunk, a fresh 10-token prompt in slot 3, a lone decode row (1-token verify)
+    layout = [(_ids(3, 43), 7, 1, False, [1], True), (_ids(10, 44), 0, 3, True, [3]),
+              (_ids(1, 45), 5, 2, False, [2], True)]
+    results = []
+    for split in (False, True):
+        for n, t in base.items():
+            getattr(cache, n).copy_(t)
+        b = ForwardBatch.build(layout, [], "cpu")
+        assert not spec.fits(b)
+        if split:
+            ver = [0, 2]
+            sub = _sub_batch(b, ver)
+            assert spec.fits(sub)
+            h = fp._split(b, ver, sub, spec.forward)
+        else:
+            h = fp.forward_eager(b)
+        cache.commit_states(1, 2)
+        cache.commit_states(2, 1)
+        assert cache.kept_batch is None and not cache.kept_states
+        results.append((h, cache.conv[:, 1:].clone(), cache.rec[:, 1:].clone()))
+    (h0, c0, r0), (h1, c1, r1) = results
+    assert rel_err(h1, h0) < 1e-4
+    assert rel_err(c1, c0) < 1e-5 and rel_err(r1, r0) < 1e-5

@@ -107,6 +107,32 @@ def test_plan_cache_keeps_the_kernel_paths_reserve_out_of_the_gpu_budget(monkeyp
     assert p0 - p1 == pytest.approx(64 * 1024**2 / per_page, abs=1)
 
 
+def test_plan_cache_keeps_speculative_headroom(monkeypatch, tiny_ckpt):
+    """With speculative decoding the GPU budget also loses SPEC_HEADROOM_BYTES (on the H200
+    the memory-bound spec serve ran out of memory without it, session 15); the CPU's does
+    not change."""
+    from tailored.config import EngineConfig, ModelConfig
+    from tailored.model.batch import HybridCache
+    from tailored.runner import SPEC_HEADROOM_BYTES, plan_cache
+
+    cfg = ModelConfig.from_dir(tiny_ckpt)
+    gib = 1024**3
+    total = 12 * gib  # memory-bound both ways: 64 requests of 2^19 tokens do not fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    kw = dict(max_num_seqs=64, max_model_len=1 << 19, max_num_batched_tokens=256,
+              gpu_memory_utilization=0.9)
+    off, _ = plan_cache(cfg, EngineConfig(**kw), torch.bfloat16, torch.device("cuda"))
+    ec = EngineConfig(num_speculative_tokens=2, **kw)
+    on, _ = plan_cache(cfg, ec, torch.bfloat16, torch.device("cuda"))
+    per_off = HybridCache.bytes_per_page(cfg, 16, torch.bfloat16)
+    per_on = HybridCache.bytes_per_page(cfg, 16, torch.bfloat16, 1)
+    assert on * per_on <= off * per_off - SPEC_HEADROOM_BYTES + per_on
+    assert on * per_on > off * per_off - SPEC_HEADROOM_BYTES - 2 * per_on
+    cpu_off, _ = plan_cache(cfg, EngineConfig(**kw), torch.bfloat16, torch.device("cpu"))
+    cpu_on, _ = plan_cache(cfg, ec, torch.bfloat16, torch.device("cpu"))
+    assert cpu_on == pytest.approx(cpu_off * per_off / per_on, abs=2)
+
+
 def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, tiny_fp8_ckpt):
     """runner.kernel_path_reserve: the FP8 dense-dequant bytes on CUDA with the kernel path;
     0 on the CPU, with --kernels off, and without Triton (that start falls back to the plain

@@ -184,6 +184,9 @@ def test_greedy_output_unchanged_by_drafts(plain, tok, n):
     # the trained nano head keeps ~0.8 of first drafts (docs/nano.md: 0.814)
     assert drafted > 0 and kept / verify > 0.6 * min(n, 2)
     assert steps < plain[3] * 0.75
+    # the step timing names verify steps and their draft phase (the MTP after the tokens)
+    kinds = eng.timer.kinds
+    assert "verify" in kinds and kinds["verify"].ms["draft"] > 0
 
 
 def test_sampling_requests_do_not_draft_and_keep_their_seeded_output(tok):

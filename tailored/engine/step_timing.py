@@ -12,7 +12,8 @@ which one grows. Phases (milliseconds, `time.perf_counter`):
 and, on CUDA, `gpu`: CUDA-event span from the forward's first enqueue to the logits (not part of
 the sum; `wait` well above `gpu − launch` means the engine thread waited for the GIL, not for
 the GPU, after the sampler's sync).
-Steps are grouped by kind: decode (every row one token), prefill (no decode row), mixed.
+Steps are grouped by kind: decode (every row one token), verify (every row a decode row, some
+with speculative drafts), prefill (no decode row), mixed.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-PHASES = ("gap", "schedule", "build", "launch", "wait", "finish")
-RUNNER_PHASES = ("build", "launch", "wait")  # reported by the runner through runner_phase()
+PHASES = ("gap", "schedule", "build", "launch", "wait", "draft", "finish")
+# reported by the runner through runner_phase(); draft: speculative decoding's acceptance, state
+# commits and MTP drafts after the step's tokens are read (its own sync included)
+RUNNER_PHASES = ("build", "launch", "wait", "draft")
 
 
 @dataclass

@@ -313,6 +313,19 @@ def _token_rows(seqs) -> np.ndarray:
     return np.concatenate([np.arange(q.q_start, q.q_start + q.num_tokens) for q in seqs])
 
 
+def _sub_batch(batch: ForwardBatch, picked: list[int]) -> ForwardBatch:
+    """The sequences `picked` of `batch` as a batch of their own (rows renumbered from 0)."""
+    dev = batch.input_ids.device
+    rows = h2d(_token_rows([batch.seqs[j] for j in picked]), dev)
+    seqs, q = [], 0
+    for j in picked:
+        s = batch.seqs[j]
+        seqs.append(SeqInfo(q, s.num_tokens, s.start_pos, s.slot, s.reset_state, s.page_ids,
+                            s.keep_states))
+        q += s.num_tokens
+    return ForwardBatch(batch.input_ids[rows], batch.positions[rows], seqs, [])
+
+
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of one sequence's L new queries over its S ≥ L context (the queries
     are the context's last L positions: bottom-right mask). q [L, Hq, D]; k, v [S, Hkv, D]
@@ -752,13 +765,21 @@ class FastPath:
         Decode rows replay a CUDA graph; in a mixed step they replay it on their own and the
         prefill chunks run after, eagerly, or from a prefill graph when they are one fresh
         prompt (sequences are independent, so the split changes no result: the decode rows'
-        pages and slots are disjoint from the prefills')."""
+        pages and slots are disjoint from the prefills'). The verify chunks of speculative
+        decoding beside prompt chunks split the same way, with the verify graph."""
         if not self.use_graphs:
             return self.forward_eager(batch)
         if self.spec is not None:
             self.spec.forget()  # its MTP graph reads the verify graph of this step only
             if self.spec.fits(batch):  # a speculative verify step
                 return self.spec.forward(batch)
+            ver = [j for j, s in enumerate(batch.seqs) if s.keep_states]
+            if ver and len(ver) < len(batch.seqs):
+                sub_v = _sub_batch(batch, ver)
+                if self.spec.fits(sub_v):
+                    # new requests' prompts beside the verify chunks (every arrival at c=32):
+                    # eager, the whole step cost 300-1000 ms of host time (s15, kb/0033)
+                    return self._split(batch, ver, sub_v, self.spec.forward)
         if self.prefill_graphs and self.prefill_graph_fits(batch):
             return self.forward_prefill_graph(batch)
         dec = [j for j, s in enumerate(batch.seqs)
@@ -767,35 +788,29 @@ class FastPath:
             return self.forward_eager(batch)
         if len(dec) == len(batch.seqs):
             return self.forward_decode_graph(batch)
-        dec_set = set(dec)
+        return self._split(batch, dec, _sub_batch(batch, dec), self.forward_decode_graph)
+
+    def _split(self, batch: ForwardBatch, picked: list[int], sub: ForwardBatch,
+               graph_forward) -> torch.Tensor:
+        """Hidden states of a step whose sequences `picked` (sub-batch `sub`) replay a graph
+        (`graph_forward`: decode or verify) and whose other sequences, the prompt chunks, run
+        after it from a prefill graph or eagerly."""
         dev = batch.input_ids.device
-        rows_d = h2d(np.array([batch.seqs[j].q_start for j in dec]), dev)
-        sub_d = ForwardBatch(batch.input_ids[rows_d], batch.positions[rows_d],
-                             [batch.seqs[j] for j in dec], [])
-        pre, ids, pos, q = [], [], [], 0
-        for j, s in enumerate(batch.seqs):
-            if j in dec_set:
-                continue
-            pre.append(SeqInfo(q, s.num_tokens, s.start_pos, s.slot, s.reset_state, s.page_ids,
-                               s.keep_states))
-            ids.append(batch.input_ids[s.q_start:s.q_start + s.num_tokens])
-            pos.append(batch.positions[s.q_start:s.q_start + s.num_tokens])
-            q += s.num_tokens
-        sub_p = ForwardBatch(torch.cat(ids), torch.cat(pos), pre, [])
+        rest = [j for j in range(len(batch.seqs)) if j not in set(picked)]
+        sub_p = _sub_batch(batch, rest)
         out = torch.empty(batch.input_ids.shape[0], self.cfg.hidden_size, dtype=self.dtype,
-                          device=batch.input_ids.device)
-        out[rows_d] = self.forward_decode_graph(sub_d)
+                          device=dev)
+        out[h2d(_token_rows([batch.seqs[j] for j in picked]), dev)] = graph_forward(sub)
         # a fresh prompt alone besides the decode rows (a request arriving while others decode:
         # every arrival of a serve whose requests do not come in waves) replays its prefill
         # graph too; eager, its ~1024 tokens cost ~150 ms of host time for ~56 ms of GPU work
-        # (kb/0010, kb/0028). The decode graph's output is copied out above, and the two
+        # (kb/0010, kb/0028). The first graph's output is copied out above, and the two
         # graphs' static buffers are disjoint, so replaying both in one step is safe.
         if self.prefill_graphs and self.prefill_graph_fits(sub_p):
             hp = self.forward_prefill_graph(sub_p)
         else:
             hp = self.forward_eager(sub_p)
-        rows_p = h2d(_token_rows([s for j, s in enumerate(batch.seqs) if j not in dec_set]), dev)
-        out[rows_p] = hp
+        out[h2d(_token_rows([batch.seqs[j] for j in rest]), dev)] = hp
         return out
 
     def warmup_lengths(self, batch_tokens: int) -> list[int]:
