@@ -4,8 +4,11 @@
 # (c=1 x 16, c=32 x 256, 1024 in / 512 out) with N drafts at synthetic acceptance RATE, drafting
 # up to MAXRUN running requests. These numbers pair with vLLM's `serve mtp` of the baseline kit
 # (1 draft at 0.8: c=1 266.1 tok/s, TTFT 128.5 ms; c=32 1981.6 tok/s), not with plain vLLM.
-# Usage: [TESTS=1] bash logs/gpu/2026-12-02-s15/spec_sbs.sh PREC N RATE MAXRUN  (carry .whl)
+# Usage: TAILORED_COMMIT=<sha> [TESTS=1] bash logs/gpu/2026-12-02-s15/spec_sbs.sh PREC N RATE MAXRUN
+#        (carry .whl)
 PREC=${1:?prec} N=${2:?drafts} RATE=${3:?rate} MAXRUN=${4:?max running}
+# the device's copy of .git is stale: without this the manifests name the wrong commit (s15)
+: "${TAILORED_COMMIT:?TAILORED_COMMIT=<sha> of the tree}"
 source "$(dirname "$0")/../../../scripts/device_env.sh" "spec_sbs-$PREC-$N-$RATE-$MAXRUN"
 if [ "${TESTS:-0}" = 1 ]; then
     stamp "GPU spec tests"
