@@ -257,6 +257,63 @@ def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):
     return g, C, conv_state, rec_state, slots.to(DEV)
 
 
+@pytest.mark.parametrize("dv_split", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,n,HK,HV,Dk,Dv", [(1, 3, 2, 4, 16, 16), (3, 2, 4, 8, 32, 32),
+                                            (5, 4, 2, 4, 16, 32), (2, 1, 2, 4, 16, 16)])
+def test_gdn_verify_equals_token_by_token_decode(dtype, B, n, HK, HV, Dk, Dv, dv_split):
+    """kernels/gdn_verify.py: n tokens of each sequence (token-major rows) in one launch each
+    of conv and recurrence give exactly what n gdn_decode steps give: outputs, the snapshot
+    after every token but the last, and the final slot states (bitwise; NaN-poisoned outputs
+    and snapshots, NaN in every slot not used)."""
+    from tailored.kernels.gdn_decode import conv_step, recurrent_step
+    from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
+
+    num_slots = 9
+    g, C, conv_state, rec_state, slots = _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, 7 * n)
+    weight = torch.randn(C, 4, generator=g).to(DEV, dtype) * 0.5
+    T = n * B
+    x = torch.randn(T, C, generator=g).to(DEV, dtype)
+    a = torch.randn(T, HV, generator=g).to(DEV, dtype)
+    b = torch.randn(T, HV, generator=g).to(DEV, dtype)
+    z = torch.randn(T, HV * Dv, generator=g).to(DEV, dtype)
+    A_log = torch.randn(HV, generator=g).to(DEV) * 0.5
+    dt_bias = torch.randn(HV, generator=g).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(Dv, generator=g)).to(DEV, dtype)
+    conv1, rec1 = conv_state.clone(), rec_state.clone()
+
+    ys, outs, snaps_c, snaps_r = [], [], [], []
+    for j in range(n):  # token by token, as the verify graph ran it before
+        r = slice(j * B, (j + 1) * B)
+        y = conv_step(x[r], conv_state, weight, slots)
+        ys.append(y)
+        outs.append(recurrent_step(y, a[r], b[r], z[r], rec_state, slots, A_log, dt_bias,
+                                   norm_w, HK, 1e-6, dv_split=dv_split))
+        snaps_c.append(conv_state[slots].clone())
+        snaps_r.append(rec_state[slots].clone())
+
+    # the snapshot buffers of fast_spec.py: [N, max_batch, ...] sliced to B, NaN-poisoned
+    snap_c = torch.full((max(n - 1, 1), B + 2, C, 3), float("nan"), device=DEV, dtype=dtype)
+    snap_r = torch.full((max(n - 1, 1), B + 2, HV, Dk, Dv), float("nan"), device=DEV)
+    sc, sr = snap_c[:n - 1, :B], snap_r[:n - 1, :B]
+    y = conv_verify(x, conv1, weight, slots, sc)
+    out = recurrent_verify(y, a, b, z, rec1, slots, A_log, dt_bias, norm_w, HK, 1e-6, sr,
+                           dv_split=dv_split)
+    assert torch.equal(y, torch.cat(ys)) and torch.equal(out, torch.cat(outs))
+    assert torch.equal(conv1[slots], conv_state[slots])
+    assert torch.equal(rec1[slots], rec_state[slots])
+    for j in range(n - 1):
+        assert torch.equal(sc[j], snaps_c[j]) and torch.equal(sr[j], snaps_r[j])
+    # untouched: the other slots (NaN) and the snapshot rows past B
+    other = torch.ones(num_slots, dtype=torch.bool)
+    other[slots.cpu()] = False
+    assert conv1[other.to(DEV)].isnan().all() and rec1[other.to(DEV)].isnan().all()
+    assert snap_c[:, B:].isnan().all() and snap_r[:, B:].isnan().all()
+    with pytest.raises(ValueError):
+        recurrent_verify(y, a, b, z, rec1, slots, A_log, dt_bias, norm_w, HK, 1e-6, sr,
+                         dv_split=3)
+
+
 @pytest.mark.parametrize("dv_split", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,HK,HV,Dk,Dv", [(1, 2, 4, 16, 16), (3, 4, 8, 32, 32), (5, 2, 4, 16, 32)])

@@ -112,6 +112,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
+    from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
     from tailored.kernels import moe_grouped
     from tailored.kernels.moe import fused_moe, route_align
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
@@ -221,6 +222,16 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
                     torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
                     torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split, snapshot=snap))
+        # a verify step's GDN: 3 tokens of B sequences a launch (kernels/gdn_verify.py)
+        for split in (1, 2):
+            calls.append(lambda split=split, dt=dt, conv_state=conv_state: recurrent_verify(
+                conv_verify(torch.randn(3 * B, 8192, dtype=dt), conv_state,
+                            torch.zeros(8192, 4, dtype=dt), slots,
+                            torch.zeros(2, B, 8192, 3, dtype=dt)),
+                torch.randn(3 * B, 32, dtype=dt), torch.randn(3 * B, 32, dtype=dt),
+                torch.randn(3 * B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
+                torch.ones(128, dtype=dt), 16, 1e-6, torch.zeros(2, B, 32, 128, 128),
+                dv_split=split))
         kc = torch.zeros(9, 16, 2, 256, dtype=dt)
         for splits in (8, 32):  # 32: 32-key blocks, merge over D (kb/0019)
             calls.append(lambda splits=splits, dt=dt, kc=kc: paged_decode_attention(
@@ -235,6 +246,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_conv_prefill_kernel", "_conv_state_kernel",
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
            "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
+           "_conv_verify_kernel", "_recurrent_verify_kernel",
            "_dequant_experts_kernel"}
 
 

@@ -1,17 +1,19 @@
 """CUDA graphs of speculative decode steps (model/mtp.py): a verify graph and an MTP graph.
 
-A step whose every sequence is a drafting request's verify chunk (its last token and up to N
-drafts, `SeqInfo.keep_states`) is the c=1..8 case of speculative decoding. Eagerly it would be
+A step whose every sequence is a verify chunk (a drafting request's last token and up to N
+drafts, or a lone decode row of the same step; `SeqInfo.keep_states`) is the c ≤
+spec_max_running case of speculative decoding. Eagerly it would be
 host-bound like any eager step (~660 launches for ~3.5 ms of GPU work, kb/0029), so it replays
 two graphs per padded batch size B (SPEC_BATCH_SIZES):
 
   verify: the target over B·n rows, n = N + 1, laid out token-major (row j·B + b is token j of
     sequence b). Every row is a decode row of its own: attention reads keys 0..its position
     (the chunk's keys are all stored in the k-norm launch before it), projections and experts
-    are row-wise. The GDN layers run token j of all B sequences through the decode kernels, j
-    = 0..n-1, in place on the slots; for j < n-1 the kernels also write each new state into a
-    snapshot (`snap_conv`, `snap_rec`; no extra launch or read): `HybridCache.commit_states`
-    takes the one after the last kept token from there. A chunk shorter than n is padded (ids 0, KV into the sink
+    are row-wise. The GDN layers run the n tokens of all B sequences in one launch each of
+    the verify conv and recurrence (kernels/gdn_verify.py; TAILORED_GDN_VERIFY_KERNELS=0:
+    token j at a time through the decode kernels), in place on the slots; the state after
+    each token j < n-1 also goes into a snapshot (`snap_conv`, `snap_rec`; no extra launch or
+    read): `HybridCache.commit_states` takes the one after the last kept token from there. A chunk shorter than n is padded (ids 0, KV into the sink
     row): its state is always committed from a snapshot, so the pad tokens' updates vanish.
   mtp: the MTP layer over the same B·n rows, fed the verify graph's hidden output and the
     tokens the step emitted (host-filled after acceptance), which writes the MTP KV of those
@@ -31,7 +33,9 @@ import logging
 import numpy as np
 import torch
 
+from tailored.kernels import env_flag
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
+from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
 from tailored.model.batch import ForwardBatch, HybridCache, pinned, to_device
 from tailored.model.fast_mtp import mtp_input, mtp_layer
 from tailored.ops import reference as ref
@@ -39,6 +43,9 @@ from tailored.ops import reference as ref
 log = logging.getLogger("tailored.fast")
 
 SPEC_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
+# the GDN layers of a verify step through kernels/gdn_verify.py (n tokens a launch, the same
+# bits as the token-by-token decode kernels); 0: token by token (the A/B of kb/0033)
+GDN_VERIFY_KERNELS = env_flag("TAILORED_GDN_VERIFY_KERNELS", True)
 
 
 def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype) -> int:
@@ -109,8 +116,9 @@ class SpecGraphs:
         return fp._layers(x, cos, sin, mixer)
 
     def _gdn(self, i: int, x: torch.Tensor, B: int) -> torch.Tensor:
-        """Token j of the B sequences at a time through the decode kernels; each state after
-        token j < n-1 copied into the snapshot."""
+        """The B sequences' n tokens through the verify kernels (or token j of the B at a
+        time through the decode kernels); the state after each token j < n-1 also goes into
+        the snapshot."""
         fp = self.fp
         m = fp.layers[i].linear_attn
         li = fp.cache.gdn_index[i]
@@ -119,6 +127,11 @@ class SpecGraphs:
         w = m.conv1d.weight[:, 0, :]
         conv, rec = fp.cache.conv[li], fp.cache.rec[li]
         slots = self.st["slots"][:B]
+        if GDN_VERIFY_KERNELS:  # the n tokens in one launch each (kernels/gdn_verify.py)
+            y = conv_verify(qkv, conv, w, slots, self.snap_conv[li, :, :B])
+            core = recurrent_verify(y, a, b, z, rec, slots, m.A_log, m.dt_bias, m.norm.weight,
+                                    HK, m.norm.eps, self.snap_rec[li, :, :B])
+            return fp.p_out[i](core)
         core = torch.empty(x.shape[0], fp.cfg.value_dim, dtype=x.dtype, device=x.device)
         for j in range(self.n):
             r = slice(j * B, (j + 1) * B)
