@@ -345,6 +345,7 @@ class ModelRunner:
         batch, hidden = step.spec
         synthetic = self.spec_synthetic_acceptance
         out_ids, extra, rows, owners = {}, {}, [], []
+        commits = {}  # slot -> tokens of its verify chunk kept (HybridCache.commit_many)
         row_of = {}  # request id -> its sampled tokens, in row order
         for s, t in zip(step.sampled_seqs, tokens):
             row_of.setdefault(s.request_id, []).append(t)
@@ -359,7 +360,7 @@ class ModelRunner:
                 drafts = list(s.token_ids[-s.num_draft:])
                 kept = accept(drafts, target, synthetic, self._spec_rng)
                 em = emitted(drafts, target, kept, synthetic is not None)
-                self.cache.commit_states(s.slot, kept + 1)
+                commits[s.slot] = kept + 1
                 st = self.spec_stats
                 st[0] += 1
                 st[1] += s.num_draft
@@ -372,7 +373,7 @@ class ModelRunner:
                              1 + st[2] / st[0])
             else:
                 if info.keep_states:  # a lone decode row of a verify step (launch)
-                    self.cache.commit_states(s.slot, 1)
+                    commits[s.slot] = 1
                 em = target
             out_ids[s.request_id], extra[s.request_id] = em[0], tuple(em[1:])
             # num_propose 0 at a sampling chunk: the request ends within 2 tokens and never
@@ -384,6 +385,7 @@ class ModelRunner:
                 nxt = list(s.token_ids[1:n]) + [em[-1]] if not s.num_draft else em
                 rows.append(DraftRow(seq, nxt, s.num_propose))
                 owners.append(s.request_id)
+        self.cache.commit_many(commits)
         drafts = {}
         for rid, d in zip(owners, self.drafter.propose(hidden, rows)):
             if rid is not None and d:

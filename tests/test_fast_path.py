@@ -571,8 +571,11 @@ def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
         b = ForwardBatch.build(layout, [], "cpu")
         assert spec.fits(b)
         h = spec.forward(b) if use_spec else fp.forward_eager(b)
-        for slot, k in kept.items():
-            cache.commit_states(slot, k)
+        if use_spec:  # batched from the snapshots (the runner's call) against one by one
+            cache.commit_many(kept)
+        else:
+            for slot, k in kept.items():
+                cache.commit_states(slot, k)
         assert cache.kept_batch is None and not cache.kept_states
         seqs = {s.slot: s for s in b.seqs}
         rows = [DraftRow(SeqInfo(seqs[sl].q_start, k, seqs[sl].start_pos, sl, False,
@@ -632,8 +635,7 @@ def test_verify_chunks_beside_a_prompt_split_like_the_eager_step(tiny_ckpt):
             h = fp._split(b, ver, sub, spec.forward)
         else:
             h = fp.forward_eager(b)
-        cache.commit_states(1, 2)
-        cache.commit_states(2, 1)
+        cache.commit_many({1: 2, 2: 1})
         assert cache.kept_batch is None and not cache.kept_states
         results.append((h, cache.conv[:, 1:].clone(), cache.rec[:, 1:].clone()))
     (h0, c0, r0), (h1, c1, r1) = results

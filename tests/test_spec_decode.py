@@ -383,3 +383,35 @@ def test_chain_pages_never_take_a_newer_requests_pages():
     a = o.seqs[0]
     # A's verify chunk at positions 3..6 holds its pages; no page was left for a longer chain
     assert a.num_draft == 3 and a.num_propose == len(a.page_ids) * 4 - (a.start_pos + 4) + 1
+
+
+def test_commit_many_equals_commit_states_one_by_one():
+    """HybridCache.commit_many (one gather and scatter per state from a verify graph's
+    snapshots) leaves the states commit_states leaves slot by slot, clears kept_batch, and
+    raises the same ValueError for a length outside the chunk."""
+    cfg = _stack(0).engine.runner.model.config
+    g = torch.Generator().manual_seed(5)
+    n, B = 3, 3
+
+    def fresh():
+        c = HybridCache(cfg, 4, 16, 5, torch.float32, "cpu")
+        c.conv.copy_(torch.randn(c.conv.shape, generator=torch.Generator().manual_seed(1)))
+        c.rec.copy_(torch.randn(c.rec.shape, generator=torch.Generator().manual_seed(2)))
+        return c
+
+    G = fresh().conv.shape[0]
+    snap_c = torch.randn((G, n - 1, B) + tuple(fresh().conv.shape[2:]), generator=g)
+    snap_r = torch.randn((G, n - 1, B) + tuple(fresh().rec.shape[2:]), generator=g)
+    commits = {4: 1, 2: 3, 1: 2}  # slot -> tokens kept; 3 = the whole chunk: state in place
+    a, b = fresh(), fresh()
+    for c in (a, b):
+        c.kept_batch = (snap_c, snap_r, {4: 0, 2: 1, 1: 2}, n)
+    a.commit_many(commits)
+    for slot, k in commits.items():
+        b.commit_states(slot, k)
+    assert a.kept_batch is None and b.kept_batch is None
+    assert torch.equal(a.conv, b.conv) and torch.equal(a.rec, b.rec)
+    assert torch.equal(a.rec[:, 4], snap_r[:, 0, 0]) and torch.equal(a.rec[:, 1], snap_r[:, 1, 2])
+    a.kept_batch = (snap_c, snap_r, {4: 0}, n)
+    with pytest.raises(ValueError, match="tokens of a 3-token chunk"):
+        a.commit_many({4: 4})

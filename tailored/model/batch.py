@@ -139,6 +139,34 @@ class HybridCache:
                 self.conv[li, slot] = cs
                 self.rec[li, slot] = rs
 
+    def commit_many(self, commits: dict[int, int]) -> None:
+        """`commit_states` for every {slot: num_tokens} of the last verify step at once: the
+        verify graph's snapshots in one gather and one scatter per state (a step of 32
+        sequences made 64 copy launches one by one); slots the graph did not run (the eager
+        path) one by one. Same errors as commit_states."""
+        kb = self.kept_batch
+        rest = dict(commits)
+        if kb is not None:
+            snap_c, snap_r, where, n = kb
+            picked = [(s, k) for s, k in commits.items()
+                      if s in where and (0, s) not in self.kept_states]
+            for s, k in picked:
+                if not 1 <= k <= n:
+                    raise ValueError(f"commit_states: {k} tokens of a {n}-token chunk")
+            moves = [(s, k - 1, where[s]) for s, k in picked if k < n]  # pads: from a snapshot
+            for s, _ in picked:
+                del where[s], rest[s]
+            if not where:
+                self.kept_batch = None
+            if moves:
+                idx = to_device(torch.tensor(moves, dtype=torch.long).T.contiguous(),
+                                self.conv.device)
+                slots, j, b = idx[0], idx[1], idx[2]
+                self.conv[:, slots] = snap_c[:, j, b]
+                self.rec[:, slots] = snap_r[:, j, b]
+        for s, k in rest.items():
+            self.commit_states(s, k)
+
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
                        mtp_layers: int = 0) -> int:
