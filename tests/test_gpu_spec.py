@@ -117,3 +117,49 @@ def test_engine_with_drafts_on_the_gpu(precision, tmp_path):
         assert len(outs[(2, None)][r]) == len(outs[(2, 1.0)][r]) == 24
         assert outs[(2, None)][r][:2] == outs[(0, None)][r][:2]
     assert steps[(2, 1.0)] <= 2 + 24 // 3 + 1
+
+
+def test_engine_lone_rows_and_arriving_prompts_take_the_verify_graph(tmp_path):
+    """Session 15 (kb/0033): a sampling request (no drafts) beside drafting ones rides the
+    verify graph as 1-token verify chunks, and a prompt arriving while others draft splits
+    (verify graph + prefill) instead of sending the step eager. bf16 at full width (4 layers),
+    synthetic acceptance 1.0: every request ends at its length, steps took the verify graph
+    and the split."""
+    from tailored.engine.types import SamplingParams
+    from tailored.model import fast as fastm
+    from tailored.stack import build_stack
+    from tailored.synth import write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(tmp_path / "m", "full", seed=0, progress=False,
+                                      num_layers=4, config_only=True, precision="bf16")
+    st = build_stack(ckpt, load_format="dummy", device="cuda", progress=False,
+                     max_model_len=512, max_num_seqs=4, num_speculative_tokens=2,
+                     spec_synthetic_acceptance=1.0, prefill_graphs=False)
+    eng = st.engine
+    fp = eng.runner.fast
+    splits = []
+    orig = fastm.FastPath._split
+
+    def counting(self, batch, picked, sub, graph_forward):
+        splits.append(getattr(graph_forward, "__func__", None) is type(fp.spec).forward)
+        return orig(self, batch, picked, sub, graph_forward)
+
+    fastm.FastPath._split = counting
+    try:
+        greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        eng.add_request("g0", list(range(100, 140)), greedy)
+        eng.add_request("s0", list(range(200, 240)),
+                        SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True))
+        got = {}
+        for k in range(200):
+            if k == 4:
+                eng.add_request("g1", list(range(300, 350)), greedy)
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.delta_token_ids)
+            if not eng.has_unfinished():
+                break
+    finally:
+        fastm.FastPath._split = orig
+    assert {r: len(t) for r, t in got.items()} == {"g0": 30, "s0": 30, "g1": 30}
+    assert "verify" in eng.timer.kinds
+    assert any(splits), splits  # the arriving prompt beside verify chunks
