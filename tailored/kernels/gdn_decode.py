@@ -79,6 +79,31 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def _delta_rule_token(S, row, a_row, b_row, A_log_ptr, dt_bias_ptr, h, hk, dk, dv, KEY_DIM,
+                      scale, DK: tl.constexpr, DV: tl.constexpr):
+    """One token of the gated delta rule on one head's state columns S [DK, BLOCK_V] (fp32):
+    the gates, q/k L2 norm, decay, delta update. row: the token's [q | k | v] conv output;
+    a_row, b_row: its raw in_proj_a/b outputs. Returns (new S, the scaled q) for the read-out.
+    Shared by the decode and the verify kernels (kernels/gdn_verify.py): the same bits."""
+    q = tl.load(row + hk * DK + dk).to(tl.float32)
+    k = tl.load(row + KEY_DIM + hk * DK + dk).to(tl.float32)
+    v = tl.load(row + 2 * KEY_DIM + h * DV + dv).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # l2norm (FLA eps 1e-6), then Dk^-½
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    a = tl.load(a_row + h).to(tl.float32)
+    braw = tl.load(b_row + h).to(tl.float32)
+    xa = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))  # torch threshold 20
+    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
+    beta = tl.sigmoid(braw)
+    S = S * tl.exp(g)
+    mem = tl.sum(S * k[:, None], 0)
+    delta = (v - mem) * beta
+    S = S + k[:, None] * delta[None, :]
+    return S, q
+
+
+@triton.jit
 def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                       A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, snap_ptr,
                       stride_cb, stride_ab, stride_bb, stride_zb, stride_ss, stride_ob,
@@ -95,27 +120,13 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
         pdl_enter()
     bi = tl.program_id(0)
     h = tl.program_id(1)
-    hk = h // GROUP
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row = conv_ptr + bi * stride_cb
-    q = tl.load(row + hk * DK + dk).to(tl.float32)
-    k = tl.load(row + KEY_DIM + hk * DK + dk).to(tl.float32)
-    v = tl.load(row + 2 * KEY_DIM + h * DV + dv).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # l2norm (FLA eps 1e-6), then Dk^-½
-    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    a = tl.load(a_ptr + bi * stride_ab + h).to(tl.float32)
-    braw = tl.load(b_ptr + bi * stride_bb + h).to(tl.float32)
-    xa = a + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))  # torch threshold 20
-    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
-    beta = tl.sigmoid(braw)
     s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
-    S = tl.load(s_ptrs) * tl.exp(g)
-    mem = tl.sum(S * k[:, None], 0)
-    delta = (v - mem) * beta
-    S = S + k[:, None] * delta[None, :]
+    S, q = _delta_rule_token(tl.load(s_ptrs), conv_ptr + bi * stride_cb,
+                             a_ptr + bi * stride_ab, b_ptr + bi * stride_bb, A_log_ptr,
+                             dt_bias_ptr, h, h // GROUP, dk, dv, KEY_DIM, scale, DK, DV)
     tl.store(s_ptrs, S)
     if SNAP:  # the new state of row bi, also into its snapshot (verify steps)
         tl.store(snap_ptr + bi * stride_pb + h * DK * DV + dk[:, None] * DV + dv[None, :], S)

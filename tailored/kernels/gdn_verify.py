@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels.gdn_decode import DV_SPLIT, _gated_norm, _gated_norm_kernel
+from tailored.kernels.gdn_decode import (DV_SPLIT, _delta_rule_token, _gated_norm,
+                                         _gated_norm_kernel)
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -104,36 +105,22 @@ def _recurrent_verify_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                              DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
                              FUSE_NORM: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, value head, BLOCK_V state columns) per program, its n tokens in order
-    (gdn_decode._recurrent_kernel's arithmetic per token)."""
+    (gdn_decode._delta_rule_token, as the decode kernel runs it per token)."""
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     bi = tl.program_id(0)
     h = tl.program_id(1)
-    hk = h // GROUP
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
     S = tl.load(s_ptrs)
     dt = out_ptr.dtype.element_ty
     for j in tl.static_range(N):
         r = j * B + bi
-        row = conv_ptr + r * stride_cb
-        q = tl.load(row + hk * DK + dk).to(tl.float32)
-        k = tl.load(row + KEY_DIM + hk * DK + dk).to(tl.float32)
-        v = tl.load(row + 2 * KEY_DIM + h * DV + dv).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        xa = tl.load(a_ptr + r * stride_ab + h).to(tl.float32) + dt_bias
-        softplus = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(xa)))
-        g = A * softplus
-        beta = tl.sigmoid(tl.load(b_ptr + r * stride_bb + h).to(tl.float32))
-        S = S * tl.exp(g)
-        mem = tl.sum(S * k[:, None], 0)
-        delta = (v - mem) * beta
-        S = S + k[:, None] * delta[None, :]
+        S, q = _delta_rule_token(S, conv_ptr + r * stride_cb, a_ptr + r * stride_ab,
+                                 b_ptr + r * stride_bb, A_log_ptr, dt_bias_ptr, h, h // GROUP,
+                                 dk, dv, KEY_DIM, scale, DK, DV)
         if j < N - 1:
             tl.store(snap_ptr + j * stride_pj + bi * stride_pb + h * DK * DV
                      + dk[:, None] * DV + dv[None, :], S)
