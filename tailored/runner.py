@@ -258,7 +258,7 @@ class ModelRunner:
         q = 0
         prev_rows = {} if feed is None else {s.request_id: i
                                              for i, s in enumerate(feed.sampled_seqs)}
-        # in a step that verifies drafts, every other decode row (a request without drafts
+        # in a step that verifies drafts, each remaining decode row (a request without drafts
         # this step) is a verify chunk of one token too: the verify CUDA graph then takes the
         # whole step, not only steps where every request drafts (`_speculate` commits it at 1)
         verify_step = any(s.num_draft for s in sched.seqs)
@@ -295,6 +295,10 @@ class ModelRunner:
             if self.device.type == "cuda":  # GPU span forward → logits, read after the sampler's sync
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 events[0].record(torch.cuda.current_stream(self.device))
+        # states a failed step kept and never committed must not pin snapshots or be read
+        # (a verify step is never launched ahead: the previous step's commits are done)
+        self.cache.kept_states.clear()
+        self.cache.kept_batch = None
         hidden = self.model(batch, self.cache)
         if rows:
             # all rows sampled (decode steps): no index tensor to send

@@ -257,6 +257,27 @@ def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):
     return g, C, conv_state, rec_state, slots.to(DEV)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_commit_snapshots_equals_indexing(dtype):
+    """kernels/state_commit.py: dst[g, slot] = src[g, j, b] for every layer and move in one
+    launch, as torch's advanced indexing (the CPU path of HybridCache.commit_many) writes it;
+    slots not moved keep their (NaN) contents; odd trailing sizes."""
+    from tailored.kernels.state_commit import commit_snapshots
+
+    g = torch.Generator().manual_seed(3)
+    G, N, MB, S = 3, 2, 5, 7
+    src = torch.randn(G, N, MB, 9, 5, 3, generator=g).to(DEV, dtype)
+    dst = torch.full((G, S, 9, 5, 3), float("nan")).to(DEV, dtype)
+    moves = torch.tensor([[1, 0, 1], [4, 2, 0], [3, 6, 5]]).to(DEV)  # rows: j, b, slot
+    want = dst.clone()
+    want[:, moves[2]] = src[:, moves[0], moves[1]]
+    commit_snapshots(src, dst, moves)
+    assert torch.equal(dst[:, moves[2]], want[:, moves[2]])
+    rest = torch.tensor([s not in (3, 6, 5) for s in range(S)], device=DEV)
+    assert dst[:, rest].isnan().all()
+    commit_snapshots(src, dst, moves[:, :0])  # nothing to move
+
+
 @pytest.mark.parametrize("dv_split", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,n,HK,HV,Dk,Dv", [(1, 3, 2, 4, 16, 16), (3, 2, 4, 8, 32, 32),

@@ -113,6 +113,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
+    from tailored.kernels.state_commit import commit_snapshots
     from tailored.kernels import moe_grouped
     from tailored.kernels.moe import fused_moe, route_align
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
@@ -232,6 +233,12 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                 torch.randn(3 * B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
                 torch.ones(128, dtype=dt), 16, 1e-6, torch.zeros(2, B, 32, 128, 128),
                 dv_split=split))
+        # the verify step's state commits (HybridCache.commit_many): conv (dt) and recurrent
+        for st_dt, tail in ((dt, (8192, 3)), (torch.float32, (32, 128, 128))):
+            calls.append(lambda st_dt=st_dt, tail=tail: commit_snapshots(
+                torch.zeros((30, 2, 4) + tail, dtype=st_dt), torch.zeros((30, 5) + tail,
+                                                                      dtype=st_dt),
+                torch.tensor([[0, 1], [2, 3], [1, 4]])))
         kc = torch.zeros(9, 16, 2, 256, dtype=dt)
         for splits in (8, 32):  # 32: 32-key blocks, merge over D (kb/0019)
             calls.append(lambda splits=splits, dt=dt, kc=kc: paged_decode_attention(
@@ -246,7 +253,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_conv_prefill_kernel", "_conv_state_kernel",
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
            "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
-           "_conv_verify_kernel", "_recurrent_verify_kernel",
+           "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
            "_dequant_experts_kernel"}
 
 

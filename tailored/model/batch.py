@@ -108,8 +108,9 @@ class HybridCache:
         # (GDN cache index, slot) -> [(conv, recurrent) state after each token] of the last
         # forward's keep_states chunks (plain path); `commit_states` picks one
         self.kept_states: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        # the same from a verify CUDA graph (model/fast_spec.py): (conv snapshots [G, n-1, B,
-        # ...], recurrent snapshots, {slot: b}, n): the state after token j of sequence b
+        # the same from a verify CUDA graph (model/fast_spec.py): (conv snapshots [G, N,
+        # max_batch, ...], recurrent snapshots, {slot: b}, n = N + 1): [:, j, b] is the state
+        # after token j of sequence b of the padded batch
         self.kept_batch: tuple | None = None
 
     def commit_states(self, slot: int, num_tokens: int) -> None:
@@ -141,9 +142,10 @@ class HybridCache:
 
     def commit_many(self, commits: dict[int, int]) -> None:
         """`commit_states` for every {slot: num_tokens} of the last verify step at once: the
-        verify graph's snapshots in one gather and one scatter per state (a step of 32
-        sequences made 64 copy launches one by one); slots the graph did not run (the eager
-        path) one by one. Same errors as commit_states."""
+        verify graph's snapshots in one copy launch per state on CUDA (a step of 32 sequences
+        made 64 copy launches one by one; torch's advanced indexing would build a 1.9 GiB
+        temporary); slots the graph did not run (the eager path) one by one. Same errors as
+        commit_states."""
         kb = self.kept_batch
         rest = dict(commits)
         if kb is not None:
@@ -159,11 +161,17 @@ class HybridCache:
             if not where:
                 self.kept_batch = None
             if moves:
-                idx = to_device(torch.tensor(moves, dtype=torch.long).T.contiguous(),
-                                self.conv.device)
-                slots, j, b = idx[0], idx[1], idx[2]
-                self.conv[:, slots] = snap_c[:, j, b]
-                self.rec[:, slots] = snap_r[:, j, b]
+                # (j, b, slot) of each move
+                idx = to_device(torch.tensor([(j, b, sl) for sl, j, b in moves],
+                                             dtype=torch.long).T.contiguous(), self.conv.device)
+                if self.conv.is_cuda:  # one launch a state, no temporary (kernels/state_commit)
+                    from tailored.kernels.state_commit import commit_snapshots
+
+                    commit_snapshots(snap_c, self.conv, idx)
+                    commit_snapshots(snap_r, self.rec, idx)
+                else:  # the CPU (tests): the reference indexing
+                    self.conv[:, idx[2]] = snap_c[:, idx[0], idx[1]]
+                    self.rec[:, idx[2]] = snap_r[:, idx[0], idx[1]]
         for s, k in rest.items():
             self.commit_states(s, k)
 

@@ -774,12 +774,11 @@ class FastPath:
             if self.spec.fits(batch):  # a speculative verify step
                 return self.spec.forward(batch)
             ver = [j for j, s in enumerate(batch.seqs) if s.keep_states]
-            if ver and len(ver) < len(batch.seqs):
-                sub_v = _sub_batch(batch, ver)
-                if self.spec.fits(sub_v):
-                    # new requests' prompts beside the verify chunks (every arrival at c=32):
-                    # eager, the whole step cost 300-1000 ms of host time (s15, kb/0033)
-                    return self._split(batch, ver, sub_v, self.spec.forward)
+            if 0 < len(ver) < len(batch.seqs) and self.spec.fits_seqs([batch.seqs[j]
+                                                                       for j in ver]):
+                # new requests' prompts beside the verify chunks (every arrival at c=32):
+                # eager, the whole step cost 300-1000 ms of host time (s15, kb/0033)
+                return self._split(batch, ver, _sub_batch(batch, ver), self.spec.forward)
         if self.prefill_graphs and self.prefill_graph_fits(batch):
             return self.forward_prefill_graph(batch)
         dec = [j for j, s in enumerate(batch.seqs)
@@ -793,8 +792,8 @@ class FastPath:
     def _split(self, batch: ForwardBatch, picked: list[int], sub: ForwardBatch,
                graph_forward) -> torch.Tensor:
         """Hidden states of a step whose sequences `picked` (sub-batch `sub`) replay a graph
-        (`graph_forward`: decode or verify) and whose other sequences, the prompt chunks, run
-        after it from a prefill graph or eagerly."""
+        (`graph_forward`: decode or verify) and whose other sequences (prompt chunks, or
+        verify chunks beside decode rows) run after it from a prefill graph or eagerly."""
         dev = batch.input_ids.device
         rest = [j for j in range(len(batch.seqs)) if j not in set(picked)]
         sub_p = _sub_batch(batch, rest)

@@ -13,8 +13,9 @@ two graphs per padded batch size B (SPEC_BATCH_SIZES):
     the verify conv and recurrence (kernels/gdn_verify.py; TAILORED_GDN_VERIFY_KERNELS=0:
     token j at a time through the decode kernels), in place on the slots; the state after
     each token j < n-1 also goes into a snapshot (`snap_conv`, `snap_rec`; no extra launch or
-    read): `HybridCache.commit_states` takes the one after the last kept token from there. A chunk shorter than n is padded (ids 0, KV into the sink
-    row): its state is always committed from a snapshot, so the pad tokens' updates vanish.
+    read): `HybridCache.commit_many` takes the one after the last kept token from there. A
+    chunk shorter than n is padded (ids 0, KV into the sink row): its state is always
+    committed from a snapshot, so the pad tokens' updates vanish.
   mtp: the MTP layer over the same B·n rows, fed the verify graph's hidden output and the
     tokens the step emitted (host-filled after acceptance), which writes the MTP KV of those
     positions; then from each sequence's last emitted row, draft 1 and N-1 chained drafts at
@@ -95,9 +96,13 @@ class SpecGraphs:
     # ---- which steps --------------------------------------------------------------------------
     def fits(self, batch: ForwardBatch) -> bool:
         """Every sequence a verify chunk of ≤ n tokens, at most max_batch of them."""
-        return (0 < len(batch.seqs) <= self.max_batch
+        return self.fits_seqs(batch.seqs)
+
+    def fits_seqs(self, seqs) -> bool:
+        """`fits` for a list of SeqInfos."""
+        return (0 < len(seqs) <= self.max_batch
                 and all(s.keep_states and not s.reset_state and s.num_tokens <= self.n
-                        for s in batch.seqs))
+                        for s in seqs))
 
     # ---- bodies (what the graphs capture; eager on the CPU in tests) --------------------------
     def verify_body(self, B: int) -> torch.Tensor:
@@ -127,7 +132,8 @@ class SpecGraphs:
         w = m.conv1d.weight[:, 0, :]
         conv, rec = fp.cache.conv[li], fp.cache.rec[li]
         slots = self.st["slots"][:B]
-        if GDN_VERIFY_KERNELS:  # the n tokens in one launch each (kernels/gdn_verify.py)
+        # the n tokens in one launch each (kernels/gdn_verify.py: conv width 4, the model's)
+        if GDN_VERIFY_KERNELS and conv.shape[-1] == 3:
             y = conv_verify(qkv, conv, w, slots, self.snap_conv[li, :, :B])
             core = recurrent_verify(y, a, b, z, rec, slots, m.A_log, m.dt_bias, m.norm.weight,
                                     HK, m.norm.eps, self.snap_rec[li, :, :B])
