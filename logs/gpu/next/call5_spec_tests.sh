@@ -9,6 +9,6 @@
 source "$(dirname "$0")/../../../scripts/device_env.sh" call5_spec_tests
 stamp "GPU kernel and spec tests"
 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-    -k "gdn_verify or gdn_decode" tests/test_gpu_spec.py > "$OUT/tests.log" 2>&1
+    -k "gdn_verify or gdn_decode or commit_snapshots" tests/test_gpu_spec.py > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -10
 stamp "done"
