@@ -541,8 +541,8 @@ def test_mtp_layer_matches_plain_path(tiny_ckpt):
 def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
     """The verify and MTP graph bodies (model/fast_spec.py), run eagerly over their static
     buffers, against the eager kernel path: two verify chunks (one padded: fewer drafts than
-    N), a lone decode row, and the batch padded to a larger size; hidden rows, committed GDN states at several
-    kept lengths, the MTP KV and the proposed drafts."""
+    N), a lone decode row, and the batch padded to a larger size; hidden rows, committed GDN
+    states at several kept lengths, the MTP KV and the proposed drafts."""
     from tailored.config import ModelConfig
     from tailored.model.batch import HybridCache, SeqInfo
     from tailored.model.fast import FastPath

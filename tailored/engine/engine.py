@@ -162,7 +162,8 @@ class Engine:
         outputs += self._emit_step(applied)
         seqs = sched_out.seqs
         # a decode row: its last token and its drafts (a verify chunk of speculative decoding)
-        decode_rows = sum(1 for s in seqs if len(s.token_ids) == 1 + s.num_draft and s.start_pos > 0)
+        decode_rows = sum(1 for s in seqs
+                          if len(s.token_ids) == 1 + s.num_draft and s.start_pos > 0)
         kind = ("prefill" if not decode_rows else "mixed" if decode_rows < len(seqs)
                 else "verify" if any(s.num_draft for s in seqs) else "decode")
         self.timer.record(kind, len(seqs), sched_out.num_tokens, t_start, t_sched, t_exec,

@@ -966,8 +966,9 @@ class FastPath:
                 body(n)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
-        # the warm-up's blocks stay cached for the side stream, where no graph pool can take
-        # them: 19 GiB of them failed the bf16 prefill capture with an OOM (s15, kb/0033)
+        # the warm-up's blocks stay cached for its side stream, where no graph pool can take
+        # them: hand them back first (suspected in s15's prefill-capture OOM, which this did
+        # not fix: the cache's size was the cause, kb/0033 §2.1)
         torch.cuda.empty_cache()
         for n in sizes:
             g = torch.cuda.CUDAGraph()
