@@ -59,10 +59,11 @@ def _serve_parser(sub) -> None:
                         "--spec-max-running requests run. On CUDA the verify and drafting steps "
                         "replay CUDA graphs. The log "
                         "reports the share of drafts kept every 10 s")
-    p.add_argument("--spec-max-running", type=int, default=8, metavar="B",
+    p.add_argument("--spec-max-running", type=int, default=None, metavar="B",
                    help="with --num-speculative-tokens: requests draft only while at most B "
-                        "run (default 8); verify steps replay CUDA graphs up to B sequences, "
-                        "whose GDN snapshots take 61.5 MB a sequence and draft (full size)")
+                        "run (default 8, at most --max-num-seqs); verify steps replay CUDA "
+                        "graphs up to B sequences. Each sequence of such a graph keeps N GDN "
+                        "state snapshots of 61.5 MB each at full size")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="benchmarks on random weights only, needs --num-speculative-tokens: "
                         "keep each draft with probability RATE in [0, 1] instead of verifying "
@@ -123,8 +124,10 @@ def _check_serve_args(args) -> None:
     if not 0 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
                          f"got {args.num_speculative_tokens}")
-    if args.spec_max_running < 1:
+    if args.spec_max_running is not None and args.spec_max_running < 1:
         raise ValueError(f"--spec-max-running must be >= 1, got {args.spec_max_running}")
+    if args.spec_max_running is not None and args.num_speculative_tokens == 0:
+        raise ValueError("--spec-max-running needs --num-speculative-tokens >= 1")
     rate = args.spec_synthetic_acceptance
     if rate is not None and not 0 <= rate <= 1:  # also NaN
         raise ValueError(f"--spec-synthetic-acceptance must be in [0, 1], got {rate}")
@@ -195,7 +198,7 @@ def cmd_serve(args) -> int:
                                              args.device),
         num_speculative_tokens=args.num_speculative_tokens,
         spec_synthetic_acceptance=args.spec_synthetic_acceptance,
-        spec_max_running=args.spec_max_running,
+        spec_max_running=8 if args.spec_max_running is None else args.spec_max_running,
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

@@ -162,12 +162,14 @@ class ModelRunner:
         self._spec_rng = random.Random(0)
         # verify steps, drafts verified, drafts kept (the acceptance rate; server metrics)
         self.spec_stats = [0, 0, 0]
-        self._spec_logged = time.monotonic() - SPEC_LOG_EVERY_S  # the first verify step logs
+        # the first line 10 s after the start of serving, not at the first verify step (whose
+        # 1-step totals read as a rate of nothing)
+        self._spec_logged = time.monotonic()
         if n == 0:
             return None
         drafter = MTPDrafter(self.model, self.cache)
-        log.info("speculative decoding: %d MTP draft%s a step for greedy requests%s", n,
-                 "s" if n > 1 else "", "" if rate is None
+        log.info("speculative decoding: %d MTP draft%s a step for greedy requests while at "
+                 "most %d run%s", n, "s" if n > 1 else "", spec_max_batch(ec), "" if rate is None
                  else f", synthetic acceptance {rate} (benchmarks only: not the greedy output)")
         return drafter
 
@@ -372,9 +374,9 @@ class ModelRunner:
                 now = time.monotonic()
                 if now - self._spec_logged >= SPEC_LOG_EVERY_S:
                     self._spec_logged = now
-                    log.info("speculative decoding: %d verify steps, %.3f of %d drafts kept, "
-                             "%.2f tokens a verify step", st[0], st[2] / max(st[1], 1), st[1],
-                             1 + st[2] / st[0])
+                    log.info("speculative decoding since start: %d verify steps, %.3f of %d "
+                             "drafts kept, %.2f tokens a verify step", st[0],
+                             st[2] / max(st[1], 1), st[1], 1 + st[2] / st[0])
             else:
                 if info.keep_states:  # a lone decode row of a verify step (launch)
                     commits[s.slot] = 1

@@ -8,6 +8,9 @@ which one grows. Phases (milliseconds, `time.perf_counter`):
   build     runner: batch layout → device tensors
   launch    runner: model forward (host time to enqueue the kernels / replay the graph)
   wait      runner: logits, sampling and the wait for the GPU (≈ GPU time not hidden by host work)
+  draft     runner, speculative decoding only: acceptance, GDN state commits and the MTP's
+            drafts after the tokens are read (its own sync included); left out of the line
+            for a kind that never had it
   finish    scheduler.update + detokenize + outputs
 and, on CUDA, `gpu`: CUDA-event span from the forward's first enqueue to the logits (not part of
 the sum; `wait` well above `gpu − launch` means the engine thread waited for the GIL, not for
@@ -84,7 +87,8 @@ class StepTimer:
         parts = []
         for name, k in sorted(self.kinds.items()):
             n = max(k.steps, 1)
-            phases = " ".join(f"{p} {k.ms[p] / n:.2f}" for p in PHASES)
+            phases = " ".join(f"{p} {k.ms[p] / n:.2f}" for p in PHASES
+                              if p != "draft" or k.ms[p] > 0)
             parts.append(f"{name}: {k.steps} steps, {k.rows / n:.1f} rows, {k.tokens / n:.0f} tokens, "
                          f"ms/step {sum(k.ms.values()) / n:.2f} = {phases}"
                          + (f" (gpu {k.gpu_ms / k.gpu_steps:.2f})" if k.gpu_steps else ""))

@@ -39,7 +39,7 @@ serve)
         --temperature 0 --precision "$PREC" --label "tailored-$PREC-spec$N-$RATE" \
         --checkpoint-dir "$CKPT" --engine-config "$CFG" \
         --out "$OUT/tailored-$PREC-spec$N-$RATE.json" 2>&1 | tail -n 30
-    grep -i "speculative decoding:\|step timing\|Triton compile" "$LOGF" | tail -n 6 | cut -c1-300
+    grep -i "speculative decoding\|step timing\|Triton compile" "$LOGF" | tail -n 6 | cut -c1-300
     kill -TERM "$PID"; sleep 5; kill -9 "$PID" 2>/dev/null
     stamp "done"
     ;;
