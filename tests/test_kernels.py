@@ -285,8 +285,8 @@ def test_commit_snapshots_equals_indexing(dtype):
 def test_gdn_verify_equals_token_by_token_decode(dtype, B, n, HK, HV, Dk, Dv, dv_split):
     """kernels/gdn_verify.py: n tokens of each sequence (token-major rows) in one launch each
     of conv and recurrence give exactly what n gdn_decode steps give: outputs, the snapshot
-    after every token but the last, and the final slot states (bitwise; NaN-poisoned outputs
-    and snapshots, NaN in every slot not used)."""
+    after every token but the last, and the final slot states (bitwise in bf16; NaN-poisoned
+    outputs and snapshots, NaN in every slot not used)."""
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
 
@@ -320,11 +320,19 @@ def test_gdn_verify_equals_token_by_token_decode(dtype, B, n, HK, HV, Dk, Dv, dv
     y = conv_verify(x, conv1, weight, slots, sc)
     out = recurrent_verify(y, a, b, z, rec1, slots, A_log, dt_bias, norm_w, HK, 1e-6, sr,
                            dv_split=dv_split)
-    assert torch.equal(y, torch.cat(ys)) and torch.equal(out, torch.cat(outs))
-    assert torch.equal(conv1[slots], conv_state[slots])
-    assert torch.equal(rec1[slots], rec_state[slots])
+    # bitwise in bf16, the served dtype (products of bf16 values are exact in fp32, so the
+    # compiler's FMA contraction cannot differ), and in the interpreter; fp32 inputs on the
+    # H200 differ in the last bit of the conv (4.8e-7, session 15 run6)
+    if dtype == torch.float32 and DEV == "cuda":
+        def same(u, w):
+            return rel_err(u, w) < 1e-5
+    else:
+        same = torch.equal
+    assert same(y, torch.cat(ys)) and same(out, torch.cat(outs))
+    assert same(conv1[slots], conv_state[slots])
+    assert same(rec1[slots], rec_state[slots])
     for j in range(n - 1):
-        assert torch.equal(sc[j], snaps_c[j]) and torch.equal(sr[j], snaps_r[j])
+        assert same(sc[j], snaps_c[j]) and same(sr[j], snaps_r[j])
     # untouched: the other slots (NaN) and the snapshot rows past B
     other = torch.ones(num_slots, dtype=torch.bool)
     other[slots.cpu()] = False

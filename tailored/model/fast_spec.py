@@ -44,8 +44,8 @@ from tailored.ops import reference as ref
 log = logging.getLogger("tailored.fast")
 
 SPEC_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
-# the GDN layers of a verify step through kernels/gdn_verify.py (n tokens a launch, the same
-# bits as the token-by-token decode kernels); 0: token by token (the A/B of kb/0033)
+# the GDN layers of a verify step through kernels/gdn_verify.py (n tokens a launch, in bf16 the
+# same bits as the token-by-token decode kernels); 0: token by token (the A/B of kb/0033)
 GDN_VERIFY_KERNELS = env_flag("TAILORED_GDN_VERIFY_KERNELS", True)
 
 
