@@ -57,8 +57,8 @@ def _serve_parser(sub) -> None:
                         "penalties, and the model verifies them in the same step, so the output "
                         "stays the greedy output. Drafting pauses while more than "
                         "--spec-max-running requests run. On CUDA the verify and drafting steps "
-                        "replay CUDA graphs. The log "
-                        "reports the share of drafts kept every 10 s")
+                        "replay CUDA graphs. Every 10 s the log reports the share of drafts "
+                        "kept since start")
     p.add_argument("--spec-max-running", type=int, default=None, metavar="B",
                    help="with --num-speculative-tokens: requests draft only while at most B "
                         "run (default 8, at most --max-num-seqs); verify steps replay CUDA "

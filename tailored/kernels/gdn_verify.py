@@ -4,12 +4,12 @@ of the conv and the recurrence (spec §5.2–§5.7, §8.4), where `kernels.gdn_d
 The verify graph (model/fast_spec.py) lays its B·n rows out token-major (row j·B + b is token
 j of sequence b). Each program keeps its sequence's state in registers across the n tokens
 instead of storing and reloading it between launches, and writes the state after every token
-j < n-1 into the snapshot (for `HybridCache.commit_states`) and the state after the last
-token into the slot. Same arithmetic, in the same order, as n `gdn_decode` steps: in bf16 the
-outputs, snapshots and final states are those of the token-by-token launches bit for bit (H200
-and interpreter, tests/test_kernels.py); fp32 inputs differ in the conv's last bit on the H200
-(the compiler contracts its products differently). At n = 3 this saves 2·(2 or 3) launches a GDN layer, ~150 of a
-verify step's ~780 (kb/0033).
+j < n-1 into the snapshot (for `HybridCache.commit_many`) and the state after the last token
+into the slot. Same arithmetic, in the same order, as n `gdn_decode` steps: in bf16 the
+outputs, snapshots and final states are those of the token-by-token launches bit for bit
+(H200 and interpreter, tests/test_kernels.py); fp32 inputs differ in the conv's last bit on
+the H200 (the compiler contracts its products differently). At n = 3 this saves 2·(2 or 3)
+launches a GDN layer, ~150 of a verify step's ~780 (kb/0033).
 
 References: `gdn_decode.conv_step` / `recurrent_step` run n times; FLA
 `fused_recurrent_gated_delta_rule` (its token loop inside one program).
