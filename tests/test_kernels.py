@@ -257,6 +257,20 @@ def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):
     return g, C, conv_state, rec_state, slots.to(DEV)
 
 
+def _gdn_inputs(g, dtype, T, C, HV, Dv):
+    """Conv weight [C, 4], T rows of conv input / a / b / z, and a layer's A_log, dt_bias and
+    norm weight, drawn from g in this order."""
+    weight = torch.randn(C, 4, generator=g).to(DEV, dtype) * 0.5
+    x = torch.randn(T, C, generator=g).to(DEV, dtype)
+    a = torch.randn(T, HV, generator=g).to(DEV, dtype)
+    b = torch.randn(T, HV, generator=g).to(DEV, dtype)
+    z = torch.randn(T, HV * Dv, generator=g).to(DEV, dtype)
+    A_log = torch.randn(HV, generator=g).to(DEV) * 0.5
+    dt_bias = torch.randn(HV, generator=g).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(Dv, generator=g)).to(DEV, dtype)
+    return weight, x, a, b, z, A_log, dt_bias, norm_w
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_commit_snapshots_equals_indexing(dtype):
     """kernels/state_commit.py: dst[g, slot] = src[g, j, b] for every layer and move in one
@@ -292,15 +306,8 @@ def test_gdn_verify_equals_token_by_token_decode(dtype, B, n, HK, HV, Dk, Dv, dv
 
     num_slots = 9
     g, C, conv_state, rec_state, slots = _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, 7 * n)
-    weight = torch.randn(C, 4, generator=g).to(DEV, dtype) * 0.5
     T = n * B
-    x = torch.randn(T, C, generator=g).to(DEV, dtype)
-    a = torch.randn(T, HV, generator=g).to(DEV, dtype)
-    b = torch.randn(T, HV, generator=g).to(DEV, dtype)
-    z = torch.randn(T, HV * Dv, generator=g).to(DEV, dtype)
-    A_log = torch.randn(HV, generator=g).to(DEV) * 0.5
-    dt_bias = torch.randn(HV, generator=g).to(DEV)
-    norm_w = (1 + 0.1 * torch.randn(Dv, generator=g)).to(DEV, dtype)
+    weight, x, a, b, z, A_log, dt_bias, norm_w = _gdn_inputs(g, dtype, T, C, HV, Dv)
     conv1, rec1 = conv_state.clone(), rec_state.clone()
 
     ys, outs, snaps_c, snaps_r = [], [], [], []
@@ -353,14 +360,7 @@ def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv, dv_split):
 
     num_slots = 9
     g, C, conv_state, rec_state, slots = _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, B + Dv)
-    weight = torch.randn(C, 4, generator=g).to(DEV, dtype) * 0.5
-    x = torch.randn(B, C, generator=g).to(DEV, dtype)
-    a = torch.randn(B, HV, generator=g).to(DEV, dtype)
-    b = torch.randn(B, HV, generator=g).to(DEV, dtype)
-    z = torch.randn(B, HV * Dv, generator=g).to(DEV, dtype)
-    A_log = torch.randn(HV, generator=g).to(DEV) * 0.5
-    dt_bias = torch.randn(HV, generator=g).to(DEV)
-    norm_w = (1 + 0.1 * torch.randn(Dv, generator=g)).to(DEV, dtype)
+    weight, x, a, b, z, A_log, dt_bias, norm_w = _gdn_inputs(g, dtype, B, C, HV, Dv)
     conv0, rec0 = conv_state.clone(), rec_state.clone()
 
     # reference on gathered copies

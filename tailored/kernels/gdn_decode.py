@@ -174,6 +174,15 @@ def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
 DV_SPLIT = env_int("TAILORED_GDN_DV_SPLIT", 2, 1, 16, power_of_2=True)
 
 
+def value_split(dv_split: int | None, DV: int, caller: str) -> int:
+    """Programs per (row, head) over the value columns: dv_split, None = DV_SPLIT. Raises
+    ValueError for a split that does not divide DV into a power of 2."""
+    split = DV_SPLIT if dv_split is None else dv_split
+    if split < 1 or DV % split or (DV // split) & (DV // split - 1):
+        raise ValueError(f"{caller}: dv_split={split} must divide DV={DV} into a power of 2")
+    return split
+
+
 def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
                    state: torch.Tensor, slots: torch.Tensor, A_log: torch.Tensor,
                    dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int,
@@ -194,9 +203,7 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
     _, HV, DK, DV = state.shape
     assert state.dtype == torch.float32 and state.stride(1) == DK * DV
     assert conv_out.stride(1) == 1 and z.stride(1) == 1
-    split = DV_SPLIT if dv_split is None else dv_split
-    if split < 1 or DV % split or (DV // split) & (DV // split - 1):
-        raise ValueError(f"recurrent_step: dv_split={split} must divide DV={DV} into a power of 2")
+    split = value_split(dv_split, DV, "recurrent_step")
     if snapshot is not None:
         assert (snapshot.shape == (B, HV, DK, DV) and snapshot.dtype == torch.float32
                 and snapshot[0].is_contiguous())

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels.gdn_decode import (DV_SPLIT, _delta_rule_token, _gated_norm,
-                                         _gated_norm_kernel)
+from tailored.kernels.gdn_decode import (_delta_rule_token, _gated_norm, _gated_norm_kernel,
+                                         value_split)
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -156,10 +156,7 @@ def recurrent_verify(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z
     assert conv_out.stride(1) == 1 and z.stride(1) == 1
     assert (snapshot.shape == (n - 1, B, HV, DK, DV) and snapshot.dtype == torch.float32
             and (n == 1 or snapshot[0, 0].is_contiguous()))
-    split = DV_SPLIT if dv_split is None else dv_split
-    if split < 1 or DV % split or (DV // split) & (DV // split - 1):
-        raise ValueError(f"recurrent_verify: dv_split={split} must divide DV={DV} into a "
-                         "power of 2")
+    split = value_split(dv_split, DV, "recurrent_verify")
     out = torch.empty(T, HV * DV, dtype=conv_out.dtype, device=conv_out.device)
     _recurrent_verify_kernel[(B, HV, split)](
         conv_out, a, b, z, state, slots, A_log, dt_bias, norm_weight, out,

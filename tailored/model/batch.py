@@ -119,33 +119,14 @@ class HybridCache:
         state after the whole chunk is in place already, except after a verify graph's pad
         tokens). Raises KeyError if the last forward kept no states for the slot, ValueError
         for num_tokens outside 1..chunk length."""
-        kb = self.kept_batch
-        if kb is not None and slot in kb[2] and (0, slot) not in self.kept_states:
-            snap_c, snap_r, where, n = kb
-            b = where.pop(slot)
-            if not where:
-                self.kept_batch = None
-            if not 1 <= num_tokens <= n:
-                raise ValueError(f"commit_states: {num_tokens} tokens of a {n}-token chunk")
-            if num_tokens < n:  # chunks shorter than n were padded: always from the snapshot
-                self.conv[:, slot] = snap_c[:, num_tokens - 1, b]
-                self.rec[:, slot] = snap_r[:, num_tokens - 1, b]
-            return
-        for li in range(self.conv.shape[0]):
-            kept = self.kept_states.pop((li, slot))
-            if not 1 <= num_tokens <= len(kept):
-                raise ValueError(f"commit_states: {num_tokens} tokens of a {len(kept)}-token chunk")
-            if num_tokens < len(kept):
-                cs, rs = kept[num_tokens - 1]
-                self.conv[li, slot] = cs
-                self.rec[li, slot] = rs
+        self.commit_many({slot: num_tokens})
 
     def commit_many(self, commits: dict[int, int]) -> None:
         """`commit_states` for every {slot: num_tokens} of the last verify step at once: the
-        verify graph's snapshots in one copy launch per state on CUDA (a step of 32 sequences
+        verify graph's snapshots (`kept_batch`) in one copy launch per state on CUDA (a step of 32 sequences
         made 64 copy launches one by one; torch's advanced indexing would build a 1.9 GiB
-        temporary); slots the graph did not run (the eager path) one by one. Same errors as
-        commit_states."""
+        temporary); slots the graph did not run (the eager paths' `kept_states`) one by one.
+        Same errors as commit_states."""
         kb = self.kept_batch
         rest = dict(commits)
         if kb is not None:
@@ -172,8 +153,15 @@ class HybridCache:
                 else:  # the CPU (tests): the reference indexing
                     self.conv[:, idx[2]] = snap_c[:, idx[0], idx[1]]
                     self.rec[:, idx[2]] = snap_r[:, idx[0], idx[1]]
-        for s, k in rest.items():
-            self.commit_states(s, k)
+        for s, k in rest.items():  # the eager paths' states, one slot at a time
+            for li in range(self.conv.shape[0]):
+                kept = self.kept_states.pop((li, s))
+                if not 1 <= k <= len(kept):
+                    raise ValueError(f"commit_states: {k} tokens of a {len(kept)}-token chunk")
+                if k < len(kept):
+                    cs, rs = kept[k - 1]
+                    self.conv[li, s] = cs
+                    self.rec[li, s] = rs
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
