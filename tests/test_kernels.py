@@ -290,6 +290,13 @@ def test_commit_snapshots_equals_indexing(dtype):
     rest = torch.tensor([s not in (3, 6, 5) for s in range(S)], device=DEV)
     assert dst[:, rest].isnan().all()
     commit_snapshots(src, dst, moves[:, :0])  # nothing to move
+    # the moves as a slice of a wider tensor (row stride 4, not M): the kernel takes one
+    # pointer and the row stride
+    wide = torch.zeros(3, 4, dtype=torch.long, device=DEV)
+    wide[:, :3] = moves
+    dst2 = torch.full_like(dst, float("nan"))
+    commit_snapshots(src, dst2, wide[:, :3])
+    assert torch.equal(dst2[:, moves[2]], want[:, moves[2]]) and dst2[:, rest].isnan().all()
 
 
 @pytest.mark.parametrize("dv_split", [1, 2])

@@ -355,7 +355,9 @@ def _route_rows_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, T, stride_l, stride_
                BLOCK_S, SHARED)
 
 
-@triton.jit
+# P (pairs) and NE change with the step's tokens: one variant for every count (a variant per
+# count class compiled inside session 15's and 16's benchmark windows, after warm-up)
+@triton.jit(do_not_specialize=["P", "NE"])
 def _align_sort_kernel(ids_ptr, order_ptr, offsets_ptr, experts_ptr, P, NE,
                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
                        PDL: tl.constexpr = False):

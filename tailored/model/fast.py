@@ -352,8 +352,15 @@ def build_plan(seqs, pre, dec, page_size: int, device, ver=()) -> StepPlan:
     def add(a) -> tuple[int, int]:
         a = np.asarray(a, dtype=np.int64).reshape(-1)
         parts.append(a)
+        start = size[0]
         size[0] += len(a)
-        return size[0] - len(a), size[0]
+        if len(a) % 2:
+            # every view starts 16-byte aligned: Triton compiles a kernel variant per pointer
+            # alignment, and an odd offset made the conv kernels compile again inside a c=32
+            # benchmark (session 15's log, after warm-up)
+            parts.append(np.zeros(1, dtype=np.int64))
+            size[0] += 1
+        return start, start + len(a)
 
     r_rows = add(_token_rows(pre))
     r_slots = add([q.slot for q in pre])
