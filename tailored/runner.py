@@ -311,11 +311,36 @@ class ModelRunner:
             sampled = sample_on_device(logits, sampled_seqs)
         else:
             sampled = None
+        # a whole verify step from the graph: acceptance, commits and the MTP follow on the
+        # device, with no sync between them (kb/0034)
+        chain = self._chain(sched, batch, sampled, len(rows)) if verify_step and rows else None
         if timer is not None:
             timer.runner_phase("launch", t)
         # the MTP reads this step's hidden states after its tokens are known (collect)
         spec = (batch, hidden) if any(s.mtp for s in sched.seqs) else None
-        return LaunchedStep(sched, sampled_seqs, sampled, events, spec)
+        return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain)
+
+    def _chain(self, sched: SchedulerOutput, batch: ForwardBatch, sampled, n_rows: int):
+        """`SpecGraphs.chain` after a whole verify step, with its result copied to the host
+        behind an event: (device [B, 1 + N], host copy or None, event or None); None when the
+        step was not one verify replay (split beside prompts, eager, no graphs)."""
+        fast = getattr(self.model, "fast", None)
+        spec = getattr(fast, "spec", None)
+        if spec is None or not spec.whole_step(batch, n_rows):
+            return None
+        rate = self.spec_synthetic_acceptance
+        syn = None
+        if rate is not None:  # the draws that `_speculate` makes after the step, made first
+            syn = [accept(list(s.token_ids[-s.num_draft:]) if s.num_draft else [],
+                          [0] * (s.num_draft + 1), rate, self._spec_rng) for s in sched.seqs]
+        out = spec.chain(sampled.ids, syn)
+        if not out.is_cuda:
+            return out, None, None
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(out.device))
+        return out, host, event
 
     def collect(self, step: "LaunchedStep") -> ModelOutput:
         """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
@@ -335,6 +360,12 @@ class ModelRunner:
                 step.events[1].synchronize()  # done already (the sampler waited): no stall
                 timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
         bad = frozenset(step.sampled_seqs[i].request_id for i in step.sampled.bad_rows)
+        if step.chain is not None:
+            t0 = time.perf_counter()
+            out = self._chained(step, tokens, bad)
+            if timer is not None:
+                timer.runner_phase("draft", t0)
+            return out
         if step.spec is not None:
             t0 = time.perf_counter()
             out = self._speculate(step, tokens, bad)
@@ -343,6 +374,47 @@ class ModelRunner:
             return out
         return ModelOutput(token_ids={s.request_id: t for s, t in zip(step.sampled_seqs, tokens)},
                            bad=bad)
+
+    def _count_verify(self, num_draft: int, kept: int) -> None:
+        """Add one verify chunk to spec_stats; log the totals every SPEC_LOG_EVERY_S."""
+        st = self.spec_stats
+        st[0] += 1
+        st[1] += num_draft
+        st[2] += kept
+        now = time.monotonic()
+        if now - self._spec_logged >= SPEC_LOG_EVERY_S:
+            self._spec_logged = now
+            log.info("speculative decoding since start: %d verify steps, %.3f of %d "
+                     "drafts kept, %.2f tokens a verify step", st[0],
+                     st[2] / max(st[1], 1), st[1], 1 + st[2] / st[0])
+
+    def _chained(self, step: "LaunchedStep", tokens: list[int], bad) -> ModelOutput:
+        """The output of a whole verify step whose acceptance, commits and drafts ran on the
+        device (`_chain`): per sequence its kept drafts and the target's token after them,
+        and its next drafts. Emitted tokens are the kept drafts (the inputs the state took)
+        and the target's next one: with the greedy rule the target's tokens themselves,
+        except at a NaN row that the sampler patched (`mtp.emitted`)."""
+        out_dev, host, event = step.chain
+        if event is not None:
+            event.synchronize()  # GIL released: the HTTP thread streams meanwhile
+            got = host.tolist()
+        else:
+            got = out_dev.tolist()
+        out_ids, extra, drafts = {}, {}, {}
+        row_of = {}
+        for s, t in zip(step.sampled_seqs, tokens):
+            row_of.setdefault(s.request_id, []).append(t)
+        for s, (kept, *nxt) in zip(step.sched.seqs, got):
+            target = row_of[s.request_id]
+            if s.num_draft:
+                em = emitted(list(s.token_ids[-s.num_draft:]), target, kept, True)
+                self._count_verify(s.num_draft, kept)
+            else:
+                em = target
+            out_ids[s.request_id], extra[s.request_id] = em[0], tuple(em[1:])
+            if s.mtp and s.num_propose > 0 and s.request_id not in bad:
+                drafts[s.request_id] = tuple(nxt[:s.num_propose])
+        return ModelOutput(token_ids=out_ids, bad=bad, extra_ids=extra, draft_ids=drafts)
 
     def _speculate(self, step: "LaunchedStep", tokens: list[int], bad) -> ModelOutput:
         """Verify the drafts of a step's verify chunks, set their GDN state to the one after
@@ -367,16 +439,7 @@ class ModelRunner:
                 kept = accept(drafts, target, synthetic, self._spec_rng)
                 em = emitted(drafts, target, kept, synthetic is not None)
                 commits[s.slot] = kept + 1
-                st = self.spec_stats
-                st[0] += 1
-                st[1] += s.num_draft
-                st[2] += kept
-                now = time.monotonic()
-                if now - self._spec_logged >= SPEC_LOG_EVERY_S:
-                    self._spec_logged = now
-                    log.info("speculative decoding since start: %d verify steps, %.3f of %d "
-                             "drafts kept, %.2f tokens a verify step", st[0],
-                             st[2] / max(st[1], 1), st[1], 1 + st[2] / st[0])
+                self._count_verify(s.num_draft, kept)
             else:
                 if info.keep_states:  # a lone decode row of a verify step (launch)
                     commits[s.slot] = 1
@@ -408,6 +471,8 @@ class LaunchedStep:
     sampled: Sampled | None  # None: nothing sampled (prefill chunks only)
     events: tuple | None  # CUDA events around forward + logits (step timing)
     spec: tuple | None = None  # (ForwardBatch, hidden) of a step with MTP chunks
+    # (device [B, 1 + N], pinned host copy, event) of a whole verify step's chain (`_chain`)
+    chain: tuple | None = None
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -664,3 +664,69 @@ def test_step_plan_views_are_16_byte_aligned():
     assert plan.pre_seq.tolist() == [[0, 3], [3, 7], [0, 3], [1, 0]]
     assert plan.dec_rows.tolist() == [10, 11, 12] and plan.dec_slots.tolist() == [1, 7, 4]
     assert plan.kv_ctx[1].tolist() == [3 * 16 + i for i in range(16)] + [4 * 16 + i for i in range(7)]
+
+
+@pytest.mark.parametrize("synthetic", [None, [1, 1, 0]])
+def test_spec_chain_on_the_device_equals_the_host_acceptance(tiny_ckpt, synthetic):
+    """SpecGraphs.chain (acceptance, state commits and the MTP after a whole verify step, on
+    the device; its body eagerly here) against the host path it replaces (mtp.accept,
+    HybridCache.commit_many, propose): a 3-draft chunk that keeps 2 by the greedy rule, a
+    1-draft chunk that keeps none, a lone decode row, the batch padded 3 → 4; kept counts,
+    next drafts, committed GDN states and the MTP KV of the emitted rows. synthetic: drawn
+    kept counts instead (capped at each chunk's drafts)."""
+    from tailored.config import ModelConfig
+    from tailored.model.batch import HybridCache, SeqInfo
+    from tailored.model.fast import FastPath
+    from tailored.model.fast_spec import SpecGraphs
+    from tailored.model.mtp import DraftRow, MTPDrafter, accept, emitted
+
+    cfg = ModelConfig.from_dir(tiny_ckpt)
+    m = build_empty_model(cfg, "cpu", torch.float32)
+    load_checkpoint(m, tiny_ckpt, progress=False)
+    cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
+    fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
+    spec = fp.spec = SpecGraphs(fp, 3, 4)
+    m(ForwardBatch.build([(_ids(11, 51), 0, 1, True, [1]), (_ids(6, 52), 0, 2, True, [2]),
+                          (_ids(9, 53), 0, 3, True, [3])], [], "cpu"), cache)
+    base = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
+    c1, c2, c3 = _ids(4, 54), _ids(2, 55), _ids(1, 56)
+    layout = [(c1, 11, 1, False, [1], True), (c2, 6, 2, False, [2], True),
+              (c3, 9, 3, False, [3], True)]
+    # the target's tokens at every row: chunk 1 matches d1, d2 then not d3; chunk 2 misses d1
+    y = [c1[1], c1[2], (c1[3] + 1) % 1000, 7, (c2[1] + 1) % 1000, 8, 9]
+    targets = [y[0:4], y[4:6], y[6:7]]
+    results = []
+    for use_chain in (False, True):
+        for n, t in base.items():
+            getattr(cache, n).copy_(t)
+        b = ForwardBatch.build(layout, [], "cpu")
+        h = spec.forward(b)
+        drafts_in = [c[1:] for c in (c1, c2, c3)]
+        if synthetic is None:
+            kept = [accept(d, t) for d, t in zip(drafts_in, targets)]
+        else:
+            kept = [min(k, len(d)) for k, d in zip(synthetic, drafts_in)]
+        if use_chain:
+            assert spec.whole_step(b, len(y))
+            got = spec.chain(torch.tensor(y), synthetic).tolist()
+            assert cache.kept_batch is None and spec._layout is None
+            assert [g[0] for g in got] == kept
+            drafts = [g[1:] for g in got]
+        else:
+            cache.commit_many({s.slot: k + 1 for s, k in zip(b.seqs, kept)})
+            rows = []
+            for s, k, d, t in zip(b.seqs, kept, drafts_in, targets):
+                em = emitted(d, t, k, True)
+                rows.append(DraftRow(SeqInfo(s.q_start, k + 1, s.start_pos, s.slot, False,
+                                             s.page_ids), em, 3))
+            drafts = MTPDrafter(m, cache).propose(h, rows)
+        results.append((cache.conv[:, 1:].clone(), cache.rec[:, 1:].clone(),
+                        cache.k[-1].clone(), drafts))
+    (cv0, r0, k0, d0), (cv1, r1, k1, d1) = results
+    assert rel_err(cv1, cv0) < 1e-6 and rel_err(r1, r0) < 1e-6
+    for page, start, k in ((1, 11, kept[0]), (2, 6, kept[1]), (3, 9, kept[2])):
+        rows = slice(start, start + k + 1)
+        assert rel_err(k1[page, rows], k0[page, rows]) < 1e-5
+    assert d1 == d0 and all(len(d) == 3 for d in d0)
+    if synthetic is None:
+        assert kept == [2, 0, 0]

@@ -163,3 +163,64 @@ def test_engine_lone_rows_and_arriving_prompts_take_the_verify_graph(tmp_path):
     assert {r: len(t) for r, t in got.items()} == {"g0": 30, "s0": 30, "g1": 30}
     assert "verify" in eng.timer.kinds
     assert any(splits), splits  # the arriving prompt beside verify chunks
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@torch.no_grad()
+def test_spec_chain_graph_equals_its_body_and_the_host_path(precision):
+    """The chain graph (acceptance, commits and MTP on the device after a whole verify step,
+    kb/0034) against its body run eagerly and against the host path it replaces (commit_many
+    + propose through the MTP graph), bitwise: kept counts, next drafts, GDN states, KV."""
+    from tailored.model.fast import FastPath
+    from tailored.model.fast_spec import SpecGraphs
+    from tailored.model.mtp import DraftRow, MTPDrafter, accept
+
+    model = _model(torch.bfloat16, precision)
+    cache = HybridCache(model.config, 64, 16, 5, torch.bfloat16, "cuda", mtp_layers=1)
+    fast = model.fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
+    g = torch.Generator().manual_seed(5)
+    ids = {s: torch.randint(0, 248044, (40,), generator=g).tolist() for s in (1, 2, 3)}
+    pages = {1: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}
+    for s in (1, 2, 3):
+        model(ForwardBatch.build([(ids[s], 0, s, True, pages[s])], [39], "cuda"), cache)
+    fast.capture(sizes=[4])
+    spec = fast.spec = SpecGraphs(fast, 2, 4)
+    spec.capture()
+    assert sorted(spec.chains) == [1, 2, 4]
+    chunks = {1: [11, 12, 13], 2: [21, 22], 3: [31, 32, 33]}
+    layout = [(chunks[s], 40, s, False, pages[s], True) for s in (1, 2, 3)]
+    targets = {1: [12, 13, 99], 2: [5, 6], 3: [32, 7, 8]}  # keeps 2, 0 and 1 drafts
+    y = torch.tensor(targets[1] + targets[2] + targets[3], device="cuda")
+    kept = {s: accept(chunks[s][1:], targets[s]) for s in (1, 2, 3)}
+    assert kept == {1: 2, 2: 0, 3: 1}
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    snap = [t.clone() for t in tensors]
+    results = []
+    for mode in ("graph", "body", "host"):
+        for t, s_ in zip(tensors, snap):
+            t.copy_(s_)
+        held = (spec.verify, spec.mtp, spec.chains)
+        if mode == "body":
+            spec.verify, spec.mtp, spec.chains = {}, {}, {}
+        try:
+            b = ForwardBatch.build(layout, [], "cuda")
+            h = model(b, cache) if mode != "body" else spec.forward(b)
+            if mode == "host":
+                cache.commit_many({s: k + 1 for s, k in kept.items()})
+                rows = [DraftRow(SeqInfo(sq.q_start, kept[sq.slot] + 1, sq.start_pos, sq.slot,
+                                         False, sq.page_ids),
+                                 targets[sq.slot][:kept[sq.slot] + 1], 2) for sq in b.seqs]
+                d = [[kept[sq.slot]] + x for sq, x in zip(b.seqs, MTPDrafter(model, cache).propose(h, rows))]
+            else:
+                assert spec.whole_step(b, y.numel())
+                d = spec.chain(y, None).tolist()
+        finally:
+            spec.verify, spec.mtp, spec.chains = held
+        torch.cuda.synchronize()
+        results.append(([t.clone() for t in tensors], d))
+    (t0, d0) = results[0]
+    for t1, d1 in results[1:]:
+        for a, b_ in zip(t0, t1):
+            assert torch.equal(a[:, 1:], b_[:, 1:])  # slot / page 0: the pad sinks
+        assert d1 == d0
+    assert [r[0] for r in d0] == [2, 0, 1]

@@ -297,6 +297,13 @@ def test_commit_snapshots_equals_indexing(dtype):
     dst2 = torch.full_like(dst, float("nan"))
     commit_snapshots(src, dst2, wide[:, :3])
     assert torch.equal(dst2[:, moves[2]], want[:, moves[2]]) and dst2[:, rest].isnan().all()
+    # j < 0: no move (the chain graph decides on the device which sequences move)
+    dst3 = torch.full_like(dst, float("nan"))
+    skip = moves.clone()
+    skip[0, 1] = -1
+    commit_snapshots(src, dst3, skip)
+    assert dst3[:, 6].isnan().all()
+    assert torch.equal(dst3[:, moves[2, [0, 2]]], want[:, moves[2, [0, 2]]])
 
 
 @pytest.mark.parametrize("dv_split", [1, 2])

@@ -30,8 +30,10 @@ def _commit_kernel(src_ptr, dst_ptr, moves_ptr, stride_m, E,
     m = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     e = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = e < E
     j = tl.load(moves_ptr + m).to(tl.int64)
+    # j < 0: no move (decided on the device: SpecGraphs.chain_body); an empty range, not a
+    # scalar-and-block mask (which Triton's interpreter rejects)
+    ok = e < tl.where(j >= 0, E, 0)
     b = tl.load(moves_ptr + stride_m + m).to(tl.int64)
     slot = tl.load(moves_ptr + 2 * stride_m + m).to(tl.int64)
     x = tl.load(src_ptr + g * stride_sg + j * stride_sj + b * stride_sb + e, mask=ok)
@@ -41,7 +43,8 @@ def _commit_kernel(src_ptr, dst_ptr, moves_ptr, stride_m, E,
 def commit_snapshots(src: torch.Tensor, dst: torch.Tensor, moves: torch.Tensor) -> None:
     """src: [G, N, MB, ...] snapshots; dst: [G, S, ...] states, same trailing shape and dtype,
     each [g, j, b] / [g, s] block contiguous; moves: [3, M] int64 on the device (j, b, slot),
-    slots distinct. Writes dst[g, slot] = src[g, j, b] for every g and move."""
+    slots distinct. Writes dst[g, slot] = src[g, j, b] for every g and move; a move with
+    j < 0 writes nothing."""
     G = src.shape[0]
     assert dst.shape[0] == G and src.shape[3:] == dst.shape[2:] and src.dtype == dst.dtype
     assert src[0, 0, 0].is_contiguous() and dst[0, 0].is_contiguous()

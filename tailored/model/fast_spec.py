@@ -80,6 +80,12 @@ class SpecGraphs:
             "c_pos": torch.zeros(max(self.N - 1, 1), max_batch, dtype=torch.long, device=dev),
             "c_kv": torch.zeros(max(self.N - 1, 1), max_batch, dtype=torch.long, device=dev),
             "c_lens": torch.ones(max(self.N - 1, 1), max_batch, dtype=torch.int32, device=dev),
+            # the chain graph (`chain_body`): the target's tokens at the verify rows, and per
+            # sequence its drafts, first position, positions its pages cover, 1 for a real
+            # sequence (0: a pad), the synthetic kept count (-1: the greedy rule)
+            "y": torch.zeros(R, dtype=torch.long, device=dev),
+            "seq": torch.zeros(4, max_batch, dtype=torch.long, device=dev),
+            "syn": torch.full((max_batch,), -1, dtype=torch.long, device=dev),
         }
         self.snap_conv = torch.zeros((G, self.N, max_batch) + tuple(cache.conv.shape[2:]),
                                      dtype=cache.conv.dtype, device=dev)
@@ -87,11 +93,14 @@ class SpecGraphs:
                                     dtype=cache.rec.dtype, device=dev)
         self.verify: dict[int, tuple] = {}  # padded B -> (graph, hidden [B·n, H])
         self.mtp: dict[int, tuple] = {}  # padded B -> (graph, drafts [B, N])
+        # padded B -> (graph, [B, 1 + N]: kept drafts, then the next drafts of each sequence)
+        self.chains: dict[int, tuple] = {}
         self._layout = None  # (padded B, {slot: (b, SeqInfo)}) of the last verify replay
+        self._back = None  # graph row of every batch row of the last verify replay
 
     def forget(self) -> None:
         """Drop the last verify step's layout: a later `propose` runs the MTP eagerly."""
-        self._layout = None
+        self._layout = self._back = None
 
     # ---- which steps --------------------------------------------------------------------------
     def fits(self, batch: ForwardBatch) -> bool:
@@ -170,6 +179,95 @@ class SpecGraphs:
             drafts.append(tok)
         return torch.stack(drafts, 1)
 
+    def chain_body(self, B: int) -> torch.Tensor:
+        """Acceptance, state commits and the MTP of a whole verify step on the device, from
+        the target's tokens at the verify rows (`st["y"]`): what `ModelRunner._speculate`,
+        `HybridCache.commit_many` and `propose` do on the host, without the sync between the
+        verify graph and the MTP (kb/0034). Per sequence b: kept_b = the synthetic count
+        (capped at its drafts), else the longest prefix with d_{j+1} == y_j (`mtp.accept`);
+        it emits d_1..d_kept, y_kept (`mtp.emitted`: with the greedy rule the same tokens);
+        its GDN state becomes the one after token kept_b (snapshot kept_b, none when it kept
+        every token of an n-long chunk). Returns [B, 1 + N] int64: kept_b, then the N drafts
+        from its last emitted row (`mtp_body`)."""
+        st, n, N = self.st, self.n, self.N
+        dev = st["y"].device
+        ps = self.fp.cache.page_size
+        R = B * n
+        y = st["y"][:R].view(n, B)
+        ids = st["ids"][:R].view(n, B)  # row j: token j of the chunk (d_j for j ≥ 1)
+        nd, start, plim, live = st["seq"][:, :B]
+        j = torch.arange(n, device=dev).unsqueeze(1)
+        match = ((ids[1:] == y[:N]) & (j[:N] < nd)).long()
+        greedy = match.cumprod(0).sum(0)
+        syn = st["syn"][:B]
+        kept = torch.where(syn >= 0, torch.minimum(syn, nd), greedy)
+        # emitted token j (j ≤ kept) is the MTP's next id at row j: d_{j+1} below kept, then
+        # y_kept; rows past it get 0, as `propose` gives them (their MTP KV is rewritten
+        # before anything reads it)
+        nxt = torch.cat([ids[1:], y[N:]], 0)
+        em = torch.where(j < kept, nxt, torch.where(j == kept, y, torch.zeros_like(y)))
+        st["m_ids"][:R].copy_(em.reshape(-1))
+        b = torch.arange(B, device=dev)
+        st["m_sel"][:B].copy_(kept * B + b)
+        if N > 1:  # chained drafts at the next positions, where the pages reach (else sinks)
+            p = start + kept + 1 + torch.arange(N - 1, device=dev).unsqueeze(1)  # [N-1, B]
+            ok = p < plim
+            pc = torch.where(ok, p, 0)
+            page = st["table"][:B].long().gather(1, (pc // ps).T).T  # rows j=0: sequence b
+            st["c_pos"][:, :B].copy_(pc)
+            st["c_kv"][:, :B].copy_(torch.where(ok, page * ps + pc % ps, 0))
+            st["c_lens"][:, :B].copy_(torch.where(ok, p + 1, 1).to(st["c_lens"].dtype))
+        # the state after token kept: from snapshot kept, unless it is the chunk's last token
+        # (n tokens, already in place); pads move nothing
+        move = torch.where((kept < n - 1) & (live > 0), kept, -1)
+        self._commit(torch.stack([move, b, st["slots"][:B].long()]))
+        return torch.cat([kept.unsqueeze(1), self.mtp_body(B)], 1)
+
+    def _commit(self, moves: torch.Tensor) -> None:
+        """cache[:, slot] = snapshot[:, j, b] for every (j, b, slot) column of moves with j ≥ 0
+        (kernels/state_commit.py on CUDA; the reference indexing on the CPU)."""
+        cache = self.fp.cache
+        if cache.conv.is_cuda:
+            from tailored.kernels.state_commit import commit_snapshots
+
+            commit_snapshots(self.snap_conv, cache.conv, moves)
+            commit_snapshots(self.snap_rec, cache.rec, moves)
+            return
+        mv = moves[:, moves[0] >= 0]
+        cache.conv[:, mv[2]] = self.snap_conv[:, mv[0], mv[1]]
+        cache.rec[:, mv[2]] = self.snap_rec[:, mv[0], mv[1]]
+
+    def whole_step(self, batch: ForwardBatch, sampled_rows: int) -> bool:
+        """Whether the last verify replay was this whole step and every row of it was
+        sampled in batch order (then `chain` can follow it)."""
+        return (self._layout is not None and len(self._layout[1]) == len(batch.seqs)
+                and sampled_rows == batch.input_ids.shape[0])
+
+    def chain(self, sampled_ids: torch.Tensor, synthetic: list[int] | None) -> torch.Tensor:
+        """After a whole verify step (`whole_step`): its sampled ids [T] (batch row order) →
+        [B, 1 + N] on the device (`chain_body`: kept drafts and next drafts of each sequence
+        in batch order), from the chain graph. synthetic: each sequence's kept count drawn
+        on the host (synthetic acceptance), or None for the greedy rule. Commits the states
+        (the cache's kept_batch is dropped) and consumes the layout."""
+        Bp, layout = self._layout
+        B = len(layout)
+        st = self.st
+        st["y"].index_copy_(0, self._back, sampled_ids)
+        if synthetic is None:
+            st["syn"][:Bp].fill_(-1)
+        else:
+            syn = np.full(Bp, -1, dtype=np.int64)
+            syn[:B] = synthetic
+            st["syn"][:Bp].copy_(to_device(torch.from_numpy(syn), self.fp.device))
+        if Bp in self.chains:
+            g, out = self.chains[Bp]
+            g.replay()
+        else:
+            out = self.chain_body(Bp)
+        self._layout = self._back = None
+        self.fp.cache.kept_batch = None
+        return out[:B]
+
     # ---- steps --------------------------------------------------------------------------------
     def _padded(self, B: int) -> int:
         return min(b for b in self.sizes if b >= B)
@@ -185,10 +283,12 @@ class SpecGraphs:
         meta[2] = 1
         meta[3] = -1
         slots = np.zeros(Bp, dtype=np.int64)
+        seq = np.zeros((4, Bp), dtype=np.int64)  # drafts, first position, page reach, real
         back = np.zeros(batch.input_ids.shape[0], dtype=np.int64)
         layout = {}
         for b, s in enumerate(batch.seqs):
             slots[b] = s.slot
+            seq[:, b] = (s.num_tokens - 1, s.start_pos, len(s.page_ids) * ps, 1)
             layout[s.slot] = (b, s)
             for j in range(n):
                 row = j * Bp + b
@@ -203,15 +303,18 @@ class SpecGraphs:
                 # else a pad token: KV into the sink row, its state never committed
         st, dev = self.st, self.fp.device
         st["table"][:R].copy_(pinned(torch.from_numpy(table), dev), non_blocking=True)
-        m = to_device(torch.from_numpy(np.concatenate([meta.reshape(-1), slots, back])), dev)
+        m = to_device(torch.from_numpy(np.concatenate([meta.reshape(-1), slots,
+                                                       seq.reshape(-1), back])), dev)
         st["pos"][:R].copy_(m[:R])
         st["kv"][:R].copy_(m[R:2 * R])
         st["lens"][:R].copy_(m[2 * R:3 * R])
         src = m[3 * R:4 * R]
         st["ids"][:R].copy_(torch.where(src >= 0, batch.input_ids[src.clamp(min=0)], 0))
         st["slots"][:Bp].copy_(m[4 * R:4 * R + Bp])
+        st["seq"][:, :Bp].copy_(m[4 * R + Bp:4 * R + 5 * Bp].view(4, Bp))
         self._layout = (Bp, layout)
-        return Bp, m[4 * R + Bp:]
+        self._back = m[4 * R + 5 * Bp:]
+        return Bp, self._back
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states [T, H] of a verify batch (`fits`), from the verify graph
@@ -290,5 +393,11 @@ class SpecGraphs:
         sizes = sorted(self.sizes, reverse=True)
         self.fp._capture_into(self.verify, sizes, self.verify_body)
         self.fp._capture_into(self.mtp, sizes, self.mtp_body)
+        # every sequence a pad (st["seq"] zero): the bodies the capture runs commit nothing.
+        # Their warm-up also compiles the commit kernel for both state dtypes (session 16's
+        # first verify step compiled it inside a request: 0.4 s)
+        st["seq"].zero_()
+        st["syn"].fill_(-1)
+        self.fp._capture_into(self.chains, sizes, self.chain_body)
         log.info("captured speculative-decoding CUDA graphs (%d drafts) for batch sizes %s",
                  self.N, sorted(self.verify))
