@@ -439,7 +439,7 @@ def test_grouped_experts_only_in_eager_steps_past_the_threshold(monkeypatch):
                         (torch.float32, [([100], True), ([7000], True)])):
         runs = []
         fake = SimpleNamespace(_moe_fused_only=False, device=torch.device("cuda"), dtype=dtype,
-                               _sink_prefill=lambda lengths: lengths)
+                               _sink_prefill=lambda lengths: lengths, mtp_layer=None)
         fake.forward_eager = lambda lengths, f=fake: runs.append((lengths, f._moe_fused_only))
         fastm.FastPath.warmup_prefill(fake, [100, 7000], batch_tokens=0)
         assert runs == want and fake._moe_fused_only is False
@@ -730,3 +730,27 @@ def test_spec_chain_on_the_device_equals_the_host_acceptance(tiny_ckpt, syntheti
     assert d1 == d0 and all(len(d) == 3 for d in d0)
     if synthetic is None:
         assert kept == [2, 0, 0]
+
+
+def test_warmup_prefill_runs_the_mtp_over_the_sinks_only(tiny_ckpt):
+    """With speculative decoding (an MTP layer in the cache) the warm-up also runs the MTP
+    over each prompt length, as every prompt chunk does (FastPath._warm_mtp): its KV goes to
+    page 0 only, every other page and slot of the cache is bit-identical."""
+    from tailored.config import ModelConfig
+    from tailored.model.batch import HybridCache
+    from tailored.model.fast import FastPath
+
+    cfg = ModelConfig.from_dir(tiny_ckpt)
+    m = build_empty_model(cfg, "cpu", torch.float32)
+    load_checkpoint(m, tiny_ckpt, progress=False)
+    cache = HybridCache(cfg, 8, 16, 4, torch.float32, "cpu", mtp_layers=1)
+    fp = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
+    assert fp.mtp_layer is not None
+    g = torch.Generator().manual_seed(8)
+    for t in (cache.conv, cache.rec, cache.k, cache.v):
+        t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    before = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
+    fp.warmup_prefill([5, 12])
+    for t, b in zip((cache.conv, cache.rec, cache.k, cache.v), before):
+        assert torch.equal(t[:, 1:], b[:, 1:])
+    assert not torch.equal(cache.k[-1, 0], before[2][-1, 0])  # the MTP layer's KV: it ran

@@ -857,6 +857,8 @@ class FastPath:
                 self._moe_fused_only = False
             if grouped_applies(n, self.dtype, self.device):
                 self.forward_eager(self._sink_prefill([n]))
+            if self.mtp_layer is not None:
+                self._warm_mtp(n)
         if batch_tokens > 4:
             m = min(int(batch_tokens), 1024)
             a, b = m // 2, m // 4
@@ -864,6 +866,17 @@ class FastPath:
             self.forward_eager(self._sink_prefill([a, b, c]))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _warm_mtp(self, n: int) -> None:
+        """The MTP layer over an n-token prompt in the sinks, eagerly, as speculative decoding
+        runs it over every prompt chunk (model/fast_mtp.py). Its experts are bf16 in the FP8
+        checkpoint, and nothing else launches bf16 prefill experts in an FP8 serve (session
+        16: two MoE compiles inside the first request of the FP8 spec serve)."""
+        from tailored.model.fast_mtp import mtp_eager
+
+        b = self._sink_prefill([n])
+        h = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        mtp_eager(self, h, b.input_ids, b.positions, b.seqs)
 
     def _sink_prefill(self, lengths: list[int]) -> ForwardBatch:
         """Fresh prompts of zero tokens, all in the pad sinks (slot 0, page 0)."""
