@@ -168,6 +168,9 @@ class ModelRunner:
         if n == 0:
             return None
         drafter = MTPDrafter(self.model, self.cache)
+        if ec.spec_max_running > ec.max_num_seqs:  # a new user's finding (s16): say so
+            log.warning("spec_max_running %d is above max_num_seqs %d: drafting while at most "
+                        "%d run", ec.spec_max_running, ec.max_num_seqs, ec.max_num_seqs)
         log.info("speculative decoding: %d MTP draft%s a step for greedy requests while at "
                  "most %d run%s", n, "s" if n > 1 else "", spec_max_batch(ec), "" if rate is None
                  else f", synthetic acceptance {rate} (benchmarks only: not the greedy output)")

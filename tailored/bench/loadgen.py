@@ -432,7 +432,13 @@ async def run_once(w: Workload, *, keep_requests: bool = False, log=None) -> dic
                     f"  warm-up: {len(wres) - len(bad)}/{len(wres)} ok in {time.perf_counter() - t:.1f} s"
                 )
             if bad:
-                raise RuntimeError(f"warm-up request failed: {bad[0]}")
+                hint = ""
+                if "vocab" in str(bad[0]).lower() and w.token_id_range == REGULAR_TOKEN_IDS:
+                    # random prompts draw from the full model's vocabulary (a new user's s16
+                    # trial against the small CPU model)
+                    hint = (" (random prompts draw ids from the full 248k vocabulary: a "
+                            "smaller model needs --token-id-range, e.g. 0,4000)")
+                raise RuntimeError(f"warm-up request failed: {bad[0]}{hint}")
         t0 = time.perf_counter()
         results = await _pool(client, root, reqs, w.concurrency, t0)
         duration = time.perf_counter() - t0
