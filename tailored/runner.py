@@ -363,15 +363,11 @@ class ModelRunner:
                 step.events[1].synchronize()  # done already (the sampler waited): no stall
                 timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
         bad = frozenset(step.sampled_seqs[i].request_id for i in step.sampled.bad_rows)
-        if step.chain is not None:
+        if step.chain is not None or step.spec is not None:
             t0 = time.perf_counter()
-            out = self._chained(step, tokens, bad)
-            if timer is not None:
-                timer.runner_phase("draft", t0)
-            return out
-        if step.spec is not None:
-            t0 = time.perf_counter()
-            out = self._speculate(step, tokens, bad)
+            # after a whole verify step the device has accepted and drafted (`_chain`)
+            out = (self._chained(step, tokens, bad) if step.chain is not None
+                   else self._speculate(step, tokens, bad))
             if timer is not None:
                 timer.runner_phase("draft", t0)
             return out

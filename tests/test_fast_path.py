@@ -543,18 +543,10 @@ def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
     buffers, against the eager kernel path: two verify chunks (one padded: fewer drafts than
     N), a lone decode row, and the batch padded to a larger size; hidden rows, committed GDN
     states at several kept lengths, the MTP KV and the proposed drafts."""
-    from tailored.config import ModelConfig
-    from tailored.model.batch import HybridCache, SeqInfo
-    from tailored.model.fast import FastPath
-    from tailored.model.fast_spec import SpecGraphs
+    from tailored.model.batch import SeqInfo
     from tailored.model.mtp import DraftRow, MTPDrafter
 
-    cfg = ModelConfig.from_dir(tiny_ckpt)
-    m = build_empty_model(cfg, "cpu", torch.float32)
-    load_checkpoint(m, tiny_ckpt, progress=False)
-    cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
-    fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
-    spec = fp.spec = SpecGraphs(fp, 3, 4)  # forward() routes to it with graphs only
+    m, cache, fp, spec = _spec_model(tiny_ckpt, 3)  # forward() routes to it with graphs only
     p1, p2, p3 = _ids(11, 21), _ids(6, 22), _ids(9, 25)
     m(ForwardBatch.build([(p1, 0, 1, True, [1]), (p2, 0, 2, True, [2]), (p3, 0, 3, True, [3])],
                          [], "cpu"), cache)
@@ -605,17 +597,9 @@ def test_verify_chunks_beside_a_prompt_split_like_the_eager_step(tiny_ckpt):
     FastPath._split replays the verify graph (its body here, eagerly) for the chunks and runs
     the prompt after it; hidden rows, the committed states and the prompt's state equal the
     whole step through the eager kernel path."""
-    from tailored.config import ModelConfig
-    from tailored.model.batch import HybridCache
-    from tailored.model.fast import FastPath, _sub_batch
-    from tailored.model.fast_spec import SpecGraphs
+    from tailored.model.fast import _sub_batch
 
-    cfg = ModelConfig.from_dir(tiny_ckpt)
-    m = build_empty_model(cfg, "cpu", torch.float32)
-    load_checkpoint(m, tiny_ckpt, progress=False)
-    cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
-    fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
-    spec = fp.spec = SpecGraphs(fp, 2, 4)
+    m, cache, fp, spec = _spec_model(tiny_ckpt, 2)
     m(ForwardBatch.build([(_ids(7, 41), 0, 1, True, [1]), (_ids(5, 42), 0, 2, True, [2])], [],
                          "cpu"), cache)
     base = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
@@ -674,18 +658,10 @@ def test_spec_chain_on_the_device_equals_the_host_acceptance(tiny_ckpt, syntheti
     1-draft chunk that keeps none, a lone decode row, the batch padded 3 → 4; kept counts,
     next drafts, committed GDN states and the MTP KV of the emitted rows. synthetic: drawn
     kept counts instead (capped at each chunk's drafts)."""
-    from tailored.config import ModelConfig
-    from tailored.model.batch import HybridCache, SeqInfo
-    from tailored.model.fast import FastPath
-    from tailored.model.fast_spec import SpecGraphs
+    from tailored.model.batch import SeqInfo
     from tailored.model.mtp import DraftRow, MTPDrafter, accept, emitted
 
-    cfg = ModelConfig.from_dir(tiny_ckpt)
-    m = build_empty_model(cfg, "cpu", torch.float32)
-    load_checkpoint(m, tiny_ckpt, progress=False)
-    cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
-    fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
-    spec = fp.spec = SpecGraphs(fp, 3, 4)
+    m, cache, fp, spec = _spec_model(tiny_ckpt, 3)
     m(ForwardBatch.build([(_ids(11, 51), 0, 1, True, [1]), (_ids(6, 52), 0, 2, True, [2]),
                           (_ids(9, 53), 0, 3, True, [3])], [], "cpu"), cache)
     base = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
@@ -754,3 +730,20 @@ def test_warmup_prefill_runs_the_mtp_over_the_sinks_only(tiny_ckpt):
     for t, b in zip((cache.conv, cache.rec, cache.k, cache.v), before):
         assert torch.equal(t[:, 1:], b[:, 1:])
     assert not torch.equal(cache.k[-1, 0], before[2][-1, 0])  # the MTP layer's KV: it ran
+
+
+def _spec_model(ckpt, num_draft: int):
+    """The tiny model (fp32) with an MTP cache (16 pages of 16, 4 slots), an eager FastPath
+    and its SpecGraphs (num_draft drafts, up to 4 sequences; bodies run eagerly)."""
+    from tailored.config import ModelConfig
+    from tailored.model.batch import HybridCache
+    from tailored.model.fast import FastPath
+    from tailored.model.fast_spec import SpecGraphs
+
+    cfg = ModelConfig.from_dir(ckpt)
+    m = build_empty_model(cfg, "cpu", torch.float32)
+    load_checkpoint(m, ckpt, progress=False)
+    cache = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
+    fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
+    fp.spec = SpecGraphs(fp, num_draft, 4)
+    return m, cache, fp, fp.spec

@@ -30,17 +30,16 @@ def _model(dtype, precision):
     return m
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@torch.no_grad()
-def test_spec_graphs_replay_equal_their_bodies_bitwise(precision):
+def _spec_setup(precision, seed):
+    """The 4-layer model with a FastPath (decode graph of 4) and SpecGraphs (2 drafts, up to 4
+    sequences) captured, after 40-token prompts in slots 1..3 (pages 1-3, 4-6, 7-9)."""
     from tailored.model.fast import FastPath
     from tailored.model.fast_spec import SpecGraphs
-    from tailored.model.mtp import DraftRow, MTPDrafter
 
     model = _model(torch.bfloat16, precision)
     cache = HybridCache(model.config, 64, 16, 5, torch.bfloat16, "cuda", mtp_layers=1)
     fast = model.fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     ids = {s: torch.randint(0, 248044, (40,), generator=g).tolist() for s in (1, 2, 3)}
     pages = {1: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}
     for s in (1, 2, 3):
@@ -48,6 +47,15 @@ def test_spec_graphs_replay_equal_their_bodies_bitwise(precision):
     fast.capture(sizes=[4])
     spec = fast.spec = SpecGraphs(fast, 2, 4)
     spec.capture()
+    return model, cache, spec, pages
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@torch.no_grad()
+def test_spec_graphs_replay_equal_their_bodies_bitwise(precision):
+    from tailored.model.mtp import DraftRow, MTPDrafter
+
+    model, cache, spec, pages = _spec_setup(precision, 4)
     assert sorted(spec.verify) == sorted(spec.mtp) == [1, 2, 4]
     layout = [([11, 12, 13], 40, 1, False, pages[1], True), ([21, 22], 40, 2, False, pages[2], True),
               ([31, 32, 33], 40, 3, False, pages[3], True)]
@@ -171,21 +179,9 @@ def test_spec_chain_graph_equals_its_body_and_the_host_path(precision):
     """The chain graph (acceptance, commits and MTP on the device after a whole verify step,
     kb/0034) against its body run eagerly and against the host path it replaces (commit_many
     + propose through the MTP graph), bitwise: kept counts, next drafts, GDN states, KV."""
-    from tailored.model.fast import FastPath
-    from tailored.model.fast_spec import SpecGraphs
     from tailored.model.mtp import DraftRow, MTPDrafter, accept
 
-    model = _model(torch.bfloat16, precision)
-    cache = HybridCache(model.config, 64, 16, 5, torch.bfloat16, "cuda", mtp_layers=1)
-    fast = model.fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
-    g = torch.Generator().manual_seed(5)
-    ids = {s: torch.randint(0, 248044, (40,), generator=g).tolist() for s in (1, 2, 3)}
-    pages = {1: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}
-    for s in (1, 2, 3):
-        model(ForwardBatch.build([(ids[s], 0, s, True, pages[s])], [39], "cuda"), cache)
-    fast.capture(sizes=[4])
-    spec = fast.spec = SpecGraphs(fast, 2, 4)
-    spec.capture()
+    model, cache, spec, pages = _spec_setup(precision, 5)
     assert sorted(spec.chains) == [1, 2, 4]
     chunks = {1: [11, 12, 13], 2: [21, 22], 3: [31, 32, 33]}
     layout = [(chunks[s], 40, s, False, pages[s], True) for s in (1, 2, 3)]
