@@ -2,7 +2,10 @@
 
 `execute(SchedulerOutput) -> ModelOutput` is the only engine stage that touches tensors. The
 runner makes no policy decisions: the scheduler chose tokens, pages and slots; the runner lays
-them out, runs the model, and samples one token per sequence that asked for one.
+them out, runs the model, and samples one token per sequence that asked for one. With
+speculative decoding it also verifies the drafts, commits the GDN states of the kept tokens
+and proposes the next drafts: on the device right after a whole verify step from its CUDA graph
+(`_chain`), else on the host after the tokens are read (`_speculate`).
 """
 
 from __future__ import annotations
@@ -320,7 +323,7 @@ class ModelRunner:
         if timer is not None:
             timer.runner_phase("launch", t)
         # the MTP reads this step's hidden states after its tokens are known (collect)
-        spec = (batch, hidden) if any(s.mtp for s in sched.seqs) else None
+        spec = (batch, hidden) if chain is None and any(s.mtp for s in sched.seqs) else None
         return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain)
 
     def _chain(self, sched: SchedulerOutput, batch: ForwardBatch, sampled, n_rows: int):
@@ -336,7 +339,7 @@ class ModelRunner:
         if rate is not None:  # the draws that `_speculate` makes after the step, made first
             syn = [accept(list(s.token_ids[-s.num_draft:]) if s.num_draft else [],
                           [0] * (s.num_draft + 1), rate, self._spec_rng) for s in sched.seqs]
-        out = spec.chain(sampled.ids, syn)
+        out = spec.chain(sampled.ids, syn, sampled.bad)
         if not out.is_cuda:
             return out, None, None
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)

@@ -706,6 +706,12 @@ def test_spec_chain_on_the_device_equals_the_host_acceptance(tiny_ckpt, syntheti
     assert d1 == d0 and all(len(d) == 3 for d in d0)
     if synthetic is None:
         assert kept == [2, 0, 0]
+        # a NaN row (the sampler's flag) ends chunk 1's prefix there, though its id matches
+        b = ForwardBatch.build(layout, [], "cpu")
+        spec.forward(b)
+        bad = torch.zeros(len(y), dtype=torch.bool)
+        bad[1] = True
+        assert [g[0] for g in spec.chain(torch.tensor(y), None, bad).tolist()] == [1, 0, 0]
 
 
 def test_warmup_prefill_runs_the_mtp_over_the_sinks_only(tiny_ckpt):

@@ -70,6 +70,7 @@ class Sampled:
 
     def __init__(self, ids: torch.Tensor, bad: torch.Tensor, raw: torch.Tensor, seqs):
         self.ids, self.seqs = ids, seqs
+        self.bad = bad  # [B] bool on the device: rows whose processed logits held NaN
         self._both = torch.stack([ids, bad.to(ids.dtype)]) if ids.numel() else None
         self._raw = raw
         self.bad_rows: list[int] = []

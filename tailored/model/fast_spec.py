@@ -21,10 +21,17 @@ two graphs per padded batch size B (SPEC_BATCH_SIZES):
     positions; then from each sequence's last emitted row, draft 1 and N-1 chained drafts at
     the next positions, each one paged-decode row a sequence (spec §8.2). Output [B, N].
 
-Between them the runner reads the verified tokens, keeps the matching drafts and commits the
-states (one sync); the drafts are the second. Rows of pad sequences use slot 0 and page 0
-(the sinks). Checked on the CPU by running the bodies eagerly against the eager step
-(tests/test_fast_path.py); the graphs themselves run on the GPU (tests/test_gpu.py).
+  chain: the acceptance of the drafts, the GDN state commits and the mtp body, all on the
+    device from the sampled tokens (`chain_body`, kb/0034). After a step that was one verify
+    replay the runner replays it right after the sampler: no sync until the tokens and the
+    next drafts are read, together. Output [B, 1 + N]: kept drafts, then the next drafts.
+
+Steps where the verify graph ran beside other work (prompt chunks, `FastPath._split`) take the
+host path instead: the runner reads the verified tokens, keeps the matching drafts and commits
+the states (one sync), then fills and replays the mtp graph (the second). Rows of pad
+sequences use slot 0 and page 0 (the sinks). Checked on the CPU by running the bodies eagerly
+against the eager step and the host path (tests/test_fast_path.py); the graphs themselves run
+on the GPU (tests/test_gpu_spec.py).
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ class SpecGraphs:
             # sequence its drafts, first position, positions its pages cover, 1 for a real
             # sequence (0: a pad), the synthetic kept count (-1: the greedy rule)
             "y": torch.zeros(R, dtype=torch.long, device=dev),
+            "y_bad": torch.zeros(R, dtype=torch.bool, device=dev),  # NaN rows (the sampler's)
             "seq": torch.zeros(4, max_batch, dtype=torch.long, device=dev),
             "syn": torch.full((max_batch,), -1, dtype=torch.long, device=dev),
         }
@@ -197,7 +205,10 @@ class SpecGraphs:
         ids = st["ids"][:R].view(n, B)  # row j: token j of the chunk (d_j for j ≥ 1)
         nd, start, plim, live = st["seq"][:, :B]
         j = torch.arange(n, device=dev).unsqueeze(1)
-        match = ((ids[1:] == y[:N]) & (j[:N] < nd)).long()
+        # a NaN row (its id is the sampler's fallback, patched on the host only) ends the
+        # prefix: every kept draft matched a clean target token
+        bad = st["y_bad"][:R].view(n, B)
+        match = ((ids[1:] == y[:N]) & ~bad[:N] & (j[:N] < nd)).long()
         greedy = match.cumprod(0).sum(0)
         syn = st["syn"][:B]
         kept = torch.where(syn >= 0, torch.minimum(syn, nd), greedy)
@@ -243,8 +254,10 @@ class SpecGraphs:
         return (self._layout is not None and len(self._layout[1]) == len(batch.seqs)
                 and sampled_rows == batch.input_ids.shape[0])
 
-    def chain(self, sampled_ids: torch.Tensor, synthetic: list[int] | None) -> torch.Tensor:
-        """After a whole verify step (`whole_step`): its sampled ids [T] (batch row order) →
+    def chain(self, sampled_ids: torch.Tensor, synthetic: list[int] | None,
+              bad: torch.Tensor | None = None) -> torch.Tensor:
+        """After a whole verify step (`whole_step`): its sampled ids [T] (batch row order) and
+        their NaN flags `bad` [T] bool (the sampler's; None: none) →
         [B, 1 + N] on the device (`chain_body`: kept drafts and next drafts of each sequence
         in batch order), from the chain graph. synthetic: each sequence's kept count drawn
         on the host (synthetic acceptance), or None for the greedy rule. Commits the states
@@ -253,6 +266,10 @@ class SpecGraphs:
         B = len(layout)
         st = self.st
         st["y"].index_copy_(0, self._back, sampled_ids)
+        if bad is None:
+            st["y_bad"].zero_()
+        else:
+            st["y_bad"].index_copy_(0, self._back, bad)
         if synthetic is None:
             st["syn"][:Bp].fill_(-1)
         else:
@@ -383,8 +400,8 @@ class SpecGraphs:
     # ---- capture ------------------------------------------------------------------------------
     @torch.no_grad()
     def capture(self) -> None:
-        """Capture the verify graphs, then the MTP graphs (which read the verify graphs'
-        outputs), largest batch first, in the FastPath's memory pool."""
+        """Capture the verify graphs, then the MTP graphs and the chain graphs (both read the
+        verify graphs' outputs), largest batch first, in the FastPath's memory pool."""
         st = self.st
         for name in ("ids", "pos", "kv", "table", "slots", "m_ids", "m_sel", "c_pos", "c_kv"):
             st[name].zero_()
