@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tailored.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ModelConfig
-from tailored.engine.sampler import Sampled, sample_on_device
+from tailored.engine.sampler import HostCopy, Sampled, sample_on_device
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import ModelOutput, SchedulerOutput
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, to_device
@@ -327,9 +327,9 @@ class ModelRunner:
         return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain)
 
     def _chain(self, sched: SchedulerOutput, batch: ForwardBatch, sampled, n_rows: int):
-        """`SpecGraphs.chain` after a whole verify step, with its result copied to the host
-        behind an event: (device [B, 1 + N], host copy or None, event or None); None when the
-        step was not one verify replay (split beside prompts, eager, no graphs)."""
+        """`SpecGraphs.chain` after a whole verify step: its [B, 1 + N] result as a HostCopy;
+        None when the step was not one verify replay (split beside prompts, eager, no
+        graphs)."""
         fast = getattr(self.model, "fast", None)
         spec = getattr(fast, "spec", None)
         if spec is None or not spec.whole_step(batch, n_rows):
@@ -339,14 +339,7 @@ class ModelRunner:
         if rate is not None:  # the draws that `_speculate` makes after the step, made first
             syn = [accept(list(s.token_ids[-s.num_draft:]) if s.num_draft else [],
                           [0] * (s.num_draft + 1), rate, self._spec_rng) for s in sched.seqs]
-        out = spec.chain(sampled.ids, syn, sampled.bad)
-        if not out.is_cuda:
-            return out, None, None
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(out.device))
-        return out, host, event
+        return HostCopy(spec.chain(sampled.ids, syn, sampled.bad))
 
     def collect(self, step: "LaunchedStep") -> ModelOutput:
         """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
@@ -396,12 +389,7 @@ class ModelRunner:
         and its next drafts. Emitted tokens are the kept drafts (the inputs the state took)
         and the target's next one: with the greedy rule the target's tokens themselves,
         except at a NaN row that the sampler patched (`mtp.emitted`)."""
-        out_dev, host, event = step.chain
-        if event is not None:
-            event.synchronize()  # GIL released: the HTTP thread streams meanwhile
-            got = host.tolist()
-        else:
-            got = out_dev.tolist()
+        got = step.chain.tolist()
         out_ids, extra, drafts = {}, {}, {}
         row_of = {}
         for s, t in zip(step.sampled_seqs, tokens):
@@ -473,8 +461,8 @@ class LaunchedStep:
     sampled: Sampled | None  # None: nothing sampled (prefill chunks only)
     events: tuple | None  # CUDA events around forward + logits (step timing)
     spec: tuple | None = None  # (ForwardBatch, hidden) of a step with MTP chunks
-    # (device [B, 1 + N], pinned host copy, event) of a whole verify step's chain (`_chain`)
-    chain: tuple | None = None
+    # a whole verify step's chain result [B, 1 + N] (`_chain`)
+    chain: HostCopy | None = None
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -58,6 +58,30 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
     return sample_on_device(logits, seqs).tolist()
 
 
+class HostCopy:
+    """A device tensor read later without waiting for work enqueued after it: on CUDA it is
+    copied now into pinned memory behind an event, so `tolist()` waits for this copy only, not
+    for a next step enqueued meanwhile (a plain .tolist() would queue behind it on the
+    stream), and waits with the GIL released (torch releases it in Event.synchronize, not in
+    tolist), so the HTTP thread streams meanwhile. On the CPU `tolist()` reads the tensor."""
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+        self._host = self._event = None
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            # on the tensor's device's stream (the current device may be another, e.g. cuda:1)
+            self._event.record(torch.cuda.current_stream(t.device))
+
+    def tolist(self) -> list:
+        if self._event is None:
+            return self._t.tolist()
+        self._event.synchronize()
+        return self._host.tolist()
+
+
 class Sampled:
     """The ids one step sampled, still on the device (async scheduling feeds them to the next
     step without the host reading them, kb/0015).
@@ -74,30 +98,15 @@ class Sampled:
         self._both = torch.stack([ids, bad.to(ids.dtype)]) if ids.numel() else None
         self._raw = raw
         self.bad_rows: list[int] = []
-        self._host = self._event = None
-        if self._both is not None and self._both.is_cuda:
-            # copied now into pinned memory behind an event: reading it later waits for this
-            # step only, not for a next step enqueued meanwhile (a plain .tolist() would queue
-            # behind it on the stream)
-            self._host = torch.empty(self._both.shape, dtype=self._both.dtype, pin_memory=True)
-            self._host.copy_(self._both, non_blocking=True)
-            self._event = torch.cuda.Event()
-            # on the ids' device's stream (the current device may be another, e.g. cuda:1)
-            self._event.record(torch.cuda.current_stream(self._both.device))
+        self._copy = HostCopy(self._both) if self._both is not None else None
 
     def tolist(self) -> list[int]:
         """The ids as Python ints (one device-to-host copy); rows whose processed logits held
         NaN (rare) take the argmax of their raw logits, NaN ignored, and are listed in
         bad_rows."""
-        if self._both is None:
+        if self._copy is None:
             return []
-        both = self._both
-        if self._event is not None:
-            # wait for the GPU here, where torch releases the GIL, not inside tolist(), which
-            # holds it: the HTTP thread streams the previous tokens while this step runs
-            self._event.synchronize()
-            both = self._host
-        ids_list, bad_list = both.tolist()
+        ids_list, bad_list = self._copy.tolist()
         self.bad_rows = [i for i, b in enumerate(bad_list) if b]
         if self.bad_rows:
             rows = self.bad_rows

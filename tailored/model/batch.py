@@ -121,6 +121,22 @@ class HybridCache:
         for num_tokens outside 1..chunk length."""
         self.commit_many({slot: num_tokens})
 
+    def commit_moves(self, snap_conv: torch.Tensor, snap_rec: torch.Tensor,
+                     moves: torch.Tensor) -> None:
+        """conv/rec[:, slot] = snapshot[:, j, b] for every (j, b, slot) column of moves [3, M]
+        int64 on the cache's device with j ≥ 0 (a column with j < 0 moves nothing). Snapshots
+        [G, N, MB, ...] of the verify graphs (model/fast_spec.py). On CUDA one launch a state,
+        no temporary (kernels/state_commit.py); on the CPU (tests) the reference indexing."""
+        if self.conv.is_cuda:
+            from tailored.kernels.state_commit import commit_snapshots
+
+            commit_snapshots(snap_conv, self.conv, moves)
+            commit_snapshots(snap_rec, self.rec, moves)
+            return
+        mv = moves[:, moves[0] >= 0]
+        self.conv[:, mv[2]] = snap_conv[:, mv[0], mv[1]]
+        self.rec[:, mv[2]] = snap_rec[:, mv[0], mv[1]]
+
     def commit_many(self, commits: dict[int, int]) -> None:
         """`commit_states` for every {slot: num_tokens} of the last verify step at once: the
         verify graph's snapshots (`kept_batch`) in one copy launch per state on CUDA (a step of 32 sequences
@@ -145,14 +161,7 @@ class HybridCache:
                 # (j, b, slot) of each move
                 idx = to_device(torch.tensor([(j, b, sl) for sl, j, b in moves],
                                              dtype=torch.long).T.contiguous(), self.conv.device)
-                if self.conv.is_cuda:  # one launch a state, no temporary (kernels/state_commit)
-                    from tailored.kernels.state_commit import commit_snapshots
-
-                    commit_snapshots(snap_c, self.conv, idx)
-                    commit_snapshots(snap_r, self.rec, idx)
-                else:  # the CPU (tests): the reference indexing
-                    self.conv[:, idx[2]] = snap_c[:, idx[0], idx[1]]
-                    self.rec[:, idx[2]] = snap_r[:, idx[0], idx[1]]
+                self.commit_moves(snap_c, snap_r, idx)
         for s, k in rest.items():  # the eager paths' states, one slot at a time
             for li in range(self.conv.shape[0]):
                 kept = self.kept_states.pop((li, s))

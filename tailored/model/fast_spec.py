@@ -231,22 +231,9 @@ class SpecGraphs:
         # the state after token kept: from snapshot kept, unless it is the chunk's last token
         # (n tokens, already in place); pads move nothing
         move = torch.where((kept < n - 1) & (live > 0), kept, -1)
-        self._commit(torch.stack([move, b, st["slots"][:B].long()]))
+        self.fp.cache.commit_moves(self.snap_conv, self.snap_rec,
+                                   torch.stack([move, b, st["slots"][:B].long()]))
         return torch.cat([kept.unsqueeze(1), self.mtp_body(B)], 1)
-
-    def _commit(self, moves: torch.Tensor) -> None:
-        """cache[:, slot] = snapshot[:, j, b] for every (j, b, slot) column of moves with j ≥ 0
-        (kernels/state_commit.py on CUDA; the reference indexing on the CPU)."""
-        cache = self.fp.cache
-        if cache.conv.is_cuda:
-            from tailored.kernels.state_commit import commit_snapshots
-
-            commit_snapshots(self.snap_conv, cache.conv, moves)
-            commit_snapshots(self.snap_rec, cache.rec, moves)
-            return
-        mv = moves[:, moves[0] >= 0]
-        cache.conv[:, mv[2]] = self.snap_conv[:, mv[0], mv[1]]
-        cache.rec[:, mv[2]] = self.snap_rec[:, mv[0], mv[1]]
 
     def whole_step(self, batch: ForwardBatch, sampled_rows: int) -> bool:
         """Whether the last verify replay was this whole step and every row of it was
