@@ -40,6 +40,7 @@ def main() -> int:
 
     import torch
 
+    from tailored.bench.loadgen import REGULAR_TOKEN_IDS, random_token_prompts
     from tailored.engine.types import SamplingParams
     from tailored.stack import build_stack
 
@@ -50,17 +51,18 @@ def main() -> int:
                      max_num_batched_tokens=args.batch_tokens, prefill_graphs="auto",
                      async_scheduling=False)
     eng = st.engine
-    vocab = min(st.model_config.vocab_size, 4000) if not cuda else 240000
-    g = torch.Generator().manual_seed(0)
+    # the embedded CPU model's vocabulary has 4,065 ids (README: --token-id-range 0,4000)
+    id_range = REGULAR_TOKEN_IDS if cuda else (0, 4000)
+    prompts = iter(random_token_prompts(n_all, args.input_len, 0, id_range))
 
     def prompt():
-        return torch.randint(0, vocab, (args.input_len,), generator=g).tolist()
+        return next(prompts)
 
     sp = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
-        """One engine step: (prompt tokens it took, decode rows, wall ms, request ids out)."""
+        """One engine step: (requests with their first token, decode rows, wall ms)."""
         sched_before = {r: len(v) for r, v in seen.items()}
         t = time.perf_counter()
         outs = eng.step()
@@ -71,7 +73,7 @@ def main() -> int:
             seen.setdefault(o.request_id, []).extend(o.delta_token_ids)
             ids.add(o.request_id)
         dec = sum(1 for r in ids if sched_before.get(r, 0) > 0)
-        return len(ids) - dec, dec, ms, ids
+        return len(ids) - dec, dec, ms
 
     seen: dict[str, list[int]] = {}
     for i in range(args.running):
@@ -93,7 +95,7 @@ def main() -> int:
             prof.__enter__()
         try:
             while not all(r in seen for r in new):
-                first, dec, ms, _ = step()
+                first, dec, ms = step()
                 rows.append((first, dec, ms))
         finally:
             if prof is not None:
