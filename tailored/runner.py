@@ -14,14 +14,16 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tailored.chain_drafts import ChainDrafts, DraftSources, feed_drafts, pending_drafts
 from tailored.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ModelConfig
 from tailored.engine.sampler import HostCopy, Sampled, sample_on_device
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import ModelOutput, SchedulerOutput
+from tailored.kernels import env_flag
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, to_device
 from tailored.model.mtp import DraftRow, MTPDrafter, accept, emitted
 
@@ -29,6 +31,9 @@ log = logging.getLogger("tailored.runner")
 
 CPU_CACHE_BYTES = 512 * 1024**2  # KV + state budget when running on the CPU
 SPEC_LOG_EVERY_S = 10.0  # seconds between speculative-decoding log lines (totals so far)
+# a whole verify step's next drafts stay on the device, the next step launched under the chain
+# (chain_drafts.py, kb/0035); 0: the host waits for the chain and reads them (the A/B)
+DRAFTS_ON_DEVICE = env_flag("TAILORED_SPEC_DRAFTS_ON_DEVICE", True)
 
 
 # Speculative decoding's share of GPU memory that nothing above counts yet (the verify and MTP
@@ -140,6 +145,7 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(device)
         self.page_size = ec.page_size
+        self._maybe_draft_head(ec)  # before the cache: its memory is then counted as used
         self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device,
                                                     kernel_path_reserve(model, ec, self.device))
         self.cache = HybridCache(cfg, self.num_pages, ec.page_size, self.num_slots, dtype,
@@ -151,6 +157,21 @@ class ModelRunner:
                  self.num_pages, ec.page_size, self.num_slots, gib)
         self.fast = self._maybe_fast_path(ec)
         self.drafter = self._maybe_drafter(ec)
+
+    def _maybe_draft_head(self, ec: EngineConfig) -> None:
+        """With speculative decoding on the kernel path on a GPU: the MTP drafts through an
+        FP8 copy of lm_head (model/draft_head.py, kb/0035; TAILORED_MTP_FP8_HEAD=0: not)."""
+        from tailored import kernels
+        from tailored.model import draft_head
+
+        self.model.draft_head = None
+        if (ec.num_speculative_tokens <= 0 or not draft_head.ENABLED
+                or self.device.type != "cuda" or getattr(self.model, "mtp", None) is None
+                or not kernel_path_asked(ec, self.device)
+                or kernels.unavailable_reason("cuda", self.model.lm_head.weight.dtype)):
+            return
+        head = self.model.draft_head = draft_head.DraftHead(self.model.lm_head.weight)
+        log.info("MTP drafts through an FP8 copy of lm_head (%.2f GiB)", head.nbytes / 1024**3)
 
     def _maybe_drafter(self, ec: EngineConfig):
         """The MTP drafter of speculative decoding (EngineConfig.num_speculative_tokens > 0),
@@ -165,6 +186,8 @@ class ModelRunner:
         self._spec_rng = random.Random(0)
         # verify steps, drafts verified, drafts kept (the acceptance rate; server metrics)
         self.spec_stats = [0, 0, 0]
+        # requests whose next drafts are still on the device (chain_drafts.py, kb/0035)
+        self._draft_sources = DraftSources()
         # the first line 10 s after the start of serving, not at the first verify step (whose
         # 1-step totals read as a rate of nothing)
         self._spec_logged = time.monotonic()
@@ -263,6 +286,7 @@ class ModelRunner:
         `feed` did not sample."""
         t = time.perf_counter()
         rows, sampled_seqs, layout, fed = [], [], [], []
+        fed_drafts, drafts_in = [], {}  # drafts a chain left on the device (chain_drafts.py)
         q = 0
         prev_rows = {} if feed is None else {s.request_id: i
                                              for i, s in enumerate(feed.sampled_seqs)}
@@ -272,6 +296,11 @@ class ModelRunner:
         verify_step = any(s.num_draft for s in sched.seqs)
         for s in sched.seqs:
             toks = list(s.token_ids)
+            if pending_drafts(toks, s.num_draft):  # the previous verify step's chain drafted
+                rec, b = self._draft_sources.get(s.slot, s.request_id)
+                fed_drafts.append((q + len(toks) - s.num_draft, rec, b, s.num_draft))
+                drafts_in[s.request_id] = (rec, b)
+                toks[-s.num_draft:] = [0] * s.num_draft  # overwritten on the device below
             if PENDING_TOKEN in toks:  # only ever a lone decode token (with no drafts)
                 if len(toks) != 1 or s.request_id not in prev_rows:
                     raise RuntimeError(f"pending token of {s.request_id!r} without a step to "
@@ -295,6 +324,7 @@ class ModelRunner:
             else:
                 dst_t = _index(dst, self.device)
                 batch.input_ids.index_copy_(0, dst_t, ids.index_select(0, _index(src, self.device)))
+        feed_drafts(batch.input_ids, fed_drafts)
         timer = self.timer
         events = None
         if timer is not None:
@@ -319,27 +349,30 @@ class ModelRunner:
             sampled = None
         # a whole verify step from the graph: acceptance, commits and the MTP follow on the
         # device, with no sync between them (kb/0034)
-        chain = self._chain(sched, batch, sampled, len(rows)) if verify_step and rows else None
+        chain, syn = (self._chain(sched, batch, sampled, len(rows)) if verify_step and rows
+                      else (None, None))
         if timer is not None:
             timer.runner_phase("launch", t)
         # the MTP reads this step's hidden states after its tokens are known (collect)
         spec = (batch, hidden) if chain is None and any(s.mtp for s in sched.seqs) else None
-        return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain)
+        return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain, syn, drafts_in)
 
     def _chain(self, sched: SchedulerOutput, batch: ForwardBatch, sampled, n_rows: int):
-        """`SpecGraphs.chain` after a whole verify step: its [B, 1 + N] result as a HostCopy;
-        None when the step was not one verify replay (split beside prompts, eager, no
-        graphs)."""
+        """`SpecGraphs.chain` after a whole verify step: (its result as a ChainDrafts, the
+        synthetic kept counts drawn for it or None); (None, None) when the step was not one
+        verify replay (split beside prompts, eager, no graphs)."""
         fast = getattr(self.model, "fast", None)
         spec = getattr(fast, "spec", None)
         if spec is None or not spec.whole_step(batch, n_rows):
-            return None
+            return None, None
         rate = self.spec_synthetic_acceptance
         syn = None
         if rate is not None:  # the draws that `_speculate` makes after the step, made first
-            syn = [accept(list(s.token_ids[-s.num_draft:]) if s.num_draft else [],
-                          [0] * (s.num_draft + 1), rate, self._spec_rng) for s in sched.seqs]
-        return HostCopy(spec.chain(sampled.ids, syn, sampled.bad))
+            syn = [accept([0] * s.num_draft, [0] * (s.num_draft + 1), rate, self._spec_rng)
+                   for s in sched.seqs]
+        out = spec.chain(sampled.ids, syn, sampled.bad)
+        # the drafts copied out of the graph's output before the next chain replay rewrites it
+        return ChainDrafts(out[:, 1:].clone(), HostCopy(out), kept=[]), syn
 
     def collect(self, step: "LaunchedStep") -> ModelOutput:
         """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
@@ -383,27 +416,54 @@ class ModelRunner:
                      "drafts kept, %.2f tokens a verify step", st[0],
                      st[2] / max(st[1], 1), st[1], 1 + st[2] / st[0])
 
+    def _drafts_of(self, step: "LaunchedStep", s) -> list[int]:
+        """The draft ids a verify chunk of `step` ran on: its own, or where they were pending
+        the chain's that drafted them (done by now: it ran before this step)."""
+        src = step.drafts_in.get(s.request_id)
+        if src is None:
+            return list(s.token_ids[-s.num_draft:])
+        rec, b = src
+        return rec.read()[b][:s.num_draft]
+
     def _chained(self, step: "LaunchedStep", tokens: list[int], bad) -> ModelOutput:
-        """The output of a whole verify step whose acceptance, commits and drafts ran on the
-        device (`_chain`): per sequence its kept drafts and the target's token after them,
-        and its next drafts. Emitted tokens are the kept drafts (the inputs the state took)
-        and the target's next one: with the greedy rule the target's tokens themselves,
-        except at a NaN row that the sampler patched (`mtp.emitted`)."""
-        got = step.chain.tolist()
+        """The output of a whole verify step whose acceptance, commits and drafts run on the
+        device (`_chain`), without waiting for them: the host knows the kept counts (the
+        synthetic draws, or the greedy rule over `tokens`, a NaN row ending the prefix as on
+        the device); the next drafts stay on the device as PENDING_TOKEN placeholders that
+        the next step takes from there (chain_drafts.py, kb/0035). Emitted tokens are the
+        kept drafts (the inputs the state took) and the target's next one: with the greedy
+        rule the target's tokens themselves, except at a NaN row that the sampler patched
+        (`mtp.emitted`)."""
         out_ids, extra, drafts = {}, {}, {}
-        row_of = {}
-        for s, t in zip(step.sampled_seqs, tokens):
+        row_of, bad_of = {}, {}
+        bad_rows = set(step.sampled.bad_rows)
+        for i, (s, t) in enumerate(zip(step.sampled_seqs, tokens)):
             row_of.setdefault(s.request_id, []).append(t)
-        for s, (kept, *nxt) in zip(step.sched.seqs, got):
+            bad_of.setdefault(s.request_id, []).append(i in bad_rows)
+        kept_all, proposing = [], []
+        for b, s in enumerate(step.sched.seqs):
             target = row_of[s.request_id]
+            kept = 0
             if s.num_draft:
-                em = emitted(list(s.token_ids[-s.num_draft:]), target, kept, True)
+                d = self._drafts_of(step, s)
+                kept = (min(step.syn[b], s.num_draft) if step.syn is not None
+                        else accept(d, target, bad=bad_of[s.request_id]))
+                em = emitted(d, target, kept, True)
                 self._count_verify(s.num_draft, kept)
             else:
                 em = target
+            kept_all.append(kept)
             out_ids[s.request_id], extra[s.request_id] = em[0], tuple(em[1:])
             if s.mtp and s.num_propose > 0 and s.request_id not in bad:
-                drafts[s.request_id] = tuple(nxt[:s.num_propose])
+                proposing.append((b, s))
+        step.chain.kept = kept_all  # what ChainDrafts.read checks the device's counts against
+        rows = None if DRAFTS_ON_DEVICE else step.chain.read()  # the A/B: wait for the chain
+        for b, s in proposing:
+            if rows is None:
+                drafts[s.request_id] = (PENDING_TOKEN,) * s.num_propose
+                self._draft_sources.put(s.slot, s.request_id, step.chain, b)
+            else:
+                drafts[s.request_id] = tuple(rows[b][:s.num_propose])
         return ModelOutput(token_ids=out_ids, bad=bad, extra_ids=extra, draft_ids=drafts)
 
     def _speculate(self, step: "LaunchedStep", tokens: list[int], bad) -> ModelOutput:
@@ -425,7 +485,7 @@ class ModelRunner:
                 continue
             target = row_of[s.request_id]
             if s.num_draft:
-                drafts = list(s.token_ids[-s.num_draft:])
+                drafts = self._drafts_of(step, s)
                 kept = accept(drafts, target, synthetic, self._spec_rng)
                 em = emitted(drafts, target, kept, synthetic is not None)
                 commits[s.slot] = kept + 1
@@ -461,8 +521,11 @@ class LaunchedStep:
     sampled: Sampled | None  # None: nothing sampled (prefill chunks only)
     events: tuple | None  # CUDA events around forward + logits (step timing)
     spec: tuple | None = None  # (ForwardBatch, hidden) of a step with MTP chunks
-    # a whole verify step's chain result [B, 1 + N] (`_chain`)
-    chain: HostCopy | None = None
+    # a whole verify step's chain result [B, 1 + N] (`_chain`) and its synthetic kept counts
+    chain: ChainDrafts | None = None
+    syn: list[int] | None = None
+    # request id -> (chain, row) of the verify chunks whose drafts that chain left on the device
+    drafts_in: dict = field(default_factory=dict)
 
 
 def _index(rows, device) -> torch.Tensor:

@@ -753,3 +753,59 @@ def _spec_model(ckpt, num_draft: int):
     fp = m.fast = FastPath(m, cache, max_batch=4, max_pages=6, use_graphs=False)
     fp.spec = SpecGraphs(fp, num_draft, 4)
     return m, cache, fp, fp.spec
+
+
+@pytest.mark.parametrize("rate", [None, 0.5])
+def test_engine_device_chain_with_drafts_left_on_the_device_equals_the_host_path(tiny_ckpt,
+                                                                                 rate):
+    """The engine with the device chain after whole verify steps (SpecGraphs bodies run
+    eagerly), whose next drafts stay on the device as placeholders that the next step takes
+    from there (chain_drafts.py, kb/0035), against the host path (no SpecGraphs): the same
+    tokens, greedy (random weights: most drafts rejected) and at synthetic acceptance 0.5
+    (the same draws), with the device's kept counts checked against the host's at every
+    read (ChainDrafts.read). One request is short, so later steps mix a lone chunk."""
+    from tailored.chain_drafts import ChainDrafts
+    from tailored.engine.types import SamplingParams
+    from tailored.model.fast_spec import SpecGraphs
+    from tailored.stack import build_stack
+
+    reads = []
+    orig = ChainDrafts.read
+
+    def counting_read(self):
+        reads.append(len(self.kept))
+        return orig(self)
+
+    outs = {}
+    for chain in (False, True):
+        st = build_stack(tiny_ckpt, device="cpu", dtype="float32", progress=False, kernels="on",
+                         max_model_len=256, max_num_seqs=4, num_pages=80,
+                         async_scheduling=False, spec_max_running=4,
+                         num_speculative_tokens=2, spec_synthetic_acceptance=rate)
+        eng = st.engine
+        if chain:
+            fp = eng.runner.fast
+            fp.spec = SpecGraphs(fp, 2, 4)
+            eager = fp.forward
+
+            def forward(batch, fp=fp, eager=eager):  # the routing of forward with graphs
+                fp.spec.forget()
+                return fp.spec.forward(batch) if fp.spec.fits(batch) else eager(batch)
+
+            fp.forward = forward
+        got = {}
+        for i, (T, n) in enumerate(((5, 7), (23, 3), (12, 7))):
+            eng.add_request(f"r{i}", _ids(T, 70 + i),
+                            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        ChainDrafts.read = counting_read
+        try:
+            while eng.has_unfinished():
+                for o in eng.step():
+                    got.setdefault(o.request_id, []).extend(o.delta_token_ids)
+        finally:
+            ChainDrafts.read = orig
+        outs[chain] = got
+        assert eng.runner.spec_stats[1] > 0
+    assert outs[True] == outs[False]
+    assert [len(outs[True][f"r{i}"]) for i in range(3)] == [7, 3, 7]
+    assert reads  # later steps took their drafts from a chain, and checked its kept counts

@@ -415,3 +415,4 @@ def test_commit_many_equals_commit_states_one_by_one():
     a.kept_batch = (snap_c, snap_r, {4: 0}, n)
     with pytest.raises(ValueError, match="tokens of a 3-token chunk"):
         a.commit_many({4: 4})
+

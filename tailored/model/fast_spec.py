@@ -45,6 +45,7 @@ from tailored.kernels import env_flag
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
 from tailored.model.batch import ForwardBatch, HybridCache, pinned, to_device
+from tailored.model.draft_head import draft_argmax
 from tailored.model.fast_mtp import mtp_input, mtp_layer
 from tailored.ops import reference as ref
 
@@ -176,14 +177,14 @@ class SpecGraphs:
         out = mtp_layer(fp, mtp_input(fp, hidden, st["m_ids"][:R]),
                         lambda i, hn: fp._attn_decode(i, hn, cos, sin, kv, table, lens))
         h = out.index_select(0, st["m_sel"][:B])
-        tok = fp.model.compute_logits(h).argmax(-1)
+        tok = draft_argmax(fp.model, h)
         drafts = [tok]
         for k in range(self.N - 1):  # chain: own hidden, previous draft, one position on
             c_pos, c_kv, c_lens = st["c_pos"][k, :B], st["c_kv"][k, :B], st["c_lens"][k, :B]
             cos, sin = ref.rope_cos_sin(c_pos, cfg.rotary_dim, cfg.rope_theta, h.dtype)
             h = mtp_layer(fp, mtp_input(fp, h, tok),
                           lambda i, hn: fp._attn_decode(i, hn, cos, sin, c_kv, table[:B], c_lens))
-            tok = fp.model.compute_logits(h).argmax(-1)
+            tok = draft_argmax(fp.model, h)
             drafts.append(tok)
         return torch.stack(drafts, 1)
 

@@ -29,22 +29,26 @@ from dataclasses import dataclass
 import torch
 
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
+from tailored.model.draft_head import draft_argmax
 from tailored.ops import reference as ref
 
 
 def accept(drafts: list[int], target: list[int], synthetic: float | None = None,
-           rng: random.Random | None = None) -> int:
+           rng: random.Random | None = None, bad: list[bool] | None = None) -> int:
     """Number of drafts kept (0..len(drafts)) of a verify chunk.
 
     drafts: d_1..d_N; target: the target's tokens y_0..y_N at the chunk's rows (y_j follows
-    x_p, d_1..d_j). Greedy rule: the longest prefix with d_{j+1} == y_j. synthetic: accept each
-    draft with this probability instead, up to the first rejection (benchmarks on random
-    weights; rng draws). Raises ValueError if len(target) != len(drafts) + 1."""
+    x_p, d_1..d_j). Greedy rule: the longest prefix with d_{j+1} == y_j; bad (per row, the
+    sampler's NaN flags) ends it at a flagged row, as the device chain does
+    (`SpecGraphs.chain_body`). synthetic: accept each draft with this probability instead, up
+    to the first rejection (benchmarks on random weights; rng draws). Raises ValueError if
+    len(target) != len(drafts) + 1."""
     if len(target) != len(drafts) + 1:
         raise ValueError(f"accept: {len(target)} target tokens for {len(drafts)} drafts")
     a = 0
     for j, d in enumerate(drafts):
-        ok = (rng or random).random() < synthetic if synthetic is not None else d == target[j]
+        ok = ((rng or random).random() < synthetic if synthetic is not None
+              else d == target[j] and not (bad and bad[j]))
         if not ok:
             break
         a += 1
@@ -138,7 +142,7 @@ class MTPDrafter:
         step = 0
         while live:
             live_t = torch.tensor(live, device=dev)
-            tok = self.model.compute_logits(h[live_t]).argmax(-1)
+            tok = draft_argmax(self.model, h[live_t])
             for i, t in zip(live, tok.tolist()):
                 drafts[i].append(t)
             step += 1

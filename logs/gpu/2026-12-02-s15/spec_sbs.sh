@@ -12,7 +12,7 @@ PREC=${1:?prec} N=${2:?drafts} RATE=${3:?rate} MAXRUN=${4:?max running}
 source "$(dirname "$0")/../../../scripts/device_env.sh" "spec_sbs-$PREC-$N-$RATE-$MAXRUN"
 if [ "${TESTS:-0}" = 1 ]; then
     stamp "GPU spec tests"
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_spec.py -x \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_spec.py tests/test_draft_head.py -x \
         > "$OUT/spec-tests.log" 2>&1
     grep -E "passed|failed|^FAILED|^ERROR|Error" "$OUT/spec-tests.log" | tail -8
 fi
@@ -25,6 +25,7 @@ grep "^\[sbs\|ready\|WARNING\|died\|not ready\|Traceback" /tmp/sbs-call.log | ta
 L=/tmp/sbs/tailored-server-$PREC.log
 grep -i "speculative\|captured\|Triton compile\|Error" "$L" | tail -n 12 | cut -c1-260
 grep "step timing" "$L" | sed -n '4p;$p' | cut -c1-330
+grep -o "verify: [^;]*" "$L" | sed -n '3p;6p;$p' | cut -c1-330
 cp /tmp/sbs-call.log "$OUT/"
 python3 scripts/device_results.py "$OUT" /tmp/sbs
 stamp "done"
