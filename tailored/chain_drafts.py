@@ -23,7 +23,7 @@ import torch
 
 from tailored.engine.sampler import HostCopy
 from tailored.engine.scheduler import PENDING_TOKEN
-from tailored.model.batch import to_device
+from tailored.model.batch import index_on
 
 
 @dataclass
@@ -89,8 +89,7 @@ def feed_drafts(input_ids: torch.Tensor, fed: list[tuple[int, ChainDrafts, int, 
         N = rec.dev.shape[1]
         dst.extend(range(q, q + nd))
         src.extend(range(b * N, b * N + nd))
+    dev = input_ids.device
     for rec, dst, src in groups.values():
-        dev = input_ids.device
-        input_ids.index_copy_(0, to_device(torch.tensor(dst, dtype=torch.long), dev),
-                              rec.dev.reshape(-1).index_select(
-                                  0, to_device(torch.tensor(src, dtype=torch.long), dev)))
+        input_ids.index_copy_(0, index_on(dst, dev),
+                              rec.dev.reshape(-1).index_select(0, index_on(src, dev)))

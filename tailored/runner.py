@@ -24,7 +24,7 @@ from tailored.engine.sampler import HostCopy, Sampled, sample_on_device
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import ModelOutput, SchedulerOutput
 from tailored.kernels import env_flag
-from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, to_device
+from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, index_on
 from tailored.model.mtp import DraftRow, MTPDrafter, accept, emitted
 
 log = logging.getLogger("tailored.runner")
@@ -322,8 +322,8 @@ class ModelRunner:
             if list(dst) == list(range(q)) and list(src) == list(range(len(src))):
                 batch.input_ids = ids[:q]  # the common case: the same rows in the same order
             else:
-                dst_t = _index(dst, self.device)
-                batch.input_ids.index_copy_(0, dst_t, ids.index_select(0, _index(src, self.device)))
+                dst_t = index_on(dst, self.device)
+                batch.input_ids.index_copy_(0, dst_t, ids.index_select(0, index_on(src, self.device)))
         feed_drafts(batch.input_ids, fed_drafts)
         timer = self.timer
         events = None
@@ -340,7 +340,7 @@ class ModelRunner:
         hidden = self.model(batch, self.cache)
         if rows:
             # all rows sampled (decode steps): no index tensor to send
-            h = hidden if rows == list(range(hidden.shape[0])) else hidden[_index(rows, self.device)]
+            h = hidden if rows == list(range(hidden.shape[0])) else hidden[index_on(rows, self.device)]
             logits = self.model.compute_logits(h)
             if events is not None:
                 events[1].record(torch.cuda.current_stream(self.device))
@@ -527,7 +527,3 @@ class LaunchedStep:
     # request id -> (chain, row) of the verify chunks whose drafts that chain left on the device
     drafts_in: dict = field(default_factory=dict)
 
-
-def _index(rows, device) -> torch.Tensor:
-    """int64 row indices on `device`, without a blocking copy."""
-    return to_device(torch.tensor(list(rows), dtype=torch.long), device)

@@ -78,6 +78,11 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return pinned(t, device).to(device, non_blocking=True)
 
 
+def index_on(rows, device) -> torch.Tensor:
+    """int64 row indices on `device`, without a blocking copy."""
+    return to_device(torch.tensor(list(rows), dtype=torch.long), device)
+
+
 class HybridCache:
     """KV pages + GDN state slots for all layers (allocated once; pools hand out indices)."""
 

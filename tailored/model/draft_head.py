@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from tailored.kernels import env_flag
-
-FP8_MAX = 448.0
-COLS = 128  # columns a scale covers: fp8_linear's SCALE_BLOCK
+from tailored.model.fp8 import BLOCK as COLS  # columns a scale covers: fp8_linear's SCALE_BLOCK
+from tailored.model.fp8 import FP8, FP8_MAX
 ENABLED = env_flag("TAILORED_MTP_FP8_HEAD", True)
 
 
@@ -35,14 +34,14 @@ def quantize_rows(w: torch.Tensor, chunk: int = 16384) -> tuple[torch.Tensor, to
     whole lm_head would be 2 GB."""
     N, K = w.shape
     kb = -(-K // COLS)
-    q = torch.empty(N, K, dtype=torch.float8_e4m3fn, device=w.device)
+    q = torch.empty(N, K, dtype=FP8, device=w.device)
     scale = torch.empty(N, kb, dtype=torch.float32, device=w.device)
     for r in range(0, N, chunk):
         wf = F.pad(w[r:r + chunk].float(), (0, kb * COLS - K)).view(-1, kb, COLS)
         amax = wf.abs().amax(-1)
         s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         q[r:r + chunk] = (wf / s[..., None]).clamp_(-FP8_MAX, FP8_MAX).view(-1, kb * COLS)[:, :K] \
-            .to(torch.float8_e4m3fn)
+            .to(FP8)
         scale[r:r + chunk] = s
     return q, scale
 
