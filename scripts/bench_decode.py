@@ -56,6 +56,10 @@ VARIANTS = {
     # only for 1-2 rows, where session 9 saw it help (kb/0024); '+' joins: shared_in_moe+moe_up_to2
     "moe_up_to2": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 2),
     "no_shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", False),
+    # routing inside the gate_up GEMM's programs at 1 / 2 rows (moe.route_fused_moe, kb/0036)
+    "route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 1),
+    "route_in_gate_up2": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 2),
+    "shared_up_to1": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 1),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
     # GDN state columns over 2 / 4 programs (kb/0022)

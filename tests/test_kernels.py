@@ -246,6 +246,53 @@ def test_fused_moe_compact_grid_is_bitwise_the_full_grid(T, E, k, monkeypatch):
     assert torch.equal(compact, full) and torch.equal(compact2, full)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,k,shared,fp8", [(1, 16, 4, True, False), (1, 8, 2, False, False),
+                                              (3, 32, 4, True, False), (4, 16, 2, False, False),
+                                              (4, 8, 2, True, False),  # T·S ≥ E+1: full grid
+                                              (2, 16, 4, True, True),
+                                              (1, 256, 8, True, False), (1, 256, 8, True, True),
+                                              (2, 256, 8, True, True)])
+def test_route_fused_moe_is_bitwise_route_align_then_fused_moe(dtype, T, E, k, shared, fp8):
+    """The gate_up programs that route the tokens themselves (kb/0036) give bitwise the
+    routing, alignment and pair terms of route_align + fused_moe(reduce=False); the act and
+    pair rows poisoned with NaN beforehand may not survive; other T are refused."""
+    from tailored.kernels import moe
+    from tailored.model import fp8 as fp8m
+
+    if DEV == "cpu" and E == 256:
+        pytest.skip("full-size case: GPU only (minutes in the interpreter)")
+    g = torch.Generator().manual_seed(T * 31 + E + shared)
+    # FP8: partial 128-blocks of scales; E = 256: the model's dims (spec §7)
+    H, I = (2048, 512) if E == 256 else (256, 160) if fp8 else (64, 48)
+    En = E + 1 if shared else E
+    x = torch.randn(T, H + 8, generator=g).to(DEV, dtype)[:, 3:3 + H]  # strided rows
+    logits = torch.randn(T, E, generator=g).to(DEV, dtype)
+    seg = torch.randn(T, 3, generator=g).to(DEV, dtype)[:, 1:2] if shared else None
+    scales = (None, None)
+    if fp8:
+        qgu, qd, _, (rgu, rd) = _fp8_experts(En, H, I, g)
+        gate_up, down, scales = qgu.to(DEV), qd.to(DEV), (rgu.to(DEV), rd.to(DEV))
+    else:
+        gate_up = (torch.randn(En, 2 * I, H, generator=g) * H ** -0.5).to(DEV, dtype)
+        down = (torch.randn(En, H, I, generator=g) * I ** -0.5).to(DEV, dtype)
+    w0, ids0, *aligned = moe.route_align(logits, k, shared_gate=seg)
+    want = moe.fused_moe(x, w0, ids0, gate_up, down, aligned, *scales, reduce=False)
+    pairs, w, ids = moe.route_fused_moe(x, logits, k, gate_up, down, seg, *scales)
+    assert torch.isfinite(pairs).all()
+    assert torch.equal(w, w0) and torch.equal(ids, ids0)
+    assert torch.equal(pairs, want)
+    del fp8m
+    with pytest.raises(ValueError):
+        moe.route_fused_moe(torch.zeros(5, H, dtype=dtype, device=DEV),
+                            torch.zeros(5, E, dtype=dtype, device=DEV), k, gate_up, down,
+                            None if not shared else torch.zeros(5, 1, dtype=dtype, device=DEV),
+                            *scales)
+    with pytest.raises(ValueError):  # the stack does not match the routing's expert count
+        moe.route_fused_moe(x, logits, k, gate_up, down, None if shared else
+                            torch.zeros(T, 1, dtype=dtype, device=DEV), *scales)
+
+
 def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):
     g = torch.Generator().manual_seed(seed)
     C = 2 * HK * Dk + HV * Dv

@@ -115,7 +115,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
     from tailored.kernels.state_commit import commit_snapshots
     from tailored.kernels import moe_grouped
-    from tailored.kernels.moe import fused_moe, route_align
+    from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.norm import add_rms_norm_1p
     from tailored.kernels.qk_norm_rope import qk_norm_rope
@@ -156,6 +156,14 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     x, w, ids, gu, dn, None, *sc))
             wl = torch.zeros(1024, H, dtype=f8)
             calls.append(lambda x=x, wl=wl: fp8_linear(x, wl, torch.ones(1024, H // 128)))
+            if T == 1:  # routing inside the gate_up programs, shared expert stacked (kb/0036)
+                for wdt in (dt, f8):
+                    calls.append(lambda x=x, wdt=wdt, dt=dt: route_fused_moe(
+                        x, torch.randn(1, E, dtype=dt), K,
+                        torch.empty(E + 1, 2 * I, H, dtype=wdt),
+                        torch.empty(E + 1, H, I, dtype=wdt), torch.randn(1, 1, dtype=dt),
+                        *((torch.ones(E + 1, 2 * I // 128, H // 128),
+                           torch.ones(E + 1, H // 128, I // 128)) if wdt == f8 else ())))
             if T == 1:  # FP8 weight -> activation dtype for the prefill GEMMs (kb/0026)
                 calls.append(lambda wl=wl, dt=dt: dequantize_rows(
                     wl, torch.ones(1024, H // 128), dtype=dt))
@@ -254,7 +262,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
            "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
-           "_dequant_experts_kernel"}
+           "_dequant_experts_kernel", "_route_gate_up_kernel"}
 
 
 def _compile(recs) -> list[dict]:

@@ -99,16 +99,15 @@ def _program_expert(offsets_ptr, experts_ptr, COMPACT: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, ws_ptr,
-                    TOPK, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
-                    s_up,
-                    H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                    COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
+def _gate_up_rows(x_ptr, w_ptr, order_ptr, act_ptr, ws_ptr, e, start, end, TOPK, stride_xt,
+                  stride_wn, stride_at, stride_sn, s_up, stride_we, stride_se,
+                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KB: tl.constexpr,
+                  DOT_PREC: tl.constexpr, W_FP8: tl.constexpr, DOT_F16: tl.constexpr,
+                  PAIR_IS_ROW: tl.constexpr):
+    """act[p] = silu(x[t_p] G_eᵀ) ⊙ (x[t_p] U_eᵀ) for this program's N block and expert e's
+    pairs start..end-1 (pair = order[row], or the row itself with PAIR_IS_ROW: one pair per
+    program, `route_fused_moe`)."""
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -118,7 +117,10 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
     while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < end
-        pair = tl.load(order_ptr + m, mask=m_ok, other=0)
+        if PAIR_IS_ROW:
+            pair = m
+        else:
+            pair = tl.load(order_ptr + m, mask=m_ok, other=0)
         tok = pair // TOPK
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -141,6 +143,22 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
         tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_at + n[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
         m0 += BLOCK_M
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, ws_ptr,
+                    TOPK, stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn,
+                    s_up,
+                    H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
+                    COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
+    _gate_up_rows(x_ptr, w_ptr, order_ptr, act_ptr, ws_ptr, e, start, end, TOPK, stride_xt,
+                  stride_wn, stride_at, stride_sn, s_up, stride_we, stride_se, H, I, BLOCK_M,
+                  BLOCK_N, BLOCK_K, KB, DOT_PREC, W_FP8, DOT_F16, False)
 
 
 @triton.jit
@@ -209,7 +227,7 @@ def _blocks(num_pairs: int, num_experts: int, fp8: bool = False):
     return 64, 128, 64, 8
 
 
-def _tuned(kernel, decode: bool, fp8: bool = False):
+def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True):
     """Autotuned launcher (CUDA only) keyed on the model dims, BLOCK_M and the pair-count
     bucket; tuned when first seen (the runner warms every decode batch size up before CUDA
     graph capture, so no tuning ever happens inside a capture). FP8 weights: dots of KB ≤ 128 (one
@@ -237,9 +255,9 @@ def _tuned(kernel, decode: bool, fp8: bool = False):
     # COMPACT in the key: bucket 256 holds both T=17..31 (compact grid) and T=32 (full grid)
     name = (f"moe/{kernel.__name__.strip('_').removesuffix('_kernel')}/"
             f"{'decode' if decode else 'prefill'}/{'fp8' if fp8 else 'bf16'}")
-    return tuning.register(name, triton.autotune(
-        configs=cfgs, key=["H", "I", "BLOCK_M", "PAIRS_BUCKET", "COMPACT"], warmup=5,
-        rep=20)(kernel))
+    key = ["H", "I", "BLOCK_M", "PAIRS_BUCKET"] + (["COMPACT"] if compact_key else [])
+    return tuning.register(name, triton.autotune(configs=cfgs, key=key, warmup=5,
+                                                 rep=20)(kernel))
 
 
 _LAUNCHERS: dict = {}
@@ -260,18 +278,20 @@ COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first e
 def _launcher(name: str, decode: bool, fp8: bool = False):
     key = (name, decode, fp8)
     if key not in _LAUNCHERS:
-        kernel = _gate_up_kernel if name == "gate_up" else _down_kernel
-        _LAUNCHERS[key] = _tuned(kernel, decode, fp8)
+        kernel = {"gate_up": _gate_up_kernel, "down": _down_kernel,
+                  "route_gate_up": _route_gate_up_kernel}[name]
+        _LAUNCHERS[key] = _tuned(kernel, decode, fp8, compact_key=name != "route_gate_up")
     return _LAUNCHERS[key]
 
 
 @triton.jit
-def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, stride_l, stride_s,
+def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, store_ok, stride_l, stride_s,
                E: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
     """Routing of the token rows t (spec §7.2): softmax over the E experts (fp32), top-k by
     repeated max (largest first, ties to the lowest id), renormalised over the k, stored as
     w/ids [T, S] (S = k, or k+1 with the shared expert as expert E in slot k, weight
-    sigmoid(shared gate)). Returns sel [rows, E]: slot+1 of each chosen expert, 0 elsewhere."""
+    sigmoid(shared gate)), in the rows where store_ok. Returns (sel [rows, E]: slot+1 of each
+    chosen expert, 0 elsewhere; the expert ids by slot [rows, BLOCK_S] int64)."""
     e = tl.arange(0, E)
     S: tl.constexpr = K + 1 if SHARED else K  # pair slots per token
     x = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=t_ok[:, None],
@@ -295,10 +315,10 @@ def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, stride_l, stride_s,
         s = tl.load(seg_ptr + t * stride_s, mask=t_ok, other=0.0).to(tl.float32)
         wt = tl.where(c[None, :] == K, tl.math.div_rn(1.0, 1.0 + tl.exp(-s))[:, None], wt)
         it = tl.where(c[None, :] == K, E, it)
-    out_ok = t_ok[:, None] & (c[None, :] < S)
+    out_ok = store_ok[:, None] & (c[None, :] < S)
     tl.store(w_ptr + t[:, None] * S + c[None, :], wt.to(w_ptr.dtype.element_ty), mask=out_ok)
     tl.store(ids_ptr + t[:, None] * S + c[None, :], it, mask=out_ok)
-    return sel
+    return sel, it
 
 
 @triton.jit
@@ -336,8 +356,8 @@ def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_
         pdl_enter()
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
-    sel = _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, stride_l, stride_s, E, K,
-                     BLOCK_S, SHARED)
+    sel, _ = _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, t_ok, stride_l, stride_s,
+                        E, K, BLOCK_S, SHARED)
     _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E, K, SHARED)
 
 
@@ -351,8 +371,42 @@ def _route_rows_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, T, stride_l, stride_
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t < T, stride_l, stride_s, E, K,
+    _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t < T, t < T, stride_l, stride_s, E, K,
                BLOCK_S, SHARED)
+
+
+@triton.jit
+def _route_gate_up_kernel(x_ptr, w_ptr, act_ptr, ws_ptr, logits_ptr, seg_ptr, rw_ptr, ids_ptr,
+                          order_ptr, offsets_ptr, experts_ptr, T, TOPK, stride_xt, stride_we,
+                          stride_wn, stride_at, stride_se, stride_sn, s_up, stride_l, stride_s,
+                          H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KB: tl.constexpr,
+                          DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
+                          E: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_S: tl.constexpr, SHARED: tl.constexpr,
+                          DOT_F16: tl.constexpr = False, PDL: tl.constexpr = False):
+    """route_align and the gate_up GEMM in one launch (`route_fused_moe`, kb/0036): program
+    (p, n) routes all T ≤ 4 tokens itself (the same `_topk_tile` as `_route_align_kernel`),
+    takes pair p = t·TOPK + slot, and computes that one pair's act for N block n. Program
+    (0, 0) also stores the routing (weights, ids) and the alignment (order, offsets, experts)
+    for the down kernel, which is launched as after `route_align`."""
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    p = tl.program_id(0)
+    first = (p == 0) & (tl.program_id(1) == 0)
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    store = t_ok & ((t * 0 + p + tl.program_id(1)) == 0)  # program (0, 0)'s rows
+    sel, it = _topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store,
+                         stride_l, stride_s, E, K, BLOCK_S, SHARED)
+    if first:
+        _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E, K, SHARED)
+    c = tl.arange(0, BLOCK_S)
+    mine = (t[:, None] == p // TOPK) & (c[None, :] == p % TOPK)
+    e = tl.sum(tl.where(mine, it, 0))
+    _gate_up_rows(x_ptr, w_ptr, order_ptr, act_ptr, ws_ptr, e, p, p + 1, TOPK, stride_xt,
+                  stride_wn, stride_at, stride_sn, s_up, stride_we, stride_se, H, I, BLOCK_M,
+                  BLOCK_N, BLOCK_K, KB, DOT_PREC, W_FP8, DOT_F16, True)
 
 
 # P (pairs) and NE change with the step's tokens: one variant for every count (a variant per
@@ -458,6 +512,41 @@ def expert_shapes(x, weights, ids, gate_up, down, who: str) -> tuple[int, int, i
     return T, H, E, I
 
 
+def _expert_scales(x, gate_up, down, gate_up_scale, down_scale, E, H, I, who: str):
+    """(fp8, gate_up_scale, down_scale, (gate_up scale strides), (down scale strides)) of an
+    expert call: FP8 weights need their block scales (else ValueError naming `who`); bf16/fp32
+    weights get x as the unused pointer arguments."""
+    fp8 = gate_up.dtype == torch.float8_e4m3fn
+    nb_i, nb_h = triton.cdiv(I, 128), triton.cdiv(H, 128)
+    if fp8 and (gate_up_scale is None or down_scale is None
+                or gate_up_scale.shape != (E, 2 * nb_i, nb_h)
+                or down_scale.shape != (E, nb_h, nb_i)):
+        raise ValueError(f"{who}: FP8 experts need block scales gate_up_scale "
+                         f"[{E}, {2 * nb_i}, {nb_h}] and down_scale [{E}, {nb_h}, {nb_i}] "
+                         "(fp8.expert_block_scales)")
+    if not fp8:  # unused pointer arguments
+        return False, x, x, (0, 0), (0, 0)
+    gate_up_scale, down_scale = gate_up_scale.contiguous(), down_scale.contiguous()
+    return (True, gate_up_scale, down_scale, (gate_up_scale.stride(0), gate_up_scale.stride(1)),
+            (down_scale.stride(0), down_scale.stride(1)))
+
+
+def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int, warps: int,
+                 prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor):
+    """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks)."""
+    if tuned:
+        _launcher("down", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
+            *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
+            COMPACT=compact, **pdl_launch(x))
+        return
+    kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
+    bk_dn = min(bk, triton.next_power_of_2(I))
+    _down_kernel[(grid_e, triton.cdiv(H, bn))](
+        *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
+        DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps,
+        **pdl_launch(x))
+
+
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               gate_up: torch.Tensor, down: torch.Tensor, aligned=None,
               gate_up_scale: torch.Tensor | None = None,
@@ -480,21 +569,9 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     Raises ValueError on mismatched shapes.
     """
     T, H, E, I = expert_shapes(x, weights, ids, gate_up, down, "fused_moe")
-    fp8 = gate_up.dtype == torch.float8_e4m3fn
-    nb_i, nb_h = triton.cdiv(I, 128), triton.cdiv(H, 128)
-    if fp8 and (gate_up_scale is None or down_scale is None
-                or gate_up_scale.shape != (E, 2 * nb_i, nb_h)
-                or down_scale.shape != (E, nb_h, nb_i)):
-        raise ValueError("fused_moe: FP8 experts need block scales gate_up_scale "
-                         f"[{E}, {2 * nb_i}, {nb_h}] and down_scale [{E}, {nb_h}, {nb_i}] "
-                         "(fp8.expert_block_scales)")
-    if not fp8:  # unused pointer arguments
-        gate_up_scale = down_scale = x
-        s_gu = s_dn = (0, 0)
-    else:
-        gate_up_scale, down_scale = gate_up_scale.contiguous(), down_scale.contiguous()
-        s_gu = (gate_up_scale.stride(0), gate_up_scale.stride(1))
-        s_dn = (down_scale.stride(0), down_scale.stride(1))
+    fp8, gate_up_scale, down_scale, s_gu, s_dn = _expert_scales(
+        x, gate_up, down, gate_up_scale, down_scale, E, H, I, "fused_moe")
+    nb_i = triton.cdiv(I, 128)
     k = ids.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -516,23 +593,87 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     dn_args = (act, down, order, offsets, experts, rw, y, down_scale,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
     f16 = fp8 and FP8_DOT_F16 and x.dtype == torch.bfloat16  # exact for bf16 activations only
-    if x.is_cuda and autotune_enabled(x.dtype):  # autotuned block sizes
-        decode = bm == 16
-        _launcher("gate_up", decode, fp8)[lambda m: (grid_e, triton.cdiv(I, m["BLOCK_N"]))](
+    tuned = x.is_cuda and autotune_enabled(x.dtype)
+    if tuned:  # autotuned block sizes
+        _launcher("gate_up", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(I, m["BLOCK_N"]))](
             *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
             COMPACT=compact, DOT_F16=f16, **pdl_launch(x))
-        _launcher("down", decode, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
-            *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact, **pdl_launch(x))
     else:  # Triton's interpreter (tests on the CPU), or TAILORED_AUTOTUNE=0: the fixed choice
         kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
         _gate_up_kernel[(grid_e, triton.cdiv(I, bn))](
             *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=kb, DOT_PREC=prec,
             PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps,
             **pdl_launch(x))
-        bk_dn = min(bk, triton.next_power_of_2(I))
-        _down_kernel[(grid_e, triton.cdiv(H, bn))](
-            *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
-            DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps,
-            **pdl_launch(x))
+    _launch_down(dn_args, grid_e, H, I, bm, bn, bk, warps, prec, bucket, fp8, compact, tuned, x)
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y
+
+
+def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                    gate_up: torch.Tensor, down: torch.Tensor,
+                    shared_gate: torch.Tensor | None = None,
+                    gate_up_scale: torch.Tensor | None = None,
+                    down_scale: torch.Tensor | None = None):
+    """`route_align` then `fused_moe(..., reduce=False)` in two launches instead of three: the
+    gate_up programs route the tokens themselves (one program per (token, slot) pair and N
+    block), so the step's chain loses the routing launch (kb/0036). Decode batches only.
+
+    x: [T, H] normed hidden states, T ≤ ROUTE_ONE_PROGRAM_UP_TO (4); router_logits: [T, E],
+    E a power of 2; shared_gate [T, 1] or None and the experts (with the shared one stacked as
+    expert E when shared_gate is given, `model/moe_stack.py`) as in `route_align` and
+    `fused_moe`. Returns (pairs [T·S, H] fp32 in (token, slot) order, weights [T, S] in the
+    logits dtype, ids [T, S] int64), S = top_k (+1 with the shared expert): bitwise what
+    `route_align` + `fused_moe(reduce=False)` give (the same top-k code, the same per-pair
+    arithmetic). Raises ValueError for other T, E or shapes.
+    """
+    T, E = router_logits.shape
+    if T > ROUTE_ONE_PROGRAM_UP_TO or T < 1 or E & (E - 1):
+        raise ValueError(f"route_fused_moe: T={T} not in 1..{ROUTE_ONE_PROGRAM_UP_TO} or "
+                         f"E={E} not a power of 2")
+    shared = shared_gate is not None
+    if shared and shared_gate.shape != (T, 1):
+        raise ValueError(f"route_fused_moe: shared_gate{tuple(shared_gate.shape)}, want ({T}, 1)")
+    S, En = (top_k + 1, E + 1) if shared else (top_k, E)
+    dev = router_logits.device
+    w = torch.empty(T, S, dtype=router_logits.dtype, device=dev)
+    ids = torch.empty(T, S, dtype=torch.int64, device=dev)
+    _, H, Ew, I = expert_shapes(x, w, ids, gate_up, down, "route_fused_moe")
+    if Ew != En:
+        raise ValueError(f"route_fused_moe: {Ew} experts in the weights, routing gives {En}")
+    fp8, gate_up_scale, down_scale, s_gu, s_dn = _expert_scales(
+        x, gate_up, down, gate_up_scale, down_scale, Ew, H, I, "route_fused_moe")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    order = torch.empty(T * S, dtype=torch.int32, device=dev)
+    offsets = torch.empty(En + 1, dtype=torch.int32, device=dev)
+    experts = torch.empty(En, dtype=torch.int32, device=dev)
+    act = torch.empty(T * S, I, dtype=x.dtype, device=dev)
+    y = torch.empty(T * S, H, dtype=torch.float32, device=dev)
+    seg = shared_gate if shared else router_logits
+    bm, bn, bk, warps = _blocks(T * S, Ew, fp8)
+    prec = dot_precision(x.dtype)
+    bucket = triton.next_power_of_2(T * S)
+    gu_args = (x, gate_up, act, gate_up_scale, router_logits, seg, w, ids, order, offsets,
+               experts, T, S, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+               act.stride(0), *s_gu, triton.cdiv(I, 128), router_logits.stride(0),
+               seg.stride(0))
+    # the down GEMM as after route_align: over the active-first experts while T·S < experts
+    compact = COMPACT_GRID and T * S < En
+    dn_args = (act, down, order, offsets, experts if compact else offsets, w.view(-1), y,
+               down_scale, act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
+    route = dict(E=E, K=top_k, BLOCK_T=max(2, triton.next_power_of_2(T)),
+                 BLOCK_S=triton.next_power_of_2(S), SHARED=shared)
+    f16 = fp8 and FP8_DOT_F16 and x.dtype == torch.bfloat16
+    tuned = x.is_cuda and autotune_enabled(x.dtype)
+    if tuned:
+        _launcher("route_gate_up", True, fp8)[lambda m: (T * S, triton.cdiv(I, m["BLOCK_N"]))](
+            *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
+            DOT_F16=f16, **route, **pdl_launch(x))
+    else:
+        _route_gate_up_kernel[(T * S, triton.cdiv(I, bn))](
+            *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            KB=min(bk, 128) if fp8 else bk, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
+            DOT_F16=f16, **route, num_warps=warps, **pdl_launch(x))
+    _launch_down(dn_args, T * S if compact else En, H, I, bm, bn, bk, warps, prec, bucket, fp8,
+                 compact, tuned, x)
+    return y, w, ids

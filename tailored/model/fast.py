@@ -36,7 +36,7 @@ from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
 from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_grouped
-from tailored.kernels.moe import fused_moe, route_align
+from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import qk_norm_rope
@@ -61,6 +61,12 @@ SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 32, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
+# MoE inputs of up to this many rows route inside the gate_up GEMM's programs
+# (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
+# (route_align took ~4.9 µs a layer at B=1, kb/0029 §4), each gate_up program repeating the
+# top-k of the step's ≤ 4 rows; bitwise the same results. 0 = off. Read at call time (A/B).
+ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 0, 0,
+                                 moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
 # W8A16 GEMM has an ~11 µs floor at K = 2048 where cuBLAS bf16 takes 7.5 (decode) and is 2.6x
@@ -486,10 +492,15 @@ class FastPath:
         E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]
         # decode batches: routing + align in one or two launches (read at call time: A/B)
         one_launch = T <= moe_kernels.ROUTE_ALIGN_USE_UP_TO and not E & (E - 1)
+        in_gate_up = T <= ROUTE_IN_GATE_UP_UP_TO and not E & (E - 1)  # no routing launch
         stack = self.stacks.get(i)
         if SHARED_IN_MOE and stack is not None and T <= SHARED_IN_MOE_UP_TO:
             # the shared expert as expert E: slot k of every token, weight sigmoid(gate)
             r, seg = torch.split(self.p_route[i](x), [E, 1], dim=-1)
+            if in_gate_up:
+                pairs, _, _ = route_fused_moe(x, r, k, stack.gate_up, stack.down, seg,
+                                              stack.gate_up_scale, stack.down_scale)
+                return moe_combine_folded(pairs, k, x.dtype, norm)
             if one_launch:
                 w, ids, *aligned = route_align(r, k, shared_gate=seg)
             else:
@@ -501,6 +512,12 @@ class FastPath:
                               stack.gate_up_scale, stack.down_scale, reduce=False)
             return moe_combine_folded(pairs, k, x.dtype, norm)
         r, seg, sg, su = self.p_moe[i](x)
+        if in_gate_up and not self._use_grouped(x):
+            pairs, _, _ = route_fused_moe(x, r, k, mlp.experts.gate_up_proj,
+                                          mlp.experts.down_proj, None,
+                                          *self.experts.get(i, (None, None)))
+            shared = self.p_down[i](silu_mul(sg, su))
+            return moe_combine(pairs, k, seg, shared, norm)
         if one_launch:
             w, ids, *aligned = route_align(r, k)  # order, offsets, experts
         else:
