@@ -46,13 +46,28 @@ def test_session9_defaults():
     from tailored.model import fast
 
     for name in ("TAILORED_ROUTE_ALIGN_UP_TO", "TAILORED_GDN_DV_SPLIT",
-                 "TAILORED_COMBINE_NEXT_NORM", "TAILORED_SHARED_IN_MOE", "TAILORED_ATTN_SPLITS"):
+                 "TAILORED_COMBINE_NEXT_NORM", "TAILORED_ATTN_SPLITS"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert moe.ROUTE_ALIGN_USE_UP_TO == moe.ROUTE_ALIGN_MAX_TOKENS == 64
     assert gdn_decode.DV_SPLIT == 2
     assert fast.COMBINE_NEXT_NORM is True
-    assert fast.SHARED_IN_MOE is False and attention_decode.ADAPTIVE_SPLITS is False
+    assert attention_decode.ADAPTIVE_SPLITS is False
+
+
+def test_session18_defaults():
+    """Session 18's A/B winners (kb/0036): the shared expert as expert E at one row, routing
+    inside the gate_up programs up to two rows."""
+    import os
+
+    from tailored.model import fast
+
+    for name in ("TAILORED_SHARED_IN_MOE", "TAILORED_SHARED_IN_MOE_UP_TO",
+                 "TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO"):
+        if os.environ.get(name):
+            pytest.skip(f"{name} is set in this environment")
+    assert fast.SHARED_IN_MOE is True and fast.SHARED_IN_MOE_UP_TO == 1
+    assert fast.ROUTE_IN_GATE_UP_UP_TO == 2
 
 
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():
@@ -68,6 +83,6 @@ def test_shared_in_moe_up_to_is_a_strict_integer_switch():
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            timeout=120)
         if ok:
-            assert r.returncode == 0 and r.stdout.split()[-1] == (raw or "32"), r.stderr[-300:]
+            assert r.returncode == 0 and r.stdout.split()[-1] == (raw or "1"), r.stderr[-300:]
         else:
             assert r.returncode != 0 and "TAILORED_SHARED_IN_MOE_UP_TO" in r.stderr

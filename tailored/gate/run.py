@@ -409,6 +409,7 @@ def _kernel_switches() -> dict:
     return {"moe_compact_grid": moe.COMPACT_GRID, "route_one_program_up_to":
             moe.ROUTE_ONE_PROGRAM_UP_TO,
             "shared_in_moe": fast.SHARED_IN_MOE, "shared_in_moe_up_to": fast.SHARED_IN_MOE_UP_TO,
+            "route_in_gate_up_up_to": fast.ROUTE_IN_GATE_UP_UP_TO,
             "attention_adaptive_splits":
             attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,

@@ -54,10 +54,11 @@ PREFILL_BUCKETS = tuple(range(128, 2049, 128)) + (3072, 4096, 6144, 8192)
 # the shared expert as routed expert E in batches of up to SHARED_IN_MOE_UP_TO rows (kb/0019).
 # Above that its one program per N block would walk many times the rows of any routed
 # expert's (prefill: 1024 rows against ~32), so prefill keeps it a separate GEMM.
-SHARED_IN_MOE = env_flag("TAILORED_SHARED_IN_MOE", False)
-# session 9 (kb/0024): B=1 -3.8 % (inside the B=1 noise), B=16 +3.7 %: the next A/B times
-# it at 1-2 rows only (TAILORED_SHARED_IN_MOE_UP_TO, bench_decode variants shared_in_moe+moe_up_to2)
-SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 32, 1, 128)
+# Session 9 (kb/0024): B=1 -3.8 % (inside the B=1 noise), B=16 +3.7 %. Session 18 (kb/0036,
+# 3 rounds in one process): B=1 bf16 -5.9 %, FP8 -4.5 %, but B=2 +3.5 % / +2.1 %: on for one
+# row only, where the c=1 benchmark decodes.
+SHARED_IN_MOE = env_flag("TAILORED_SHARED_IN_MOE", True)
+SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 1, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
@@ -65,7 +66,9 @@ COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 # (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
 # (route_align took ~4.9 µs a layer at B=1, kb/0029 §4), each gate_up program repeating the
 # top-k of the step's ≤ 4 rows; bitwise the same results. 0 = off. Read at call time (A/B).
-ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 0, 0,
+# Session 18 (kb/0036, medians of 3 rounds): B=1 with the shared expert as expert E bf16 3.61 ->
+# 3.56 ms, FP8 3.75 -> 3.62; B=2 without it bf16 -1.6 %, FP8 -3.9 %. 3-4 rows: not measured.
+ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 2, 0,
                                  moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
