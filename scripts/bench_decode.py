@@ -60,6 +60,9 @@ VARIANTS = {
     "route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 1),
     "route_in_gate_up2": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 2),
     "shared_up_to1": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 1),
+    "no_route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 0),
+    # the attention output gate in the merge kernel (kb/0036)
+    "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
     # GDN state columns over 2 / 4 programs (kb/0022)

@@ -105,6 +105,8 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
     if variant != "defaults":
         monkeypatch.setattr(fastmod, "ROUTE_IN_GATE_UP_UP_TO", 4)
+    if variant == "switches":
+        monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
 

@@ -489,6 +489,21 @@ def test_paged_decode_attention(dtype, page, lens, splits, monkeypatch):
                                  num_splits=None if splits == "by_batch" else splits)
     assert torch.isfinite(out).all()
     assert rel_err(out, torch.stack(want)) < TOL[dtype]
+    # the output gate in the merge (kb/0036): a strided view of a wider projection, as the
+    # model's q|gate rows give it; equal to the two torch ops, bitwise in fp32
+    gate = torch.randn(B, Hq, 2 * D, generator=g).to(DEV, dtype)[..., D:]
+    gated = paged_decode_attention(q, kc, vc, table.to(DEV),
+                                   torch.tensor(lens, dtype=torch.int32, device=DEV),
+                                   num_splits=None if splits == "by_batch" else splits,
+                                   gate=gate)
+    two_ops = out * torch.sigmoid(gate)
+    if dtype == torch.float32:
+        assert torch.allclose(gated, two_ops, rtol=1e-6, atol=1e-7)
+    else:  # one bf16 ulp where Triton's and torch's sigmoid round differently
+        assert (gated.float() - two_ops.float()).abs().max() <= 2 ** -7 * two_ops.float().abs().max()
+    with pytest.raises(ValueError):
+        paged_decode_attention(q, kc, vc, table.to(DEV),
+                               torch.tensor(lens, dtype=torch.int32, device=DEV), gate=gate[:, :1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

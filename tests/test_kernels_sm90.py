@@ -252,6 +252,11 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             calls.append(lambda splits=splits, dt=dt, kc=kc: paged_decode_attention(
                 torch.randn(B, 16, 256, dtype=dt), kc, kc, torch.zeros(B, 4, dtype=torch.int32),
                 torch.tensor([1, 17, 40], dtype=torch.int32), num_splits=splits))
+        # the output gate in the merge (kb/0036): a strided view of the q|gate rows
+        calls.append(lambda dt=dt, kc=kc: paged_decode_attention(
+            torch.randn(B, 16, 256, dtype=dt), kc, kc, torch.zeros(B, 4, dtype=torch.int32),
+            torch.tensor([1, 17, 40], dtype=torch.int32),
+            gate=torch.randn(B, 16, 512, dtype=dt)[..., 256:]))
     return calls
 
 

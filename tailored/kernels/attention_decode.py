@@ -71,10 +71,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, a
 
 
 @triton.jit
-def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
+def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, gate_ptr,
+                       stride_gb, stride_gh,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       GATE: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     b = tl.program_id(0)
@@ -96,6 +97,11 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
         acc += tl.load(acc_ptr + ((base + sp) * BLOCK_G + g)[:, None] * D + d[None, :],
                        mask=g_ok[:, None], other=0.0) * w[:, None]
     o = acc / tl.where(g_ok, l_all, 1.0)[:, None]
+    if GATE:  # o · sigmoid(gate) with the roundings of the two torch ops it replaces (spec §6.5)
+        gt = tl.load(gate_ptr + b * stride_gb + (hk * GROUP + g)[:, None] * stride_gh
+                     + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        o = o.to(dt).to(tl.float32) * tl.sigmoid(gt).to(dt).to(tl.float32)
     tl.store(out_ptr + b * stride_ob + (hk * GROUP + g)[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
@@ -118,7 +124,8 @@ def splits_for(batch: int, kv_heads: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q Kᵀ/√D) V for one query per sequence over its cached keys 0..len−1.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D] (one layer; the new token's
@@ -127,10 +134,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (computed on the device, so one captured graph serves every length); None = `splits_for`.
     BLOCK_N (keys per iteration) is 64, or 32 with ≥ 16 splits so that a 1024-token context
     still reaches 32 splits. Returns [B, Hq, D] in q.dtype.
+    gate: [B, Hq, D] (unit stride in D, other strides free; the attention gate rows of the
+    q projection, spec §6.5): the merge returns attention · sigmoid(gate) instead, rounded
+    like `(o.to(dtype) * torch.sigmoid(gate))` (two launches fewer a layer, kb/0036).
     """
     B, Hq, D = q.shape
     _, page, Hkv, D2 = k_cache.shape
     assert D2 == D and q.stride(2) == 1 and k_cache.stride(3) == 1
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"paged_decode_attention: gate{tuple(gate.shape)} with strides "
+                         f"{gate.stride()}, want {tuple(q.shape)} with unit stride in D")
     group = Hq // Hkv
     block_g = max(16, triton.next_power_of_2(group))
     if num_splits is None:
@@ -148,8 +161,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_PREC=prec, num_warps=4, **pdl_launch(q))
     out = torch.empty_like(q)
     block_d = D if num_splits <= 8 else min(D, 64)  # many splits: more merge programs
+    g = gate if gate is not None else out  # unused pointer without a gate
     _attn_merge_kernel[(B, Hkv, D // block_d)](m, l_, acc, out, out.stride(0), out.stride(1),
+                                               g, g.stride(0), g.stride(1),
                                                GROUP=group, BLOCK_G=block_g, D=D,
                                                BLOCK_D=block_d, NUM_SPLITS=num_splits,
-                                               **pdl_launch(out))
+                                               GATE=gate is not None, **pdl_launch(out))
     return out

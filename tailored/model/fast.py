@@ -62,6 +62,10 @@ SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 1, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
+# decode attention: the output gate's sigmoid and product in the merge kernel's launch
+# (paged_decode_attention(gate=), kb/0036): two launches fewer per attention layer; rounded as
+# the two torch ops are. Built in session 18, not yet measured on the H200: off.
+ATTN_GATE_IN_MERGE = env_flag("TAILORED_ATTN_GATE_IN_MERGE", False)
 # MoE inputs of up to this many rows route inside the gate_up GEMM's programs
 # (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
 # (route_align took ~4.9 µs a layer at B=1, kb/0029 §4), each gate_up program repeating the
@@ -679,14 +683,15 @@ class FastPath:
         return o[0], hT
 
     def _attn_qkv(self, i, x, cos, sin, kv_rows=None):
-        """q, k, v [T, heads, D] and the output gate [T, Hq·D]. kv_rows (decode): k and v go
+        """q, k, v [T, heads, D] and the output gate [T, Hq, D] (a strided view of the q
+        projection: no copy, `_attn_out` reads it as is). kv_rows (decode): k and v go
         straight into layer i's KV cache rows in the k norm's launch; k and v are then that
         layer's cache tensors [pages, page_size, Hkv, D]."""
         cfg, m = self.cfg, self.layers[i].self_attn
         T, D, Hq, Hkv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         qg, k, v = self.p_in[i](x)
         qg = qg.view(T, Hq, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
+        q, gate = qg[..., :D], qg[..., D:]
         k = k.view(T, Hkv, D)
         v = v.view(T, Hkv, D)
         # per-head norm + partial RoPE: one launch per tensor (kernels/qk_norm_rope.py)
@@ -703,6 +708,9 @@ class FastPath:
     def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):
         # the KV store rides in the k norm's launch (two index_copy_ launches fewer per layer)
         q, kc, vc, gate = self._attn_qkv(i, x, cos, sin, kv_rows)
+        if ATTN_GATE_IN_MERGE:  # the gate in the merge's launch (kb/0036)
+            o = paged_decode_attention(q.contiguous(), kc, vc, table, lens, gate=gate)
+            return self.p_out[i](o.reshape(o.shape[0], -1))
         o = paged_decode_attention(q.contiguous(), kc, vc, table, lens)
         return self._attn_out(i, o, gate)
 
@@ -736,8 +744,10 @@ class FastPath:
 
     def _attn_out(self, i, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o_proj(attention output · sigmoid(gate)) (spec §6.5). o [T, Hq, D] or [T, Hq·D];
-        gate [T, Hq·D]."""
-        return self.p_out[i](o.reshape(o.shape[0], -1) * torch.sigmoid(gate))
+        gate [T, Hq, D], strided: sigmoid reads the view and writes a contiguous tensor, so
+        no copy kernel runs for the reshape (the values are those of a copy first)."""
+        T = o.shape[0]
+        return self.p_out[i](o.reshape(T, -1) * torch.sigmoid(gate).reshape(T, -1))
 
     # -------------------------------------------------------------------------------------------
     # forward
