@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 18, call 2 (one per precision, ~5 min, carry [".whl"]): the new defaults of kb/0036
+# Session 18, call 2 (one per precision, ~6-9 min cold, carry [".whl"]): the new defaults of kb/0036
 # (shared expert as expert E at one row, routing inside the gate_up programs up to two rows).
 # TESTS=1: GPU tests of route_fused_moe first (bitwise vs route_align + fused_moe, full size
 # bf16/FP8). Then the gate with the shared expert as expert E at every decode batch up to 64
@@ -11,12 +11,12 @@ PREC=${1:?usage: call2.sh bf16|fp8}
 source "$(dirname "$0")/../../../scripts/device_env.sh" call2-$PREC
 if [ "${TESTS:-0}" = 1 ]; then
     stamp "GPU tests: route_fused_moe, paged decode attention (with the gate in the merge)"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "route_fused_moe or paged_decode" \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "route_fused_moe or paged_decode" \
         2>&1 | grep "passed\|failed\|Error\|assert" | tail -8
 fi
 stamp "gate $PREC, prefill graphs, shared expert as E up to 64 rows, route in gate_up up to 4"
 TAILORED_SHARED_IN_MOE_UP_TO=64 TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO=4 GATE_ARGS="--prefill-graphs" \
-    timeout 170 bash scripts/gpu_gate.sh $PREC \
+    timeout 280 bash scripts/gpu_gate.sh $PREC \
     2>&1 | grep "overall\|vs bf16\|gate PASSED\|gate FAILED\|not captured\|Traceback\|Error" | head -8
 if [ "${AB:-0}" = 1 ]; then
     stamp "micro $PREC: B=1 A/B of the attention gate in the merge (kb/0036)"
