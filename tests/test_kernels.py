@@ -293,6 +293,37 @@ def test_route_fused_moe_is_bitwise_route_align_then_fused_moe(dtype, T, E, k, s
                             torch.zeros(T, 1, dtype=dtype, device=DEV), *scales)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_routing_of_a_nan_row_picks_distinct_experts(fused):
+    """A row of NaN / inf router logits (a poisoned token) still routes to k distinct experts
+    in range, so the alignment writes every pair the expert GEMMs read (on the GPU the top-k
+    rounds would all pick one expert otherwise, and the shared expert's down program read
+    unwritten pair ids, kb/0036); the other rows route as without it."""
+    from tailored.kernels import moe
+
+    T, E, k, H, I = 3, 16, 4, 64, 48
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(T, E, generator=g).to(DEV)
+    bad = logits.clone()
+    bad[1, 3] = float("nan")
+    bad[2, 5] = float("inf")
+    seg = torch.randn(T, 1, generator=g).to(DEV)
+    x = torch.randn(T, H, generator=g).to(DEV)
+    gate_up = (torch.randn(E + 1, 2 * I, H, generator=g) * H ** -0.5).to(DEV)
+    down = (torch.randn(E + 1, H, I, generator=g) * I ** -0.5).to(DEV)
+    for lg in (logits, bad):
+        if fused:
+            pairs, w, ids = moe.route_fused_moe(x, lg, k, gate_up, down, seg)
+            assert torch.isfinite(pairs[:k + 1]).all()  # row 0's pairs
+        else:
+            w, ids, order, offsets, experts = moe.route_align(lg, k, shared_gate=seg)
+            assert sorted(order.tolist()) == list(range(T * (k + 1)))
+        for t in range(T):
+            assert len(set(ids[t].tolist())) == k + 1 and int(ids[t].max()) == E
+    w0, ids0, *_ = moe.route_align(logits, k, shared_gate=seg)
+    assert torch.equal(ids[0], ids0[0]) and torch.equal(w[0], w0[0])
+
+
 def _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, seed):
     g = torch.Generator().manual_seed(seed)
     C = 2 * HK * Dk + HV * Dv

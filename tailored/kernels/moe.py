@@ -298,6 +298,11 @@ def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, store_ok, stride_l,
                 other=0.0).to(tl.float32)
     p = tl.exp(x - tl.max(x, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
+    # a NaN row (NaN or inf logits) would make every top-k round pick the same expert on the
+    # GPU (all comparisons false), and the alignment would then leave pairs unwritten that the
+    # shared expert's down program reads (found in review, kb/0036): NaN probabilities count
+    # as 0, so k distinct experts are chosen; the row's weights are then NaN (0/0) as before
+    p = tl.where(p == p, p, 0.0)
     sel = tl.zeros(p.shape, dtype=tl.int32)
     c = tl.arange(0, BLOCK_S)  # pair slot
     wt = tl.zeros([p.shape[0], BLOCK_S], dtype=tl.float32)  # chosen probabilities by slot
@@ -450,7 +455,10 @@ ROUTE_ONE_PROGRAM_UP_TO = 4
 # from scripts/bench_route.py on the H200 (session 8, µs per launch for 1/2/4/8 warps): T=1
 # 5.2/4.8/4.6/5.0, T=2 6.2/5.3/5.4/5.4, T=4 9.9/7.9/7.3/7.3, T=8 27.7/10.9/13.2/12.6 (the
 # shared expert adds ≤ 0.5); above 8 the sorting align program (not yet swept)
-ROUTE_ALIGN_WARPS = {1: 4, 2: 2, 4: 4, 8: 2, 16: 4, 32: 4, 64: 4}
+# BLOCK_T 2 (T ≤ 2) takes 4 warps since session 18: the layout of the [2, E] tile sets the
+# softmax's summation order, and `route_fused_moe`'s programs run 4 warps, so its routing is
+# then bitwise route_align's (kb/0036; session 8 had 5.28 vs 5.30 µs at T=2)
+ROUTE_ALIGN_WARPS = {1: 4, 2: 4, 4: 4, 8: 2, 16: 4, 32: 4, 64: 4}
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tensor | None = None):

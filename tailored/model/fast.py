@@ -499,7 +499,7 @@ class FastPath:
         E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]
         # decode batches: routing + align in one or two launches (read at call time: A/B)
         one_launch = T <= moe_kernels.ROUTE_ALIGN_USE_UP_TO and not E & (E - 1)
-        in_gate_up = T <= ROUTE_IN_GATE_UP_UP_TO and not E & (E - 1)  # no routing launch
+        in_gate_up = one_launch and T <= ROUTE_IN_GATE_UP_UP_TO  # no routing launch
         stack = self.stacks.get(i)
         if SHARED_IN_MOE and stack is not None and T <= SHARED_IN_MOE_UP_TO:
             # the shared expert as expert E: slot k of every token, weight sigmoid(gate)
