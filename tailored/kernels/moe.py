@@ -461,6 +461,25 @@ ROUTE_ONE_PROGRAM_UP_TO = 4
 ROUTE_ALIGN_WARPS = {1: 4, 2: 4, 4: 4, 8: 2, 16: 4, 32: 4, 64: 4}
 
 
+def _routing_outputs(router_logits: torch.Tensor, top_k: int, shared_gate, who: str):
+    """The routing kernels' outputs, allocated: (S pair slots a token, En experts with the
+    shared one, weights [T, S], ids [T, S] int64, order [T·S], offsets [En+1], experts [En]
+    int32, the shared gate or the logits as its unused pointer). Raises ValueError (naming
+    `who`) when shared_gate is not [T, 1]."""
+    T, E = router_logits.shape
+    shared = shared_gate is not None
+    if shared and shared_gate.shape != (T, 1):
+        raise ValueError(f"{who}: shared_gate{tuple(shared_gate.shape)}, want ({T}, 1)")
+    S, En = (top_k + 1, E + 1) if shared else (top_k, E)
+    dev = router_logits.device
+    return (S, En, torch.empty(T, S, dtype=router_logits.dtype, device=dev),
+            torch.empty(T, S, dtype=torch.int64, device=dev),
+            torch.empty(T * S, dtype=torch.int32, device=dev),
+            torch.empty(En + 1, dtype=torch.int32, device=dev),
+            torch.empty(En, dtype=torch.int32, device=dev),
+            shared_gate if shared else router_logits)
+
+
 def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tensor | None = None):
     """Routing and `moe_align` in one kernel launch (T ≤ ROUTE_ONE_PROGRAM_UP_TO) or two
     (T ≤ 64: top-k in parallel programs, then one program sorts the pairs; kb/0021).
@@ -479,17 +498,9 @@ def route_align(router_logits: torch.Tensor, top_k: int, shared_gate: torch.Tens
     if T > ROUTE_ALIGN_MAX_TOKENS or E & (E - 1):
         raise ValueError(f"route_align: T={T} > {ROUTE_ALIGN_MAX_TOKENS} or E={E} not a power of 2")
     shared = shared_gate is not None
-    if shared and (shared_gate.shape != (T, 1)):
-        raise ValueError(f"route_align: shared_gate{tuple(shared_gate.shape)}, want ({T}, 1)")
-    S, En = (top_k + 1, E + 1) if shared else (top_k, E)
-    dev = router_logits.device
-    w = torch.empty(T, S, dtype=router_logits.dtype, device=dev)
-    ids = torch.empty(T, S, dtype=torch.int64, device=dev)
-    order = torch.empty(T * S, dtype=torch.int32, device=dev)
-    offsets = torch.empty(En + 1, dtype=torch.int32, device=dev)
-    experts = torch.empty(En, dtype=torch.int32, device=dev)
+    S, En, w, ids, order, offsets, experts, seg = _routing_outputs(
+        router_logits, top_k, shared_gate, "route_align")
     bt = max(2, triton.next_power_of_2(T))
-    seg = shared_gate if shared else router_logits
     bs = triton.next_power_of_2(S)
     if T <= ROUTE_ONE_PROGRAM_UP_TO:
         _route_align_kernel[(1,)](router_logits, seg, w, ids, order, offsets, experts, T,
@@ -638,12 +649,8 @@ def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
         raise ValueError(f"route_fused_moe: T={T} not in 1..{ROUTE_ONE_PROGRAM_UP_TO} or "
                          f"E={E} not a power of 2")
     shared = shared_gate is not None
-    if shared and shared_gate.shape != (T, 1):
-        raise ValueError(f"route_fused_moe: shared_gate{tuple(shared_gate.shape)}, want ({T}, 1)")
-    S, En = (top_k + 1, E + 1) if shared else (top_k, E)
-    dev = router_logits.device
-    w = torch.empty(T, S, dtype=router_logits.dtype, device=dev)
-    ids = torch.empty(T, S, dtype=torch.int64, device=dev)
+    S, En, w, ids, order, offsets, experts, seg = _routing_outputs(
+        router_logits, top_k, shared_gate, "route_fused_moe")
     _, H, Ew, I = expert_shapes(x, w, ids, gate_up, down, "route_fused_moe")
     if Ew != En:
         raise ValueError(f"route_fused_moe: {Ew} experts in the weights, routing gives {En}")
@@ -652,12 +659,8 @@ def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     if x.stride(1) != 1:
         x = x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
-    order = torch.empty(T * S, dtype=torch.int32, device=dev)
-    offsets = torch.empty(En + 1, dtype=torch.int32, device=dev)
-    experts = torch.empty(En, dtype=torch.int32, device=dev)
-    act = torch.empty(T * S, I, dtype=x.dtype, device=dev)
-    y = torch.empty(T * S, H, dtype=torch.float32, device=dev)
-    seg = shared_gate if shared else router_logits
+    act = torch.empty(T * S, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * S, H, dtype=torch.float32, device=x.device)
     bm, bn, bk, warps = _blocks(T * S, Ew, fp8)
     prec = dot_precision(x.dtype)
     bucket = triton.next_power_of_2(T * S)
