@@ -63,6 +63,9 @@ VARIANTS = {
     "no_route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 0),
     # the attention output gate in the merge kernel (kb/0036)
     "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),
+    "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),
+    # the GDN conv inside the recurrent programs, its state shift in the norm launch (kb/0037)
+    "gdn_conv_fused": lambda: _set("model.fast", "GDN_CONV_IN_RECURRENT", True),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
     # GDN state columns over 2 / 4 programs (kb/0022)

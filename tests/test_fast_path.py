@@ -107,6 +107,7 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(fastmod, "ROUTE_IN_GATE_UP_UP_TO", 4)
     if variant == "switches":
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
+        monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
 

@@ -483,6 +483,40 @@ def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv, dv_split):
     assert conv_state[others].isnan().all() and rec_state[others].isnan().all()  # untouched
 
 
+@pytest.mark.parametrize("dv_split", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,HK,HV,Dk,Dv", [(1, 2, 4, 16, 16), (3, 4, 8, 32, 32), (5, 2, 4, 16, 32),
+                                           (2, 16, 32, 128, 128)])
+def test_conv_recurrent_step_is_bitwise_conv_then_recurrent(dtype, B, HK, HV, Dk, Dv, dv_split):
+    """gdn_decode.conv_recurrent_step (kb/0037): the conv computed inside the recurrent programs
+    and the conv state shifted in the norm's launch give exactly what conv_step then
+    recurrent_step give: outputs, conv states and recurrent states bitwise; slots not used stay
+    NaN; x a strided view of a wider projection row (as the fused in_proj gives it)."""
+    from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
+
+    if DEV == "cpu" and Dk == 128:
+        pytest.skip("full-size case: GPU only (minutes in the interpreter)")
+    num_slots = 9
+    g, C, conv_state, rec_state, slots = _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots,
+                                                    11 * B + Dk)
+    weight, _, a, b, z, A_log, dt_bias, norm_w = _gdn_inputs(g, dtype, B, C, HV, Dv)
+    x = torch.randn(B, C + 40, generator=g).to(DEV, dtype)[:, 8:8 + C]  # row stride C + 40
+    conv1, rec1 = conv_state.clone(), rec_state.clone()
+    want = recurrent_step(conv_step(x, conv_state, weight, slots), a, b, z, rec_state, slots,
+                          A_log, dt_bias, norm_w, HK, 1e-6, dv_split=dv_split)
+    got = conv_recurrent_step(x, conv1, weight, a, b, z, rec1, slots, A_log, dt_bias, norm_w,
+                              HK, 1e-6, dv_split=dv_split)
+    assert got.dtype == want.dtype and torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    assert torch.equal(conv1[slots], conv_state[slots]) and torch.equal(rec1[slots], rec_state[slots])
+    others = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert conv1[others].isnan().all() and rec1[others].isnan().all()  # untouched
+    with pytest.raises(ValueError):
+        conv_recurrent_step(x, conv1, weight, a, b, z, rec1, slots, A_log, dt_bias, norm_w, HK,
+                            1e-6, dv_split=3)
+
+
 @pytest.mark.parametrize("splits", [3, 16, 32, "by_batch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page,lens", [(16, [1, 17, 100]), (4, [7, 64, 129, 2]), (16, [300])])

@@ -33,7 +33,7 @@ from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_dequant import dequantize_rows
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
-from tailored.kernels.gdn_decode import conv_step, recurrent_step
+from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
@@ -64,8 +64,13 @@ SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 1, 1, 128)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 # decode attention: the output gate's sigmoid and product in the merge kernel's launch
 # (paged_decode_attention(gate=), kb/0036): two launches fewer per attention layer; rounded as
-# the two torch ops are. Built in session 18, not yet measured on the H200: off.
-ATTN_GATE_IN_MERGE = env_flag("TAILORED_ATTN_GATE_IN_MERGE", False)
+# the two torch ops are. Session 19 (kb/0037, 3 rounds in one process): B=1 bf16 -3.3 %, FP8
+# -3.6 %, B=2 bf16 -3.9 %; the bf16 gate passed with it (its numbers equal to the last digit).
+ATTN_GATE_IN_MERGE = env_flag("TAILORED_ATTN_GATE_IN_MERGE", True)
+# GDN decode: the causal conv inside the recurrent programs and its state shift in the gated
+# norm's launch (`gdn_decode.conv_recurrent_step`, kb/0037): one launch fewer per GDN layer
+# (30 a step), bitwise the same. Read at call time (A/B). Not yet measured on the H200: off.
+GDN_CONV_IN_RECURRENT = env_flag("TAILORED_GDN_CONV_IN_RECURRENT", False)
 # MoE inputs of up to this many rows route inside the gate_up GEMM's programs
 # (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
 # (route_align took ~4.9 µs a layer at B=1, kb/0029 §4), each gate_up program repeating the
@@ -575,17 +580,18 @@ class FastPath:
         qkv, z, b, a = self.p_in[i](x)
         w = m.conv1d.weight[:, 0, :]
         conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
+        def decode(qkv, a, b, z):  # the decode rows' conv and recurrence
+            if GDN_CONV_IN_RECURRENT:
+                return conv_recurrent_step(qkv, conv_cache, w, a, b, z, rec_cache, dec_slots,
+                                           m.A_log, m.dt_bias, m.norm.weight, HK, m.norm.eps)
+            return recurrent_step(conv_step(qkv, conv_cache, w, dec_slots), a, b, z, rec_cache,
+                                  dec_slots, m.A_log, m.dt_bias, m.norm.weight, HK, m.norm.eps)
+
         if batch is None:  # graph mode: every row is a decode row
-            y = conv_step(qkv, conv_cache, w, dec_slots)
-            core = recurrent_step(y, a, b, z, rec_cache, dec_slots, m.A_log, m.dt_bias,
-                                  m.norm.weight, HK, m.norm.eps)
-            return self.p_out[i](core)
+            return self.p_out[i](decode(qkv, a, b, z))
         core = torch.empty(T, V, dtype=x.dtype, device=x.device)
         if dec_rows is not None:
-            y = conv_step(qkv[dec_rows], conv_cache, w, dec_slots)
-            core[dec_rows] = recurrent_step(y, a[dec_rows], b[dec_rows], z[dec_rows], rec_cache,
-                                            dec_slots, m.A_log, m.dt_bias, m.norm.weight, HK,
-                                            m.norm.eps)
+            core[dec_rows] = decode(qkv[dec_rows], a[dec_rows], b[dec_rows], z[dec_rows])
         pre = batch.seqs  # the caller left out the decode rows and verify chunks
         if pre:
             self._gdn_prefill(m, pre, qkv, a, b, z, core, conv_cache, rec_cache, self._plan)
