@@ -590,6 +590,38 @@ def test_add_rms_norm(dtype, T, N):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,N", [(1, 64, 21), (2, 200, 33), (4, 2048, 257), (1, 2048, 1344)])
+def test_add_rms_norm_linear(dtype, T, K, N):
+    """norm.add_rms_norm_linear (kb/0037): the residual and normed rows of add_rms_norm_1p
+    (bitwise in the interpreter; on the GPU up to the norm's sum order) and F.linear of the
+    normed rows to fp32 rounding; x and h strided, the weight a view of a wider tensor (as
+    `Proj.leading` gives the router rows), odd sizes; too many rows raise."""
+    from tailored.kernels.norm import add_rms_norm_1p, add_rms_norm_linear
+
+    if DEV == "cpu" and N > 300:
+        pytest.skip("full-size case: GPU only")
+    g = torch.Generator().manual_seed(T * K + N)
+    x = torch.randn(T, K + 8, generator=g).to(DEV, dtype)[:, :K]
+    h = torch.randn(T, K + 8, generator=g).to(DEV, dtype)[:, 8:]
+    nw = (0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
+    w = (torch.randn(N + 5, K, generator=g) * K ** -0.5).to(DEV, dtype)[:N]
+    for hh in (h, None):
+        res, out, y = add_rms_norm_linear(x, hh, nw, 1e-6, w)
+        r_ref, o_ref = add_rms_norm_1p(x, hh, nw, 1e-6)
+        assert torch.equal(res, r_ref)
+        if DEV == "cpu":
+            assert torch.equal(out, o_ref)
+        else:
+            assert rel_err(out, o_ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert y.shape == (T, N) and y.dtype == dtype and torch.isfinite(y).all()
+        assert rel_err(y, torch.nn.functional.linear(out.float(), w.float())) < TOL[dtype] / 4
+    with pytest.raises(ValueError):
+        add_rms_norm_linear(torch.randn(5, K).to(DEV, dtype), None, nw, 1e-6, w)
+    with pytest.raises(ValueError):
+        add_rms_norm_linear(x, h, nw, 1e-6, w.float() if dtype != torch.float32 else w.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,H,D,R", [(1, 16, 256, 64), (7, 2, 256, 64), (5, 3, 32, 8)])
 def test_qk_norm_rope(dtype, T, H, D, R):
     """Equals rms_norm_1p + apply_partial_rope on a strided view (q inside the fused q|gate
