@@ -66,9 +66,6 @@ VARIANTS = {
     "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),
     # the GDN conv inside the recurrent programs, its state shift in the norm launch (kb/0037)
     "gdn_conv_fused": lambda: _set("model.fast", "GDN_CONV_IN_RECURRENT", True),
-    # the MoE's first GEMM in the post-attention norm's launch at 1 / 2 rows (kb/0037)
-    "norm_router": lambda: _set("model.fast", "NORM_LINEAR_UP_TO", 1),
-    "norm_router2": lambda: _set("model.fast", "NORM_LINEAR_UP_TO", 2),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
     # GDN state columns over 2 / 4 programs (kb/0022)

@@ -108,7 +108,6 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     if variant == "switches":
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
         monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
-        monkeypatch.setattr(fastmod, "NORM_LINEAR_UP_TO", 4)  # kb/0037
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
 

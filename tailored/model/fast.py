@@ -38,8 +38,7 @@ from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
-from tailored.kernels import norm as norm_kernels
-from tailored.kernels.norm import add_rms_norm_1p, add_rms_norm_linear
+from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import qk_norm_rope
 from tailored.model import fp8
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, pinned, to_device
@@ -70,14 +69,10 @@ COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 ATTN_GATE_IN_MERGE = env_flag("TAILORED_ATTN_GATE_IN_MERGE", True)
 # GDN decode: the causal conv inside the recurrent programs and its state shift in the gated
 # norm's launch (`gdn_decode.conv_recurrent_step`, kb/0037): one launch fewer per GDN layer
-# (30 a step), bitwise the same. Read at call time (A/B). Not yet measured on the H200: off.
+# (30 a step), bitwise the same in bf16. Read at call time (A/B). Session 19 (run6, 3 rounds):
+# bf16 B=1 -4.5 % median / -2.0 % min, B=2 -1.2 / -1.0 %, FP8 B=1 +0.6 / +0.6 %, with ~10 %
+# between rounds of one variant: not resolved, so off.
 GDN_CONV_IN_RECURRENT = env_flag("TAILORED_GDN_CONV_IN_RECURRENT", False)
-# decode steps of up to this many rows (≤ norm.LINEAR_MAX_ROWS): the MoE block's first GEMM
-# (router + shared-expert gate rows at one row, with the shared gate/up rows above) runs in
-# the post-attention norm's launch (`norm.add_rms_norm_linear`, kb/0037): one launch fewer per
-# layer. Changes the router logits at rounding level (fp32 sums in another order than
-# cuBLAS): needs the gate. 0 = off. Read at call time (A/B). Not yet measured: off.
-NORM_LINEAR_UP_TO = env_int("TAILORED_NORM_LINEAR_UP_TO", 0, 0, 4)
 # MoE inputs of up to this many rows route inside the gate_up GEMM's programs
 # (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
 # (route_align took ~4.9 µs a layer at B=1, kb/0029 §4), each gate_up program repeating the
@@ -277,15 +272,10 @@ class ProjGroup:
         return proj.leading(proj.sizes[:n])
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return self.outputs([proj(x) for proj, _ in self.parts])
-
-    def outputs(self, ys: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The modules' outputs (views) from each part's GEMM output ys[p] [T, rows of part p]
-        (the GEMM may have run elsewhere: `add_rms_norm_linear`)."""
         out: list = [None] * self.n
-        for (proj, idx), y_all in zip(self.parts, ys):
+        for proj, idx in self.parts:
             # a padded GEMM's zero rows come last and are dropped (zip stops at idx)
-            for j, y in zip(idx, torch.split(y_all, proj.sizes + [proj.pad] * bool(proj.pad),
+            for j, y in zip(idx, torch.split(proj(x), proj.sizes + [proj.pad] * bool(proj.pad),
                                             dim=-1)):
                 out[j] = y
         return out
@@ -508,26 +498,10 @@ class FastPath:
     # -------------------------------------------------------------------------------------------
     # blocks
     # -------------------------------------------------------------------------------------------
-    def _moe_first_proj(self, i: int, T: int) -> Proj | None:
-        """The projection the MoE block of layer i computes first on T rows (the router and
-        shared-expert gate rows, or with them the shared expert's gate/up), when it may run in
-        the post-attention norm's launch (`add_rms_norm_linear`, NORM_LINEAR_UP_TO); else None."""
-        if T > min(NORM_LINEAR_UP_TO, norm_kernels.LINEAR_MAX_ROWS):
-            return None
-        if SHARED_IN_MOE and self.stacks.get(i) is not None and T <= SHARED_IN_MOE_UP_TO:
-            proj = self.p_route[i]
-        elif len(self.p_moe[i].parts) == 1:
-            proj = self.p_moe[i].parts[0][0]
-        else:
-            return None
-        return None if proj.fp8 else proj
-
-    def _moe(self, i: int, x: torch.Tensor, norm: tuple | None = None,
-             first: torch.Tensor | None = None):
+    def _moe(self, i: int, x: torch.Tensor, norm: tuple | None = None):
         """The MoE block of layer i on its normed input x [T, H]. norm = (residual, weight,
         eps): returns (residual + block output, the next norm of it) from the combine's launch
-        (kb/0023) instead of the block output. first: the output of `_moe_first_proj(i, T)`
-        on x when the caller computed it (in the norm's launch)."""
+        (kb/0023) instead of the block output."""
         cfg, mlp = self.cfg, self.layers[i].mlp
         E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]
         # decode batches: routing + align in one or two launches (read at call time: A/B)
@@ -536,8 +510,7 @@ class FastPath:
         stack = self.stacks.get(i)
         if SHARED_IN_MOE and stack is not None and T <= SHARED_IN_MOE_UP_TO:
             # the shared expert as expert E: slot k of every token, weight sigmoid(gate)
-            r, seg = torch.split(self.p_route[i](x) if first is None else first, [E, 1],
-                                 dim=-1)
+            r, seg = torch.split(self.p_route[i](x), [E, 1], dim=-1)
             if in_gate_up:
                 pairs, _, _ = route_fused_moe(x, r, k, stack.gate_up, stack.down, seg,
                                               stack.gate_up_scale, stack.down_scale)
@@ -552,7 +525,7 @@ class FastPath:
             pairs = fused_moe(x, w, ids, stack.gate_up, stack.down, aligned,
                               stack.gate_up_scale, stack.down_scale, reduce=False)
             return moe_combine_folded(pairs, k, x.dtype, norm)
-        r, seg, sg, su = self.p_moe[i](x) if first is None else self.p_moe[i].outputs([first])
+        r, seg, sg, su = self.p_moe[i](x)
         if in_gate_up and not self._use_grouped(x):
             pairs, _, _ = route_fused_moe(x, r, k, mlp.experts.gate_up_proj,
                                           mlp.experts.down_proj, None,
@@ -794,21 +767,15 @@ class FastPath:
         res, hn = add_rms_norm_1p(x, None, first.weight, first.eps)
         for i, layer in enumerate(layers):
             h = mixer(i, hn)
-            post = layer.post_attention_layernorm
-            proj = self._moe_first_proj(i, h.shape[0])
-            if proj is not None:  # the MoE's first GEMM in the norm's launch (kb/0037)
-                res, hn, first = add_rms_norm_linear(res, h, post.weight, post.eps, proj.weight)
-            else:
-                res, hn = add_rms_norm_1p(res, h, post.weight, post.eps)
-                first = None
+            res, hn = add_rms_norm_1p(res, h, layer.post_attention_layernorm.weight,
+                                      layer.post_attention_layernorm.eps)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.model.norm
             if COMBINE_NEXT_NORM:
                 # the MoE's combine also adds the residual and applies the next norm (the next
                 # layer's input norm, or the final norm): one launch fewer per layer (kb/0023)
-                res, hn = self._moe(i, hn, (res, nxt.weight, nxt.eps), first)
+                res, hn = self._moe(i, hn, (res, nxt.weight, nxt.eps))
             else:
-                res, hn = add_rms_norm_1p(res, self._moe(i, hn, first=first), nxt.weight,
-                                          nxt.eps)
+                res, hn = add_rms_norm_1p(res, self._moe(i, hn), nxt.weight, nxt.eps)
         return hn
 
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
