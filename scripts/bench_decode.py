@@ -66,6 +66,8 @@ VARIANTS = {
     "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),
     # the GDN conv inside the recurrent programs, its state shift in the norm launch (kb/0037)
     "gdn_conv_fused": lambda: _set("model.fast", "GDN_CONV_IN_RECURRENT", True),
+    # q's and k's norm + RoPE in one launch at decode (kb/0037)
+    "qk_one_launch": lambda: _set("model.fast", "QK_NORM_ONE_LAUNCH", True),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
     # GDN state columns over 2 / 4 programs (kb/0022)

@@ -108,6 +108,7 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     if variant == "switches":
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
         monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
+        monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
 

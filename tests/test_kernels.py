@@ -642,6 +642,39 @@ def test_qk_norm_rope(dtype, T, H, D, R):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D,R", [(1, 16, 2, 256, 64), (3, 4, 2, 32, 8), (2, 3, 1, 16, 16)])
+def test_q_k_norm_rope_is_two_qk_norm_rope_calls(dtype, T, Hq, Hkv, D, R):
+    """q_k_norm_rope (kb/0037): q's and k's norm + RoPE and the KV store in one launch give
+    bit for bit what the two qk_norm_rope calls of the decode layer give; q, k, v strided views
+    of one qkv row as in the attention layer; cache rows not written stay NaN."""
+    from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
+
+    g = torch.Generator().manual_seed(T * Hq + D)
+    qg = (3 * torch.randn(T, Hq, 2 * D, generator=g)).to(DEV, dtype)
+    kv = (3 * torch.randn(T, 2 * Hkv + 1, D, generator=g)).to(DEV, dtype)
+    q, k, v = qg[..., :D], kv[:, 1:1 + Hkv], kv[:, 1 + Hkv:]
+    qw = (0.2 * torch.randn(D, generator=g)).to(DEV, dtype)
+    kw = (0.2 * torch.randn(D, generator=g)).to(DEV, dtype)
+    pos = torch.tensor([1000, 5, 17][:T], device=DEV)
+    cos, sin = ref.rope_cos_sin(pos, R, 1e7, dtype)
+    N = 3 * T + 4
+    rows = torch.randperm(N, generator=g)[:T].to(DEV)
+    kc = torch.full((N, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    kc2, vc2 = kc.clone(), vc.clone()
+    want_q = qk_norm_rope(q, qw, cos, sin, 1e-6)
+    qk_norm_rope(k, kw, cos, sin, 1e-5, rows=rows, out=kc, v=v, v_out=vc)
+    got_q = q_k_norm_rope(q, qw, 1e-6, k, kw, 1e-5, cos, sin, rows, kc2, v, vc2)
+    assert got_q.is_contiguous() and torch.equal(got_q, want_q)
+    assert torch.equal(kc2[rows], kc[rows]) and torch.equal(vc2[rows], vc[rows])
+    others = torch.ones(N, dtype=torch.bool, device=DEV)
+    others[rows] = False
+    assert kc2[others].isnan().all() and vc2[others].isnan().all()
+    with pytest.raises(ValueError):
+        q_k_norm_rope(q, qw, 1e-6, k, kw, 1e-5, cos, sin, rows, kc2[:, :, : D // 2], v, vc2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,H,k,N", [(1, 2048, 8, 512), (5, 96, 3, 40), (33, 200, 8, 24)])
 def test_moe_glue(dtype, T, H, k, N):
     """silu_mul and moe_combine equal the eager ops they replace, on strided views of one fused

@@ -39,7 +39,7 @@ from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
-from tailored.kernels.qk_norm_rope import qk_norm_rope
+from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
 from tailored.model import fp8
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, pinned, to_device
 from tailored.model.fp8 import Fp8Linear
@@ -73,6 +73,10 @@ ATTN_GATE_IN_MERGE = env_flag("TAILORED_ATTN_GATE_IN_MERGE", True)
 # bf16 B=1 -4.5 % median / -2.0 % min, B=2 -1.2 / -1.0 %, FP8 B=1 +0.6 / +0.6 %, with ~10 %
 # between rounds of one variant: not resolved, so off.
 GDN_CONV_IN_RECURRENT = env_flag("TAILORED_GDN_CONV_IN_RECURRENT", False)
+# decode attention: q's and k's norm + RoPE (with the KV store) in one launch instead of two
+# (`qk_norm_rope.q_k_norm_rope`, kb/0037): 10 launches fewer a step, bitwise the same. Read at
+# call time (A/B). Built in session 19 with no device time left: off until measured.
+QK_NORM_ONE_LAUNCH = env_flag("TAILORED_QK_NORM_ONE_LAUNCH", False)
 # MoE inputs of up to this many rows route inside the gate_up GEMM's programs
 # (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
 # (route_align took ~4.9 µs a layer at B=1, kb/0029 §4), each gate_up program repeating the
@@ -703,12 +707,19 @@ class FastPath:
         k = k.view(T, Hkv, D)
         v = v.view(T, Hkv, D)
         # per-head norm + partial RoPE: one launch per tensor (kernels/qk_norm_rope.py)
-        q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
+        q_raw = q
         if kv_rows is None:
+            q = qk_norm_rope(q_raw, m.q_norm.weight, cos, sin, m.q_norm.eps)
             k = qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps)
             return q, k, v, gate
         li = self.cache.attn_index[i]
         kc, vc = self.cache.k[li], self.cache.v[li]
+        if QK_NORM_ONE_LAUNCH:  # q's and k's in one launch, bitwise the same (kb/0037)
+            q = q_k_norm_rope(q_raw, m.q_norm.weight, m.q_norm.eps, k, m.k_norm.weight,
+                              m.k_norm.eps, cos, sin, kv_rows, kc.view(-1, *kc.shape[-2:]), v,
+                              vc.view(-1, *vc.shape[-2:]))
+            return q, kc, vc, gate
+        q = qk_norm_rope(q_raw, m.q_norm.weight, cos, sin, m.q_norm.eps)
         qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps, rows=kv_rows,
                      out=kc.view(-1, *kc.shape[-2:]), v=v, v_out=vc.view(-1, *vc.shape[-2:]))
         return q, kc, vc, gate
