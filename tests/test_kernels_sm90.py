@@ -32,7 +32,8 @@ pytestmark = [
 
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32",
          torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.bool: "*i1"}
-NO_FMA = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel"}
+NO_FMA = {"_qk_norm_rope_kernel", "_q_k_norm_rope_kernel", "_moe_combine_kernel",
+          "_silu_mul_kernel"}
 
 COMPILE = r'''
 import json, sys
@@ -75,8 +76,10 @@ def _record(calls) -> list[dict]:
         bound.update({k: v for k, v in kwargs.items() if k in names})
         sig, consts = {}, {}
         for p in inspect.signature(self.fn).parameters.values():
-            v = bound[p.name]
-            if p.annotation in (tl.constexpr, "tl.constexpr", "constexpr"):
+            v = bound.get(p.name, p.default)  # a parameter left at its default is not passed
+            if v is None:  # an unused pointer (None): Triton binds it as a constexpr
+                sig[p.name], consts[p.name] = "constexpr", None
+            elif p.annotation in (tl.constexpr, "tl.constexpr", "constexpr"):
                 sig[p.name], consts[p.name] = "constexpr", v
             elif isinstance(v, torch.Tensor):
                 sig[p.name] = TYPES[v.dtype]
@@ -111,14 +114,14 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.fp8_dequant import dequantize_rows
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
-    from tailored.kernels.gdn_decode import conv_step, recurrent_step
+    from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
     from tailored.kernels.state_commit import commit_snapshots
     from tailored.kernels import moe_grouped
     from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.norm import add_rms_norm_1p
-    from tailored.kernels.qk_norm_rope import qk_norm_rope
+    from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
     from tailored.ops import reference as ref
 
     f8 = torch.float8_e4m3fn
@@ -136,6 +139,11 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             calls.append(lambda qg=qg, cos=cos, sin=sin, kvc=kvc, T=T, dt=dt: qk_norm_rope(
                 qg[:, :2, :256], torch.zeros(256, dtype=dt), cos, sin, 1e-6,
                 rows=torch.arange(T), out=kvc, v=qg[:, :2, 256:], v_out=kvc))
+            # q's and k's in one launch (kb/0037)
+            calls.append(lambda qg=qg, cos=cos, sin=sin, kvc=kvc, T=T, dt=dt: q_k_norm_rope(
+                qg[..., :256], torch.zeros(256, dtype=dt), 1e-6, qg[:, :2, 256:],
+                torch.zeros(256, dtype=dt), 1e-6, cos, sin, torch.arange(T), kvc,
+                qg[:, 2:4, 256:], kvc))
             r = torch.randn(T, E + 2 * I + 1, dtype=dt)
             calls.append(lambda r=r: silu_mul(r[:, E:E + I], r[:, E + I:E + 2 * I]))
             calls.append(lambda r=r, T=T, dt=dt: moe_combine(torch.zeros(T * K, H), K, r[:, -1:],
@@ -231,6 +239,11 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
                     torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
                     torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split, snapshot=snap))
+        # the conv inside the recurrent programs, the state shift in the norm (kb/0037)
+        calls.append(lambda dt=dt, qkv=qkv, conv_state=conv_state: conv_recurrent_step(
+            qkv, conv_state, torch.zeros(8192, 4, dtype=dt), torch.randn(B, 32, dtype=dt),
+            torch.randn(B, 32, dtype=dt), torch.randn(B, 4096, dtype=dt), rec, slots,
+            torch.zeros(32), torch.zeros(32), torch.ones(128, dtype=dt), 16, 1e-6, dv_split=2))
         # a verify step's GDN: 3 tokens of B sequences a launch (kernels/gdn_verify.py)
         for split in (1, 2):
             calls.append(lambda split=split, dt=dt, conv_state=conv_state: recurrent_verify(
