@@ -76,6 +76,8 @@ def _record(calls) -> list[dict]:
         bound.update({k: v for k, v in kwargs.items() if k in names})
         sig, consts = {}, {}
         for p in inspect.signature(self.fn).parameters.values():
+            if p.name not in bound and p.default is p.empty:
+                raise TypeError(f"{self.fn.__name__}: no argument for {p.name}")
             v = bound.get(p.name, p.default)  # a parameter left at its default is not passed
             if v is None:  # an unused pointer (None): Triton binds it as a constexpr
                 sig[p.name], consts[p.name] = "constexpr", None
@@ -280,7 +282,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
            "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
-           "_dequant_experts_kernel", "_route_gate_up_kernel"}
+           "_dequant_experts_kernel", "_route_gate_up_kernel", "_q_k_norm_rope_kernel"}
 
 
 def _compile(recs) -> list[dict]:

@@ -706,7 +706,8 @@ class FastPath:
         q, gate = qg[..., :D], qg[..., D:]
         k = k.view(T, Hkv, D)
         v = v.view(T, Hkv, D)
-        # per-head norm + partial RoPE: one launch per tensor (kernels/qk_norm_rope.py)
+        # per-head norm + partial RoPE: one launch per tensor, or one for both at decode with
+        # QK_NORM_ONE_LAUNCH (kernels/qk_norm_rope.py)
         q_raw = q
         if kv_rows is None:
             q = qk_norm_rope(q_raw, m.q_norm.weight, cos, sin, m.q_norm.eps)
