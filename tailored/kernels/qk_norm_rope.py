@@ -98,6 +98,31 @@ def _q_k_norm_rope_kernel(q_ptr, qw_ptr, q_out_ptr, k_ptr, kw_ptr, k_out_ptr, v_
         tl.store(v_out_ptr + o * stride_vot + j * stride_voh + d, vv)
 
 
+def _check_heads(who: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [T, H, D] with unit stride on D, D a power of 2; cos, sin [T, R] alike with R even,
+    ≤ D; else ValueError naming `who`."""
+    T, _, D = x.shape
+    R = cos.shape[-1]
+    if (x.stride(2) != 1 or D & (D - 1) or R % 2 or R > D or cos.shape != (T, R)
+            or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride()):
+        raise ValueError(f"{who}: x{tuple(x.shape)} stride {x.stride()}, "
+                         f"cos{tuple(cos.shape)}, sin{tuple(sin.shape)}")
+
+
+def _check_store(who: str, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                 v: torch.Tensor | None, v_out: torch.Tensor | None) -> None:
+    """The KV store's tensors for keys x [T, H, D]: rows [T], out [N, H, D] in x.dtype with
+    unit stride on D; v like x and v_out like out, of one dtype; else ValueError."""
+    T, H, D = x.shape
+    if (rows.shape != (T,) or out.shape[1:] != (H, D) or out.stride(2) != 1
+            or out.dtype != x.dtype):
+        raise ValueError(f"{who}: rows{tuple(rows.shape)} out{tuple(out.shape)} "
+                         f"stride {out.stride()} {out.dtype} for x{tuple(x.shape)} {x.dtype}")
+    if v is not None and (v.shape != x.shape or v.stride(2) != 1 or v_out.shape != out.shape
+                          or v_out.stride(2) != 1 or v.dtype != v_out.dtype):
+        raise ValueError(f"{who}: v{tuple(v.shape)} v_out{tuple(v_out.shape)}")
+
+
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float, rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  v: torch.Tensor | None = None, v_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,20 +140,12 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     """
     T, H, D = x.shape
     R = cos.shape[-1]
-    if (x.stride(2) != 1 or D & (D - 1) or R % 2 or R > D or cos.shape != (T, R)
-            or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride()):
-        raise ValueError(f"qk_norm_rope: x{tuple(x.shape)} stride {x.stride()}, "
-                         f"cos{tuple(cos.shape)}, sin{tuple(sin.shape)}")
+    _check_heads("qk_norm_rope", x, cos, sin)
     to_rows = rows is not None
     if to_rows != (out is not None) or (v is None) != (v_out is None) or (v is not None and not to_rows):
         raise ValueError("qk_norm_rope: rows and out go together, v and v_out too (with rows)")
-    if to_rows and (rows.shape != (T,) or out.shape[1:] != (H, D) or out.stride(2) != 1
-                    or out.dtype != x.dtype):
-        raise ValueError(f"qk_norm_rope: rows{tuple(rows.shape)} out{tuple(out.shape)} "
-                         f"stride {out.stride()} {out.dtype} for x{tuple(x.shape)} {x.dtype}")
-    if v is not None and (v.shape != x.shape or v.stride(2) != 1 or v_out.shape != out.shape
-                          or v_out.stride(2) != 1 or v.dtype != v_out.dtype):
-        raise ValueError(f"qk_norm_rope: v{tuple(v.shape)} v_out{tuple(v_out.shape)}")
+    if to_rows:
+        _check_store("qk_norm_rope", x, rows, out, v, v_out)
     if out is None:
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T == 0:
@@ -160,18 +177,13 @@ def q_k_norm_rope(q: torch.Tensor, q_weight: torch.Tensor, q_eps: float, k: torc
     """
     T, Hq, D = q.shape
     R = cos.shape[-1]
-    for x in (q, k):
-        if (x.stride(2) != 1 or x.shape[0] != T or x.shape[2] != D or D & (D - 1) or R % 2
-                or R > D or cos.shape != (T, R) or sin.shape != cos.shape or cos.stride(1) != 1
-                or sin.stride() != cos.stride() or x.dtype != q.dtype):
-            raise ValueError(f"q_k_norm_rope: q{tuple(q.shape)} k{tuple(k.shape)} stride "
-                             f"{x.stride()}, cos{tuple(cos.shape)}, sin{tuple(sin.shape)}")
+    _check_heads("q_k_norm_rope", q, cos, sin)
+    _check_heads("q_k_norm_rope", k, cos, sin)
+    if k.shape[::2] != q.shape[::2] or k.dtype != q.dtype:
+        raise ValueError(f"q_k_norm_rope: k{tuple(k.shape)} {k.dtype} for "
+                         f"q{tuple(q.shape)} {q.dtype}")
     Hkv = k.shape[1]
-    if (rows.shape != (T,) or k_out.shape[1:] != (Hkv, D) or k_out.stride(2) != 1
-            or k_out.dtype != q.dtype or v.shape != k.shape or v.stride(2) != 1
-            or v_out.shape != k_out.shape or v_out.stride(2) != 1 or v.dtype != v_out.dtype):
-        raise ValueError(f"q_k_norm_rope: rows{tuple(rows.shape)} k_out{tuple(k_out.shape)} "
-                         f"v{tuple(v.shape)} v_out{tuple(v_out.shape)} for k{tuple(k.shape)}")
+    _check_store("q_k_norm_rope", k, rows, k_out, v, v_out)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out

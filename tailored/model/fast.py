@@ -708,21 +708,20 @@ class FastPath:
         v = v.view(T, Hkv, D)
         # per-head norm + partial RoPE: one launch per tensor, or one for both at decode with
         # QK_NORM_ONE_LAUNCH (kernels/qk_norm_rope.py)
-        q_raw = q
         if kv_rows is None:
-            q = qk_norm_rope(q_raw, m.q_norm.weight, cos, sin, m.q_norm.eps)
+            q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
             k = qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps)
             return q, k, v, gate
         li = self.cache.attn_index[i]
         kc, vc = self.cache.k[li], self.cache.v[li]
+        kf, vf = kc.view(-1, *kc.shape[-2:]), vc.view(-1, *vc.shape[-2:])  # flat cache rows
         if QK_NORM_ONE_LAUNCH:  # q's and k's in one launch, bitwise the same (kb/0037)
-            q = q_k_norm_rope(q_raw, m.q_norm.weight, m.q_norm.eps, k, m.k_norm.weight,
-                              m.k_norm.eps, cos, sin, kv_rows, kc.view(-1, *kc.shape[-2:]), v,
-                              vc.view(-1, *vc.shape[-2:]))
-            return q, kc, vc, gate
-        q = qk_norm_rope(q_raw, m.q_norm.weight, cos, sin, m.q_norm.eps)
-        qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps, rows=kv_rows,
-                     out=kc.view(-1, *kc.shape[-2:]), v=v, v_out=vc.view(-1, *vc.shape[-2:]))
+            q = q_k_norm_rope(q, m.q_norm.weight, m.q_norm.eps, k, m.k_norm.weight,
+                              m.k_norm.eps, cos, sin, kv_rows, kf, v, vf)
+        else:
+            q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
+            qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps, rows=kv_rows, out=kf, v=v,
+                         v_out=vf)
         return q, kc, vc, gate
 
     def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):
