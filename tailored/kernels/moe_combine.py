@@ -56,29 +56,28 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
-                        rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
-                        K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr,
-                        NORM: tl.constexpr, GATHER: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = c < H
+def combine_row(t, c, ok, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
+                rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
+                K: tl.constexpr, FOLDED: tl.constexpr, NORM: tl.constexpr,
+                GATHER: tl.constexpr, CACHE: tl.constexpr = ""):
+    """The combine of token row t over the columns c (mask ok): the body of
+    `_moe_combine_kernel`, also run by `moe._down_combine_kernel`'s last program (kb/0038).
+    CACHE: the pair rows' load cache modifier (".cg" there: rows other programs just stored)."""
     dt = out_ptr.dtype.element_ty
     S: tl.constexpr = K + 1 if FOLDED else K  # pair rows per token
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros(c.shape, dtype=tl.float32)
     for j in tl.static_range(K):
         if GATHER:  # pair t·K + j is row rows[t·K + j] of expert-sorted, unweighted outputs
             r = tl.load(rows_ptr + t * K + j).to(tl.int64)
             w = tl.load(rw_ptr + t * K + j).to(tl.float32)
             acc += tl.load(p_ptr + r * H + c, mask=ok, other=0.0).to(tl.float32) * w
         else:
-            acc += tl.load(p_ptr + (t * S + j) * H + c, mask=ok, other=0.0)
+            acc += tl.load(p_ptr + (t * S + j) * H + c, mask=ok, other=0.0,
+                           cache_modifier=CACHE)
     routed = acc.to(dt).to(tl.float32)
     if FOLDED:  # the shared expert's weighted term is the token's last pair row
-        shared = tl.load(p_ptr + (t * S + K) * H + c, mask=ok, other=0.0).to(dt).to(tl.float32)
+        shared = tl.load(p_ptr + (t * S + K) * H + c, mask=ok, other=0.0,
+                         cache_modifier=CACHE).to(dt).to(tl.float32)
     else:
         s = tl.load(s_ptr + t * stride_s).to(tl.float32)
         gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-s)).to(dt).to(tl.float32)
@@ -97,20 +96,43 @@ def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_
         tl.store(out_ptr + t * stride_o + c, y, mask=ok)
 
 
-def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm, rows=None, weights=None):
-    """Shared launcher: out [T, H] (and the new residual with norm = (res, weight, eps));
-    rows/weights: pairs are expert-sorted unweighted outputs gathered by rows."""
-    out = torch.empty(T, H, dtype=dtype, device=pairs.device)
-    res_out = torch.empty(T, H, dtype=dtype, device=pairs.device) if norm else out
-    if T == 0:
-        return (res_out, out) if norm else out
-    # with the norm one program holds the whole row (the RMS needs it); else 1024 columns
-    block = triton.next_power_of_2(H) if norm else min(1024, triton.next_power_of_2(H))
+@triton.jit
+def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
+                        rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
+                        K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr,
+                        NORM: tl.constexpr, GATHER: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    combine_row(t, c, c < H, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr,
+                rows_ptr, rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
+                K, FOLDED, NORM, GATHER)
+
+
+def outputs(T: int, H: int, dtype: torch.dtype, device, norm: tuple | None):
+    """(out, res_out, residual, norm weight, eps) of a combine of T rows: the outputs [T, H]
+    allocated (res_out is out without a norm; residual/weight are then out as unused
+    pointers). Raises ValueError when norm's residual [T, H] / weight [H] do not fit."""
+    out = torch.empty(T, H, dtype=dtype, device=device)
+    res_out = torch.empty(T, H, dtype=dtype, device=device) if norm else out
     res, w, eps = norm if norm else (out, out, 0.0)
     if norm and (res.shape != (T, H) or res.stride(1) != 1 or res.dtype != dtype
                  or w.shape != (H,)):
         raise ValueError(f"moe_combine: residual{tuple(res.shape)} {res.dtype} weight"
                          f"{tuple(w.shape)} for [{T}, {H}] {dtype}")
+    return out, res_out, res, w, eps
+
+
+def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm, rows=None, weights=None):
+    """Shared launcher: out [T, H] (and the new residual with norm = (res, weight, eps));
+    rows/weights: pairs are expert-sorted unweighted outputs gathered by rows."""
+    out, res_out, res, w, eps = outputs(T, H, dtype, pairs.device, norm)
+    if T == 0:
+        return (res_out, out) if norm else out
+    # with the norm one program holds the whole row (the RMS needs it); else 1024 columns
+    block = triton.next_power_of_2(H) if norm else min(1024, triton.next_power_of_2(H))
     gather = rows is not None
     _moe_combine_kernel[(T, triton.cdiv(H, block))](
         pairs, seg, shared, out, res, res_out, w, rows if gather else out,
