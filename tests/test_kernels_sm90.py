@@ -38,6 +38,7 @@ NO_FMA = {"_qk_norm_rope_kernel", "_q_k_norm_rope_kernel", "_moe_combine_kernel"
 COMPILE = r'''
 import json, sys
 import triton
+sys.stderr.write(f"triton {triton.__version__}\n")
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import importlib
@@ -307,7 +308,10 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
 def _compile(recs) -> list[dict]:
     """Compile the recorded launches for sm_90 in a subprocess without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    # the repository first, then the caller's path (a Triton of the GPU's version installed
+    # apart: PYTHONPATH=<its dir> pytest tests/test_kernels_sm90.py, kb/0038)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent)]
+                                        + [p for p in [os.environ.get("PYTHONPATH")] if p])
     p = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(recs), text=True,
                        capture_output=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -259,7 +259,7 @@ def _down_combine_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw
         for t in range(T):  # T ≤ 4 rows (int32 offsets are safe)
             combine_row(t, c, c < H, y_ptr, s_ptr, sh_ptr, out_ptr, res_ptr,
                         res_out_ptr, nw_ptr, y_ptr, y_ptr, H, eps, stride_s, stride_sh,
-                        stride_o, stride_r, stride_ro, K, FOLDED, NORM, False, ".cg")
+                        stride_o, stride_r, stride_ro, K, FOLDED, NORM, False, True)
         tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # graph replays: ready again
 
 # Prefill M tiles by the mean rows an expert gets (scripts/bench_moe_prefill.py on the H200,

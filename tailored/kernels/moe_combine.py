@@ -56,13 +56,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _pair_row(ptr, ok, CG: tl.constexpr):
+    """A pair row's columns; CG: through L2 only (`.cg`), for rows other programs of the same
+    kernel just stored. (A bool, not the modifier string: Triton 3.6, the GPU's, fails to
+    compile a str constexpr passed between jit functions; 3.9 accepts it, kb/0038.)"""
+    if CG:
+        v = tl.load(ptr, mask=ok, other=0.0, cache_modifier=".cg")
+    else:
+        v = tl.load(ptr, mask=ok, other=0.0)
+    return v
+
+
+@triton.jit
 def combine_row(t, c, ok, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
                 rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
                 K: tl.constexpr, FOLDED: tl.constexpr, NORM: tl.constexpr,
-                GATHER: tl.constexpr, CACHE: tl.constexpr = ""):
+                GATHER: tl.constexpr, CG: tl.constexpr):
     """The combine of token row t over the columns c (mask ok): the body of
     `_moe_combine_kernel`, also run by `moe._down_combine_kernel`'s last program (kb/0038).
-    CACHE: the pair rows' load cache modifier (".cg" there: rows other programs just stored)."""
+    CG: load the pair rows with `.cg` (there: rows other programs just stored)."""
     dt = out_ptr.dtype.element_ty
     S: tl.constexpr = K + 1 if FOLDED else K  # pair rows per token
     acc = tl.zeros(c.shape, dtype=tl.float32)
@@ -72,12 +84,10 @@ def combine_row(t, c, ok, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, n
             w = tl.load(rw_ptr + t * K + j).to(tl.float32)
             acc += tl.load(p_ptr + r * H + c, mask=ok, other=0.0).to(tl.float32) * w
         else:
-            acc += tl.load(p_ptr + (t * S + j) * H + c, mask=ok, other=0.0,
-                           cache_modifier=CACHE)
+            acc += _pair_row(p_ptr + (t * S + j) * H + c, ok, CG)
     routed = acc.to(dt).to(tl.float32)
     if FOLDED:  # the shared expert's weighted term is the token's last pair row
-        shared = tl.load(p_ptr + (t * S + K) * H + c, mask=ok, other=0.0,
-                         cache_modifier=CACHE).to(dt).to(tl.float32)
+        shared = _pair_row(p_ptr + (t * S + K) * H + c, ok, CG).to(dt).to(tl.float32)
     else:
         s = tl.load(s_ptr + t * stride_s).to(tl.float32)
         gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-s)).to(dt).to(tl.float32)
@@ -108,7 +118,7 @@ def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     combine_row(t, c, c < H, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr,
                 rows_ptr, rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
-                K, FOLDED, NORM, GATHER)
+                K, FOLDED, NORM, GATHER, False)
 
 
 def outputs(T: int, H: int, dtype: torch.dtype, device, norm: tuple | None):
