@@ -68,8 +68,6 @@ VARIANTS = {
     "gdn_conv_fused": lambda: _set("model.fast", "GDN_CONV_IN_RECURRENT", True),
     # q's and k's norm + RoPE in one launch at decode (kb/0037)
     "qk_one_launch": lambda: _set("model.fast", "QK_NORM_ONE_LAUNCH", True),
-    # the MoE combine in the down GEMM's last program at 1-2 rows (kb/0038)
-    "combine_in_down": lambda: _set("model.fast", "MOE_COMBINE_IN_DOWN", True),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
     # GDN state columns over 2 / 4 programs (kb/0022)

@@ -159,7 +159,6 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
         monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
         monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
-        monkeypatch.setattr(fastmod, "MOE_COMBINE_IN_DOWN", True)  # kb/0038
 
     model = _full4(dtype, precision=precision)
     cfg = model.config

@@ -413,7 +413,6 @@ def _kernel_switches() -> dict:
             "attn_gate_in_merge": fast.ATTN_GATE_IN_MERGE,
             "gdn_conv_in_recurrent": fast.GDN_CONV_IN_RECURRENT,
             "qk_norm_one_launch": fast.QK_NORM_ONE_LAUNCH,
-            "moe_combine_in_down": fast.MOE_COMBINE_IN_DOWN,
             "attention_adaptive_splits":
             attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,

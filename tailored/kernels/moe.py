@@ -17,16 +17,12 @@ Source: reference `tailored.ops.reference.moe_experts`; HF-MOD `Qwen3_5MoeExpert
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from tailored.kernels import autotune_enabled, dot_precision, env_flag, env_int, tuning
 from tailored.kernels.fp8_linear import tile_dot
-from tailored.kernels.moe_combine import combine_row
-from tailored.kernels.moe_combine import outputs as combine_outputs
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -166,13 +162,15 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, act_ptr, 
 
 
 @triton.jit
-def _down_rows(act_ptr, w_ptr, order_ptr, rw_ptr, y_ptr, ws_ptr, e, start, end, stride_at,
-               stride_we, stride_wn, stride_yt, stride_se, stride_sn, H: tl.constexpr,
-               I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
-               W_FP8: tl.constexpr):
-    """y[p] = w_p · act[p] D_eᵀ (fp32) for this program's N block and expert e's pairs
-    order[start..end-1]."""
+def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_ptr, ws_ptr,
+                 stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
+                 H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
+                 COMPACT: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
@@ -199,68 +197,6 @@ def _down_rows(act_ptr, w_ptr, order_ptr, rw_ptr, y_ptr, ws_ptr, e, start, end, 
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
         m0 += BLOCK_M
 
-
-@triton.jit
-def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_ptr, ws_ptr,
-                 stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
-                 H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                 COMPACT: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
-    _down_rows(act_ptr, w_ptr, order_ptr, rw_ptr, y_ptr, ws_ptr, e, start, end, stride_at,
-               stride_we, stride_wn, stride_yt, stride_se, stride_sn, H, I, BLOCK_M, BLOCK_N,
-               BLOCK_K, KB, DOT_PREC, W_FP8)
-
-
-@triton.jit
-def _fence():
-    """fence.acq_rel.gpu in every thread (CUDA's __threadfence): orders this thread's global
-    stores before, and its loads after, the counter's atomic (PTX ISA "Memory Consistency
-    Model"); CUTLASS's split-K semaphore uses the same bar.sync + gpu-scope release/acquire."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _down_combine_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_ptr,
-                         ws_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr,
-                         count_ptr, T, eps, stride_at, stride_we, stride_wn, stride_yt,
-                         stride_se, stride_sn, stride_s, stride_sh, stride_o, stride_r,
-                         stride_ro, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KB: tl.constexpr,
-                         DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                         COMPACT: tl.constexpr, K: tl.constexpr, FOLDED: tl.constexpr,
-                         NORM: tl.constexpr, BLOCK_H: tl.constexpr, FENCE: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """The down GEMM, then `moe_combine`'s rows in the program that finishes last
-    (`route_fused_moe(combine=)`, kb/0038): every program stores its pair slice, fences and
-    counts itself in count_ptr; the one that counts the whole grid sums the step's T rows
-    (the same `combine_row` code) and resets the counter for the next launch. No grid
-    barrier, nothing waits: the combine's launch leaves the step's chain. FENCE: compiled
-    (the interpreter runs programs one after another and has no inline PTX)."""
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
-    _down_rows(act_ptr, w_ptr, order_ptr, rw_ptr, y_ptr, ws_ptr, e, start, end, stride_at,
-               stride_we, stride_wn, stride_yt, stride_se, stride_sn, H, I, BLOCK_M, BLOCK_N,
-               BLOCK_K, KB, DOT_PREC, W_FP8)
-    if FENCE:  # every thread's pair stores before the count (release)
-        _fence()
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        if FENCE:  # the other programs' stores before this thread's loads (acquire)
-            _fence()
-        tl.debug_barrier()
-        c = tl.arange(0, BLOCK_H)  # whole rows: the norm needs them
-        for t in range(T):  # T ≤ 4 rows (int32 offsets are safe)
-            combine_row(t, c, c < H, y_ptr, s_ptr, sh_ptr, out_ptr, res_ptr,
-                        res_out_ptr, nw_ptr, y_ptr, y_ptr, H, eps, stride_s, stride_sh,
-                        stride_o, stride_r, stride_ro, K, FOLDED, NORM, False, True)
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # graph replays: ready again
 
 # Prefill M tiles by the mean rows an expert gets (scripts/bench_moe_prefill.py on the H200,
 # session 13, kb/0031; routed experts, µs a layer as served → with the larger tile):
@@ -343,7 +279,6 @@ def _launcher(name: str, decode: bool, fp8: bool = False):
     key = (name, decode, fp8)
     if key not in _LAUNCHERS:
         kernel = {"gate_up": _gate_up_kernel, "down": _down_kernel,
-                  "down_combine": _down_combine_kernel,
                   "route_gate_up": _route_gate_up_kernel}[name]
         _LAUNCHERS[key] = _tuned(kernel, decode, fp8, compact_key=name != "route_gate_up")
     return _LAUNCHERS[key]
@@ -616,23 +551,19 @@ def _expert_scales(x, gate_up, down, gate_up_scale, down_scale, E, H, I, who: st
 
 
 def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int, warps: int,
-                 prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor,
-                 combine: dict | None = None):
-    """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks);
-    combine: `_down_combine_kernel`'s constexprs (its dn_args then hold its arguments)."""
-    extra = combine or {}
+                 prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor):
+    """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks)."""
     if tuned:
-        _launcher("down_combine" if combine else "down", bm == 16, fp8)[
-            lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
+        _launcher("down", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact, **extra, **pdl_launch(x))
+            COMPACT=compact, **pdl_launch(x))
         return
     kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
     bk_dn = min(bk, triton.next_power_of_2(I))
-    (_down_combine_kernel if combine else _down_kernel)[(grid_e, triton.cdiv(H, bn))](
+    _down_kernel[(grid_e, triton.cdiv(H, bn))](
         *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
-        DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, **extra,
-        num_warps=warps, **pdl_launch(x))
+        DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps,
+        **pdl_launch(x))
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -696,53 +627,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y
 
 
-def _compiled(t: torch.Tensor) -> bool:
-    """Whether launches on t run compiled, not in Triton's interpreter (which has no inline
-    PTX): `_down_combine_kernel`'s fences (tests/test_kernels_sm90.py patches this)."""
-    return t.is_cuda
-
-
-@dataclass(frozen=True)
-class DownCombine:
-    """`moe_combine` (or `moe_combine_folded`) run by the down GEMM's last program
-    (`route_fused_moe(combine=)`, kb/0038).
-
-    counter: int32 [1] on the device, zero before the launch (the kernel leaves it zero again:
-    one per call site of a CUDA graph is enough, launches on one stream never overlap);
-    norm: (residual [T, H], weight [H], eps) as `moe_combine`'s, or None;
-    shared: (shared_gate [T, 1], shared expert output [T, H]) when the shared expert is not
-    folded into the experts (route_fused_moe's shared_gate None), else None."""
-
-    counter: torch.Tensor
-    norm: tuple | None = None
-    shared: tuple | None = None
-
-
-def _combine_args(combine: DownCombine, folded: bool, y: torch.Tensor, T: int, H: int,
-                  dtype: torch.dtype):
-    """(outputs to return, the combine's pointer arguments, their strides) of a DownCombine;
-    raises ValueError when it does not fit the call."""
-    cnt, sh = combine.counter, combine.shared
-    if (cnt.dtype != torch.int32 or cnt.numel() != 1 or cnt.device != y.device
-            or (sh is None) != folded
-            or (sh is not None and (sh[0].shape != (T, 1) or sh[1].shape != (T, H)
-                                    or sh[1].stride(1) != 1 or sh[1].dtype != dtype))):
-        raise ValueError(f"route_fused_moe: combine counter {cnt.dtype} {tuple(cnt.shape)} "
-                         f"shared {None if sh is None else [tuple(a.shape) for a in sh]} "
-                         f"for [{T}, {H}] {dtype}, shared expert folded: {folded}")
-    out, res_out, res, nw, eps = combine_outputs(T, H, dtype, y.device, combine.norm)
-    seg, shared = sh if sh is not None else (y, y)
-    ptrs = (seg, shared, out, res, res_out, nw, cnt, T, eps)
-    strides = (seg.stride(0), shared.stride(0), out.stride(0), res.stride(0), res_out.stride(0))
-    return ((res_out, out) if combine.norm else out), ptrs, strides
-
-
 def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                     gate_up: torch.Tensor, down: torch.Tensor,
                     shared_gate: torch.Tensor | None = None,
                     gate_up_scale: torch.Tensor | None = None,
-                    down_scale: torch.Tensor | None = None,
-                    combine: DownCombine | None = None):
+                    down_scale: torch.Tensor | None = None):
     """`route_align` then `fused_moe(..., reduce=False)` in two launches instead of three: the
     gate_up programs route the tokens themselves (one program per (token, slot) pair and N
     block), so the step's chain loses the routing launch (kb/0036). Decode batches only.
@@ -754,12 +643,6 @@ def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     logits dtype, ids [T, S] int64), S = top_k (+1 with the shared expert): bitwise what
     `route_align` + `fused_moe(reduce=False)` give (the same top-k code, the same per-pair
     arithmetic). Raises ValueError for other T, E or shapes.
-    combine: the MoE block's combine in the down GEMM's launch (kb/0038): the first result is
-    then what `moe_combine_folded(pairs, top_k, x.dtype, norm)` (shared_gate given) or
-    `moe_combine(pairs, top_k, *combine.shared, norm)` returns, from the program that
-    finishes last; the same code, so the pairs' sums and the new residual are bitwise the
-    same, the norm's sum of squares may round differently (its reduction runs in the GEMM's
-    4 warps, not 8).
     """
     T, E = router_logits.shape
     if T > ROUTE_ONE_PROGRAM_UP_TO or T < 1 or E & (E - 1):
@@ -802,12 +685,6 @@ def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
             *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             KB=min(bk, 128) if fp8 else bk, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
             DOT_F16=f16, **route, num_warps=warps, **pdl_launch(x))
-    result, extra = y, None
-    if combine is not None:
-        result, ptrs, strides = _combine_args(combine, shared, y, T, H, x.dtype)
-        dn_args = dn_args[:8] + ptrs + dn_args[8:] + strides
-        extra = dict(K=top_k, FOLDED=shared, NORM=combine.norm is not None,
-                     BLOCK_H=triton.next_power_of_2(H), FENCE=_compiled(x))
     _launch_down(dn_args, T * S if compact else En, H, I, bm, bn, bk, warps, prec, bucket, fp8,
-                 compact, tuned, x, extra)
-    return result, w, ids
+                 compact, tuned, x)
+    return y, w, ids

@@ -56,38 +56,29 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _pair_row(ptr, ok, CG: tl.constexpr):
-    """A pair row's columns; CG: through L2 only (`.cg`), for rows other programs of the same
-    kernel just stored. (A bool, not the modifier string: Triton 3.6, the GPU's, fails to
-    compile a str constexpr passed between jit functions; 3.9 accepts it, kb/0038.)"""
-    if CG:
-        v = tl.load(ptr, mask=ok, other=0.0, cache_modifier=".cg")
-    else:
-        v = tl.load(ptr, mask=ok, other=0.0)
-    return v
-
-
-@triton.jit
-def combine_row(t, c, ok, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
-                rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
-                K: tl.constexpr, FOLDED: tl.constexpr, NORM: tl.constexpr,
-                GATHER: tl.constexpr, CG: tl.constexpr):
-    """The combine of token row t over the columns c (mask ok): the body of
-    `_moe_combine_kernel`, also run by `moe._down_combine_kernel`'s last program (kb/0038).
-    CG: load the pair rows with `.cg` (there: rows other programs just stored)."""
+def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
+                        rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
+                        K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr,
+                        NORM: tl.constexpr, GATHER: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < H
     dt = out_ptr.dtype.element_ty
     S: tl.constexpr = K + 1 if FOLDED else K  # pair rows per token
-    acc = tl.zeros(c.shape, dtype=tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
         if GATHER:  # pair t·K + j is row rows[t·K + j] of expert-sorted, unweighted outputs
             r = tl.load(rows_ptr + t * K + j).to(tl.int64)
             w = tl.load(rw_ptr + t * K + j).to(tl.float32)
             acc += tl.load(p_ptr + r * H + c, mask=ok, other=0.0).to(tl.float32) * w
         else:
-            acc += _pair_row(p_ptr + (t * S + j) * H + c, ok, CG)
+            acc += tl.load(p_ptr + (t * S + j) * H + c, mask=ok, other=0.0)
     routed = acc.to(dt).to(tl.float32)
     if FOLDED:  # the shared expert's weighted term is the token's last pair row
-        shared = _pair_row(p_ptr + (t * S + K) * H + c, ok, CG).to(dt).to(tl.float32)
+        shared = tl.load(p_ptr + (t * S + K) * H + c, mask=ok, other=0.0).to(dt).to(tl.float32)
     else:
         s = tl.load(s_ptr + t * stride_s).to(tl.float32)
         gate = tl.math.div_rn(1.0, 1.0 + tl.exp(-s)).to(dt).to(tl.float32)
@@ -106,43 +97,20 @@ def combine_row(t, c, ok, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, n
         tl.store(out_ptr + t * stride_o + c, y, mask=ok)
 
 
-@triton.jit
-def _moe_combine_kernel(p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr, rows_ptr,
-                        rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
-                        K: tl.constexpr, BLOCK: tl.constexpr, FOLDED: tl.constexpr,
-                        NORM: tl.constexpr, GATHER: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    combine_row(t, c, c < H, p_ptr, s_ptr, sh_ptr, out_ptr, res_ptr, res_out_ptr, nw_ptr,
-                rows_ptr, rw_ptr, H, eps, stride_s, stride_sh, stride_o, stride_r, stride_ro,
-                K, FOLDED, NORM, GATHER, False)
-
-
-def outputs(T: int, H: int, dtype: torch.dtype, device, norm: tuple | None):
-    """(out, res_out, residual, norm weight, eps) of a combine of T rows: the outputs [T, H]
-    allocated (res_out is out without a norm; residual/weight are then out as unused
-    pointers). Raises ValueError when norm's residual [T, H] / weight [H] do not fit."""
-    out = torch.empty(T, H, dtype=dtype, device=device)
-    res_out = torch.empty(T, H, dtype=dtype, device=device) if norm else out
+def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm, rows=None, weights=None):
+    """Shared launcher: out [T, H] (and the new residual with norm = (res, weight, eps));
+    rows/weights: pairs are expert-sorted unweighted outputs gathered by rows."""
+    out = torch.empty(T, H, dtype=dtype, device=pairs.device)
+    res_out = torch.empty(T, H, dtype=dtype, device=pairs.device) if norm else out
+    if T == 0:
+        return (res_out, out) if norm else out
+    # with the norm one program holds the whole row (the RMS needs it); else 1024 columns
+    block = triton.next_power_of_2(H) if norm else min(1024, triton.next_power_of_2(H))
     res, w, eps = norm if norm else (out, out, 0.0)
     if norm and (res.shape != (T, H) or res.stride(1) != 1 or res.dtype != dtype
                  or w.shape != (H,)):
         raise ValueError(f"moe_combine: residual{tuple(res.shape)} {res.dtype} weight"
                          f"{tuple(w.shape)} for [{T}, {H}] {dtype}")
-    return out, res_out, res, w, eps
-
-
-def _launch(pairs, k, seg, shared, T, H, dtype, folded, norm, rows=None, weights=None):
-    """Shared launcher: out [T, H] (and the new residual with norm = (res, weight, eps));
-    rows/weights: pairs are expert-sorted unweighted outputs gathered by rows."""
-    out, res_out, res, w, eps = outputs(T, H, dtype, pairs.device, norm)
-    if T == 0:
-        return (res_out, out) if norm else out
-    # with the norm one program holds the whole row (the RMS needs it); else 1024 columns
-    block = triton.next_power_of_2(H) if norm else min(1024, triton.next_power_of_2(H))
     gather = rows is not None
     _moe_combine_kernel[(T, triton.cdiv(H, block))](
         pairs, seg, shared, out, res, res_out, w, rows if gather else out,

@@ -85,12 +85,6 @@ QK_NORM_ONE_LAUNCH = env_flag("TAILORED_QK_NORM_ONE_LAUNCH", False)
 # 3.56 ms, FP8 3.75 -> 3.62; B=2 without it bf16 -1.6 %, FP8 -3.9 %. 3-4 rows: not measured.
 ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 2, 0,
                                  moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
-# The MoE combine (Σ pairs + shared + residual + next norm) run by the down GEMM's last
-# program where the routing runs in the gate_up programs (`moe.DownCombine`, kb/0038): one
-# launch fewer per MoE layer (40 a step) at 1-2 rows. Bitwise the same sums and residual; the
-# norm's sum of squares reduces in the GEMM's 4 warps instead of the combine's 8 (a rare bf16
-# flip: the gates must pass). Read at call time (A/B). Built in session 20: off until measured.
-MOE_COMBINE_IN_DOWN = env_flag("TAILORED_MOE_COMBINE_IN_DOWN", False)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
 # W8A16 GEMM has an ~11 µs floor at K = 2048 where cuBLAS bf16 takes 7.5 (decode) and is 2.6x
@@ -467,9 +461,6 @@ class FastPath:
             self.mtp_layer = len(self.layers)
             self.layers += list(model.mtp.layers)[:1]
             self.p_fc = Proj([model.mtp.fc], "in")
-        # MOE_COMBINE_IN_DOWN: each MoE layer's counter of finished down programs (zero
-        # between launches; one a layer, so no two launches of a step share one)
-        self._moe_done = torch.zeros(len(self.layers), dtype=torch.int32, device=self.device)
         for i, layer in enumerate(self.layers):
             ins, out, moe, down = layer_projections(layer)
             self.p_in[i] = ProjGroup(ins, dequant=dq)
@@ -525,10 +516,9 @@ class FastPath:
             # the shared expert as expert E: slot k of every token, weight sigmoid(gate)
             r, seg = torch.split(self.p_route[i](x), [E, 1], dim=-1)
             if in_gate_up:
-                fin = self._down_combine(i, norm)
-                out, _, _ = route_fused_moe(x, r, k, stack.gate_up, stack.down, seg,
-                                            stack.gate_up_scale, stack.down_scale, fin)
-                return out if fin else moe_combine_folded(out, k, x.dtype, norm)
+                pairs, _, _ = route_fused_moe(x, r, k, stack.gate_up, stack.down, seg,
+                                              stack.gate_up_scale, stack.down_scale)
+                return moe_combine_folded(pairs, k, x.dtype, norm)
             if one_launch:
                 w, ids, *aligned = route_align(r, k, shared_gate=seg)
             else:
@@ -541,13 +531,11 @@ class FastPath:
             return moe_combine_folded(pairs, k, x.dtype, norm)
         r, seg, sg, su = self.p_moe[i](x)
         if in_gate_up and not self._use_grouped(x):
-            # the shared expert first: with MOE_COMBINE_IN_DOWN the down GEMM's launch reads it
+            pairs, _, _ = route_fused_moe(x, r, k, mlp.experts.gate_up_proj,
+                                          mlp.experts.down_proj, None,
+                                          *self.experts.get(i, (None, None)))
             shared = self.p_down[i](silu_mul(sg, su))
-            fin = self._down_combine(i, norm, (seg, shared))
-            out, _, _ = route_fused_moe(x, r, k, mlp.experts.gate_up_proj,
-                                        mlp.experts.down_proj, None,
-                                        *self.experts.get(i, (None, None)), fin)
-            return out if fin else moe_combine(out, k, seg, shared, norm)
+            return moe_combine(pairs, k, seg, shared, norm)
         if one_launch:
             w, ids, *aligned = route_align(r, k)  # order, offsets, experts
         else:
@@ -563,12 +551,6 @@ class FastPath:
         shared = self.p_down[i](silu_mul(sg, su))
         # Σ_k pairs + sigmoid(seg)·shared in one launch instead of five (kernels/moe_combine.py)
         return moe_combine(pairs, k, seg, shared, norm)
-
-    def _down_combine(self, i: int, norm: tuple | None, shared: tuple | None = None):
-        """route_fused_moe's combine for layer i (MOE_COMBINE_IN_DOWN, kb/0038), or None."""
-        if not MOE_COMBINE_IN_DOWN:
-            return None
-        return moe_kernels.DownCombine(self._moe_done[i:i + 1], norm, shared)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
         """Whether this MoE input [T, H] takes the grouped experts (MOE_GROUPED): eager,
