@@ -13,7 +13,7 @@ for prec in bf16 fp8; do
     grep "c=1\|c=32" "$OUT/sbs-$prec.out" | tail -2
     tar czf "$OUT/sbs.tgz" -C /tmp sbs sbs-out 2>/dev/null
 done
-left=$(( 590 - ($(date +%s) - T0) ))
+left=$(( ${BUDGET:-590} - ($(date +%s) - T0) ))
 stamp "FP8 gate, prefill graphs, grouped experts from 1024 tokens ($left s left)"
 TAILORED_MOE_GROUPED_FROM=1024 GATE_ARGS="--prefill-graphs" timeout "$left" bash scripts/gpu_gate.sh fp8 \
     2>&1 | grep "overall\|vs bf16\|gate PASSED\|gate FAILED\|not captured\|captured prefill\|Traceback\|Error" | head -10
