@@ -94,6 +94,14 @@ bench_both() {  # ENGINE PREC PORT CHECKPOINT_DIR ENGINE_CONFIG_JSON
   sync_out
 }
 
+port_free() {  # PORT: die when something already listens there. Session 20's run3: a call's
+  # `timeout` ended the bf16 script but not its server or bench (their own process group),
+  # the FP8 server could not bind, and the FP8 phase benchmarked the bf16 server instead
+  if python3 -c 'import socket, sys; sys.exit(socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0)' "$1"; then
+    die "port $1 is taken (a server left by an earlier run?): not benchmarking it"
+  fi
+}
+
 wait_health() {  # PORT PID LOG
   local port=$1 pid=$2 log=$3 t
   t=$(date +%s)
@@ -162,6 +170,7 @@ phase_vllm() {  # PREC
   install_vllm || die "vLLM install failed"
   install_tailored
   bash "$R" --port "$VLLM_PORT" stop >/dev/null 2>&1 || true
+  port_free "$VLLM_PORT"
   stamp "start vLLM $prec on :$VLLM_PORT"
   OUT="$SBS" bash "$R" --port "$VLLM_PORT" serve "$prec" || die "vLLM serve failed"
   if ! OUT="$SBS" bash "$R" --port "$VLLM_PORT" wait 540; then
@@ -213,6 +222,7 @@ phase_tailored() {  # PREC
                --max-num-batched-tokens "$MAX_BATCHED" --gpu-memory-utilization "$GPU_UTIL")
   # shellcheck disable=SC2206
   local extra=(${TAILORED_SERVE_ARGS:-})
+  port_free "$TAILORED_PORT"
   stamp "start tailored serve $prec on :$TAILORED_PORT: $ckpt ${flags[*]} ${extra[*]}"
   # the launch configs tuned at this start are saved next to the results (kernels/tuning.py):
   # commit them as tailored/kernels/tuned.json and later starts on an H200 skip the tuning
