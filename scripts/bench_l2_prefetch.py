@@ -17,10 +17,13 @@ from CUDA events (µs). For each weight W [N, K] bf16 (decode shapes of the mode
   chain                --chain tiny elementwise kernels (a latency-bound stretch);
   chain + linear       the chain, then the linear (as today);
   overlapped           the prefetch on a side stream beside the chain, then the linear.
-Gain = (chain + linear) − overlapped. The prefetch is `tl.load(..., eviction_policy=
-"evict_last")` into a sum nobody uses, and the value is stored so that the loads stay;
---method bulk uses `cp.async.bulk.prefetch.L2` (PTX ISA 8.0, sm_90) from one thread a
-program instead.
+  prefetch then linear the same stream: what the linear gains once W's start is in L2.
+Gain = (chain + linear) − overlapped. The prefetch reads at most --l2-fraction of L2 from W's
+start (the in_proj is as large as L2). --method load: plain loads into a sum that is stored
+so that they stay, 2 programs a SM; --method bulk: `cp.async.bulk.prefetch.L2` (PTX ISA 8.0,
+sm_90), one thread in each of 16 programs, whose kernel ends when the prefetches are issued
+(its "prefetch" column is issue time). Checked by a review in session 20: the flush reads (a
+writing flush would leave dirty lines to write back), and W is cold again at the end.
 
 Usage (GPU): python3 scripts/bench_l2_prefetch.py [--json out.json]   (~1 min)
 """
@@ -43,14 +46,16 @@ SHAPES = [("gdn_in_proj", 12352, 2048), ("gdn_out_proj", 2048, 4096),
 
 @triton.jit
 def _prefetch_load_kernel(w_ptr, sink_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p reads elements [p·CHUNK, (p+1)·CHUNK) of w with evict_last (into L2)."""
+    """Program p reads elements [p·CHUNK, (p+1)·CHUNK) of w (plain loads: they pass L2).
+    Two independent loads an iteration, so more bytes are in flight."""
     p = tl.program_id(0).to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, CHUNK, BLOCK):
+    acc2 = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, CHUNK, 2 * BLOCK):
         o = p * CHUNK + s + tl.arange(0, BLOCK)
-        acc += tl.load(w_ptr + o, mask=o < n, other=0.0,
-                       eviction_policy="evict_last").to(tl.float32)
-    tl.store(sink_ptr + p, tl.sum(acc, 0))  # keeps the loads (nobody reads it)
+        acc += tl.load(w_ptr + o, mask=o < n, other=0.0).to(tl.float32)
+        acc2 += tl.load(w_ptr + o + BLOCK, mask=o + BLOCK < n, other=0.0).to(tl.float32)
+    tl.store(sink_ptr + p, tl.sum(acc + acc2, 0))  # keeps the loads (nobody reads it)
 
 
 @triton.jit
@@ -69,7 +74,9 @@ def _prefetch_bulk_kernel(w_ptr, n_bytes, CHUNK_BYTES: tl.constexpr, STEP: tl.co
 
 
 def prefetch(w: torch.Tensor, sink: torch.Tensor, programs: int, method: str) -> None:
-    """Pull w (contiguous) into L2 with `programs` programs."""
+    """Pull the first w.numel() elements of w (contiguous) into L2 with `programs` programs
+    (sink: ≥ programs fp32). bulk: the kernel ends when the prefetches are issued, not done
+    (the PTX has no completion for them)."""
     n = w.numel()
     if method == "bulk":
         nb = n * w.element_size()
@@ -78,9 +85,10 @@ def prefetch(w: torch.Tensor, sink: torch.Tensor, programs: int, method: str) ->
                                                          num_warps=1)
     else:
         block = 4096
-        chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
-        _prefetch_load_kernel[(triton.cdiv(n, chunk),)](w, sink, n, CHUNK=chunk, BLOCK=block,
-                                                        num_warps=8)
+        chunk = triton.cdiv(triton.cdiv(n, programs), 2 * block) * 2 * block
+        grid = triton.cdiv(n, chunk)
+        assert grid <= sink.numel()
+        _prefetch_load_kernel[(grid,)](w, sink, n, CHUNK=chunk, BLOCK=block, num_warps=8)
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -114,7 +122,11 @@ def time_graph(g, flush, reps: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chain", type=int, default=12, help="tiny kernels in the chain")
-    ap.add_argument("--programs", type=int, default=16, help="programs of the prefetch")
+    ap.add_argument("--programs", type=int, default=0,
+                    help="programs of the prefetch (0: 2 a SM for load, 16 for bulk)")
+    ap.add_argument("--l2-fraction", type=float, default=0.6,
+                    help="prefetch at most this fraction of L2 from the start of W (a W as "
+                         "large as L2 would evict its own start)")
     ap.add_argument("--method", choices=["load", "bulk", "both"], default="both")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
@@ -125,8 +137,13 @@ def main() -> int:
     props = torch.cuda.get_device_properties(dev)
     l2 = props.L2_cache_size
     print(f"{props.name}: L2 {l2 / 2**20:.0f} MiB, {props.multi_processor_count} SMs")
-    junk = torch.empty(4 * l2 // 4 + 1, dtype=torch.float32, device=dev)
-    flush = graph_of(lambda: junk.fill_(1.0))
+    # the flush reads 4 × L2 (filled once, eagerly): L2 then holds clean lines, as in the
+    # engine, where evicted lines are mostly weights (a writing flush leaves dirty lines whose
+    # write-back the cold reads would pay)
+    junk = torch.ones(l2 + 1, dtype=torch.float32, device=dev)
+    junk_sum = torch.empty((), dtype=torch.float32, device=dev)
+    flush = graph_of(lambda: torch.sum(junk, dim=0, out=junk_sum))
+    sms = props.multi_processor_count
     tiny = torch.zeros(2048, dtype=torch.bfloat16, device=dev)
 
     def chain():
@@ -138,8 +155,9 @@ def main() -> int:
     for name, N, K in SHAPES:
         w = torch.randn(N, K, dtype=torch.bfloat16, device=dev) * 0.02
         x = torch.randn(1, K, dtype=torch.bfloat16, device=dev)
-        sink = torch.empty(4096, dtype=torch.float32, device=dev)
-        r = {"name": name, "MB": w.numel() * 2 / 1e6}
+        sink = torch.empty(4 * sms + max(a.programs, 16), dtype=torch.float32, device=dev)
+        part = w.view(-1)[:min(w.numel(), int(a.l2_fraction * l2) // w.element_size())]
+        r = {"name": name, "MB": w.numel() * 2 / 1e6, "prefetched_MB": part.numel() * 2 / 1e6}
         r["linear_cold"] = time_graph(graph_of(lambda: F.linear(x, w)), flush, a.reps)
 
         def twice():
@@ -153,26 +171,41 @@ def main() -> int:
             F.linear(x, w)
         r["chain_linear"] = time_graph(graph_of(chain_linear), flush, a.reps)
         for m in methods:
+            progs = a.programs or (2 * sms if m == "load" else 16)
             try:
+                # bulk: issue time only (its prefetches complete after the kernel)
                 r[f"prefetch_{m}"] = time_graph(
-                    graph_of(lambda m=m: prefetch(w, sink, a.programs, m)), flush, a.reps)
+                    graph_of(lambda m=m, p=progs: prefetch(part, sink, p, m)), flush, a.reps)
+
+                def then_linear(m=m, p=progs):  # the same stream: what the linear gains
+                    prefetch(part, sink, p, m)
+                    F.linear(x, w)
+                r[f"then_linear_{m}"] = time_graph(graph_of(then_linear), flush, a.reps)
                 side = torch.cuda.Stream()
 
-                def overlapped(m=m, side=side):
+                def overlapped(m=m, p=progs, side=side):
                     main = torch.cuda.current_stream()
                     side.wait_stream(main)  # fork inside the capture
                     with torch.cuda.stream(side):
-                        prefetch(w, sink, a.programs, m)
+                        prefetch(part, sink, p, m)
                     chain()
                     main.wait_stream(side)  # join before the GEMV
                     F.linear(x, w)
                 r[f"overlapped_{m}"] = time_graph(graph_of(overlapped), flush, a.reps)
             except Exception as e:  # the bulk PTX on an older driver or Triton: report it
                 r[f"error_{m}"] = f"{type(e).__name__}: {e}"[:300]
+        # the flush still evicts W after all this (a stale-warm W would fake the gains)
+        r["linear_cold_again"] = time_graph(graph_of(lambda: F.linear(x, w)), flush, a.reps)
         rows.append(r)
-        del w
-    cols = ["MB", "linear_cold", "linear_warm", "chain", "chain_linear"] + [
-        f"{k}_{m}" for m in methods for k in ("prefetch", "overlapped")]
+        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()}),
+              flush=True)  # each row as it comes: a GPU fault later loses no earlier row
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": props.name, "l2_bytes": l2, "chain": a.chain,
+                           "programs": a.programs, "reps": a.reps, "rows": rows}, f, indent=1)
+        del w, part
+    cols = ["MB", "prefetched_MB", "linear_cold", "linear_warm", "chain", "chain_linear"] + [
+        f"{k}_{m}" for m in methods for k in ("prefetch", "then_linear", "overlapped")]
     print("| shape | " + " | ".join(cols) + " | best gain µs |")
     print("|" + "---|" * (len(cols) + 2))
     for r in rows:
@@ -183,10 +216,6 @@ def main() -> int:
         for m in methods:
             if f"error_{m}" in r:
                 print(f"  {r['name']} {m}: {r[f'error_{m}']}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": props.name, "l2_bytes": l2, "chain": a.chain,
-                       "programs": a.programs, "reps": a.reps, "rows": rows}, f, indent=1)
     return 0
 
 
