@@ -69,13 +69,15 @@ COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 ATTN_GATE_IN_MERGE = env_flag("TAILORED_ATTN_GATE_IN_MERGE", True)
 # GDN decode: the causal conv inside the recurrent programs and its state shift in the gated
 # norm's launch (`gdn_decode.conv_recurrent_step`, kb/0037): one launch fewer per GDN layer
-# (30 a step), bitwise the same in bf16. Read at call time (A/B). Session 19 (run6, 3 rounds):
-# bf16 B=1 -4.5 % median / -2.0 % min, B=2 -1.2 / -1.0 %, FP8 B=1 +0.6 / +0.6 %, with ~10 %
-# between rounds of one variant: not resolved, so off.
+# (30 a step), bitwise the same in bf16 (GPU tests passed in session 20). Read at call time
+# (A/B). Session 19 (run6, 3 rounds): bf16 B=1 -4.5 % median / -2.0 % min, not resolved;
+# session 20 (5 rounds, with QK_NORM_ONE_LAUNCH): bf16 B=1 -0.8 % / -0.0 %: no gain, so off
+# (kb/0038: launch cuts inside the graph do not pay).
 GDN_CONV_IN_RECURRENT = env_flag("TAILORED_GDN_CONV_IN_RECURRENT", False)
 # decode attention: q's and k's norm + RoPE (with the KV store) in one launch instead of two
-# (`qk_norm_rope.q_k_norm_rope`, kb/0037): 10 launches fewer a step, bitwise the same. Read at
-# call time (A/B). Built in session 19 with no device time left: off until measured.
+# (`qk_norm_rope.q_k_norm_rope`, kb/0037): 10 launches fewer a step, bitwise the same (GPU
+# tests passed in session 20). Read at call time (A/B). Measured with GDN_CONV_IN_RECURRENT
+# (kb/0038): bf16 B=1 -0.8 % median / -0.0 % min: no gain, so off.
 QK_NORM_ONE_LAUNCH = env_flag("TAILORED_QK_NORM_ONE_LAUNCH", False)
 # MoE inputs of up to this many rows route inside the gate_up GEMM's programs
 # (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
