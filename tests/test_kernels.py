@@ -293,6 +293,54 @@ def test_route_fused_moe_is_bitwise_route_align_then_fused_moe(dtype, T, E, k, s
                             torch.zeros(T, 1, dtype=dtype, device=DEV), *scales)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,k,shared,fp8,rows", [(1, 16, 4, True, False, (4, 4)),
+                                                   (3, 8, 2, False, False, (2, 2)),
+                                                   (4, 16, 4, True, False, (8, 8)),
+                                                   (2, 16, 4, True, True, (8, 4)),
+                                                   (1, 8, 2, False, True, (128, 128)),
+                                                   (1, 256, 8, True, False, None),
+                                                   (2, 256, 8, True, True, None)])
+def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, rows):
+    """The one-pair-a-program GEMV experts (kb/0039) give route_fused_moe's routing and its
+    pair terms up to the summation order, for any ROWS (odd H/I: masked rows and K, FP8
+    partial scale blocks); NaN-poisoned outputs are all overwritten; other T are refused."""
+    from tailored.kernels import moe, moe_gemv
+
+    if DEV == "cpu" and E == 256:
+        pytest.skip("full-size case: GPU only (minutes in the interpreter)")
+    g = torch.Generator().manual_seed(T * 7 + E + fp8)
+    H, I = (2048, 512) if E == 256 else (200, 160) if fp8 else (72, 40)
+    En = E + 1 if shared else E
+    x = torch.randn(T, H + 8, generator=g).to(DEV, dtype)[:, 3:3 + H]  # strided rows
+    logits = torch.randn(T, E, generator=g).to(DEV, dtype)
+    seg = torch.randn(T, 3, generator=g).to(DEV, dtype)[:, 1:2] if shared else None
+    scales = (None, None)
+    if fp8:
+        qgu, qd, _, (rgu, rd) = _fp8_experts(En, H, I, g)
+        gate_up, down, scales = qgu.to(DEV), qd.to(DEV), (rgu.to(DEV), rd.to(DEV))
+    else:
+        gate_up = (torch.randn(En, 2 * I, H, generator=g) * H ** -0.5).to(DEV, dtype)
+        down = (torch.randn(En, H, I, generator=g) * I ** -0.5).to(DEV, dtype)
+    want, w0, ids0 = moe.route_fused_moe(x, logits, k, gate_up, down, seg, *scales)
+    cfg = {} if rows is None else {"gate_up_cfg": (rows[0], 4), "down_cfg": (rows[1], 4)}
+    real_empty = torch.empty
+    try:  # NaN-poisoned act / pair buffers: every element must be written
+        torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")) \
+            if kw.get("dtype", torch.float32).is_floating_point else real_empty(*a, **kw)
+        pairs, w, ids = moe_gemv.route_gemv_moe(x, logits, k, gate_up, down, seg, *scales, **cfg)
+    finally:
+        torch.empty = real_empty
+    assert torch.isfinite(pairs).all()
+    assert torch.equal(ids, ids0) and torch.equal(w, w0)
+    assert rel_err(pairs, want) < TOL[dtype]
+    with pytest.raises(ValueError):
+        moe_gemv.route_gemv_moe(torch.zeros(5, H, dtype=dtype, device=DEV),
+                                torch.zeros(5, E, dtype=dtype, device=DEV), k, gate_up, down,
+                                None if not shared else torch.zeros(5, 1, dtype=dtype, device=DEV),
+                                *scales)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_routing_of_a_nan_row_picks_distinct_experts(fused):
     """A row of NaN / inf router logits (a poisoned token) still routes to k distinct experts
