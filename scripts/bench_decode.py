@@ -61,6 +61,11 @@ VARIANTS = {
     "route_in_gate_up2": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 2),
     "shared_up_to1": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 1),
     "no_route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 0),
+    # the experts of 1-2 row MoE inputs as GEMVs (moe_gemv.route_gemv_moe, kb/0039): FP8 by
+    # default, bf16 with moe_gemv_bf16
+    "no_moe_gemv": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 0),
+    "moe_gemv1": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 1),
+    "moe_gemv_bf16": lambda: _set("model.fast", "MOE_GEMV_BF16", True),
     # the attention output gate in the merge kernel (kb/0036)
     "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),
     "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),

@@ -121,7 +121,7 @@ def main() -> None:
             us, ref = _time(run(moe.route_fused_moe), a.reps, a.rounds)
             row("tiled", us, ref, ref)
             best_gu, best_us = None, float("inf")
-            dn_fixed = moe_gemv.DOWN_CFG[prec]
+            dn_fixed = moe_gemv.CFG[prec, min(T, 2)][1]
             for r in (2, 4, 8, 16):
                 for w in (2, 4, 8):
                     try:

@@ -159,6 +159,8 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
         monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
         monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
+        monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039
+        monkeypatch.setattr(fastmod, "MOE_GEMV_BF16", True)
 
     model = _full4(dtype, precision=precision)
     cfg = model.config

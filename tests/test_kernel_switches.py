@@ -70,6 +70,18 @@ def test_session18_defaults():
     assert fast.ROUTE_IN_GATE_UP_UP_TO == 2
 
 
+def test_session21_defaults():
+    """Session 21 (kb/0039): the FP8 experts of 1-2 row MoE inputs run as GEMVs."""
+    import os
+
+    from tailored.model import fast
+
+    for name in ("TAILORED_MOE_GEMV_UP_TO", "TAILORED_MOE_GEMV_BF16"):
+        if os.environ.get(name):
+            pytest.skip(f"{name} is set in this environment")
+    assert fast.MOE_GEMV_UP_TO == 2 and fast.MOE_GEMV_BF16 is False
+
+
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():
     """Read at import of the kernel path (in a child: no module reload in this process)."""
     import os

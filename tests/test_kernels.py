@@ -302,8 +302,8 @@ def test_route_fused_moe_is_bitwise_route_align_then_fused_moe(dtype, T, E, k, s
                                                    (1, 256, 8, True, False, None),
                                                    (2, 256, 8, True, True, None)])
 def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, rows):
-    """The one-pair-a-program GEMV experts (kb/0039) give route_fused_moe's routing and its
-    pair terms up to the summation order, for any ROWS (odd H/I: masked rows and K, FP8
+    """The one-pair-a-program GEMV experts (kb/0039) give route_fused_moe's routing and pair
+    terms up to the summation order, for any ROWS (odd H/I: masked rows and K, FP8
     partial scale blocks); NaN-poisoned outputs are all overwritten; other T are refused."""
     from tailored.kernels import moe, moe_gemv
 
@@ -332,7 +332,9 @@ def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, row
     finally:
         torch.empty = real_empty
     assert torch.isfinite(pairs).all()
-    assert torch.equal(ids, ids0) and torch.equal(w, w0)
+    # the routing weights: bitwise at 4 warps; other warp counts sum the softmax in another
+    # order (CFG's 2 / 8 warps at full size)
+    assert torch.equal(ids, ids0) and rel_err(w, w0) < TOL[dtype]
     assert rel_err(pairs, want) < TOL[dtype]
     with pytest.raises(ValueError):
         moe_gemv.route_gemv_moe(torch.zeros(5, H, dtype=dtype, device=DEV),

@@ -31,10 +31,12 @@ from tailored.kernels import moe
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
-# (ROWS, num_warps) of each kernel by weight dtype: rows of W a program reads, all of K at
-# once. Set from scripts/bench_moe_gemv.py on the H200 (kb/0039).
-GATE_UP_CFG = {"bf16": (4, 4), "fp8": (8, 4)}
-DOWN_CFG = {"bf16": (16, 4), "fp8": (32, 4)}
+# ((ROWS, num_warps) of gate_up, (ROWS, num_warps) of down) by weight kind and rows (1, or
+# 2 and more): rows of W a program reads, all of K at once. From scripts/bench_moe_gemv.py on
+# the H200 (session 21, kb/0039; µs a layer with the shared expert, tiled → GEMV): bf16 T=1
+# 24.2 → 23.0, T=2 37.6 → 36.8; FP8 T=1 23.0 → 15.4, T=2 31.4 → 24.2. 3–4 rows: not measured.
+CFG = {("bf16", 1): ((8, 8), (4, 4)), ("bf16", 2): ((16, 4), (4, 4)),
+       ("fp8", 1): ((8, 2), (8, 2)), ("fp8", 2): ((8, 2), (8, 2))}
 
 
 @triton.jit
@@ -116,10 +118,12 @@ def route_gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     `moe.ROUTE_ONE_PROGRAM_UP_TO`; router_logits [T, E], E a power of 2; shared_gate [T, 1] or
     None; gate_up [En, 2I, H], down [En, H, I] (bf16/fp32, or float8_e4m3fn with their block
     scales, `fp8.expert_block_scales`), En = E (+1 with the shared expert stacked as expert E).
-    gate_up_cfg / down_cfg: (ROWS, num_warps) overrides (benchmarks), ROWS a power of 2 ≤ 128.
+    gate_up_cfg / down_cfg: (ROWS, num_warps) instead of `CFG`'s (benchmarks), ROWS a power
+    of 2 ≤ 128.
     Returns (pairs [T·S, H] fp32 in (token, slot) order, weights [T, S] in the logits dtype,
-    ids [T, S] int64), S = top_k (+1 with the shared expert): the routing bitwise
-    route_align's, the pair terms equal to route_fused_moe's up to fp32 summation order.
+    ids [T, S] int64), S = top_k (+1 with the shared expert): the routing route_align's
+    (bitwise at 4 warps, which set the softmax's summation order), the pair terms
+    route_fused_moe's up to the fp32 summation order.
     Raises ValueError for other T, E or mismatched shapes.
     """
     T, E = router_logits.shape
@@ -138,8 +142,8 @@ def route_gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     gate_up, down = gate_up.contiguous(), down.contiguous()
     act = torch.empty(T * S, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * S, H, dtype=torch.float32, device=x.device)
-    kind = "fp8" if fp8 else "bf16"
-    (r_gu, w_gu), (r_dn, w_dn) = gate_up_cfg or GATE_UP_CFG[kind], down_cfg or DOWN_CFG[kind]
+    cfg_gu, cfg_dn = CFG["fp8" if fp8 else "bf16", min(T, 2)]
+    (r_gu, w_gu), (r_dn, w_dn) = gate_up_cfg or cfg_gu, down_cfg or cfg_dn
     r_gu, r_dn = min(r_gu, triton.next_power_of_2(I)), min(r_dn, triton.next_power_of_2(H))
     _gemv_gate_up_kernel[(T * S, triton.cdiv(I, r_gu))](
         x, gate_up, gate_up_scale, act, router_logits, seg, w, ids, T, x.stride(0),

@@ -37,6 +37,7 @@ from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurren
 from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
+from tailored.kernels.moe_gemv import route_gemv_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
@@ -87,6 +88,15 @@ QK_NORM_ONE_LAUNCH = env_flag("TAILORED_QK_NORM_ONE_LAUNCH", False)
 # 3.56 ms, FP8 3.75 -> 3.62; B=2 without it bf16 -1.6 %, FP8 -3.9 %. 3-4 rows: not measured.
 ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 2, 0,
                                  moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
+# MoE inputs of up to this many rows that route inside the gate_up programs run their FP8
+# experts as GEMVs, one (token, expert) pair a program (`moe_gemv.route_gemv_moe`, kb/0039),
+# instead of the tiled GEMMs, which were compute-bound at one row (e4m3 conversion into
+# tl.dot). In-layer bench on the H200 (µs a MoE layer, tiled → GEMV): FP8 T=1 23.0 → 15.4,
+# T=2 31.4 → 24.2. bf16 experts only with MOE_GEMV_BF16: 24.2 → 23.0 and 37.6 → 36.8 there,
+# not worth a bf16 gate yet. Another fp32 summation order: the FP8 gate passed with it
+# (kb/0039). 0 = off. Both read at call time (A/B).
+MOE_GEMV_UP_TO = env_int("TAILORED_MOE_GEMV_UP_TO", 2, 0, moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
+MOE_GEMV_BF16 = env_flag("TAILORED_MOE_GEMV_BF16", False)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
 # W8A16 GEMM has an ~11 µs floor at K = 2048 where cuBLAS bf16 takes 7.5 (decode) and is 2.6x
@@ -504,6 +514,14 @@ class FastPath:
     # -------------------------------------------------------------------------------------------
     # blocks
     # -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _route_experts(T: int, experts: torch.Tensor):
+        """The kernels for a T-row MoE input that routes inside the gate_up launch, by the
+        experts' weight dtype: GEMVs up to MOE_GEMV_UP_TO rows (bf16/fp32 with MOE_GEMV_BF16),
+        else the tiled GEMMs (same contract)."""
+        gemv = experts.dtype == torch.float8_e4m3fn or MOE_GEMV_BF16
+        return route_gemv_moe if gemv and T <= MOE_GEMV_UP_TO else route_fused_moe
+
     def _moe(self, i: int, x: torch.Tensor, norm: tuple | None = None):
         """The MoE block of layer i on its normed input x [T, H]. norm = (residual, weight,
         eps): returns (residual + block output, the next norm of it) from the combine's launch
@@ -518,8 +536,9 @@ class FastPath:
             # the shared expert as expert E: slot k of every token, weight sigmoid(gate)
             r, seg = torch.split(self.p_route[i](x), [E, 1], dim=-1)
             if in_gate_up:
-                pairs, _, _ = route_fused_moe(x, r, k, stack.gate_up, stack.down, seg,
-                                              stack.gate_up_scale, stack.down_scale)
+                experts = self._route_experts(T, stack.gate_up)
+                pairs, _, _ = experts(x, r, k, stack.gate_up, stack.down, seg,
+                                      stack.gate_up_scale, stack.down_scale)
                 return moe_combine_folded(pairs, k, x.dtype, norm)
             if one_launch:
                 w, ids, *aligned = route_align(r, k, shared_gate=seg)
@@ -533,9 +552,10 @@ class FastPath:
             return moe_combine_folded(pairs, k, x.dtype, norm)
         r, seg, sg, su = self.p_moe[i](x)
         if in_gate_up and not self._use_grouped(x):
-            pairs, _, _ = route_fused_moe(x, r, k, mlp.experts.gate_up_proj,
-                                          mlp.experts.down_proj, None,
-                                          *self.experts.get(i, (None, None)))
+            gate_up = mlp.experts.gate_up_proj
+            pairs, _, _ = self._route_experts(T, gate_up)(x, r, k, gate_up,
+                                                          mlp.experts.down_proj, None,
+                                                          *self.experts.get(i, (None, None)))
             shared = self.p_down[i](silu_mul(sg, su))
             return moe_combine(pairs, k, seg, shared, norm)
         if one_launch:
