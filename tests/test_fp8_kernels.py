@@ -94,3 +94,24 @@ def test_fp8_linear_against_dequantize_then_linear(M, N, K, dtype):
     err = ((got.float() - want).norm() / want.norm()).item()
     assert got.shape == (M, N) and got.dtype == dtype
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("T", [1, 2, 3])
+@pytest.mark.parametrize("N,K", SHAPES + [(130, 4096)])
+@pytest.mark.parametrize("cfg", [None, (4, 256, 4), (16, 128, 2)])
+def test_fp8_gemv_against_dequantize_then_linear(T, N, K, cfg):
+    """The FP8 GEMV (kb/0039 §4; bench only so far) sums each 128-wide K block in fp32, scales
+    it by the row's block scale and adds: equal to the reference to fp32 rounding, for any
+    (ROWS, BLOCK_K, warps), partial rows/K blocks and strided x; 5 rows are refused."""
+    from tailored.kernels.fp8_gemv import fp8_gemv
+
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    q, s = _weight(N, K, 3 * T + K)
+    x = torch.randn(T, K + 5, generator=torch.Generator().manual_seed(T)).to(DEV, dtype)[:, 2:2 + K]
+    got = fp8_gemv(x, q, fp8.row_scales(s, N), cfg)
+    want = F.linear(x.float(), fp8.dequantize_block(q, s, torch.float32))
+    assert got.shape == (T, N) and got.dtype == dtype and torch.isfinite(got).all()
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    with pytest.raises(ValueError):
+        fp8_gemv(torch.zeros(5, K, dtype=dtype, device=DEV), q, fp8.row_scales(s, N))

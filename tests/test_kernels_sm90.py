@@ -114,6 +114,7 @@ def _record(calls) -> list[dict]:
 def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.attention_decode import paged_decode_attention
     from tailored.kernels.fp8_dequant import dequantize_rows
+    from tailored.kernels.fp8_gemv import fp8_gemv
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
@@ -167,6 +168,9 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     x, w, ids, gu, dn, None, *sc))
             wl = torch.zeros(1024, H, dtype=f8)
             calls.append(lambda x=x, wl=wl: fp8_linear(x, wl, torch.ones(1024, H // 128)))
+            if T == 1:  # the FP8 GEMV (kb/0039 §4), 1 and 2 rows
+                for xr in (x, torch.randn(2, H, dtype=dt)):
+                    calls.append(lambda xr=xr, wl=wl: fp8_gemv(xr, wl, torch.ones(1024, H // 128)))
             if T == 1:  # routing inside the gate_up programs, shared expert stacked (kb/0036)
                 for wdt in (dt, f8):
                     calls.append(lambda x=x, wdt=wdt, dt=dt: route_fused_moe(
@@ -290,7 +294,8 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
            "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
-           "_dequant_experts_kernel", "_route_gate_up_kernel", "_q_k_norm_rope_kernel"}
+           "_dequant_experts_kernel", "_route_gate_up_kernel", "_q_k_norm_rope_kernel",
+           "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel"}
 
 
 def _compile(recs) -> list[dict]:

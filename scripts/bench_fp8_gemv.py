@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""FP8 dense projections at 1–2 rows: cuBLAS over the dequantized bf16 weight (what FP8
+serving runs today, `FP8_DENSE_DEQUANT`, kb/0026) against the tiled W8A16 GEMM (`fp8_linear`)
+and the FP8 GEMV (`fp8_gemv`) over a sweep of its (ROWS, BLOCK_K, warps), kb/0039 §4.
+
+For each decode shape of the model (spec §3–§6; per step: GDN in/out × 30, attention qkv/o ×
+10; the shared expert's in/down at 2 rows × 40) enough copies of the weight are cycled that
+they span 3 × the L2, so every call reads HBM. Each variant is one CUDA graph over the copies;
+µs per call = median of --rounds timings of --reps replays; TB/s over the variant's weight
+bytes. Prints each row as it completes and a table last; rel = relative difference to the fp32
+reference over the dequantized weight.
+
+Usage (GPU): python3 scripts/bench_fp8_gemv.py [--batches 1,2] [--json F]   (~2 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from tailored.kernels.fp8_gemv import fp8_gemv
+from tailored.kernels.fp8_linear import fp8_linear
+from tailored.model import fp8
+
+SHAPES = {"gdn_in": (12352, 2048), "gdn_out": (2048, 4096), "attn_qkv": (9216, 2048),
+          "attn_o": (2048, 4096), "moe_in_2rows": (1281, 2048), "shared_down": (2048, 512)}
+CONFIGS = [(r, bk, w) for r in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
+
+
+def _time(fn, copies: int, reps: int, rounds: int):
+    """(median µs per call, last output) of fn(i) for i over the copies, in one CUDA graph."""
+    def step():
+        return [fn(i) for i in range(copies)]
+    step()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = step()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(rounds):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(reps):
+            graph.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / reps / copies)
+    return statistics.median(times), ys[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,2")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import triton
+
+    from tailored.gate.manifest import device_name, git_commit, versions
+
+    manifest = {**git_commit(), **versions(), "triton": triton.__version__,
+                "device": device_name(torch.device("cuda")), "workload": vars(a),
+                "weights": "random normal / sqrt(K), block-FP8 quantized (seed 0)"}
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        print(f"{row['shape']:<13} T={row['T']} {row['variant']:<18} {row['us']:7.2f} us "
+              f"{row['tb_s']:5.2f} TB/s rel {row['rel']:.1e}", flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"manifest": manifest, "rows": rows}, f, indent=1)
+
+    for name, (N, K) in SHAPES.items():
+        copies = max(4, math.ceil(3 * l2 / (N * K)))
+        qs, ss, ws = [], [], []
+        for _ in range(copies):
+            w = torch.randn(N, K, device="cuda", generator=g) * K ** -0.5
+            q, s = fp8.quantize_block(w)
+            qs.append(q)
+            ss.append(fp8.row_scales(s, N))
+            ws.append(fp8.dequantize_block(q, s, torch.bfloat16))
+        for T in (int(b) for b in a.batches.split(",")):
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            ref = F.linear(x.float(), ws[-1].float())
+
+            def run(label, fn, nbytes):
+                try:
+                    us, y = _time(fn, copies, a.reps, a.rounds)
+                except Exception as e:  # a config that does not compile: say so, go on
+                    print(f"{name} T={T} {label}: {type(e).__name__}: {str(e)[:200]}")
+                    return
+                rel = ((y.float() - ref).norm() / ref.norm()).item()
+                record({"shape": name, "N": N, "K": K, "T": T, "variant": label, "us": us,
+                        "tb_s": nbytes / (us * 1e-6) / 1e12, "rel": rel})
+
+            run("cublas_bf16", lambda i: F.linear(x, ws[i]), 2 * N * K)
+            run("fp8_linear", lambda i: fp8_linear(x, qs[i], ss[i]), N * K)
+            for cfg in CONFIGS:
+                run(f"gemv {cfg[0]}x{cfg[1]}x{cfg[2]}",
+                    lambda i, cfg=cfg: fp8_gemv(x, qs[i], ss[i], cfg), N * K)
+        del qs, ss, ws
+        torch.cuda.empty_cache()
+    print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs | best GEMV µs (cfg) | GEMV TB/s |")
+    print("|---|---|---|---|---|---|")
+    for name in SHAPES:
+        for T in sorted({r["T"] for r in rows}):
+            sel = {r["variant"]: r for r in rows if r["shape"] == name and r["T"] == T}
+            gem = [r for v, r in sel.items() if v.startswith("gemv")]
+            if not gem:
+                continue
+            b = min(gem, key=lambda r: r["us"])
+            cb, fl = sel.get("cublas_bf16"), sel.get("fp8_linear")
+            print(f"| {name} | {T} | {cb['us'] if cb else float('nan'):.2f} | "
+                  f"{fl['us'] if fl else float('nan'):.2f} | {b['us']:.2f} ({b['variant'][5:]}) "
+                  f"| {b['tb_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""W8A16 GEMV for block-FP8 dense weights at 1–4 rows (kb/0039 §4): y = x · (W_fp8 ⊙ s)ᵀ.
+
+Why: FP8 checkpoints hold their dense projections dequantized to bf16 (`FastPath`,
+`FP8_DENSE_DEQUANT`, kb/0026) because the tiled W8A16 GEMM (`fp8_linear`) had an ~11 µs floor
+at decode. That reads twice the bytes of FP8 in every decode step. The GEMV design of
+`moe_gemv` (one load of a [ROWS, BLOCK_K] weight tile a K step, products and sums in fp32 on
+the CUDA cores, no tl.dot) ran the FP8 experts 33 % faster than tiles; this is the same for a
+dense weight, to be measured against cuBLAS over the dequantized bf16 weight
+(scripts/bench_fp8_gemv.py) before it goes anywhere near the model.
+
+Per-row scales (`fp8.row_scales`, [N, ceil(K/128)] fp32) as `fp8_linear` takes them: each
+128-wide K block of a row is summed, scaled, then added. Reference:
+`fp8.dequantize_block` then `F.linear` (tests/test_fp8_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
+
+# (ROWS, BLOCK_K, num_warps) by default; the bench sweeps others
+CFG = (8, 1024, 4)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_wn, stride_sn,
+                     stride_yt, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n_ok = n < N
+    t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([ROWS, BLOCK_T], dtype=tl.float32)
+    NKB: tl.constexpr = BLOCK_K // 128
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        kb = k0 // 128 + tl.arange(0, NKB)
+        s = tl.load(s_ptr + n[:, None] * stride_sn + kb[None, :],
+                    mask=n_ok[:, None] & (kb * 128 < K)[None, :], other=0.0)
+        for j in tl.static_range(BLOCK_T):  # the weight tile is reused by each row of x
+            xv = tl.load(x_ptr + j * stride_xt + k, mask=k_ok & ((k * 0 + j) < T),
+                         other=0.0).to(tl.float32)
+            part = tl.sum(tl.reshape(w * xv[None, :], [ROWS, NKB, 128]), 2)  # per K block
+            dot = tl.sum(part * s, 1)
+            acc += tl.where(t[None, :] == j, dot[:, None], 0.0)
+    tl.store(y_ptr + t[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & (t < T)[None, :])
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
+             cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [T, K] (bf16/fp32, unit column stride), T ≤ 4 · dequant(weight)ᵀ → [T, N] in x.dtype.
+
+    weight: [N, K] float8_e4m3fn, unit column stride; scale_rows: [N, ceil(K/128)] fp32
+    (`fp8.row_scales`). cfg: (ROWS, BLOCK_K, num_warps), BLOCK_K a multiple of 128 (else
+    `CFG`). Raises ValueError on other T, shapes or dtypes.
+    """
+    T, K = x.shape
+    N, K2 = weight.shape
+    if (not 1 <= T <= 4 or K2 != K or weight.dtype != torch.float8_e4m3fn
+            or scale_rows.shape != (N, triton.cdiv(K, 128)) or weight.stride(1) != 1
+            or scale_rows.stride(1) != 1):
+        raise ValueError(f"fp8_gemv: x{tuple(x.shape)} weight{tuple(weight.shape)} "
+                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} (T ≤ 4, unit "
+                         "column strides)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, bk, warps = cfg or CFG
+    bk = min(bk, max(128, triton.next_power_of_2(K)))
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(N, rows),)](
+        x, weight, scale_rows, y, T, N, K, x.stride(0), weight.stride(0), scale_rows.stride(0),
+        y.stride(0), ROWS=rows, BLOCK_K=bk, BLOCK_T=triton.next_power_of_2(T), num_warps=warps,
+        **pdl_launch(x))
+    return y
