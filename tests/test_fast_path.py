@@ -115,13 +115,17 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     _run_steps(plain, fastm, fcache)
 
 
-def test_fp8_dense_dequant_matches_plain_path(tiny_fp8_ckpt, monkeypatch):
+@pytest.mark.parametrize("gemv_up_to", [0, 4])
+def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiny_fp8_ckpt, monkeypatch):
     """TAILORED_FP8_DENSE_DEQUANT (kb/0026): the dense projections held dequantized, one GEMM
     per input (qkv|z|b|a, router|gates|shared up), the modules' FP8 weights untouched; the
-    routed experts stay FP8. Same steps as the plain path."""
+    routed experts stay FP8. Same steps as the plain path. gemv_up_to (FP8_GEMV_UP_TO,
+    kb/0039 §4): steps of up to 4 rows read the FP8 weights through the GEMV instead, the
+    bf16 members' rows (b/a, router) viewing the dequantized weight."""
     from tailored.model import fast as fastmod
 
     monkeypatch.setattr(fastmod, "FP8_DENSE_DEQUANT", True)
+    monkeypatch.setattr(fastmod, "FP8_GEMV_UP_TO", gemv_up_to)
     plain, fastm, fcache = _make_pair(tiny_fp8_ckpt)
     fast = fastm.fast
     for g in (fast.p_in, fast.p_moe):
@@ -138,7 +142,15 @@ def test_fp8_dense_dequant_matches_plain_path(tiny_fp8_ckpt, monkeypatch):
     assert len(new) == len(projs)
     got = sum(w.numel() * w.element_size() for w in new)
     assert fastmod.dense_dequant_bytes(fastm, torch.float32) == got > 0
+    w8, s8, wb, bf16_first = fast.p_in[0].parts[0][0].gemv  # GDN in: qkv|z FP8, then b|a
+    assert w8.dtype == torch.float8_e4m3fn and not bf16_first
+    assert wb.untyped_storage().data_ptr() == fast.p_in[0].parts[0][0].weight.untyped_storage().data_ptr()
+    assert fast.p_moe[0].parts[0][0].gemv[3]  # router|gate first
+    calls = []
+    real = fastmod.fp8_gemv
+    monkeypatch.setattr(fastmod, "fp8_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     _run_steps(plain, fastm, fcache)
+    assert bool(calls) == bool(gemv_up_to)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

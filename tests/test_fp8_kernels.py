@@ -115,3 +115,32 @@ def test_fp8_gemv_against_dequantize_then_linear(T, N, K, cfg):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
     with pytest.raises(ValueError):
         fp8_gemv(torch.zeros(5, K, dtype=dtype, device=DEV), q, fp8.row_scales(s, N))
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("other_first", [False, True])
+def test_fp8_gemv_with_bf16_rows_in_the_launch(T, other_first):
+    """A fused projection's bf16 members (GDN b/a, the router) in the FP8 GEMV's launch: their
+    columns after (or before) the FP8 rows', each equal to its own reference; NaN-poisoned
+    output fully written; rows of another dtype are refused."""
+    from tailored.kernels import fp8_gemv as mod
+
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    N, K, NB = 200, 320, 37
+    q, s = _weight(N, K, 11)
+    g = torch.Generator().manual_seed(T)
+    other = torch.randn(NB, K, generator=g).to(DEV, dtype)
+    x = torch.randn(T, K, generator=g).to(DEV, dtype)
+    real_empty = torch.empty
+    try:
+        torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+        got = mod.fp8_gemv(x, q, fp8.row_scales(s, N), (16, 256, 4), other, other_first)
+    finally:
+        torch.empty = real_empty
+    want8 = F.linear(x.float(), fp8.dequantize_block(q, s, torch.float32))
+    wantb = F.linear(x.float(), other.float())
+    want = torch.cat([wantb, want8] if other_first else [want8, wantb], 1)
+    assert got.shape == (T, N + NB) and torch.isfinite(got).all()
+    assert ((got.float() - want).norm() / want.norm()).item() < (1e-5 if DEV == "cpu" else 1e-2)
+    with pytest.raises(ValueError):
+        mod.fp8_gemv(x, q, fp8.row_scales(s, N), other=other.to(torch.float16))

@@ -171,6 +171,8 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             if T == 1:  # the FP8 GEMV (kb/0039 §4), 1 and 2 rows
                 for xr in (x, torch.randn(2, H, dtype=dt)):
                     calls.append(lambda xr=xr, wl=wl: fp8_gemv(xr, wl, torch.ones(1024, H // 128)))
+                    calls.append(lambda xr=xr, wl=wl, dt=dt: fp8_gemv(  # with bf16 rows
+                        xr, wl, torch.ones(1024, H // 128), other=torch.zeros(64, H, dtype=dt)))
             if T == 1:  # routing inside the gate_up programs, shared expert stacked (kb/0036)
                 for wdt in (dt, f8):
                     calls.append(lambda x=x, wdt=wdt, dt=dt: route_fused_moe(

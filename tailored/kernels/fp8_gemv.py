@@ -27,57 +27,90 @@ CFG = (8, 1024, 4)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_wn, stride_sn,
-                     stride_yt, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    n_ok = n < N
-    t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([ROWS, BLOCK_T], dtype=tl.float32)
+def _rows_dot(acc, x_ptr, w_ptr, s_ptr, n, n_ok, t, T, K, stride_xt, stride_wn, stride_sn,
+              W_FP8: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    """acc [ROWS, BLOCK_T] + rows n of W times the T rows of x (fp32). FP8: each 128-wide K
+    block of a row is summed, then scaled by the row's scale for that block."""
     NKB: tl.constexpr = BLOCK_K // 128
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        kb = k0 // 128 + tl.arange(0, NKB)
-        s = tl.load(s_ptr + n[:, None] * stride_sn + kb[None, :],
-                    mask=n_ok[:, None] & (kb * 128 < K)[None, :], other=0.0)
+        if W_FP8:
+            kb = k0 // 128 + tl.arange(0, NKB)
+            s = tl.load(s_ptr + n[:, None] * stride_sn + kb[None, :],
+                        mask=n_ok[:, None] & (kb * 128 < K)[None, :], other=0.0)
         for j in tl.static_range(BLOCK_T):  # the weight tile is reused by each row of x
             xv = tl.load(x_ptr + j * stride_xt + k, mask=k_ok & ((k * 0 + j) < T),
                          other=0.0).to(tl.float32)
-            part = tl.sum(tl.reshape(w * xv[None, :], [ROWS, NKB, 128]), 2)  # per K block
-            dot = tl.sum(part * s, 1)
+            if W_FP8:
+                part = tl.sum(tl.reshape(w * xv[None, :], [ROWS, NKB, 128]), 2)  # per K block
+                dot = tl.sum(part * s, 1)
+            else:
+                dot = tl.sum(w * xv[None, :], 1)
             acc += tl.where(t[None, :] == j, dot[:, None], 0.0)
-    tl.store(y_ptr + t[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=n_ok[:, None] & (t < T)[None, :])
+    return acc
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, y_ptr, T, N, NB, K, stride_xt, stride_wn,
+                     stride_sn, stride_wbn, stride_yt, COL8, COLB, ROWS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    pid = tl.program_id(0)
+    p8 = tl.cdiv(N, ROWS)
+    t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([ROWS, BLOCK_T], dtype=tl.float32)
+    t_ok = (t < T)[None, :]
+    if pid < p8:  # the FP8 rows, into columns COL8..
+        n = pid * ROWS + tl.arange(0, ROWS)
+        acc = _rows_dot(acc, x_ptr, w_ptr, s_ptr, n, n < N, t, T, K, stride_xt, stride_wn,
+                        stride_sn, True, ROWS, BLOCK_K, BLOCK_T)
+        tl.store(y_ptr + t[None, :] * stride_yt + COL8 + n[:, None],
+                 acc.to(y_ptr.dtype.element_ty), mask=(n < N)[:, None] & t_ok)
+    else:  # the bf16 rows (NB of them), into columns COLB..
+        n = (pid - p8) * ROWS + tl.arange(0, ROWS)
+        acc = _rows_dot(acc, x_ptr, wb_ptr, s_ptr, n, n < NB, t, T, K, stride_xt, stride_wbn,
+                        stride_sn, False, ROWS, BLOCK_K, BLOCK_T)
+        tl.store(y_ptr + t[None, :] * stride_yt + COLB + n[:, None],
+                 acc.to(y_ptr.dtype.element_ty), mask=(n < NB)[:, None] & t_ok)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
-             cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+             cfg: tuple[int, int, int] | None = None, other: torch.Tensor | None = None,
+             other_first: bool = False) -> torch.Tensor:
     """x [T, K] (bf16/fp32, unit column stride), T ≤ 4 · dequant(weight)ᵀ → [T, N] in x.dtype.
 
     weight: [N, K] float8_e4m3fn, unit column stride; scale_rows: [N, ceil(K/128)] fp32
-    (`fp8.row_scales`). cfg: (ROWS, BLOCK_K, num_warps), BLOCK_K a multiple of 128 (else
-    `CFG`). Raises ValueError on other T, shapes or dtypes.
+    (`fp8.row_scales`). other: [NB, K] rows in x's dtype (the bf16 members of a fused
+    projection: GDN b/a, router) computed in the same launch; the output is then [T, N + NB],
+    the FP8 rows' columns first, or last with other_first. cfg: (ROWS, BLOCK_K, num_warps),
+    BLOCK_K a multiple of 128 (else `CFG`). Raises ValueError on other T, shapes or dtypes.
     """
     T, K = x.shape
     N, K2 = weight.shape
+    NB = 0 if other is None else other.shape[0]
     if (not 1 <= T <= 4 or K2 != K or weight.dtype != torch.float8_e4m3fn
             or scale_rows.shape != (N, triton.cdiv(K, 128)) or weight.stride(1) != 1
-            or scale_rows.stride(1) != 1):
-        raise ValueError(f"fp8_gemv: x{tuple(x.shape)} weight{tuple(weight.shape)} "
-                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} (T ≤ 4, unit "
-                         "column strides)")
+            or scale_rows.stride(1) != 1
+            or (other is not None and (other.shape[1] != K or other.stride(1) != 1
+                                       or other.dtype != x.dtype))):
+        raise ValueError(f"fp8_gemv: x{tuple(x.shape)} {x.dtype} weight{tuple(weight.shape)} "
+                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} other "
+                         f"{None if other is None else (tuple(other.shape), other.dtype)} "
+                         "(T ≤ 4, unit column strides, other in x's dtype)")
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, bk, warps = cfg or CFG
     bk = min(bk, max(128, triton.next_power_of_2(K)))
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(N, rows),)](
-        x, weight, scale_rows, y, T, N, K, x.stride(0), weight.stride(0), scale_rows.stride(0),
-        y.stride(0), ROWS=rows, BLOCK_K=bk, BLOCK_T=triton.next_power_of_2(T), num_warps=warps,
-        **pdl_launch(x))
+    y = torch.empty(T, N + NB, dtype=x.dtype, device=x.device)
+    wb = weight if other is None else other
+    col8, colb = (NB, 0) if other_first else (0, N)
+    _fp8_gemv_kernel[(triton.cdiv(N, rows) + triton.cdiv(NB, rows),)](
+        x, weight, scale_rows, wb, y, T, N, NB, K, x.stride(0), weight.stride(0),
+        scale_rows.stride(0), wb.stride(0), y.stride(0), col8, colb, ROWS=rows, BLOCK_K=bk,
+        BLOCK_T=triton.next_power_of_2(T), num_warps=warps, **pdl_launch(x))
     return y

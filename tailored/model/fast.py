@@ -31,6 +31,7 @@ from torch import nn
 from tailored.kernels import env_flag, env_int
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_dequant import dequantize_rows
+from tailored.kernels.fp8_gemv import fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
 from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
@@ -107,6 +108,12 @@ MOE_GEMV_BF16 = env_flag("TAILORED_MOE_GEMV_BF16", False)
 # 1024-token prefill 63.1 -> 56.5 ms; c=1 280 tok/s, TTFT 60.6 ms) and its FP8 gate passed;
 # =0 keeps every FP8 weight FP8 (W8A16 GEMMs, 2.8 GB less).
 FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
+# With FP8_DENSE_DEQUANT, projections of up to this many rows read their FP8 weights instead,
+# through the FP8 GEMV (`kernels/fp8_gemv.py`, kb/0039 §4; the bf16 members of a fused
+# projection in the same launch). The bench of session 21 (run4, µs a call, cuBLAS over the
+# dequantized weight → GEMV, one row): GDN in 15.9 → 8.7, GDN out 9.5 → 4.8, attention qkv
+# 11.9 → 7.1, o 9.3 → 4.8 (~0.45 ms a B=1 step). 0 = off. Read at call time (A/B).
+FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 0, 0, 4)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
@@ -219,11 +226,34 @@ def fuse_linears(mods: list[nn.Module], pad: int = 0) -> torch.Tensor:
     return fused
 
 
+def _fp8_gemv_parts(mods: list[nn.Module], dequantized: torch.Tensor):
+    """(FP8 weight [N8, K], its row scales, the bf16 members' rows or None, bf16 members
+    first) for `fp8_gemv` over linears sharing an input, or None when none is FP8 or the FP8
+    ones are not one contiguous run of them (the GEMV writes two blocks of columns). The bf16
+    rows are a view of `dequantized` (the group's weight in module order: the same values);
+    several FP8 members are fused into one tensor their modules then view. No new bytes."""
+    is8 = [isinstance(m, Fp8Linear) for m in mods]
+    if not any(is8):
+        return None
+    first, n8 = is8.index(True), sum(is8)
+    if is8[first:first + n8] != [True] * n8:
+        return None
+    f8 = [m for m in mods if isinstance(m, Fp8Linear)]
+    fb = [m for m in mods if not isinstance(m, Fp8Linear)]
+    w8 = fuse_linears(f8) if len(f8) > 1 else f8[0].weight.data
+    s8 = torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in f8])
+    nb = sum(m.weight.shape[0] for m in fb)
+    n8 = w8.shape[0]
+    wb = (dequantized[:nb] if first > 0 else dequantized[n8:n8 + nb]) if fb else None
+    return w8, s8, wb, first > 0
+
+
 class Proj:
     """One GEMM for linears of one kind (bf16, or block-FP8 via `fp8_linear`) sharing an input."""
 
     def __init__(self, mods: list[nn.Module], kind: str = "in"):
         self.kind = kind  # which projection (in, out, router, down)
+        self.gemv = None  # FP8 GEMV operands (dequantized projections only)
         self.fp8 = isinstance(mods[0], Fp8Linear)
         self.sizes = [m.weight.shape[0] for m in mods]
         # zero rows after the modules' (PROJ_ROW_ALIGN): cuBLAS GEMMs of several linears only
@@ -244,18 +274,24 @@ class Proj:
         if p.pad:
             ws.append(ws[0].new_zeros(p.pad, ws[0].shape[1]))
         p.weight = ws[0] if len(ws) == 1 else torch.cat(ws)
+        # the FP8 weights for the few-row GEMV (FP8_GEMV_UP_TO): the modules' own
+        p.gemv = _fp8_gemv_parts(mods, p.weight)
         return p
 
     def leading(self, sizes: list[int]) -> "Proj":
         """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
         n = sum(sizes)
         p = Proj.__new__(Proj)
-        p.fp8, p.sizes, p.kind, p.pad = self.fp8, list(sizes), self.kind, 0
+        p.fp8, p.sizes, p.kind, p.pad, p.gemv = self.fp8, list(sizes), self.kind, 0, None
         p.weight = self.weight[:n]
         p.scale = self.scale[:n] if self.fp8 else None
         return p
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, Σ sizes (+ pad)]: the pad's zero columns only from the dequantized GEMM."""
+        if self.gemv is not None and 1 <= x.shape[0] <= FP8_GEMV_UP_TO:
+            w8, s8, wb, bf16_first = self.gemv
+            return fp8_gemv(x, w8, s8, other=wb, other_first=bf16_first)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x, self.weight)
@@ -290,10 +326,12 @@ class ProjGroup:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         out: list = [None] * self.n
         for proj, idx in self.parts:
-            # a padded GEMM's zero rows come last and are dropped (zip stops at idx)
-            for j, y in zip(idx, torch.split(proj(x), proj.sizes + [proj.pad] * bool(proj.pad),
-                                            dim=-1)):
-                out[j] = y
+            # a padded GEMM's zero rows come last and are dropped (zip stops at idx); the
+            # FP8 GEMV's output has none
+            y = proj(x)
+            pad = y.shape[-1] - sum(proj.sizes)
+            for j, part in zip(idx, torch.split(y, proj.sizes + [pad] * bool(pad), dim=-1)):
+                out[j] = part
         return out
 
 
