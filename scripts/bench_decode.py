@@ -68,6 +68,7 @@ VARIANTS = {
     "moe_gemv_bf16": lambda: _set("model.fast", "MOE_GEMV_BF16", True),
     # FP8 dense projections of 1-2 rows through the FP8 GEMV (kernels/fp8_gemv.py, kb/0039 §4)
     "fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 2),
+    "no_fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 0),
     "fp8_gemv1": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 1),
     # the attention output gate in the merge kernel (kb/0036)
     "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),

@@ -71,15 +71,17 @@ def test_session18_defaults():
 
 
 def test_session21_defaults():
-    """Session 21 (kb/0039): the FP8 experts of 1-2 row MoE inputs run as GEMVs."""
+    """Session 21 (kb/0039): the FP8 experts of 1-2 row MoE inputs run as GEMVs, and so do
+    the FP8 dense projections of 1-2 rows."""
     import os
 
     from tailored.model import fast
 
-    for name in ("TAILORED_MOE_GEMV_UP_TO", "TAILORED_MOE_GEMV_BF16"):
+    for name in ("TAILORED_MOE_GEMV_UP_TO", "TAILORED_MOE_GEMV_BF16", "TAILORED_FP8_GEMV_UP_TO"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert fast.MOE_GEMV_UP_TO == 2 and fast.MOE_GEMV_BF16 is False
+    assert fast.FP8_GEMV_UP_TO == 2
 
 
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():

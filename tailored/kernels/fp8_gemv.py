@@ -2,11 +2,12 @@
 
 Why: FP8 checkpoints hold their dense projections dequantized to bf16 (`FastPath`,
 `FP8_DENSE_DEQUANT`, kb/0026) because the tiled W8A16 GEMM (`fp8_linear`) had an ~11 µs floor
-at decode. That reads twice the bytes of FP8 in every decode step. The GEMV design of
-`moe_gemv` (one load of a [ROWS, BLOCK_K] weight tile a K step, products and sums in fp32 on
-the CUDA cores, no tl.dot) ran the FP8 experts 33 % faster than tiles; this is the same for a
-dense weight, to be measured against cuBLAS over the dequantized bf16 weight
-(scripts/bench_fp8_gemv.py) before it goes anywhere near the model.
+at decode; cuBLAS over the bf16 copy then reads twice the bytes of FP8 in every decode step.
+Here each program loads [ROWS, BLOCK_K] weight tiles (BLOCK_K of 1024 covers half of K = 2048
+in one load), multiplies them with the rows of x in fp32 on the CUDA cores and reduces, no
+tl.dot — the design of `moe_gemv`. On the H200 (scripts/bench_fp8_gemv.py, session 21, one
+row): GDN in 15.9 µs (cuBLAS bf16) → 8.7, GDN out 9.5 → 4.8; `FastPath` uses it up to
+`FP8_GEMV_UP_TO` rows, a fused projection's bf16 members (GDN b/a, router) in the same launch.
 
 Per-row scales (`fp8.row_scales`, [N, ceil(K/128)] fp32) as `fp8_linear` takes them: each
 128-wide K block of a row is summed, scaled, then added. Reference:
@@ -22,7 +23,11 @@ import triton.language as tl
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
-# (ROWS, BLOCK_K, num_warps) by default; the bench sweeps others
+# (ROWS, BLOCK_K, num_warps) for every shape (the one the FP8 gate passed with, session 21).
+# run4's sweep found better ones by shape (µs, this → best): one row GDN in 9.25 → 8.70
+# (8x2048x4), GDN out / attention o 6.21 → 4.75 (4x2048x8), qkv 7.81 → 7.08 (16x1024x4); two
+# rows GDN in 14.0 → 10.8 and qkv 12.0 → 9.4 (16x512x4), out 8.0 → 6.4 (8x2048x4). A table by
+# (N, K, rows) is the next step (another fp32 grouping of the block sums: gate it).
 CFG = (8, 1024, 4)
 
 

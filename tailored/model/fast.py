@@ -112,8 +112,10 @@ FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
 # through the FP8 GEMV (`kernels/fp8_gemv.py`, kb/0039 §4; the bf16 members of a fused
 # projection in the same launch). The bench of session 21 (run4, µs a call, cuBLAS over the
 # dequantized weight → GEMV, one row): GDN in 15.9 → 8.7, GDN out 9.5 → 4.8, attention qkv
-# 11.9 → 7.1, o 9.3 → 4.8 (~0.45 ms a B=1 step). 0 = off. Read at call time (A/B).
-FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 0, 0, 4)
+# 11.9 → 7.1, o 9.3 → 4.8. In the model (run5, graph step, median of 3): B=1 3.10 → 2.70 ms
+# (-13 %), B=2 3.70 → 3.56; the FP8 gate passed with it. Default 2 since then; 0 = off. Read
+# at call time (A/B). Not yet measured served (side by side).
+FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
