@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
+from graph_timing import time_graph
 
 from tailored.kernels.fp8_gemv import fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
@@ -30,34 +30,6 @@ from tailored.model import fp8
 SHAPES = {"gdn_in": (12352, 2048), "gdn_out": (2048, 4096), "attn_qkv": (9216, 2048),
           "attn_o": (2048, 4096), "moe_in_2rows": (1281, 2048), "shared_down": (2048, 512)}
 CONFIGS = [(r, bk, w) for r in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
-
-
-def _time(fn, copies: int, reps: int, rounds: int):
-    """(median µs per call, last output) of fn(i) for i over the copies, in one CUDA graph."""
-    def step():
-        return [fn(i) for i in range(copies)]
-    step()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ys = step()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(rounds):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(reps):
-            graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3 / reps / copies)
-    return statistics.median(times), ys[-1]
 
 
 def main() -> None:
@@ -101,7 +73,9 @@ def main() -> None:
 
             def run(label, fn, nbytes):
                 try:
-                    us, y = _time(fn, copies, a.reps, a.rounds)
+                    us, ys = time_graph(lambda: [fn(i) for i in range(copies)], copies,
+                                        a.reps, a.rounds)
+                    y = ys[-1]
                 except Exception as e:  # a config that does not compile: say so, go on
                     print(f"{name} T={T} {label}: {type(e).__name__}: {str(e)[:200]}")
                     return

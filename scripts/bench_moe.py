@@ -19,6 +19,7 @@ import argparse
 import json
 
 import torch
+from graph_timing import time_graph
 
 from tailored.kernels import moe
 from tailored.ops import reference as ref
@@ -83,26 +84,8 @@ def main() -> None:
                                             reduce=False))
                 return ys
 
-            step()  # autotune outside the capture
-            torch.cuda.synchronize()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                ys = step()
-            for _ in range(5):
-                graph.replay()
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            for _ in range(a.reps):
-                graph.replay()
-            t1.record()
-            torch.cuda.synchronize()
-            us = t0.elapsed_time(t1) * 1e3 / a.reps / LAYERS
-            outs[vi] = [y.clone() for y in ys]
+            # autotuned outside the capture (time_graph's eager first call)
+            us, outs[vi] = time_graph(step, LAYERS, a.reps, 1)
             if a.ncu and B == batches[-1]:
                 w0, ids0, *al0 = moe.route_align(logits[0], K) if B <= moe.ROUTE_ALIGN_USE_UP_TO \
                     else (*ref.route_topk(logits[0], K),)

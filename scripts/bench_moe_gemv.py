@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-
 import torch
+from graph_timing import time_graph
 
 from tailored.kernels import moe, moe_gemv
 
@@ -43,32 +42,6 @@ def _experts(fp8: bool, g):
                     fp8m.expert_block_scales(sdn, False)))
         del gu, dn
     return out
-
-
-def _time(step, reps: int, rounds: int) -> tuple[float, list]:
-    """(median µs per layer, outputs) of `step` captured in one CUDA graph."""
-    step()  # compile / tune outside the capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ys = step()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(rounds):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(reps):
-            graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3 / reps / LAYERS)
-    return statistics.median(times), [y.clone() for y in ys]
 
 
 def main() -> None:
@@ -118,15 +91,15 @@ def main() -> None:
                 record({"precision": prec, "T": T, "variant": variant, "us": us,
                         "tb_s": nbytes / (us * 1e-6) / 1e12, "rel": rel})
 
-            us, ref = _time(run(moe.route_fused_moe), a.reps, a.rounds)
+            us, ref = time_graph(run(moe.route_fused_moe), LAYERS, a.reps, a.rounds)
             row("tiled", us, ref, ref)
             best_gu, best_us = None, float("inf")
             dn_fixed = moe_gemv.CFG[prec, min(T, 2)][1]
             for r in (2, 4, 8, 16):
                 for w in (2, 4, 8):
                     try:
-                        us, ys = _time(run(moe_gemv.route_gemv_moe, gate_up_cfg=(r, w),
-                                           down_cfg=dn_fixed), a.reps, a.rounds)
+                        us, ys = time_graph(run(moe_gemv.route_gemv_moe, gate_up_cfg=(r, w),
+                                                down_cfg=dn_fixed), LAYERS, a.reps, a.rounds)
                     except Exception as e:  # a config that does not compile: say so, go on
                         print(f"gate_up {r}x{w}: {type(e).__name__}: {str(e)[:200]}")
                         continue
@@ -138,8 +111,8 @@ def main() -> None:
                     if (r, w) == dn_fixed:
                         continue
                     try:
-                        us, ys = _time(run(moe_gemv.route_gemv_moe, gate_up_cfg=best_gu,
-                                           down_cfg=(r, w)), a.reps, a.rounds)
+                        us, ys = time_graph(run(moe_gemv.route_gemv_moe, gate_up_cfg=best_gu,
+                                                down_cfg=(r, w)), LAYERS, a.reps, a.rounds)
                     except Exception as e:
                         print(f"down {r}x{w}: {type(e).__name__}: {str(e)[:200]}")
                         continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import graph_timing
 import torch
 
 from tailored.kernels import moe
@@ -18,20 +19,7 @@ E, K, LAYERS = 256, 8, 40
 
 def time_graph(fn, reps: int) -> float:
     """µs per call of fn (which runs LAYERS launches), through one captured graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / reps / LAYERS
+    return graph_timing.time_graph(lambda: (fn(), [])[1], LAYERS, reps, 1)[0]
 
 
 def one_program(a) -> None:

@@ -246,6 +246,22 @@ def test_fused_moe_compact_grid_is_bitwise_the_full_grid(T, E, k, monkeypatch):
     assert torch.equal(compact, full) and torch.equal(compact2, full)
 
 
+def _routed_call_inputs(dtype, T, E, H, I, shared, fp8, g):
+    """(x [T, H] with strided rows, router logits [T, E], shared gate [T, 1] view or None,
+    gate_up, down (E+1 experts with the shared one; FP8 with block scales), scales) for the
+    routing-in-gate_up MoE calls."""
+    En = E + 1 if shared else E
+    x = torch.randn(T, H + 8, generator=g).to(DEV, dtype)[:, 3:3 + H]  # strided rows
+    logits = torch.randn(T, E, generator=g).to(DEV, dtype)
+    seg = torch.randn(T, 3, generator=g).to(DEV, dtype)[:, 1:2] if shared else None
+    if fp8:
+        qgu, qd, _, (rgu, rd) = _fp8_experts(En, H, I, g)
+        return x, logits, seg, qgu.to(DEV), qd.to(DEV), (rgu.to(DEV), rd.to(DEV))
+    gate_up = (torch.randn(En, 2 * I, H, generator=g) * H ** -0.5).to(DEV, dtype)
+    down = (torch.randn(En, H, I, generator=g) * I ** -0.5).to(DEV, dtype)
+    return x, logits, seg, gate_up, down, (None, None)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,E,k,shared,fp8", [(1, 16, 4, True, False), (1, 8, 2, False, False),
                                               (3, 32, 4, True, False), (4, 16, 2, False, False),
@@ -262,20 +278,10 @@ def test_route_fused_moe_is_bitwise_route_align_then_fused_moe(dtype, T, E, k, s
 
     if DEV == "cpu" and E == 256:
         pytest.skip("full-size case: GPU only (minutes in the interpreter)")
-    g = torch.Generator().manual_seed(T * 31 + E + shared)
     # FP8: partial 128-blocks of scales; E = 256: the model's dims (spec §7)
     H, I = (2048, 512) if E == 256 else (256, 160) if fp8 else (64, 48)
-    En = E + 1 if shared else E
-    x = torch.randn(T, H + 8, generator=g).to(DEV, dtype)[:, 3:3 + H]  # strided rows
-    logits = torch.randn(T, E, generator=g).to(DEV, dtype)
-    seg = torch.randn(T, 3, generator=g).to(DEV, dtype)[:, 1:2] if shared else None
-    scales = (None, None)
-    if fp8:
-        qgu, qd, _, (rgu, rd) = _fp8_experts(En, H, I, g)
-        gate_up, down, scales = qgu.to(DEV), qd.to(DEV), (rgu.to(DEV), rd.to(DEV))
-    else:
-        gate_up = (torch.randn(En, 2 * I, H, generator=g) * H ** -0.5).to(DEV, dtype)
-        down = (torch.randn(En, H, I, generator=g) * I ** -0.5).to(DEV, dtype)
+    x, logits, seg, gate_up, down, scales = _routed_call_inputs(
+        dtype, T, E, H, I, shared, fp8, torch.Generator().manual_seed(T * 31 + E + shared))
     w0, ids0, *aligned = moe.route_align(logits, k, shared_gate=seg)
     want = moe.fused_moe(x, w0, ids0, gate_up, down, aligned, *scales, reduce=False)
     pairs, w, ids = moe.route_fused_moe(x, logits, k, gate_up, down, seg, *scales)
@@ -309,19 +315,9 @@ def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, row
 
     if DEV == "cpu" and E == 256:
         pytest.skip("full-size case: GPU only (minutes in the interpreter)")
-    g = torch.Generator().manual_seed(T * 7 + E + fp8)
     H, I = (2048, 512) if E == 256 else (200, 160) if fp8 else (72, 40)
-    En = E + 1 if shared else E
-    x = torch.randn(T, H + 8, generator=g).to(DEV, dtype)[:, 3:3 + H]  # strided rows
-    logits = torch.randn(T, E, generator=g).to(DEV, dtype)
-    seg = torch.randn(T, 3, generator=g).to(DEV, dtype)[:, 1:2] if shared else None
-    scales = (None, None)
-    if fp8:
-        qgu, qd, _, (rgu, rd) = _fp8_experts(En, H, I, g)
-        gate_up, down, scales = qgu.to(DEV), qd.to(DEV), (rgu.to(DEV), rd.to(DEV))
-    else:
-        gate_up = (torch.randn(En, 2 * I, H, generator=g) * H ** -0.5).to(DEV, dtype)
-        down = (torch.randn(En, H, I, generator=g) * I ** -0.5).to(DEV, dtype)
+    x, logits, seg, gate_up, down, scales = _routed_call_inputs(
+        dtype, T, E, H, I, shared, fp8, torch.Generator().manual_seed(T * 7 + E + fp8))
     want, w0, ids0 = moe.route_fused_moe(x, logits, k, gate_up, down, seg, *scales)
     cfg = {} if rows is None else {"gate_up_cfg": (rows[0], 4), "down_cfg": (rows[1], 4)}
     real_empty = torch.empty

@@ -17,6 +17,8 @@ Source: reference `tailored.ops.reference.moe_experts`; HF-MOD `Qwen3_5MoeExpert
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -627,6 +629,60 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return y.view(T, k, H).sum(1).to(x.dtype) if reduce else y
 
 
+class RoutedOperands(NamedTuple):
+    """The checked operands and outputs of one routing-in-gate_up MoE call (`route_fused_moe`,
+    `moe_gemv.route_gemv_moe`): x and the experts with unit column strides, T rows, E routed
+    experts, S pair slots a token, En experts in the weights (with the shared one), dims H and
+    I, the routing outputs (`_routing_outputs`), the scales (`_expert_scales`), and the
+    empty act [T·S, I] (x.dtype) and pair terms y [T·S, H] (fp32)."""
+    x: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    T: int
+    E: int
+    S: int
+    En: int
+    H: int
+    I: int
+    w: torch.Tensor
+    ids: torch.Tensor
+    order: torch.Tensor
+    offsets: torch.Tensor
+    experts: torch.Tensor
+    seg: torch.Tensor
+    fp8: bool
+    gate_up_scale: torch.Tensor
+    down_scale: torch.Tensor
+    s_gu: tuple
+    s_dn: tuple
+    act: torch.Tensor
+    y: torch.Tensor
+
+
+def routed_operands(x, router_logits, top_k, gate_up, down, shared_gate, gate_up_scale,
+                    down_scale, who: str) -> RoutedOperands:
+    """Check a routing-in-gate_up call (1 ≤ T ≤ ROUTE_ONE_PROGRAM_UP_TO, E a power of 2, the
+    weights' expert count the routing's) and allocate its outputs; ValueError naming `who`."""
+    T, E = router_logits.shape
+    if T > ROUTE_ONE_PROGRAM_UP_TO or T < 1 or E & (E - 1):
+        raise ValueError(f"{who}: T={T} not in 1..{ROUTE_ONE_PROGRAM_UP_TO} or "
+                         f"E={E} not a power of 2")
+    S, En, w, ids, order, offsets, experts, seg = _routing_outputs(
+        router_logits, top_k, shared_gate, who)
+    _, H, Ew, I = expert_shapes(x, w, ids, gate_up, down, who)
+    if Ew != En:
+        raise ValueError(f"{who}: {Ew} experts in the weights, routing gives {En}")
+    fp8, gate_up_scale, down_scale, s_gu, s_dn = _expert_scales(
+        x, gate_up, down, gate_up_scale, down_scale, Ew, H, I, who)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    act = torch.empty(T * S, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * S, H, dtype=torch.float32, device=x.device)
+    return RoutedOperands(x, gate_up.contiguous(), down.contiguous(), T, E, S, En, H, I, w, ids,
+                          order, offsets, experts, seg, fp8, gate_up_scale, down_scale, s_gu,
+                          s_dn, act, y)
+
+
 def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                     gate_up: torch.Tensor, down: torch.Tensor,
                     shared_gate: torch.Tensor | None = None,
@@ -644,24 +700,14 @@ def route_fused_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     `route_align` + `fused_moe(reduce=False)` give (the same top-k code, the same per-pair
     arithmetic). Raises ValueError for other T, E or shapes.
     """
-    T, E = router_logits.shape
-    if T > ROUTE_ONE_PROGRAM_UP_TO or T < 1 or E & (E - 1):
-        raise ValueError(f"route_fused_moe: T={T} not in 1..{ROUTE_ONE_PROGRAM_UP_TO} or "
-                         f"E={E} not a power of 2")
-    shared = shared_gate is not None
-    S, En, w, ids, order, offsets, experts, seg = _routing_outputs(
-        router_logits, top_k, shared_gate, "route_fused_moe")
-    _, H, Ew, I = expert_shapes(x, w, ids, gate_up, down, "route_fused_moe")
-    if Ew != En:
-        raise ValueError(f"route_fused_moe: {Ew} experts in the weights, routing gives {En}")
-    fp8, gate_up_scale, down_scale, s_gu, s_dn = _expert_scales(
-        x, gate_up, down, gate_up_scale, down_scale, Ew, H, I, "route_fused_moe")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
-    act = torch.empty(T * S, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(T * S, H, dtype=torch.float32, device=x.device)
-    bm, bn, bk, warps = _blocks(T * S, Ew, fp8)
+    c = routed_operands(x, router_logits, top_k, gate_up, down, shared_gate, gate_up_scale,
+                        down_scale, "route_fused_moe")
+    x, gate_up, down, T, E, S, En, H, I = c.x, c.gate_up, c.down, c.T, c.E, c.S, c.En, c.H, c.I
+    w, ids, order, offsets, experts, seg = c.w, c.ids, c.order, c.offsets, c.experts, c.seg
+    fp8, gate_up_scale, down_scale, s_gu, s_dn = (c.fp8, c.gate_up_scale, c.down_scale, c.s_gu,
+                                                  c.s_dn)
+    act, y, shared = c.act, c.y, shared_gate is not None
+    bm, bn, bk, warps = _blocks(T * S, En, fp8)
     prec = dot_precision(x.dtype)
     bucket = triton.next_power_of_2(T * S)
     gu_args = (x, gate_up, act, gate_up_scale, router_logits, seg, w, ids, order, offsets,

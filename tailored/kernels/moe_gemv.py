@@ -126,34 +126,22 @@ def route_gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     route_fused_moe's up to the fp32 summation order.
     Raises ValueError for other T, E or mismatched shapes.
     """
-    T, E = router_logits.shape
-    if T > moe.ROUTE_ONE_PROGRAM_UP_TO or T < 1 or E & (E - 1):
-        raise ValueError(f"route_gemv_moe: T={T} not in 1..{moe.ROUTE_ONE_PROGRAM_UP_TO} or "
-                         f"E={E} not a power of 2")
-    S, En, w, ids, *_, seg = moe._routing_outputs(router_logits, top_k, shared_gate,
-                                                   "route_gemv_moe")
-    _, H, Ew, I = moe.expert_shapes(x, w, ids, gate_up, down, "route_gemv_moe")
-    if Ew != En:
-        raise ValueError(f"route_gemv_moe: {Ew} experts in the weights, routing gives {En}")
-    fp8, gate_up_scale, down_scale, s_gu, s_dn = moe._expert_scales(
-        x, gate_up, down, gate_up_scale, down_scale, Ew, H, I, "route_gemv_moe")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
-    act = torch.empty(T * S, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(T * S, H, dtype=torch.float32, device=x.device)
+    c = moe.routed_operands(x, router_logits, top_k, gate_up, down, shared_gate, gate_up_scale,
+                            down_scale, "route_gemv_moe")
+    x, gate_up, down, T, S, H, I, act = c.x, c.gate_up, c.down, c.T, c.S, c.H, c.I, c.act
+    fp8 = c.fp8
     cfg_gu, cfg_dn = CFG["fp8" if fp8 else "bf16", min(T, 2)]
     (r_gu, w_gu), (r_dn, w_dn) = gate_up_cfg or cfg_gu, down_cfg or cfg_dn
     r_gu, r_dn = min(r_gu, triton.next_power_of_2(I)), min(r_dn, triton.next_power_of_2(H))
     _gemv_gate_up_kernel[(T * S, triton.cdiv(I, r_gu))](
-        x, gate_up, gate_up_scale, act, router_logits, seg, w, ids, T, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), act.stride(0), *s_gu, triton.cdiv(I, 128),
-        router_logits.stride(0), seg.stride(0), H=H, I=I, BLOCK_H=triton.next_power_of_2(H),
-        ROWS=r_gu, W_FP8=fp8, E=E, K=top_k, BLOCK_T=max(2, triton.next_power_of_2(T)),
+        x, gate_up, c.gate_up_scale, act, router_logits, c.seg, c.w, c.ids, T, x.stride(0),
+        gate_up.stride(0), gate_up.stride(1), act.stride(0), *c.s_gu, triton.cdiv(I, 128),
+        router_logits.stride(0), c.seg.stride(0), H=H, I=I, BLOCK_H=triton.next_power_of_2(H),
+        ROWS=r_gu, W_FP8=fp8, E=c.E, K=top_k, BLOCK_T=max(2, triton.next_power_of_2(T)),
         BLOCK_S=triton.next_power_of_2(S), SHARED=shared_gate is not None, num_warps=w_gu,
         **pdl_launch(x))
     _gemv_down_kernel[(T * S, triton.cdiv(H, r_dn))](
-        act, down, down_scale, w, ids, y, act.stride(0), down.stride(0), down.stride(1),
-        y.stride(0), *s_dn, H=H, I=I, BLOCK_I=triton.next_power_of_2(I), ROWS=r_dn, W_FP8=fp8,
-        num_warps=w_dn, **pdl_launch(x))
-    return y, w, ids
+        act, down, c.down_scale, c.w, c.ids, c.y, act.stride(0), down.stride(0), down.stride(1),
+        c.y.stride(0), *c.s_dn, H=H, I=I, BLOCK_I=triton.next_power_of_2(I), ROWS=r_dn,
+        W_FP8=fp8, num_warps=w_dn, **pdl_launch(x))
+    return c.y, c.w, c.ids
