@@ -66,7 +66,8 @@ VARIANTS = {
     "no_moe_gemv": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 0),
     "moe_gemv1": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 1),
     "moe_gemv_bf16": lambda: _set("model.fast", "MOE_GEMV_BF16", True),
-    # FP8 dense projections of 1-2 rows through the FP8 GEMV (kernels/fp8_gemv.py, kb/0039 §4)
+    # FP8 dense projections of 1-2 rows through the FP8 GEMV (kernels/fp8_gemv.py, kb/0039 §4;
+    # fp8_gemv is the default since 64846c1, i.e. the same as control now)
     "fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 2),
     "no_fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 0),
     "fp8_gemv1": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 1),

@@ -106,7 +106,7 @@ def main() -> None:
                     row(f"gemv gu {r}x{w} dn {dn_fixed[0]}x{dn_fixed[1]}", us, ys, ref)
                     if us < best_us:
                         best_gu, best_us = (r, w), us
-            for r in (4, 8, 16, 32, 64):
+            for r in (4, 8, 16, 32, 64) if best_gu else ():  # no gate_up config ran: skip
                 for w in (2, 4, 8):
                     if (r, w) == dn_fixed:
                         continue

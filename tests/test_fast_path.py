@@ -141,6 +141,7 @@ def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiny_fp8_ckpt, monkeyp
     new = [p.weight for p in projs if p.weight.untyped_storage().data_ptr() not in params]
     assert len(new) == len(projs)
     got = sum(w.numel() * w.element_size() for w in new)
+    got += sum(p.gemv[1].numel() * 4 for p in projs)  # the FP8 GEMV's fp32 row scales
     assert fastmod.dense_dequant_bytes(fastm, torch.float32) == got > 0
     w8, s8, wb, bf16_first = fast.p_in[0].parts[0][0].gemv  # GDN in: qkv|z FP8, then b|a
     assert w8.dtype == torch.float8_e4m3fn and not bf16_first
@@ -188,6 +189,7 @@ def test_proj_row_align_pads_fused_gemms_and_matches_plain_path(precision, tiny_
         projs += list(fast.p_out.values()) + list(fast.p_down.values())
         got = sum(p.weight.numel() * p.weight.element_size() for p in projs
                   if p.weight.untyped_storage().data_ptr() not in params)
+        got += sum(p.gemv[1].numel() * 4 for p in projs)  # the FP8 GEMV's row scales
         assert fastmod.dense_dequant_bytes(fastm, torch.float32) == got
     assert all(p.pad == 0 for p in fast.p_route.values())
     _run_steps(plain, fastm, fcache)
@@ -830,3 +832,35 @@ def test_engine_device_chain_with_drafts_left_on_the_device_equals_the_host_path
     assert outs[True] == outs[False]
     assert [len(outs[True][f"r{i}"]) for i in range(3)] == [7, 3, 7]
     assert reads  # later steps took their drafts from a chain, and checked its kept counts
+
+
+def test_fp8_gemv_parts_need_one_run_of_each_kind():
+    """`_fp8_gemv_parts` (kb/0039): FP8 members before or after the bf16 ones, as one run
+    each; bf16 rows around the FP8 ones (the GEMV writes two blocks of columns) or no FP8
+    member give None, so the projection keeps cuBLAS over the dequantized weight."""
+    from torch import nn
+
+    from tailored.model import fast as fastmod
+    from tailored.model.fp8 import Fp8Linear
+
+    def f8(n):
+        m = Fp8Linear(16, n)
+        m.weight.data = torch.zeros(n, 16).to(torch.float8_e4m3fn)
+        m.weight_scale_inv.data.fill_(1.0)
+        return m
+
+    def bf(n):
+        return nn.Linear(16, n, bias=False)
+
+    def parts(mods):
+        deq = torch.cat([torch.full((m.weight.shape[0], 16), float(j)) for j, m in enumerate(mods)])
+        return fastmod._fp8_gemv_parts(mods, deq)
+
+    assert parts([bf(3), bf(5)]) is None
+    assert parts([bf(3), f8(4), bf(5)]) is None
+    w8, s8, wb, bf16_first = parts([bf(3), bf(2), f8(4), f8(6)])
+    assert bf16_first and w8.shape == (10, 16) and s8.shape == (10, 1)
+    assert wb.shape == (5, 16) and wb[:3].eq(0).all() and wb[3:].eq(1).all()
+    w8, s8, wb, bf16_first = parts([f8(4), bf(3)])
+    assert not bf16_first and wb.shape == (3, 16) and wb.eq(1).all()
+    assert parts([f8(4)])[2] is None

@@ -100,9 +100,10 @@ def test_fp8_linear_against_dequantize_then_linear(M, N, K, dtype):
 @pytest.mark.parametrize("N,K", SHAPES + [(130, 4096)])
 @pytest.mark.parametrize("cfg", [None, (4, 256, 4), (16, 128, 2)])
 def test_fp8_gemv_against_dequantize_then_linear(T, N, K, cfg):
-    """The FP8 GEMV (kb/0039 §4; bench only so far) sums each 128-wide K block in fp32, scales
-    it by the row's block scale and adds: equal to the reference to fp32 rounding, for any
-    (ROWS, BLOCK_K, warps), partial rows/K blocks and strided x; 5 rows are refused."""
+    """The FP8 GEMV (kb/0039 §4; FastPath's FP8 projections of 1-2 rows) sums each 128-wide K
+    block in fp32, scales it by the row's block scale and adds: equal to the reference to
+    fp32 rounding, for any (ROWS, BLOCK_K, warps), partial rows/K blocks and strided x; 5 rows
+    and a BLOCK_K of 384 are refused."""
     from tailored.kernels.fp8_gemv import fp8_gemv
 
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
@@ -115,6 +116,8 @@ def test_fp8_gemv_against_dequantize_then_linear(T, N, K, cfg):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
     with pytest.raises(ValueError):
         fp8_gemv(torch.zeros(5, K, dtype=dtype, device=DEV), q, fp8.row_scales(s, N))
+    with pytest.raises(ValueError):
+        fp8_gemv(x, q, fp8.row_scales(s, N), (8, 384, 4))
 
 
 @pytest.mark.parametrize("T", [1, 2])

@@ -332,6 +332,9 @@ def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, row
     # order (CFG's 2 / 8 warps at full size)
     assert torch.equal(ids, ids0) and rel_err(w, w0) < TOL[dtype]
     assert rel_err(pairs, want) < TOL[dtype]
+    with pytest.raises(ValueError):  # more rows a program than one block of scales
+        moe_gemv.route_gemv_moe(x, logits, k, gate_up, down, seg, *scales,
+                                down_cfg=(256, 4))
     with pytest.raises(ValueError):
         moe_gemv.route_gemv_moe(torch.zeros(5, H, dtype=dtype, device=DEV),
                                 torch.zeros(5, E, dtype=dtype, device=DEV), k, gate_up, down,

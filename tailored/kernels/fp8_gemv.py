@@ -6,7 +6,8 @@ at decode; cuBLAS over the bf16 copy then reads twice the bytes of FP8 in every 
 Here each program loads [ROWS, BLOCK_K] weight tiles (BLOCK_K of 1024 covers half of K = 2048
 in one load), multiplies them with the rows of x in fp32 on the CUDA cores and reduces, no
 tl.dot — the design of `moe_gemv`. On the H200 (scripts/bench_fp8_gemv.py, session 21, one
-row): GDN in 15.9 µs (cuBLAS bf16) → 8.7, GDN out 9.5 → 4.8; `FastPath` uses it up to
+row, best config by shape): GDN in 15.9 µs (cuBLAS bf16) → 8.7, GDN out 9.5 → 4.8 (`CFG`:
+9.3, 6.2); `FastPath` uses it up to
 `FP8_GEMV_UP_TO` rows, a fused projection's bf16 members (GDN b/a, router) in the same launch.
 
 Per-row scales (`fp8.row_scales`, [N, ceil(K/128)] fp32) as `fp8_linear` takes them: each
@@ -93,7 +94,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     (`fp8.row_scales`). other: [NB, K] rows in x's dtype (the bf16 members of a fused
     projection: GDN b/a, router) computed in the same launch; the output is then [T, N + NB],
     the FP8 rows' columns first, or last with other_first. cfg: (ROWS, BLOCK_K, num_warps),
-    BLOCK_K a multiple of 128 (else `CFG`). Raises ValueError on other T, shapes or dtypes.
+    ROWS and BLOCK_K powers of 2, BLOCK_K ≥ 128 (else `CFG`). Raises ValueError on other T,
+    shapes, dtypes or cfg.
     """
     T, K = x.shape
     N, K2 = weight.shape
@@ -110,6 +112,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, bk, warps = cfg or CFG
+    if rows < 1 or rows & (rows - 1) or bk < 128 or bk & (bk - 1):
+        raise ValueError(f"fp8_gemv: cfg {cfg}: ROWS and BLOCK_K powers of 2, BLOCK_K ≥ 128")
     bk = min(bk, max(128, triton.next_power_of_2(K)))
     y = torch.empty(T, N + NB, dtype=x.dtype, device=x.device)
     wb = weight if other is None else other

@@ -124,7 +124,7 @@ def route_gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     ids [T, S] int64), S = top_k (+1 with the shared expert): the routing route_align's
     (bitwise at 4 warps, which set the softmax's summation order), the pair terms
     route_fused_moe's up to the fp32 summation order.
-    Raises ValueError for other T, E or mismatched shapes.
+    Raises ValueError for other T, E, mismatched shapes or ROWS.
     """
     c = moe.routed_operands(x, router_logits, top_k, gate_up, down, shared_gate, gate_up_scale,
                             down_scale, "route_gemv_moe")
@@ -132,6 +132,8 @@ def route_gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     fp8 = c.fp8
     cfg_gu, cfg_dn = CFG["fp8" if fp8 else "bf16", min(T, 2)]
     (r_gu, w_gu), (r_dn, w_dn) = gate_up_cfg or cfg_gu, down_cfg or cfg_dn
+    if any(r < 1 or r > 128 or r & (r - 1) for r in (r_gu, r_dn)):  # one scale block a program
+        raise ValueError(f"route_gemv_moe: ROWS {r_gu}, {r_dn} not powers of 2 ≤ 128")
     r_gu, r_dn = min(r_gu, triton.next_power_of_2(I)), min(r_dn, triton.next_power_of_2(H))
     _gemv_gate_up_kernel[(T * S, triton.cdiv(I, r_gu))](
         x, gate_up, c.gate_up_scale, act, router_logits, c.seg, c.w, c.ids, T, x.stride(0),

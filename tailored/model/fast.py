@@ -111,10 +111,11 @@ FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
 # With FP8_DENSE_DEQUANT, projections of up to this many rows read their FP8 weights instead,
 # through the FP8 GEMV (`kernels/fp8_gemv.py`, kb/0039 §4; the bf16 members of a fused
 # projection in the same launch). The bench of session 21 (run4, µs a call, cuBLAS over the
-# dequantized weight → GEMV, one row): GDN in 15.9 → 8.7, GDN out 9.5 → 4.8, attention qkv
-# 11.9 → 7.1, o 9.3 → 4.8. In the model (run5, graph step, median of 3): B=1 3.10 → 2.70 ms
-# (-13 %), B=2 3.70 → 3.56; the FP8 gate passed with it. Default 2 since then; 0 = off. Read
-# at call time (A/B). Not yet measured served (side by side).
+# dequantized weight → the GEMV's one config `fp8_gemv.CFG`; one row): GDN in 15.9 → 9.3,
+# GDN out 9.5 → 6.2, attention qkv 11.9 → 7.8, o 9.3 → 6.2; two rows: 15.8 → 14.0, 9.6 → 8.0,
+# 11.8 → 12.0 (slower), 9.4 → 8.0 (per-shape configs: next, see CFG). In the model (run5,
+# graph step, median of 3): B=1 3.10 → 2.70 ms (-13 %), B=2 3.70 → 3.56; the FP8 gate passed
+# with it. Default 2 since then; 0 = off. Read at call time (A/B). Not yet served.
 FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
@@ -168,10 +169,11 @@ def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Modul
 def dense_dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """GPU bytes FastPath allocates for FP8_DENSE_DEQUANT: every GEMM group with an FP8
     linear, all of its weights (its bf16 members are copied into the group's tensor too), in
-    `dtype`. 0 when the switch is off or the checkpoint has no FP8 linears."""
+    `dtype`, and its FP8 members' fp32 row scales for the FP8 GEMV (kb/0039). 0 when the
+    switch is off or the checkpoint has no FP8 linears."""
     if not FP8_DENSE_DEQUANT:
         return 0
-    n = 0
+    n = scales = 0
     for layer in model.model.layers:
         ins, out, moe, down = layer_projections(layer)
         for group in (ins, [out], moe, [down]):
@@ -179,7 +181,10 @@ def dense_dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
                 n += sum(m.weight.numel() for m in group)
                 if len(group) > 1:  # the zero rows of PROJ_ROW_ALIGN
                     n += _pad_rows(sum(m.weight.shape[0] for m in group)) * group[0].weight.shape[1]
-    return n * dtype.itemsize
+                # the FP8 GEMV's fp32 row scales (`_fp8_gemv_parts`)
+                scales += sum(m.weight.shape[0] * -(-m.weight.shape[1] // fp8.BLOCK)
+                              for m in group if isinstance(m, Fp8Linear))
+    return n * dtype.itemsize + scales * 4
 
 
 def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens: int) -> int:
@@ -230,15 +235,17 @@ def fuse_linears(mods: list[nn.Module], pad: int = 0) -> torch.Tensor:
 
 def _fp8_gemv_parts(mods: list[nn.Module], dequantized: torch.Tensor):
     """(FP8 weight [N8, K], its row scales, the bf16 members' rows or None, bf16 members
-    first) for `fp8_gemv` over linears sharing an input, or None when none is FP8 or the FP8
-    ones are not one contiguous run of them (the GEMV writes two blocks of columns). The bf16
-    rows are a view of `dequantized` (the group's weight in module order: the same values);
-    several FP8 members are fused into one tensor their modules then view. No new bytes."""
+    first) for `fp8_gemv` over linears sharing an input, or None when none is FP8 or the
+    members are not one run of FP8 ones before or after one run of bf16 ones (the GEMV writes
+    two blocks of columns). The bf16 rows are a view of `dequantized` (the group's weight in
+    module order: the same values); several FP8 members are fused into one tensor their
+    modules then view (the old tensors are freed). New bytes: the fp32 row scales only
+    (counted by `dense_dequant_bytes`)."""
     is8 = [isinstance(m, Fp8Linear) for m in mods]
     if not any(is8):
         return None
     first, n8 = is8.index(True), sum(is8)
-    if is8[first:first + n8] != [True] * n8:
+    if is8[first:first + n8] != [True] * n8 or first not in (0, len(mods) - n8):
         return None
     f8 = [m for m in mods if isinstance(m, Fp8Linear)]
     fb = [m for m in mods if not isinstance(m, Fp8Linear)]
