@@ -99,7 +99,8 @@ ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 2, 0,
 MOE_GEMV_UP_TO = env_int("TAILORED_MOE_GEMV_UP_TO", 2, 0, moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
 MOE_GEMV_BF16 = env_flag("TAILORED_MOE_GEMV_BF16", False)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
-# start and run through cuBLAS in every step; the routed experts stay FP8 (kb/0026). The
+# start and run through cuBLAS in every step above FP8_GEMV_UP_TO rows (at 1-2 rows the FP8
+# GEMV reads the FP8 weights, kb/0039); the routed experts stay FP8 (kb/0026). The
 # W8A16 GEMM has an ~11 µs floor at K = 2048 where cuBLAS bf16 takes 7.5 (decode) and is 2.6x
 # slower at 1024 rows (prefill, kb/0009): the FP8 decode step took 4.39 ms against bf16's 3.71
 # (kb/0024). Costs 2 bytes per dense weight (2.8 GB at full size; runner.plan_cache reserves
@@ -251,9 +252,9 @@ def _fp8_gemv_parts(mods: list[nn.Module], dequantized: torch.Tensor):
     fb = [m for m in mods if not isinstance(m, Fp8Linear)]
     w8 = fuse_linears(f8) if len(f8) > 1 else f8[0].weight.data
     s8 = torch.cat([fp8.row_scales(m.weight_scale_inv, m.weight.shape[0]) for m in f8])
-    nb = sum(m.weight.shape[0] for m in fb)
-    n8 = w8.shape[0]
-    wb = (dequantized[:nb] if first > 0 else dequantized[n8:n8 + nb]) if fb else None
+    nb = sum(m.weight.shape[0] for m in fb)  # the bf16 rows: before or after w8's
+    wb = (dequantized[:nb] if first > 0 else dequantized[w8.shape[0]:w8.shape[0] + nb]) \
+        if fb else None
     return w8, s8, wb, first > 0
 
 
