@@ -71,6 +71,8 @@ VARIANTS = {
     "fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 2),
     "no_fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 0),
     "fp8_gemv1": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 1),
+    # bf16 projections of 1-2 rows through the same GEMV without scales (kb/0039 §7.3)
+    "bf16_gemv": lambda: _set("model.fast", "BF16_GEMV_UP_TO", 2),
     # the attention output gate in the merge kernel (kb/0036)
     "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),
     "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),

@@ -10,7 +10,9 @@ they span 3 × the L2, so every call reads HBM. Each variant is one CUDA graph o
 bytes. Prints each row as it completes and a table last; rel = relative difference to the fp32
 reference over the dequantized weight.
 
-Usage (GPU): python3 scripts/bench_fp8_gemv.py [--batches 1,2] [--json F]   (~2 min)
+With --bf16 also `bf16_gemv` over the bf16 weight (the same sweep; kb/0039 §7.3).
+
+Usage (GPU): python3 scripts/bench_fp8_gemv.py [--batches 1,2] [--bf16] [--json F]   (~1-2 min)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from graph_timing import time_graph
 
-from tailored.kernels.fp8_gemv import fp8_gemv
+from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.model import fp8
 
@@ -38,6 +40,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bf16", action="store_true",
+                    help="also bf16_gemv over the bf16 weights (against cuBLAS bf16)")
     a = ap.parse_args()
     import triton
 
@@ -88,10 +92,15 @@ def main() -> None:
             for cfg in CONFIGS:
                 run(f"gemv {cfg[0]}x{cfg[1]}x{cfg[2]}",
                     lambda i, cfg=cfg: fp8_gemv(x, qs[i], ss[i], cfg), N * K)
+            if a.bf16:  # the same GEMV over the bf16 weight (kb/0039 §7.3)
+                for cfg in CONFIGS:
+                    run(f"bf16gemv {cfg[0]}x{cfg[1]}x{cfg[2]}",
+                        lambda i, cfg=cfg: bf16_gemv(x, ws[i], cfg), 2 * N * K)
         del qs, ss, ws
         torch.cuda.empty_cache()
-    print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs | best GEMV µs (cfg) | GEMV TB/s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs | best GEMV µs (cfg) | GEMV TB/s "
+          "| best bf16 GEMV µs (cfg) |")
+    print("|---|---|---|---|---|---|---|")
     for name in SHAPES:
         for T in sorted({r["T"] for r in rows}):
             sel = {r["variant"]: r for r in rows if r["shape"] == name and r["T"] == T}
@@ -99,10 +108,13 @@ def main() -> None:
             if not gem:
                 continue
             b = min(gem, key=lambda r: r["us"])
+            g16 = min((r for v, r in sel.items() if v.startswith("bf16gemv")),
+                      key=lambda r: r["us"], default=None)
+            b16 = f"{g16['us']:.2f} ({g16['variant'][9:]})" if g16 else "-"
             cb, fl = sel.get("cublas_bf16"), sel.get("fp8_linear")
             print(f"| {name} | {T} | {cb['us'] if cb else float('nan'):.2f} | "
                   f"{fl['us'] if fl else float('nan'):.2f} | {b['us']:.2f} ({b['variant'][5:]}) "
-                  f"| {b['tb_s']:.2f} |")
+                  f"| {b['tb_s']:.2f} | {b16} |")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
         monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039: the GEMVs at 3-4 rows too
         monkeypatch.setattr(fastmod, "MOE_GEMV_BF16", True)  # and for fp32 experts
+        monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)  # dense projections too (kb/0039)
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
 

@@ -120,6 +120,25 @@ def test_fp8_gemv_against_dequantize_then_linear(T, N, K, cfg):
         fp8_gemv(x, q, fp8.row_scales(s, N), (8, 384, 4))
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("N,K", [(200, 320), (7, 4096)])
+def test_bf16_gemv_against_linear(T, N, K):
+    """The same GEMV over a weight in x's dtype (kb/0039 §7.3): F.linear to fp32 rounding
+    (bf16 on the GPU: to a bf16 rounding), odd N; a weight of another dtype is refused."""
+    from tailored.kernels.fp8_gemv import bf16_gemv
+
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(N + T)
+    w = torch.randn(N, K, generator=g).to(DEV, dtype)
+    x = torch.randn(T, K, generator=g).to(DEV, dtype)
+    got = bf16_gemv(x, w, (8, 256, 4))
+    want = F.linear(x.float(), w.float())
+    assert got.shape == (T, N) and torch.isfinite(got).all()
+    assert ((got.float() - want).norm() / want.norm()).item() < (1e-5 if DEV == "cpu" else 1e-2)
+    with pytest.raises(ValueError):
+        bf16_gemv(x, w.to(torch.float16))
+
+
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("other_first", [False, True])
 def test_fp8_gemv_with_bf16_rows_in_the_launch(T, other_first):

@@ -161,6 +161,7 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
         monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
         monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039
         monkeypatch.setattr(fastmod, "MOE_GEMV_BF16", True)
+        monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)
 
     model = _full4(dtype, precision=precision)
     cfg = model.config

@@ -77,11 +77,12 @@ def test_session21_defaults():
 
     from tailored.model import fast
 
-    for name in ("TAILORED_MOE_GEMV_UP_TO", "TAILORED_MOE_GEMV_BF16", "TAILORED_FP8_GEMV_UP_TO"):
+    for name in ("TAILORED_MOE_GEMV_UP_TO", "TAILORED_MOE_GEMV_BF16", "TAILORED_FP8_GEMV_UP_TO",
+                 "TAILORED_BF16_GEMV_UP_TO"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert fast.MOE_GEMV_UP_TO == 2 and fast.MOE_GEMV_BF16 is False
-    assert fast.FP8_GEMV_UP_TO == 2
+    assert fast.FP8_GEMV_UP_TO == 2 and fast.BF16_GEMV_UP_TO == 0
 
 
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():

@@ -114,7 +114,7 @@ def _record(calls) -> list[dict]:
 def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.attention_decode import paged_decode_attention
     from tailored.kernels.fp8_dequant import dequantize_rows
-    from tailored.kernels.fp8_gemv import fp8_gemv
+    from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
@@ -173,6 +173,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     calls.append(lambda xr=xr, wl=wl: fp8_gemv(xr, wl, torch.ones(1024, H // 128)))
                     calls.append(lambda xr=xr, wl=wl, dt=dt: fp8_gemv(  # with bf16 rows
                         xr, wl, torch.ones(1024, H // 128), other=torch.zeros(64, H, dtype=dt)))
+                    calls.append(lambda xr=xr, dt=dt: bf16_gemv(xr, torch.zeros(512, H, dtype=dt)))
             if T == 1:  # routing inside the gate_up programs, shared expert stacked (kb/0036)
                 for wdt in (dt, f8):
                     calls.append(lambda x=x, wdt=wdt, dt=dt: route_fused_moe(

@@ -109,6 +109,26 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
                          f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} other "
                          f"{None if other is None else (tuple(other.shape), other.dtype)} "
                          "(T ≤ 4, unit column strides, other in x's dtype)")
+    return _launch(x, weight, scale_rows, other, N, NB, cfg, other_first)
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor,
+              cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [T, K], T ≤ 4 · weightᵀ → [T, N] in x.dtype, for a weight [N, K] in x's dtype (bf16
+    served, fp32 in the CPU tests; unit column stride): the kernel's second branch alone, the
+    same GEMV without scales (kb/0039 §7.3; `FastPath` up to `BF16_GEMV_UP_TO` rows, off
+    until measured). cfg as `fp8_gemv`'s. Raises ValueError on other T, shapes or dtypes."""
+    T, K = x.shape
+    if (not 1 <= T <= 4 or weight.shape[1] != K or weight.dtype != x.dtype
+            or weight.stride(1) != 1):
+        raise ValueError(f"bf16_gemv: x{tuple(x.shape)} {x.dtype} weight{tuple(weight.shape)} "
+                         f"{weight.dtype} (T ≤ 4, the weight in x's dtype, unit column stride)")
+    return _launch(x, weight, weight, weight, 0, weight.shape[0], cfg, False)
+
+
+def _launch(x, w8, s8, wb, N: int, NB: int, cfg, other_first: bool) -> torch.Tensor:
+    """The kernel over N FP8 rows (w8, s8) and NB rows of x's dtype (wb): [T, N + NB]."""
+    T, K = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, bk, warps = cfg or CFG
@@ -116,10 +136,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
         raise ValueError(f"fp8_gemv: cfg {cfg}: ROWS and BLOCK_K powers of 2, BLOCK_K ≥ 128")
     bk = min(bk, max(128, triton.next_power_of_2(K)))
     y = torch.empty(T, N + NB, dtype=x.dtype, device=x.device)
-    wb = weight if other is None else other
+    wb = w8 if wb is None else wb
     col8, colb = (NB, 0) if other_first else (0, N)
     _fp8_gemv_kernel[(triton.cdiv(N, rows) + triton.cdiv(NB, rows),)](
-        x, weight, scale_rows, wb, y, T, N, NB, K, x.stride(0), weight.stride(0),
-        scale_rows.stride(0), wb.stride(0), y.stride(0), col8, colb, ROWS=rows, BLOCK_K=bk,
-        BLOCK_T=triton.next_power_of_2(T), num_warps=warps, **pdl_launch(x))
+        x, w8, s8, wb, y, T, N, NB, K, x.stride(0), w8.stride(0), s8.stride(0), wb.stride(0),
+        y.stride(0), col8, colb, ROWS=rows, BLOCK_K=bk, BLOCK_T=triton.next_power_of_2(T),
+        num_warps=warps, **pdl_launch(x))
     return y

@@ -31,7 +31,7 @@ from torch import nn
 from tailored.kernels import env_flag, env_int
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_dequant import dequantize_rows
-from tailored.kernels.fp8_gemv import fp8_gemv
+from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
 from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
@@ -118,6 +118,12 @@ FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
 # graph step, median of 3): B=1 3.10 → 2.70 ms (-13 %), B=2 3.70 → 3.56; the FP8 gate passed
 # with it. Default 2 since then; 0 = off. Read at call time (A/B). Not yet served.
 FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
+# Projections with a weight in the activations' dtype (bf16 checkpoints, the bf16 router view
+# of FP8 ones) of up to this many rows through the same GEMV without scales
+# (`fp8_gemv.bf16_gemv`, kb/0039 §7.3) instead of cuBLAS, which streams the 16.8 MB GDN out at
+# ~1.8 TB/s. Built in session 21 with no device time left: off (0) until its bench, A/B and
+# bf16 gate. Read at call time (A/B).
+BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 0, 0, 4)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
@@ -304,6 +310,8 @@ class Proj:
             return fp8_gemv(x, w8, s8, other=wb, other_first=bf16_first)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
+        if 1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype:
+            return bf16_gemv(x, self.weight)
         return F.linear(x, self.weight)
 
 
