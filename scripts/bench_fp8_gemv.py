@@ -18,12 +18,11 @@ Usage (GPU): python3 scripts/bench_fp8_gemv.py [--batches 1,2] [--bf16] [--json 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
 import torch.nn.functional as F
-from graph_timing import time_graph
+from kernel_bench import manifest, row_log, time_graph
 
 from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
@@ -43,24 +42,12 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true",
                     help="also bf16_gemv over the bf16 weights (against cuBLAS bf16)")
     a = ap.parse_args()
-    import triton
-
-    from tailored.gate.manifest import device_name, git_commit, versions
-
-    manifest = {**git_commit(), **versions(), "triton": triton.__version__,
-                "device": device_name(torch.device("cuda")), "workload": vars(a),
-                "weights": "random normal / sqrt(K), block-FP8 quantized (seed 0)"}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-
-    def record(row):
-        rows.append(row)
-        print(f"{row['shape']:<13} T={row['T']} {row['variant']:<18} {row['us']:7.2f} us "
-              f"{row['tb_s']:5.2f} TB/s rel {row['rel']:.1e}", flush=True)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"manifest": manifest, "rows": rows}, f, indent=1)
+    record, rows = row_log(
+        manifest(a, "random normal / sqrt(K), block-FP8 quantized (seed 0)"), a.json,
+        lambda r: f"{r['shape']:<13} T={r['T']} {r['variant']:<18} {r['us']:7.2f} us "
+                  f"{r['tb_s']:5.2f} TB/s rel {r['rel']:.1e}")
 
     for name, (N, K) in SHAPES.items():
         copies = max(4, math.ceil(3 * l2 / (N * K)))

@@ -19,7 +19,7 @@ import argparse
 import json
 
 import torch
-from graph_timing import time_graph
+from kernel_bench import time_graph
 
 from tailored.kernels import moe
 from tailored.ops import reference as ref

@@ -16,9 +16,8 @@ Usage (GPU): python3 scripts/bench_moe_gemv.py [--precisions bf16,fp8] [--batche
 from __future__ import annotations
 
 import argparse
-import json
 import torch
-from graph_timing import time_graph
+from kernel_bench import manifest, row_log, time_graph
 
 from tailored.kernels import moe, moe_gemv
 
@@ -53,22 +52,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-    import triton
-
-    from tailored.gate.manifest import device_name, git_commit, versions
-
-    manifest = {**git_commit(), **versions(), "triton": triton.__version__,
-                "device": device_name(torch.device("cuda")), "workload": vars(a),
-                "weights": "random (seed 0), 8 layers of 256+1 experts, H=2048, I=512, k=8"}
-
-    def record(row):
-        rows.append(row)
-        print(f"{row['precision']} T={row['T']} {row['variant']:<22} {row['us']:7.2f} us "
-              f"{row['tb_s']:5.2f} TB/s rel {row['rel']:.1e}", flush=True)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"manifest": manifest, "rows": rows}, f, indent=1)
+    record, rows = row_log(
+        manifest(a, "random (seed 0), 8 layers of 256+1 experts, H=2048, I=512, k=8"), a.json,
+        lambda r: f"{r['precision']} T={r['T']} {r['variant']:<22} {r['us']:7.2f} us "
+                  f"{r['tb_s']:5.2f} TB/s rel {r['rel']:.1e}")
 
     for prec in a.precisions.split(","):
         layers = _experts(prec == "fp8", g)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import graph_timing
+import kernel_bench
 import torch
 
 from tailored.kernels import moe
@@ -19,7 +19,7 @@ E, K, LAYERS = 256, 8, 40
 
 def time_graph(fn, reps: int) -> float:
     """µs per call of fn (which runs LAYERS launches), through one captured graph."""
-    return graph_timing.time_graph(lambda: (fn(), [])[1], LAYERS, reps, 1)[0]
+    return kernel_bench.time_graph(lambda: (fn(), [])[1], LAYERS, reps, 1)[0]
 
 
 def one_program(a) -> None:

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from poison import nan_empty
 
 from tailored import kernels
 from tailored.ops import reference as ref
@@ -320,13 +321,8 @@ def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, row
         dtype, T, E, H, I, shared, fp8, torch.Generator().manual_seed(T * 7 + E + fp8))
     want, w0, ids0 = moe.route_fused_moe(x, logits, k, gate_up, down, seg, *scales)
     cfg = {} if rows is None else {"gate_up_cfg": (rows[0], 4), "down_cfg": (rows[1], 4)}
-    real_empty = torch.empty
-    try:  # NaN-poisoned act / pair buffers: every element must be written
-        torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")) \
-            if kw.get("dtype", torch.float32).is_floating_point else real_empty(*a, **kw)
+    with nan_empty():  # NaN-poisoned act / pair buffers: every element must be written
         pairs, w, ids = moe_gemv.route_gemv_moe(x, logits, k, gate_up, down, seg, *scales, **cfg)
-    finally:
-        torch.empty = real_empty
     assert torch.isfinite(pairs).all()
     # the routing weights: bitwise at 4 warps; other warp counts sum the softmax in another
     # order (CFG's 2 / 8 warps at full size)
