@@ -46,6 +46,15 @@ def _set_old_tiles():
     return lambda: [u() for u in reversed(undos)]
 
 
+def _bf16_gemv_fp8_cfgs():
+    """bf16_gemv at 1-2 rows with the FP8 GEMV's configs by shape; returns the undo of both."""
+    from tailored.kernels import fp8_gemv
+
+    undos = [_set("model.fast", "BF16_GEMV_UP_TO", 2),
+             _set("kernels.fp8_gemv", "BF16_CFGS", fp8_gemv.fp8_cfgs_for_bf16())]
+    return lambda: [u() for u in reversed(undos)]
+
+
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
 VARIANTS = {
     # a re-capture with nothing changed: the H200 run of session 8 measured +1.0 % and +2.3 % at
@@ -71,8 +80,11 @@ VARIANTS = {
     "fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 2),
     "no_fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 0),
     "fp8_gemv1": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 1),
+    # the FP8 GEMV with its one config for every shape (fp8_gemv.CFG) instead of FP8_CFGS
+    "fp8_gemv_one_cfg": lambda: _set("kernels.fp8_gemv", "FP8_CFGS", {}),
     # bf16 projections of 1-2 rows through the same GEMV without scales (kb/0039 §7.3)
     "bf16_gemv": lambda: _set("model.fast", "BF16_GEMV_UP_TO", 2),
+    "bf16_gemv_fp8_cfgs": lambda: _bf16_gemv_fp8_cfgs(),  # with the FP8 GEMV's configs
     # the attention output gate in the merge kernel (kb/0036)
     "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),
     "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),

@@ -121,6 +121,25 @@ def test_fp8_gemv_against_dequantize_then_linear(T, N, K, cfg):
         fp8_gemv(x, q, fp8.row_scales(s, N), (8, 384, 4))
 
 
+def test_fp8_gemv_takes_its_config_from_the_shape_table(monkeypatch):
+    """FP8_CFGS (kb/0040) holds valid configs for 1-2 rows only and is looked up by (N + NB,
+    K, rows): a bad entry planted for exactly that key is what the launch refuses."""
+    from tailored.kernels import fp8_gemv as mod
+
+    for (n, k, t), (rows, bk, warps) in mod.FP8_CFGS.items():
+        assert t in (1, 2) and n > 0 and k % 128 == 0
+        assert rows & (rows - 1) == 0 and bk >= 128 and bk & (bk - 1) == 0 and warps in (2, 4, 8)
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    q, s = _weight(96, 256, 5)
+    other = torch.randn(7, 256).to(DEV, dtype)
+    x = torch.randn(2, 256).to(DEV, dtype)
+    mod.fp8_gemv(x, q, fp8.row_scales(s, 96), other=other)  # no entry: CFG
+    monkeypatch.setitem(mod.FP8_CFGS, (103, 256, 2), (8, 384, 4))
+    with pytest.raises(ValueError):
+        mod.fp8_gemv(x, q, fp8.row_scales(s, 96), other=other)
+    mod.fp8_gemv(x[:1], q, fp8.row_scales(s, 96), other=other)  # another key
+
+
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("N,K", [(200, 320), (7, 4096)])
 def test_bf16_gemv_against_linear(T, N, K):

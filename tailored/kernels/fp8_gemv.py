@@ -6,8 +6,8 @@ at decode; cuBLAS over the bf16 copy then reads twice the bytes of FP8 in every 
 Here each program loads [ROWS, BLOCK_K] weight tiles (BLOCK_K of 1024 covers half of K = 2048
 in one load), multiplies them with the rows of x in fp32 on the CUDA cores and reduces, no
 tl.dot — the design of `moe_gemv`. On the H200 (scripts/bench_fp8_gemv.py, session 21, one
-row, best config by shape): GDN in 15.9 µs (cuBLAS bf16) → 8.7, GDN out 9.5 → 4.8 (`CFG`:
-9.3, 6.2); `FastPath` uses it up to
+row, best config by shape, `FP8_CFGS`): GDN in 15.9 µs (cuBLAS bf16) → 8.7, GDN out 9.5 → 4.8;
+`FastPath` uses it up to
 `FP8_GEMV_UP_TO` rows, a fused projection's bf16 members (GDN b/a, router) in the same launch.
 
 Per-row scales (`fp8.row_scales`, [N, ceil(K/128)] fp32) as `fp8_linear` takes them: each
@@ -21,15 +21,37 @@ import torch
 import triton
 import triton.language as tl
 
+from tailored.kernels import env_flag
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
-# (ROWS, BLOCK_K, num_warps) for every shape (the one the FP8 gate passed with, session 21).
-# run4's sweep found better ones by shape (µs, this → best): one row GDN in 9.25 → 8.70
-# (8x2048x4), GDN out / attention o 6.21 → 4.75 (4x2048x8), qkv 7.81 → 7.08 (16x1024x4); two
-# rows GDN in 14.0 → 10.8 and qkv 12.0 → 9.4 (16x512x4), out 8.0 → 6.4 (8x2048x4). A table by
-# (N, K, rows) is the next step (another fp32 grouping of the block sums: gate it).
+# (ROWS, BLOCK_K, num_warps) for a shape not in `FP8_CFGS` (the one config the FP8 gate passed
+# with in session 21).
 CFG = (8, 1024, 4)
+
+# The FP8 GEMV's config by (N + NB, K, rows) at the model's decode shapes: the winners of
+# session 21's sweep (logs/gpu/2026-12-03-s21/run4/fp8-gemv.log; µs, `CFG` → this). One row:
+# GDN in 9.25 → 8.70, GDN out and attention o 6.21 → 4.75, qkv 7.81 → 7.08; two rows: GDN in
+# 14.0 → 10.8, qkv 12.0 → 9.4, out/o 8.0 → 6.4. Each config groups the fp32 block sums its
+# own way, so the table went through the FP8 gate (kb/0040).
+FP8_CFGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
+    (12352, 2048, 1): (8, 2048, 4), (12352, 2048, 2): (16, 512, 4),   # GDN in_proj (+ b, a)
+    (2048, 4096, 1): (4, 2048, 8), (2048, 4096, 2): (8, 2048, 4),     # GDN out, attention o
+    (9216, 2048, 1): (16, 1024, 4), (9216, 2048, 2): (16, 512, 4),    # attention q(+gate) k v
+    (1281, 2048, 1): (4, 2048, 4), (1281, 2048, 2): (8, 2048, 4),     # shared gate_up + router
+    (2048, 512, 1): (8, 512, 4), (2048, 512, 2): (8, 512, 4),         # shared expert down
+}
+
+
+def fp8_cfgs_for_bf16() -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """`FP8_CFGS` keyed for the bf16 weights: the MoE group's 1281 rows are padded to 1344
+    there (`fast.PROJ_ROW_ALIGN`)."""
+    return {**FP8_CFGS, **{(1344, 2048, t): FP8_CFGS[(1281, 2048, t)] for t in (1, 2)}}
+
+
+# bf16_gemv's table by (N, K, rows), the fused weight's pad rows included: none measured yet;
+# TAILORED_BF16_GEMV_FP8_CFGS=1 tries the FP8 GEMV's (session 22's A/B, kb/0040)
+BF16_CFGS = fp8_cfgs_for_bf16() if env_flag("TAILORED_BF16_GEMV_FP8_CFGS", False) else {}
 
 
 @triton.jit
@@ -94,7 +116,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     (`fp8.row_scales`). other: [NB, K] rows in x's dtype (the bf16 members of a fused
     projection: GDN b/a, router) computed in the same launch; the output is then [T, N + NB],
     the FP8 rows' columns first, or last with other_first. cfg: (ROWS, BLOCK_K, num_warps),
-    ROWS and BLOCK_K powers of 2, BLOCK_K ≥ 128 (else `CFG`). Raises ValueError on other T,
+    ROWS and BLOCK_K powers of 2, BLOCK_K ≥ 128 (else `FP8_CFGS`' entry for the shape, else
+    `CFG`). Raises ValueError on other T,
     shapes, dtypes or cfg.
     """
     T, K = x.shape
@@ -109,6 +132,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
                          f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} other "
                          f"{None if other is None else (tuple(other.shape), other.dtype)} "
                          "(T ≤ 4, unit column strides, other in x's dtype)")
+    cfg = cfg or FP8_CFGS.get((N + NB, K, T))
     return _launch(x, weight, scale_rows, other, N, NB, cfg, other_first)
 
 
@@ -117,12 +141,14 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor,
     """x [T, K], T ≤ 4 · weightᵀ → [T, N] in x.dtype, for a weight [N, K] in x's dtype (bf16
     served, fp32 in the CPU tests; unit column stride): the kernel's second branch alone, the
     same GEMV without scales (kb/0039 §7.3; `FastPath` up to `BF16_GEMV_UP_TO` rows, off
-    until measured). cfg as `fp8_gemv`'s. Raises ValueError on other T, shapes or dtypes."""
+    until measured). cfg as `fp8_gemv`'s (its table: `BF16_CFGS`). Raises ValueError on other
+    T, shapes or dtypes."""
     T, K = x.shape
     if (not 1 <= T <= 4 or weight.shape[1] != K or weight.dtype != x.dtype
             or weight.stride(1) != 1):
         raise ValueError(f"bf16_gemv: x{tuple(x.shape)} {x.dtype} weight{tuple(weight.shape)} "
                          f"{weight.dtype} (T ≤ 4, the weight in x's dtype, unit column stride)")
+    cfg = cfg or BF16_CFGS.get((weight.shape[0], K, T))
     return _launch(x, weight, weight, weight, 0, weight.shape[0], cfg, False)
 
 

@@ -114,9 +114,10 @@ FP8_DENSE_DEQUANT = env_flag("TAILORED_FP8_DENSE_DEQUANT", True)
 # projection in the same launch). The bench of session 21 (run4, µs a call, cuBLAS over the
 # dequantized weight → the GEMV's one config `fp8_gemv.CFG`; one row): GDN in 15.9 → 9.3,
 # GDN out 9.5 → 6.2, attention qkv 11.9 → 7.8, o 9.3 → 6.2; two rows: 15.8 → 14.0, 9.6 → 8.0,
-# 11.8 → 12.0 (slower), 9.4 → 8.0 (per-shape configs: next, see CFG). In the model (run5,
-# graph step, median of 3): B=1 3.10 → 2.70 ms (-13 %), B=2 3.70 → 3.56; the FP8 gate passed
-# with it. Default 2 since then; 0 = off. Read at call time (A/B). Not yet served.
+# 11.8 → 12.0 (slower), 9.4 → 8.0; the configs by shape (`fp8_gemv.FP8_CFGS`, kb/0040) take
+# most of these ~1-2 µs lower. In the model (run5, graph step, median of 3): B=1 3.10 → 2.70
+# ms (-13 %), B=2 3.70 → 3.56; the FP8 gate passed with it. Default 2 since then; 0 = off.
+# Read at call time (A/B).
 FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # Projections with a weight in the activations' dtype (bf16 checkpoints, the bf16 router view
 # of FP8 ones) of up to this many rows through the same GEMV without scales
