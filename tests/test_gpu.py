@@ -233,11 +233,16 @@ def test_cuda_graph_replay_equals_eager_bitwise(precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_pdl_changes_no_bit(precision, monkeypatch):
     """TAILORED_PDL=1 (kernels/pdl.py, kb/0030): every Triton kernel waits for the one before
-    it first, so a decode graph captured with PDL, and an eager prefill of two sequences, give
-    the same bits, and leave the same cache, as without it. A missed wait would race."""
+    it before reading what that one writes, so a decode graph captured with PDL, and an eager
+    prefill of two sequences, give the same bits, and leave the same cache, as without it. A
+    missed wait would race; so would a read before the wait (the GEMV's weights, the GDN
+    state: kb/0040) of something the step writes. Decode at 3 rows and at 1 row (the FP8 GEMV
+    and, switched on here, the bf16 GEMV)."""
     from tailored.kernels import pdl
+    from tailored.model import fast as fast_mod
     from tailored.model.fast import FastPath
 
+    monkeypatch.setattr(fast_mod, "BF16_GEMV_UP_TO", 2)
     model = _full4(torch.bfloat16, seed=3, precision=precision)
     cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
     fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
@@ -253,19 +258,26 @@ def test_pdl_changes_no_bit(precision, monkeypatch):
         for lay in steps[1:]:
             model(ForwardBatch.build(lay, [0], "cuda"), cache)
         fast.drop_decode_graphs()
-        fast.capture(sizes=[4])
+        fast.capture(sizes=[1, 4])
         snap = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
         for _ in range(3):  # a race need not show in every replay
-            for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), snap):
-                t.copy_(s)
-            out = fast.forward_decode_graph(ForwardBatch.build(layout, [0, 1, 2], "cuda"))
-            torch.cuda.synchronize()
-            results.append((pre, out.clone(), [t[:, 1:].clone() for t in (
-                cache.conv, cache.rec, cache.k, cache.v)]))
-    p0, o0, c0 = results[0]
-    for p1, o1, c1 in results[1:]:
-        assert torch.equal(p0, p1) and torch.equal(o0, o1)
-        assert all(torch.equal(a, b) for a, b in zip(c0, c1))
+            outs = []
+            for rows in (layout, layout[:1]):
+                for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), snap):
+                    t.copy_(s)
+                outs.append(fast.forward_decode_graph(
+                    ForwardBatch.build(rows, list(range(len(rows))), "cuda")).clone())
+                torch.cuda.synchronize()
+                outs.append([t[:, 1:].clone() for t in (cache.conv, cache.rec, cache.k, cache.v)])
+            results.append((pre, outs))
+    p0, o0 = results[0]
+    for p1, o1 in results[1:]:
+        assert torch.equal(p0, p1)
+        for a, b in zip(o0, o1):
+            if isinstance(a, list):
+                assert all(torch.equal(x, y) for x, y in zip(a, b))
+            else:
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

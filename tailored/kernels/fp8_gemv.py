@@ -55,30 +55,54 @@ BF16_CFGS = fp8_cfgs_for_bf16() if env_flag("TAILORED_BF16_GEMV_FP8_CFGS", False
 
 
 @triton.jit
+def _tile(w_ptr, s_ptr, n, n_ok, k0, K, stride_wn, stride_sn, W_FP8: tl.constexpr,
+          ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows n of W at K columns k0.. ([ROWS, BLOCK_K], W's dtype) and, FP8, their scales
+    ([ROWS, BLOCK_K / 128] fp32; zeros otherwise). Past K: masked off, no memory read."""
+    NKB: tl.constexpr = BLOCK_K // 128
+    k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
+                mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    if W_FP8:
+        kb = k0 // 128 + tl.arange(0, NKB)
+        s = tl.load(s_ptr + n[:, None] * stride_sn + kb[None, :],
+                    mask=n_ok[:, None] & (kb * 128 < K)[None, :], other=0.0)
+    else:
+        s = tl.zeros([ROWS, NKB], dtype=tl.float32)
+    return w, s
+
+
+@triton.jit
 def _rows_dot(acc, x_ptr, w_ptr, s_ptr, n, n_ok, t, T, K, stride_xt, stride_wn, stride_sn,
               W_FP8: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_T: tl.constexpr):
+              BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """acc [ROWS, BLOCK_T] + rows n of W times the T rows of x (fp32). FP8: each 128-wide K
-    block of a row is summed, then scaled by the row's scale for that block."""
+    block of a row is summed, then scaled by the row's scale for that block.
+
+    The first weight tile is loaded before the PDL wait (kb/0040): weights are never written,
+    so they may be read while the previous kernel still runs, and the DRAM latency of this
+    kernel's first loads overlaps that kernel's tail; x, which the previous kernel writes, is
+    read after the wait. Each iteration then loads the next tile before using the current one."""
     NKB: tl.constexpr = BLOCK_K // 128
+    w, s = _tile(w_ptr, s_ptr, n, n_ok, 0, K, stride_wn, stride_sn, W_FP8, ROWS, BLOCK_K)
+    if PDL:  # kernels/pdl.py: wait for the previous kernel before reading x
+        pdl_enter()
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if W_FP8:
-            kb = k0 // 128 + tl.arange(0, NKB)
-            s = tl.load(s_ptr + n[:, None] * stride_sn + kb[None, :],
-                        mask=n_ok[:, None] & (kb * 128 < K)[None, :], other=0.0)
+        w_next, s_next = _tile(w_ptr, s_ptr, n, n_ok, k0 + BLOCK_K, K, stride_wn, stride_sn,
+                               W_FP8, ROWS, BLOCK_K)
+        wf = w.to(tl.float32)
         for j in tl.static_range(BLOCK_T):  # the weight tile is reused by each row of x
             xv = tl.load(x_ptr + j * stride_xt + k, mask=k_ok & ((k * 0 + j) < T),
                          other=0.0).to(tl.float32)
             if W_FP8:
-                part = tl.sum(tl.reshape(w * xv[None, :], [ROWS, NKB, 128]), 2)  # per K block
+                part = tl.sum(tl.reshape(wf * xv[None, :], [ROWS, NKB, 128]), 2)  # per K block
                 dot = tl.sum(part * s, 1)
             else:
-                dot = tl.sum(w * xv[None, :], 1)
+                dot = tl.sum(wf * xv[None, :], 1)
             acc += tl.where(t[None, :] == j, dot[:, None], 0.0)
+        w, s = w_next, s_next
     return acc
 
 
@@ -86,23 +110,21 @@ def _rows_dot(acc, x_ptr, w_ptr, s_ptr, n, n_ok, t, T, K, stride_xt, stride_wn, 
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, y_ptr, T, N, NB, K, stride_xt, stride_wn,
                      stride_sn, stride_wbn, stride_yt, COL8, COLB, ROWS: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
     pid = tl.program_id(0)
     p8 = tl.cdiv(N, ROWS)
     t = tl.arange(0, BLOCK_T)
     acc = tl.zeros([ROWS, BLOCK_T], dtype=tl.float32)
     t_ok = (t < T)[None, :]
-    if pid < p8:  # the FP8 rows, into columns COL8..
+    if pid < p8:  # the FP8 rows, into columns COL8.. (the PDL wait is in _rows_dot)
         n = pid * ROWS + tl.arange(0, ROWS)
         acc = _rows_dot(acc, x_ptr, w_ptr, s_ptr, n, n < N, t, T, K, stride_xt, stride_wn,
-                        stride_sn, True, ROWS, BLOCK_K, BLOCK_T)
+                        stride_sn, True, ROWS, BLOCK_K, BLOCK_T, PDL)
         tl.store(y_ptr + t[None, :] * stride_yt + COL8 + n[:, None],
                  acc.to(y_ptr.dtype.element_ty), mask=(n < N)[:, None] & t_ok)
     else:  # the bf16 rows (NB of them), into columns COLB..
         n = (pid - p8) * ROWS + tl.arange(0, ROWS)
         acc = _rows_dot(acc, x_ptr, wb_ptr, s_ptr, n, n < NB, t, T, K, stride_xt, stride_wbn,
-                        stride_sn, False, ROWS, BLOCK_K, BLOCK_T)
+                        stride_sn, False, ROWS, BLOCK_K, BLOCK_T, PDL)
         tl.store(y_ptr + t[None, :] * stride_yt + COLB + n[:, None],
                  acc.to(y_ptr.dtype.element_ty), mask=(n < NB)[:, None] & t_ok)
 

@@ -142,20 +142,24 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     computes the conv + SiLU of the channels it reads from the slot's conv state (read only:
     the programs of one key head share channels, so `_gated_norm_kernel` shifts the state
     after them)."""
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
     bi = tl.program_id(0)
     h = tl.program_id(1)
+    # the slot and its state before the PDL wait (kb/0040): no kernel of the step writes them
+    # but this one (the slots come from the host, the state from the last step's launch of
+    # this kernel or an earlier prefill), so the state's DRAM latency overlaps the kernel before
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
+    S0 = tl.load(s_ptrs)
+    if PDL:  # kernels/pdl.py: wait for the previous kernel before reading its outputs
+        pdl_enter()
     row = conv_ptr + bi * stride_cb
     if CONV:
         crow = cstate_ptr + slot * stride_css
         dt = out_ptr.dtype.element_ty
         hk = h // GROUP
-        S, q = _delta_rule(tl.load(s_ptrs),
+        S, q = _delta_rule(S0,
                            _conv_silu(row, crow, cw_ptr, hk * DK + dk, stride_csc, dt, W),
                            _conv_silu(row, crow, cw_ptr, KEY_DIM + hk * DK + dk, stride_csc,
                                       dt, W),
@@ -164,7 +168,7 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                            a_ptr + bi * stride_ab, b_ptr + bi * stride_bb, A_log_ptr,
                            dt_bias_ptr, h, scale)
     else:
-        S, q = _delta_rule_token(tl.load(s_ptrs), row, a_ptr + bi * stride_ab,
+        S, q = _delta_rule_token(S0, row, a_ptr + bi * stride_ab,
                                  b_ptr + bi * stride_bb, A_log_ptr, dt_bias_ptr, h, h // GROUP,
                                  dk, dv, KEY_DIM, scale, DK, DV)
     tl.store(s_ptrs, S)
