@@ -82,9 +82,11 @@ client() { PYTHONPATH="$ROOT:$TSITE" python3 -m tailored.bench "$@"; }
 
 bench_both() {  # ENGINE PREC PORT CHECKPOINT_DIR ENGINE_CONFIG_JSON
   local engine=$1 prec=$2 port=$3 ckpt=$4 cfg=$5
-  stamp "bench $engine $prec: c=1 x 16, c=32 x 256, 1024 in / 512 out, ignore_eos, greedy"
+  # SBS_CONCURRENCY / SBS_PROMPTS: a shorter run (e.g. 1 / 16, c=1 alone) when device time is short
+  local conc=${SBS_CONCURRENCY:-1,32} prompts=${SBS_PROMPTS:-16,256}
+  stamp "bench $engine $prec: c=$conc x $prompts, 1024 in / 512 out, ignore_eos, greedy"
   client --base-url "http://127.0.0.1:$port" --model "$NAME" \
-      --concurrency 1,32 --num-prompts 16,256 --input-len 1024 --output-len 512 --ignore-eos \
+      --concurrency "$conc" --num-prompts "$prompts" --input-len 1024 --output-len 512 --ignore-eos \
       --temperature 0 --precision "$prec" --hbm-bw "$HBM_BW" --label "$engine-$prec" \
       --checkpoint-dir "$ckpt" --engine-config "$cfg" --out "$SBS/$engine-$prec.json" \
       2>&1 | tee "$SBS/$engine-$prec.txt"
