@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 22, call 3 (carry [".whl"], cold, the last ~250 s of device time; kb/0040 §3): the
 # weights of the FP8/bf16 GEMV and the GDN state read before the PDL wait (TAILORED_PDL, off).
-#  1. FP8 in-process A/B at B=1,2: control, pdl (3 rounds).
+#  1. FP8 in-process A/B at B=1,2: control, pdl, pdl+bf16_gemv (the bf16 router + shared
+#     gate, cuBLAS gemvx 3.1 µs × 40 a step, through the GEMV too); 3 rounds.
 #  2. Served FP8 c=1 alone (16 prompts) with TAILORED_PDL=1 (run2 without it: 398.0 tok/s).
 #  3. GPU tests: PDL changes no bit (decode graphs at 3 rows and 1 row, FP8 and bf16 GEMVs,
 #     eager prefill), the GEMV and recurrent kernel tests.
@@ -9,9 +10,9 @@
 # Usage: TAILORED_COMMIT=<sha> OUT=$OUT END=340 bash logs/gpu/2026-12-03-s22/call3.sh
 source "$(dirname "$0")/../../../scripts/device_env.sh" call3
 full_configs > /dev/null
-stamp "micro fp8 B=1,2: control, pdl"
-timeout 120 python3 scripts/bench_decode.py /tmp/full-fp8 --batches 1,2 --json "$OUT/micro-fp8.json" \
-    --variants control,pdl --rounds 3 > "$OUT/micro-fp8.log" 2>&1
+stamp "micro fp8 B=1,2: control, pdl, pdl+bf16_gemv (the router through the GEMV)"
+timeout 150 python3 scripts/bench_decode.py /tmp/full-fp8 --batches 1,2 --json "$OUT/micro-fp8.json" \
+    --variants control,pdl,pdl+bf16_gemv --rounds 3 > "$OUT/micro-fp8.log" 2>&1
 grep "^| \|^B=\|Error\|error" "$OUT/micro-fp8.log" | cut -c1-200 | head -10
 stamp "served FP8 c=1 with TAILORED_PDL=1 (tailored half, 16 prompts)"
 TAILORED_PDL=1 SBS_CONCURRENCY=1 SBS_PROMPTS=16 OUT=/tmp/sbs-out timeout 150 \
