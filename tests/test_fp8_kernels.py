@@ -140,6 +140,17 @@ def test_fp8_gemv_takes_its_config_from_the_shape_table(monkeypatch):
     mod.fp8_gemv(x[:1], q, fp8.row_scales(s, 96), other=other)  # another key
 
 
+def test_bf16_table_survives_an_emptied_fp8_table(monkeypatch):
+    """bench_decode's fp8_gemv_one_cfg empties FP8_CFGS; the bf16 mapping of the measured
+    winners (bf16_gemv_fp8_cfgs) must still build (it raised KeyError before, kb/0040 §6)."""
+    from tailored.kernels import fp8_gemv as mod
+
+    monkeypatch.setattr(mod, "FP8_CFGS", {})
+    table = mod.fp8_cfgs_for_bf16()
+    assert table[(1344, 2048, 1)] == table[(1281, 2048, 1)]
+    assert (12352, 2048, 1) in table
+
+
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("N,K", [(200, 320), (7, 4096)])
 def test_bf16_gemv_against_linear(T, N, K):
