@@ -109,10 +109,6 @@ VARIANTS = {
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; decode and
     # prefill: also a --prefill-variants one)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),
-    # routing in its own one-program launch before the MoE GEMV's gate_up (kb/0041, bitwise)
-    "route_separate": lambda: _set("kernels.moe_gemv", "ROUTE_SEPARATE", True),
-    # the decode attention's key loop as a counted, pipelinable `for` (kb/0041, bitwise)
-    "attn_for_loop": lambda: _set("kernels.attention_decode", "FOR_LOOP", True),
     # routed experts of eager prefill steps of >= fast.MOE_GROUPED_FROM (6144) tokens through
     # torch's grouped GEMM (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the
     # batched step). Turned on after start it allocates the FP8 scratch outside the reserve.

@@ -338,28 +338,6 @@ def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, row
                                 *scales)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,E,k,shared,fp8", [(1, 16, 4, True, False), (3, 8, 2, False, True),
-                                              (2, 256, 8, True, True), (1, 256, 8, True, False)])
-def test_moe_gemv_route_separate_is_bitwise(monkeypatch, dtype, T, E, k, shared, fp8):
-    """ROUTE_SEPARATE (routing in its own one-program launch, kb/0041) runs the same top-k
-    with the same warps, and gate_up reads the ids it wrote: pairs, weights and ids bitwise
-    as with the routing inside every gate_up program; NaN-poisoned buffers all written."""
-    from tailored.kernels import moe_gemv
-
-    if DEV == "cpu" and E == 256:
-        pytest.skip("full-size case: GPU only (minutes in the interpreter)")
-    H, I = (2048, 512) if E == 256 else (200, 160) if fp8 else (72, 40)
-    x, logits, seg, gate_up, down, scales = _routed_call_inputs(
-        dtype, T, E, H, I, shared, fp8, torch.Generator().manual_seed(T * 5 + E))
-    want = moe_gemv.route_gemv_moe(x, logits, k, gate_up, down, seg, *scales)
-    monkeypatch.setattr(moe_gemv, "ROUTE_SEPARATE", True)
-    with nan_empty():
-        got = moe_gemv.route_gemv_moe(x, logits, k, gate_up, down, seg, *scales)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_routing_of_a_nan_row_picks_distinct_experts(fused):
     """A row of NaN / inf router logits (a poisoned token) still routes to k distinct experts
@@ -648,35 +626,6 @@ def test_paged_decode_attention(dtype, page, lens, splits, monkeypatch):
     with pytest.raises(ValueError):
         paged_decode_attention(q, kc, vc, table.to(DEV),
                                torch.tensor(lens, dtype=torch.int32, device=DEV), gate=gate[:, :1])
-
-
-@pytest.mark.parametrize("splits", [3, 8, 32])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_for_loop_is_bitwise(dtype, splits, monkeypatch):
-    """FOR_LOOP (the key loop counted, for Triton's pipeliner; kb/0041) runs the same steps in
-    the same order as the while loop: bitwise equal outputs, NaN pages past lengths unread."""
-    from tailored.kernels import attention_decode
-
-    g = torch.Generator().manual_seed(splits)
-    page, lens, Hq, Hkv, D = 16, [1, 70, 300, 33], 8, 2, 64
-    num_pages = sum(-(-n // page) for n in lens) + 3
-    kc = torch.randn(num_pages, page, Hkv, D, generator=g).to(DEV, dtype)
-    vc = torch.randn(num_pages, page, Hkv, D, generator=g).to(DEV, dtype)
-    table = torch.zeros(len(lens), 20, dtype=torch.int32)
-    nxt = 1
-    for i, n in enumerate(lens):
-        for j in range(-(-n // page)):
-            table[i, j] = nxt
-            nxt += 1
-        last, used = table[i, (n - 1) // page], (n - 1) % page + 1
-        kc[last, used:] = float("nan")  # past the length: never read
-        vc[last, used:] = float("nan")
-    q = torch.randn(len(lens), Hq, D, generator=g).to(DEV, dtype)
-    args = (q, kc, vc, table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV), splits)
-    want = attention_decode.paged_decode_attention(*args)
-    monkeypatch.setattr(attention_decode, "FOR_LOOP", True)
-    got = attention_decode.paged_decode_attention(*args)
-    assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,33 +23,12 @@ from tailored.kernels.pdl import launch as pdl_launch
 
 
 @triton.jit
-def _attn_keys(q, k_ptr, v_ptr, table_ptr, b, hk, start, hi, m_i, l_i, acc, d, stride_kp,
-               stride_ko, stride_kh, stride_tb, scale, PAGE: tl.constexpr,
-               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One online-softmax step over keys start..start+BLOCK_N (< hi): the new (m, l, acc)."""
-    t = start + tl.arange(0, BLOCK_N)
-    t_ok = t < hi
-    page = tl.load(table_ptr + b * stride_tb + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-    kv_off = page * stride_kp + (t % PAGE) * stride_ko + hk * stride_kh
-    k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BLOCK_G, BLOCK_N]
-    s = tl.where(t_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
                        stride_qb, stride_qh, stride_kp, stride_ko, stride_kh,
                        stride_tb, scale,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       DOT_PREC: tl.constexpr, FOR_LOOP: tl.constexpr = False,
+                       DOT_PREC: tl.constexpr,
                        PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
@@ -68,18 +47,23 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, a
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    if FOR_LOOP:  # a counted loop: Triton's software pipeliner issues the next keys' loads
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attn_keys(q, k_ptr, v_ptr, table_ptr, b, hk, start, hi, m_i, l_i,
-                                       acc, d, stride_kp, stride_ko, stride_kh, stride_tb,
-                                       scale, PAGE, BLOCK_N, DOT_PREC)
-    else:
-        start = lo
-        while start < hi:
-            m_i, l_i, acc = _attn_keys(q, k_ptr, v_ptr, table_ptr, b, hk, start, hi, m_i, l_i,
-                                       acc, d, stride_kp, stride_ko, stride_kh, stride_tb,
-                                       scale, PAGE, BLOCK_N, DOT_PREC)
-            start += BLOCK_N
+    start = lo
+    while start < hi:
+        t = start + tl.arange(0, BLOCK_N)
+        t_ok = t < hi
+        page = tl.load(table_ptr + b * stride_tb + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        kv_off = page * stride_kp + (t % PAGE) * stride_ko + hk * stride_kh
+        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+        start += BLOCK_N
     base = (b * tl.num_programs(1) + hk) * NUM_SPLITS + sp
     tl.store(m_ptr + base * BLOCK_G + g, m_i, mask=g_ok)
     tl.store(l_ptr + base * BLOCK_G + g, l_i, mask=g_ok)
@@ -125,11 +109,6 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, gat
 # splits by batch (kb/0019): enough (sequence, KV head, split) programs to fill the H200's 132
 # SMs at small batches (B=1 had 16 programs for 12.8 µs), 8 from B=8 up; off = always 8
 ADAPTIVE_SPLITS = env_flag("TAILORED_ATTN_SPLITS", False)
-# the key loop as a counted `for` (software-pipelined: the next block's page, K and V loads
-# are issued while this block computes) instead of a `while`; same operations in the same
-# order, so bitwise the same (session 23, kb/0041: B=1 split kernel 13 µs for ~2 MB); off
-# until an A/B
-FOR_LOOP = env_flag("TAILORED_ATTN_FOR_LOOP", False)
 
 
 def splits_for(batch: int, kv_heads: int) -> int:
@@ -179,7 +158,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), D ** -0.5,
         GROUP=group, BLOCK_G=block_g, D=D, PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PREC=prec, FOR_LOOP=FOR_LOOP, num_warps=4, **pdl_launch(q))
+        DOT_PREC=prec, num_warps=4, **pdl_launch(q))
     out = torch.empty_like(q)
     block_d = D if num_splits <= 8 else min(D, 64)  # many splits: more merge programs
     g = gate if gate is not None else out  # unused pointer without a gate

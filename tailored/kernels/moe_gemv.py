@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import env_flag, moe
+from tailored.kernels import moe
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -37,25 +37,6 @@ from tailored.kernels.pdl import launch as pdl_launch
 # 24.2 → 23.0, T=2 37.6 → 36.8; FP8 T=1 23.0 → 15.4, T=2 31.4 → 24.2. 3–4 rows: not measured.
 CFG = {("bf16", 1): ((8, 8), (4, 4)), ("bf16", 2): ((16, 4), (4, 4)),
        ("fp8", 1): ((8, 2), (8, 2)), ("fp8", 2): ((8, 2), (8, 2))}
-
-# The routing in a launch of its own (one program) before gate_up, whose programs then read
-# their pair's expert id instead of each repeating the softmax and the 8 top-k rounds before
-# their first weight load (session 23, kb/0041: the B=1 gate_up is 12 µs for 18.9 MB where
-# the dense FP8 GEMV streams 25 MB in 8.7). One launch more a layer; off until an A/B.
-ROUTE_SEPARATE = env_flag("TAILORED_MOE_GEMV_ROUTE_SEPARATE", False)
-
-
-@triton.jit
-def _route_kernel(logits_ptr, seg_ptr, rw_ptr, ids_ptr, T, stride_l, stride_s, E: tl.constexpr,
-                  K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                  SHARED: tl.constexpr, PDL: tl.constexpr = False):
-    """`moe._topk_tile` of all T rows in one program: w/ids [T, S]."""
-    if PDL:
-        pdl_enter()
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    moe._topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, t_ok, stride_l, stride_s, E, K,
-                   BLOCK_S, SHARED)
 
 
 @triton.jit
@@ -76,22 +57,18 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, logits_ptr, seg_ptr, rw_
                          H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr,
                          ROWS: tl.constexpr, W_FP8: tl.constexpr, E: tl.constexpr,
                          K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                         SHARED: tl.constexpr, ROUTED: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         SHARED: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     p = tl.program_id(0)
     S: tl.constexpr = K + 1 if SHARED else K
-    if ROUTED:  # _route_kernel wrote ids [T, S]: pair p = t·S + slot is ids[p]
-        e = tl.load(ids_ptr + p)
-    else:
-        t = tl.arange(0, BLOCK_T)
-        t_ok = t < T
-        store = t_ok & ((t * 0 + p + tl.program_id(1)) == 0)  # program (0, 0) stores routing
-        _, it = moe._topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store, stride_l,
-                               stride_s, E, K, BLOCK_S, SHARED)
-        c = tl.arange(0, BLOCK_S)
-        e = tl.sum(tl.where((t[:, None] == p // S) & (c[None, :] == p % S), it, 0))
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    store = t_ok & ((t * 0 + p + tl.program_id(1)) == 0)  # program (0, 0) stores the routing
+    _, it = moe._topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store, stride_l,
+                           stride_s, E, K, BLOCK_S, SHARED)
+    c = tl.arange(0, BLOCK_S)
+    e = tl.sum(tl.where((t[:, None] == p // S) & (c[None, :] == p % S), it, 0))
     n0 = tl.program_id(1) * ROWS  # ROWS divides 128: the rows share one block of scales
     n = n0 + tl.arange(0, ROWS)
     n_ok = n < I
@@ -158,18 +135,13 @@ def route_gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     if any(r < 1 or r > 128 or r & (r - 1) for r in (r_gu, r_dn)):  # one scale block a program
         raise ValueError(f"route_gemv_moe: ROWS {r_gu}, {r_dn} not powers of 2 ≤ 128")
     r_gu, r_dn = min(r_gu, triton.next_power_of_2(I)), min(r_dn, triton.next_power_of_2(H))
-    block_t, block_s = max(2, triton.next_power_of_2(T)), triton.next_power_of_2(S)
-    routed = ROUTE_SEPARATE
-    if routed:
-        _route_kernel[(1,)](router_logits, c.seg, c.w, c.ids, T, router_logits.stride(0),
-                            c.seg.stride(0), E=c.E, K=top_k, BLOCK_T=block_t, BLOCK_S=block_s,
-                            SHARED=shared_gate is not None, num_warps=w_gu, **pdl_launch(x))
     _gemv_gate_up_kernel[(T * S, triton.cdiv(I, r_gu))](
         x, gate_up, c.gate_up_scale, act, router_logits, c.seg, c.w, c.ids, T, x.stride(0),
         gate_up.stride(0), gate_up.stride(1), act.stride(0), *c.s_gu, triton.cdiv(I, 128),
         router_logits.stride(0), c.seg.stride(0), H=H, I=I, BLOCK_H=triton.next_power_of_2(H),
-        ROWS=r_gu, W_FP8=fp8, E=c.E, K=top_k, BLOCK_T=block_t, BLOCK_S=block_s,
-        SHARED=shared_gate is not None, ROUTED=routed, num_warps=w_gu, **pdl_launch(x))
+        ROWS=r_gu, W_FP8=fp8, E=c.E, K=top_k, BLOCK_T=max(2, triton.next_power_of_2(T)),
+        BLOCK_S=triton.next_power_of_2(S), SHARED=shared_gate is not None, num_warps=w_gu,
+        **pdl_launch(x))
     _gemv_down_kernel[(T * S, triton.cdiv(H, r_dn))](
         act, down, c.down_scale, c.w, c.ids, c.y, act.stride(0), down.stride(0), down.stride(1),
         c.y.stride(0), *c.s_dn, H=H, I=I, BLOCK_I=triton.next_power_of_2(I), ROWS=r_dn,
