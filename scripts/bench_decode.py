@@ -109,6 +109,7 @@ VARIANTS = {
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; decode and
     # prefill: also a --prefill-variants one)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),
+    "no_pdl": lambda: _set("kernels.pdl", "PDL", False),  # on by default since kb/0041
     # routed experts of eager prefill steps of >= fast.MOE_GROUPED_FROM (6144) tokens through
     # torch's grouped GEMM (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the
     # batched step). Turned on after start it allocates the FP8 scratch outside the reserve.

@@ -800,13 +800,16 @@ def test_moe_combine_with_the_next_norm(dtype, folded, T, H, k):
 
 
 def test_pdl_launch_arguments(monkeypatch):
-    """kernels/pdl.py: off by default; on, only CUDA tensors of an sm_90+ device get Triton's
-    launch_pdl with the kernels' PDL constexpr (the interpreter never runs griddepcontrol; the
+    """kernels/pdl.py: switched off, or for a CPU tensor, {"PDL": False}; on (the default),
+    only CUDA tensors of an sm_90+ device get Triton's launch_pdl with the kernels' PDL constexpr (the interpreter never runs griddepcontrol; the
     PTX is checked by test_kernels_sm90.py, the bits on the GPU by test_gpu.py)."""
     from tailored.kernels import pdl
 
     t = torch.zeros(2)
-    assert pdl.launch(t) == {"PDL": False}
+    monkeypatch.setattr(pdl, "PDL", False)
+    monkeypatch.setattr(pdl, "_on_sm90", lambda x: True)
+    assert pdl.launch(t) == {"PDL": False}  # switched off
+    monkeypatch.undo()
     monkeypatch.setattr(pdl, "PDL", True)
     assert pdl.launch(t) == {"PDL": False}  # a CPU tensor
     monkeypatch.setattr(pdl, "_on_sm90", lambda x: True)

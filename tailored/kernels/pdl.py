@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels, behind `TAILORED_PDL=1`.
+"""Programmatic dependent launch (PDL) for the Triton kernels: on by default, `TAILORED_PDL=0` off.
 
 Why: a B=1 decode step is ~660 kernels, most of them 1–5 µs long (kb/0029 §4): each pays its
 launch, block scheduling and first loads after the previous kernel has drained. With PDL
@@ -10,13 +10,16 @@ visible. CUDA graph capture keeps these as programmatic edges.
 
 The rule here, simple enough to hold for every kernel: a kernel launched with PDL executes
 `enter()` first, in every program — wait for the previous kernel, then let the next one
-launch. Nothing is read or written before the wait, so the stream order of memory effects is
-unchanged; what overlaps is the next kernel's launch and scheduling with this kernel's work.
+launch. Nothing the step writes is read before the wait, so the stream order of memory effects
+is unchanged; what overlaps is the next kernel's launch and scheduling, and the first loads of
+what no kernel of the step writes (the GEMV weights, the GDN state: kb/0040), with the kernel
+before it. Only the kernel just before can still run when a kernel starts: that one has
+itself waited for everything before it.
 Kernels launched without PDL (cuBLAS, torch) keep full stream serialization, and since every
 PDL kernel completes only after its wait, ordering stays transitive across the whole step.
 
 `launch(t)` gives a launch's keyword arguments: `PDL` (the kernels' constexpr) and Triton's
-`launch_pdl` launch option, on for CUDA tensors of an sm_90+ device when `TAILORED_PDL=1`;
+`launch_pdl` launch option, on for CUDA tensors of an sm_90+ device unless `TAILORED_PDL=0`;
 `{"PDL": False}` otherwise (the interpreter never sees the PTX). Read at each launch: a bench
 can flip `PDL` and re-capture its graphs. Reference: Triton's tutorial
 `11-programmatic-dependent-launch.py` (its `gdc_wait` / `gdc_launch_dependents` emit the same
@@ -33,9 +36,11 @@ import triton.language as tl
 
 from tailored.kernels import env_flag
 
-# Off until an A/B on the H200 and the gates (kb/0030): built in session 12 with no device
-# time left to measure it.
-PDL = env_flag("TAILORED_PDL", False)
+# On since session 24 (kb/0041): bitwise (test_gpu.py::test_pdl_changes_no_bit); served FP8
+# c=1 400.5 -> 429.2 / 428.2 tok/s once the GEMV's loop no longer carried the next tile
+# (in-process B=1 -4.9 %, B=2 -6.1 %); bf16 c=1 305.9 (s22) -> 320.5. Built in session 12,
+# kb/0030; measured inside the noise while every kernel waited at its first instruction.
+PDL = env_flag("TAILORED_PDL", True)
 
 
 @triton.jit
@@ -65,7 +70,7 @@ def _on_sm90(t: torch.Tensor) -> bool:
 
 def launch(t: torch.Tensor) -> dict:
     """Keyword arguments for launching a kernel that takes the `PDL` constexpr on t's device:
-    {"PDL": True, "launch_pdl": True} with TAILORED_PDL=1 on sm_90+, else {"PDL": False}."""
+    {"PDL": True, "launch_pdl": True} on sm_90+ (unless TAILORED_PDL=0), else {"PDL": False}."""
     if PDL and _on_sm90(t):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
