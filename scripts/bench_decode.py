@@ -108,7 +108,7 @@ VARIANTS = {
     "fp8_bf16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", False),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; decode and
     # prefill: also a --prefill-variants one)
-    "pdl": lambda: _set("kernels.pdl", "PDL", True),
+    "pdl": lambda: _set("kernels.pdl", "PDL", True),  # the default since kb/0041
     "no_pdl": lambda: _set("kernels.pdl", "PDL", False),  # on by default since kb/0041
     # routed experts of eager prefill steps of >= fast.MOE_GROUPED_FROM (6144) tokens through
     # torch's grouped GEMM (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the

@@ -232,7 +232,7 @@ def test_cuda_graph_replay_equals_eager_bitwise(precision):
                     reason="PDL needs sm_90")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_pdl_changes_no_bit(precision, monkeypatch):
-    """TAILORED_PDL=1 (kernels/pdl.py, kb/0030): every Triton kernel waits for the one before
+    """PDL (kernels/pdl.py, kb/0030; on by default since kb/0041): every Triton kernel waits for the one before
     it before reading what that one writes, so a decode graph captured with PDL, and an eager
     prefill of two sequences, give the same bits, and leave the same cache, as without it. A
     missed wait would race; so would a read before the wait (the GEMV's weights, the GDN

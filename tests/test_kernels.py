@@ -801,8 +801,11 @@ def test_moe_combine_with_the_next_norm(dtype, folded, T, H, k):
 
 def test_pdl_launch_arguments(monkeypatch):
     """kernels/pdl.py: switched off, or for a CPU tensor, {"PDL": False}; on (the default),
-    only CUDA tensors of an sm_90+ device get Triton's launch_pdl with the kernels' PDL constexpr (the interpreter never runs griddepcontrol; the
-    PTX is checked by test_kernels_sm90.py, the bits on the GPU by test_gpu.py)."""
+    only CUDA tensors of an sm_90+ device get Triton's launch_pdl with the kernels' PDL
+    constexpr, and not in Triton's interpreter (no inline PTX there; the PTX is checked by
+    test_kernels_sm90.py, the bits on the GPU by test_gpu.py)."""
+    from types import SimpleNamespace
+
     from tailored.kernels import pdl
 
     t = torch.zeros(2)
@@ -812,6 +815,8 @@ def test_pdl_launch_arguments(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(pdl, "PDL", True)
     assert pdl.launch(t) == {"PDL": False}  # a CPU tensor
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl._on_sm90(SimpleNamespace(is_cuda=True))  # interpreted on a GPU machine
     monkeypatch.setattr(pdl, "_on_sm90", lambda x: True)
     assert pdl.launch(t) == {"PDL": True, "launch_pdl": True}
 

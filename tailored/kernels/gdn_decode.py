@@ -144,9 +144,13 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     after them)."""
     bi = tl.program_id(0)
     h = tl.program_id(1)
-    # the slot and its state before the PDL wait (kb/0040): no kernel of the step writes them
-    # but this one (the slots come from the host, the state from the last step's launch of
-    # this kernel or an earlier prefill), so the state's DRAM latency overlaps the kernel before
+    # the slot and its state before the PDL wait (kb/0040), so the state's DRAM latency overlaps
+    # the kernel before. Safe because with PDL only the kernel launched just before this one
+    # can still be running (it waited for all before it), and that kernel never writes the
+    # state: it is the conv step (or, GDN_CONV_IN_RECURRENT, the in_proj GEMV) in decode and in
+    # the verify loops; verify's commits are followed by the MTP head; prefill writes states
+    # with stream-ordered torch ops and slots come from host copies. Keep it so: no launch
+    # that writes the state may come directly before this kernel (review, kb/0041).
     slot = tl.load(slot_ptr + bi).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)

@@ -10,11 +10,13 @@ visible. CUDA graph capture keeps these as programmatic edges.
 
 The rule here, simple enough to hold for every kernel: a kernel launched with PDL executes
 `enter()` first, in every program — wait for the previous kernel, then let the next one
-launch. Nothing the step writes is read before the wait, so the stream order of memory effects
-is unchanged; what overlaps is the next kernel's launch and scheduling, and the first loads of
-what no kernel of the step writes (the GEMV weights, the GDN state: kb/0040), with the kernel
-before it. Only the kernel just before can still run when a kernel starts: that one has
-itself waited for everything before it.
+launch. Only the kernel launched just before can still run when a kernel starts (that one
+has itself waited for everything before it), so a kernel may read before its wait what that
+kernel does not write; everything else is read after the wait and the stream order of
+memory effects is unchanged. What overlaps is the next kernel's launch and scheduling, and
+two kernels' first loads (kb/0040): the GEMV's weights (never written while serving) and the
+GDN recurrent state (never written by the kernel launched before `_recurrent_kernel`; its
+comment says why).
 Kernels launched without PDL (cuBLAS, torch) keep full stream serialization, and since every
 PDL kernel completes only after its wait, ordering stays transitive across the whole step.
 
@@ -29,6 +31,7 @@ two instructions).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -62,15 +65,18 @@ def _sm90(index: int) -> bool:
 
 
 def _on_sm90(t: torch.Tensor) -> bool:
-    """t lives on a GPU with PDL (compute capability 9.0 or newer)."""
-    if not t.is_cuda:
+    """t lives on a GPU with PDL (compute capability 9.0 or newer), and the kernels compile:
+    Triton's interpreter (TRITON_INTERPRET=1) has no inline PTX, so an interpreted run on a GPU
+    machine launches without PDL."""
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def launch(t: torch.Tensor) -> dict:
     """Keyword arguments for launching a kernel that takes the `PDL` constexpr on t's device:
-    {"PDL": True, "launch_pdl": True} on sm_90+ (unless TAILORED_PDL=0), else {"PDL": False}."""
+    {"PDL": True, "launch_pdl": True} on sm_90+ (unless TAILORED_PDL=0 or Triton's interpreter),
+    else {"PDL": False}."""
     if PDL and _on_sm90(t):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
