@@ -325,6 +325,51 @@ def _with_graphs(dtype, precision, seed, buckets):
     return model, cache, fast
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs sm_90")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@torch.no_grad()
+def test_pdl_changes_no_bit_in_a_mixed_step_with_a_prefill_graph(precision, monkeypatch):
+    """PDL is on by default (kb/0041), and prefill graphs are captured by default on CUDA:
+    a step of two decode rows and a fresh 300-token prompt (the decode graph and the prompt's
+    512-token prefill graph, kb/0028), both graphs captured with PDL and without, gives the
+    same bits and leaves the same cache (test_pdl_changes_no_bit covers decode graphs and
+    eager prefill only; the review of kb/0041 found this path never run with PDL)."""
+    from tailored.kernels import pdl
+
+    monkeypatch.setattr(pdl, "PDL", False)
+    model, cache, fast = _with_graphs(torch.bfloat16, precision, 4, [512])
+    g = torch.Generator().manual_seed(9)
+    for slot, base in ((3, 40), (4, 60)):  # two running sequences of 20 tokens
+        ids = torch.randint(0, 248044, (20,), generator=g).tolist()
+        model(ForwardBatch.build([(ids, 0, slot, True, [base, base + 1])], [19], "cuda"), cache)
+    T = 300
+    prompt = torch.randint(0, 248044, (T,), generator=g).tolist()
+    pages = list(range(1, 2 + T // 16))
+    layout = [([7], 20, 3, False, [40, 41]), ([9], 20, 4, False, [60, 61]),
+              (prompt, 0, 2, True, pages)]
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    snap = [t.clone() for t in tensors]
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "PDL", on)
+        fast.drop_decode_graphs()  # graphs bake the launch attributes in: capture anew
+        fast.capture(sizes=[4])
+        fast.prefill_graphs.clear()
+        fast.capture_prefill(512, buckets=[512])
+        assert 512 in fast.prefill_graphs
+        for _ in range(3):  # a race need not show in every replay
+            for t, s_ in zip(tensors, snap):
+                t.copy_(s_)
+            out = model(ForwardBatch.build(layout, [0, 1, 1 + T], "cuda"), cache).clone()
+            torch.cuda.synchronize()
+            results.append((out, [t[:, 1:].clone() for t in tensors]))  # slot/page 0: sinks
+    out0, cache0 = results[0]
+    for out, after in results[1:]:
+        assert torch.equal(out, out0)
+        assert all(torch.equal(a, b) for a, b in zip(after, cache0))
+
+
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "fp8")])
 @torch.no_grad()
 def test_mixed_step_replays_both_graphs(dtype, precision):
