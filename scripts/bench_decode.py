@@ -106,10 +106,10 @@ VARIANTS = {
     # FP8 experts' gate_up dots in bf16, as before session 12's default float16 (kb/0029, 0030;
     # decode and prefill: also a --prefill-variants one)
     "fp8_bf16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", False),
-    # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; decode and
-    # prefill: also a --prefill-variants one)
-    "pdl": lambda: _set("kernels.pdl", "PDL", True),  # the default since kb/0041
-    "no_pdl": lambda: _set("kernels.pdl", "PDL", False),  # on by default since kb/0041
+    # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
+    # default since kb/0041; decode and prefill: also --prefill-variants ones)
+    "pdl": lambda: _set("kernels.pdl", "PDL", True),
+    "no_pdl": lambda: _set("kernels.pdl", "PDL", False),
     # routed experts of eager prefill steps of >= fast.MOE_GROUPED_FROM (6144) tokens through
     # torch's grouped GEMM (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the
     # batched step). Turned on after start it allocates the FP8 scratch outside the reserve.

@@ -232,9 +232,10 @@ def test_cuda_graph_replay_equals_eager_bitwise(precision):
                     reason="PDL needs sm_90")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_pdl_changes_no_bit(precision, monkeypatch):
-    """PDL (kernels/pdl.py, kb/0030; on by default since kb/0041): every Triton kernel waits for the one before
-    it before reading what that one writes, so a decode graph captured with PDL, and an eager
-    prefill of two sequences, give the same bits, and leave the same cache, as without it. A
+    """PDL (kernels/pdl.py, kb/0030; on by default since kb/0041): every Triton kernel waits
+    for the one before it before reading what that one writes, so a decode graph captured
+    with PDL, and an eager prefill of two sequences, give the same bits, and leave the same
+    cache, as without it. A
     missed wait would race; so would a read before the wait (the GEMV's weights, the GDN
     state: kb/0040) of something the step writes. Decode at 3 rows and at 1 row (the FP8 GEMV
     and, switched on here, the bf16 GEMV)."""
@@ -325,6 +326,20 @@ def _with_graphs(dtype, precision, seed, buckets):
     return model, cache, fast
 
 
+def _mixed_step(model, cache):
+    """Prefill two running sequences of 20 tokens (slots 3, 4); returns (layout of a step of
+    their next tokens and a fresh 300-token prompt in slot 2, the prompt, its pages)."""
+    g = torch.Generator().manual_seed(9)
+    for slot, base in ((3, 40), (4, 60)):
+        ids = torch.randint(0, 248044, (20,), generator=g).tolist()
+        model(ForwardBatch.build([(ids, 0, slot, True, [base, base + 1])], [19], "cuda"), cache)
+    prompt = torch.randint(0, 248044, (300,), generator=g).tolist()
+    pages = list(range(1, 2 + len(prompt) // 16))
+    layout = [([7], 20, 3, False, [40, 41]), ([9], 20, 4, False, [60, 61]),
+              (prompt, 0, 2, True, pages)]
+    return layout, prompt, pages
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="PDL needs sm_90")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -339,15 +354,8 @@ def test_pdl_changes_no_bit_in_a_mixed_step_with_a_prefill_graph(precision, monk
 
     monkeypatch.setattr(pdl, "PDL", False)
     model, cache, fast = _with_graphs(torch.bfloat16, precision, 4, [512])
-    g = torch.Generator().manual_seed(9)
-    for slot, base in ((3, 40), (4, 60)):  # two running sequences of 20 tokens
-        ids = torch.randint(0, 248044, (20,), generator=g).tolist()
-        model(ForwardBatch.build([(ids, 0, slot, True, [base, base + 1])], [19], "cuda"), cache)
-    T = 300
-    prompt = torch.randint(0, 248044, (T,), generator=g).tolist()
-    pages = list(range(1, 2 + T // 16))
-    layout = [([7], 20, 3, False, [40, 41]), ([9], 20, 4, False, [60, 61]),
-              (prompt, 0, 2, True, pages)]
+    layout, prompt, _ = _mixed_step(model, cache)
+    T = len(prompt)
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     snap = [t.clone() for t in tensors]
     results = []
@@ -378,15 +386,8 @@ def test_mixed_step_replays_both_graphs(dtype, precision):
     (one prefill-graph replay) gives, the decode rows track the eager step (fp32: 1e-4), and
     nothing outside the step's slots and pages is touched."""
     model, cache, fast = _with_graphs(dtype, precision, 4, [512])
-    g = torch.Generator().manual_seed(9)
-    for slot, base in ((3, 40), (4, 60)):  # two running sequences of 20 tokens
-        ids = torch.randint(0, 248044, (20,), generator=g).tolist()
-        model(ForwardBatch.build([(ids, 0, slot, True, [base, base + 1])], [19], "cuda"), cache)
-    T = 300
-    prompt = torch.randint(0, 248044, (T,), generator=g).tolist()
-    pages = list(range(1, 2 + T // 16))
-    layout = [([7], 20, 3, False, [40, 41]), ([9], 20, 4, False, [60, 61]),
-              (prompt, 0, 2, True, pages)]
+    layout, prompt, pages = _mixed_step(model, cache)
+    T = len(prompt)
     rows = [0, 1, 1 + T]
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     snap = [t.clone() for t in tensors]

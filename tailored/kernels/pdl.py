@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels: on by default, `TAILORED_PDL=0` off.
+"""Programmatic dependent launch (PDL) for the Triton kernels (on; `TAILORED_PDL=0`: off).
 
 Why: a B=1 decode step is ~660 kernels, most of them 1–5 µs long (kb/0029 §4): each pays its
 launch, block scheduling and first loads after the previous kernel has drained. With PDL
