@@ -85,6 +85,8 @@ VARIANTS = {
     # bf16 projections of 1-2 rows through the same GEMV without scales (kb/0039 §7.3)
     "bf16_gemv": lambda: _set("model.fast", "BF16_GEMV_UP_TO", 2),
     "bf16_gemv_fp8_cfgs": lambda: _bf16_gemv_fp8_cfgs(),  # with the FP8 GEMV's configs
+    # one row's through cuBLAS again (the bf16 GEMV is the default at one row since kb/0042)
+    "no_bf16_gemv": lambda: _set("model.fast", "BF16_GEMV_UP_TO", 0),
     # the attention output gate in the merge kernel (kb/0036)
     "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),
     "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),
@@ -106,6 +108,9 @@ VARIANTS = {
     # FP8 experts' gate_up dots in bf16, as before session 12's default float16 (kb/0029, 0030;
     # decode and prefill: also a --prefill-variants one)
     "fp8_bf16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", False),
+    # the down GEMM's dots in float16 too, rows scaled by powers of 2 (kb/0042; decode and
+    # prefill: also a --prefill-variants one)
+    "down_f16": lambda: _set("kernels.moe", "FP8_DOWN_F16", True),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),

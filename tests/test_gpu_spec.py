@@ -220,3 +220,49 @@ def test_spec_chain_graph_equals_its_body_and_the_host_path(precision):
             assert torch.equal(a[:, 1:], b_[:, 1:])  # slot / page 0: the pad sinks
         assert d1 == d0
     assert [r[0] for r in d0] == [2, 0, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs sm_90")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@torch.no_grad()
+def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, monkeypatch):
+    """PDL (on by default, kb/0041) in a speculative step: the verify graph's GDN loops write
+    the state inside the step, the chain graph commits snapshots into it, and the recurrent
+    kernel reads it before its PDL wait (safe only because the kernel launched just before it
+    never writes it). The verify + chain graphs captured with PDL and without give the same
+    hidden states, kept counts, next drafts and cache, three replays each (a race need not
+    show in every one)."""
+    from tailored.kernels import pdl
+    from tailored.model.fast_spec import SpecGraphs
+
+    monkeypatch.setattr(pdl, "PDL", False)
+    model, cache, spec, pages = _spec_setup(precision, 6)
+    fast = model.fast
+    chunks = {1: [11, 12, 13], 2: [21, 22], 3: [31, 32, 33]}
+    layout = [(chunks[s], 40, s, False, pages[s], True) for s in (1, 2, 3)]
+    y = torch.tensor([12, 13, 99, 5, 6, 32, 7, 8], device="cuda")  # keeps 2, 0 and 1 drafts
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    snap = [t.clone() for t in tensors]
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "PDL", on)
+        spec.verify.clear(), spec.mtp.clear(), spec.chains.clear()
+        fast.drop_decode_graphs()  # graphs bake the launch attributes in: capture anew
+        fast.capture(sizes=[4])
+        spec = fast.spec = SpecGraphs(fast, 2, 4)
+        spec.capture()
+        for _ in range(3):
+            for t, s_ in zip(tensors, snap):
+                t.copy_(s_)
+            b = ForwardBatch.build(layout, [], "cuda")
+            h = model(b, cache).clone()
+            assert spec.whole_step(b, y.numel())
+            d = spec.chain(y, None).tolist()
+            torch.cuda.synchronize()
+            results.append((h, [t[:, 1:].clone() for t in tensors], d))  # slot/page 0: sinks
+    h0, t0, d0 = results[0]
+    assert [r[0] for r in d0] == [2, 0, 1]
+    for h, t, d in results[1:]:
+        assert torch.equal(h, h0) and d == d0
+        assert all(torch.equal(a, b_) for a, b_ in zip(t, t0))

@@ -82,7 +82,25 @@ def test_session21_defaults():
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert fast.MOE_GEMV_UP_TO == 2 and fast.MOE_GEMV_BF16 is False
-    assert fast.FP8_GEMV_UP_TO == 2 and fast.BF16_GEMV_UP_TO == 0
+    assert fast.FP8_GEMV_UP_TO == 2
+
+
+def test_session25_defaults():
+    """Session 25 (kb/0042): projections with bf16 weights at one row through the bf16 GEMV
+    (PDL-capable, unlike cuBLAS), with the FP8 GEMV's configs by shape."""
+    import os
+
+    from tailored.kernels import fp8_gemv
+    from tailored.model import fast
+
+    for name in ("TAILORED_BF16_GEMV_UP_TO", "TAILORED_BF16_GEMV_FP8_CFGS",
+                 "TAILORED_MOE_FP8_DOWN_F16"):
+        if os.environ.get(name):
+            pytest.skip(f"{name} is set in this environment")
+    from tailored.kernels import moe
+
+    assert fast.BF16_GEMV_UP_TO == 1 and fp8_gemv.BF16_CFGS == fp8_gemv.fp8_cfgs_for_bf16()
+    assert moe.FP8_DOWN_F16 is False  # until its H200 A/B and FP8 gate
 
 
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():

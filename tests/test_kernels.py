@@ -129,6 +129,86 @@ def test_fused_moe_fp8_f16_dots(T, monkeypatch):
         assert rel_err(got, run(False, x)) < 1e-5
 
 
+if kernels.available():
+    import triton
+    import triton.language as tl
+
+    from tailored.kernels.fp8_linear import pow2_rows_f16
+
+    @triton.jit
+    def _pow2_rows_kernel(a_ptr, o_ptr, b_ptr, M: tl.constexpr, K: tl.constexpr):
+        """pow2_rows_f16 of an [M, K] fp32 tile: the float16 tile and the row scales back."""
+        r = tl.arange(0, M)
+        c = tl.arange(0, K)
+        a16, back = pow2_rows_f16(tl.load(a_ptr + r[:, None] * K + c[None, :]))
+        tl.store(o_ptr + r[:, None] * K + c[None, :], a16)
+        tl.store(b_ptr + r, back)
+
+
+def test_pow2_rows_f16_scales_each_row_exactly_into_float16():
+    """`fp8_linear.pow2_rows_f16` (FP8_DOWN_F16, kb/0042): each row times one power of 2, its
+    largest magnitude below 2^15, every value float16-exact, and back·2^k = 1; rows far above
+    65504, tiny, zero, with inf and with NaN. Reference: the same scale from torch.frexp."""
+    g = torch.Generator().manual_seed(5)
+    M, K = 8, 32
+    a = torch.randn(M, K, generator=g)
+    a[0] *= 1e6  # far above float16's 65504
+    a[1] *= 1e-30  # far below its normal range
+    a[2] = 0.0
+    a[3, 5] = float("inf")
+    a[4, 7] = float("nan")
+    a[5] *= 65504.0
+    a[6] = 2.0 ** 15  # exactly a power of 2
+    a = a.to(DEV, torch.bfloat16).float()  # bf16 values, as the down GEMM's activations
+    o = torch.full((M, K), float("nan"), device=DEV, dtype=torch.float16)
+    back = torch.full((M,), float("nan"), device=DEV)
+    _pow2_rows_kernel[(1,)](a, o, back, M=M, K=K)
+    o, back = o.cpu().float(), back.cpu()
+    a = a.cpu()
+    for i in (0, 1, 5, 6, 7):  # finite rows: exact, scaled below 2^15 by frexp's power of 2
+        _, e = torch.frexp(a[i].abs().max())
+        assert back[i].item() == 2.0 ** max(-100, min(100, -(14 - (e.item() - 1))))
+        assert torch.equal(o[i] * back[i], a[i]) and o[i].abs().max() < 2 ** 15
+    assert torch.equal(o[2], torch.zeros(K)) and torch.isfinite(back[2])
+    assert torch.isinf(o[3, 5]) and torch.isfinite(o[3]).sum() == K - 1
+    assert torch.isnan(o[4, 7]) and torch.equal(o[4, :7] * back[4], a[4, :7])
+
+
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_fused_moe_fp8_down_f16_dots(T, monkeypatch):
+    """FP8_DOWN_F16 (kb/0042): the down GEMM's dots in float16 with each activation row
+    scaled into float16's range by a power of 2, so even activations far above 65504 (x·300
+    here) give the bf16 dots' result up to the MMA's internal summation order. Everywhere:
+    float32 activations keep the fp32 dots; GPU: vs the reference and vs the bf16 dots; the
+    sm_90 compile is checked on the CPU (test_kernels_sm90.py)."""
+    from tailored.kernels import moe
+    from tailored.model import fp8
+
+    E, k, H, I = 16, 4, 256, 160
+    g = torch.Generator().manual_seed(T + 50)
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    qgu, qd, (sgu, sd), (rgu, rd) = _fp8_experts(E, H, I, g)
+    w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
+
+    def run(f16, xx):
+        monkeypatch.setattr(moe, "FP8_DOWN_F16", f16)
+        return moe.fused_moe(xx, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV), rd.to(DEV))
+
+    x32 = x.float()
+    assert torch.equal(run(True, x32), run(False, x32))
+    if DEV == "cuda":
+        want = ref.moe_experts(x32, w.float(), ids,
+                               fp8.DequantExperts(qgu.to(DEV), sgu.to(DEV), torch.float32, True),
+                               fp8.DequantExperts(qd.to(DEV), sd.to(DEV), torch.float32, False))
+        got = run(True, x)
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        assert rel_err(got, want) < TOL[torch.bfloat16]
+        assert rel_err(got, run(False, x)) < 1e-5
+        big = x * 300  # silu(g)·u ~1e5-1e6: float16 overflows without the row scales
+        got = run(True, big)
+        assert torch.isfinite(got).all() and rel_err(got, run(False, big)) < 1e-5
+
+
 def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):
     """FP8 experts with 256 of K per iteration as two 128-wide dots (the decode configs added
     in session 7) accumulate exactly as one 128-wide dot per iteration."""

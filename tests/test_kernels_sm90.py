@@ -225,14 +225,15 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             def f16_moe(x=torch.randn(40, H, dtype=dt)):
                 from tailored.kernels import moe
 
-                held, moe.FP8_DOT_F16 = moe.FP8_DOT_F16, True
+                held = moe.FP8_DOT_F16, moe.FP8_DOWN_F16
+                moe.FP8_DOT_F16 = moe.FP8_DOWN_F16 = True  # and the down GEMM's (kb/0042)
                 try:
                     fused_moe(x, torch.rand(40, K, dtype=dt), torch.randint(0, E, (40, K)),
                               torch.zeros(E, 2 * I, H, dtype=f8), torch.zeros(E, H, I, dtype=f8),
                               None, torch.ones(E, 2 * I // 128, H // 128),
                               torch.ones(E, H // 128, I // 128))
                 finally:
-                    moe.FP8_DOT_F16 = held
+                    moe.FP8_DOT_F16, moe.FP8_DOWN_F16 = held
             calls.append(f16_moe)
         # the GDN prefill conv of all sequences, and the carried states (kb/0029)
         xs = torch.randn(50, 8192, dtype=dt)

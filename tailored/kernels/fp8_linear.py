@@ -25,8 +25,26 @@ SCALE_BLOCK = 128
 
 
 @triton.jit
+def pow2_rows_f16(a):
+    """(a·2^k as float16, 2^-k) with one power of 2 per row of the [M, K] tile a (bf16/fp32),
+    chosen from the row's largest magnitude m so that m·2^k < 2^15 (float16 ends at 65504):
+    k = 141 - (m's biased fp32 exponent), clamped to [-100, 100]. A power-of-2 scale changes no
+    significant bit, so bf16 values convert to float16 exactly down to m·2^-28 (below that
+    float16 is subnormal: terms < 2^-28 of the row's largest, under fp32's own rounding of
+    the sum), and a product's fp32 sum scaled back by 2^-k is the unscaled one (kb/0042).
+    inf stays inf and NaN NaN (a NaN's row max is the other elements'); zero rows stay zero."""
+    af = a.to(tl.float32)
+    ex = (tl.max(tl.abs(af), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    k = tl.minimum(tl.maximum(141 - ex, -100), 100)
+    up = ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2^k built from its exponent: exact
+    back = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    return (af * up[:, None]).to(tl.float16), back
+
+
+@triton.jit
 def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
-             W_FP8: tl.constexpr, S_ROWS: tl.constexpr = 1, DOT_F16: tl.constexpr = False):
+             W_FP8: tl.constexpr, S_ROWS: tl.constexpr = 1, DOT_F16: tl.constexpr = False,
+             A_POW2: tl.constexpr = False):
     """acc + a·w for one [BLOCK_K, BLOCK_N] weight tile at K offset k0. A bf16/fp32 tile is
     used as is; an FP8 tile is converted to a's dtype (exact) and its partial product scaled by
     its rows' block scale for K block k0 // 128 (so BLOCK_K ≤ 128): weight row n's scales
@@ -37,10 +55,16 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
     this linear and the MoE expert GEMMs. DOT_F16 (FP8 only, the MoE gate_up, kb/0029): both operands
     go to float16 instead, where e4m3 converts in one instruction per pair; exact for the
     weights, and for activations inside float16's normal range (bf16 → f16 keeps their 8
-    significant bits), so the products, and the fp32 sums, are those of the bf16 dot."""
+    significant bits), so the products, and the fp32 sums, are those of the bf16 dot.
+    A_POW2 (with DOT_F16; the MoE down GEMM, whose input silu(g)·u has no bound below 65504):
+    each row of a is first scaled by a power of 2 into float16's range (`pow2_rows_f16`) and
+    its partial product scaled back, so the dot is the bf16 one for any finite activation."""
     if W_FP8:
         s = tl.load(s_ptr + (n // S_ROWS) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-        if DOT_F16:
+        if DOT_F16 and A_POW2:
+            a16, back = pow2_rows_f16(a)
+            acc += (tl.dot(a16, w.to(tl.float16)) * back[:, None]) * s[None, :]
+        elif DOT_F16:
             acc += tl.dot(a.to(tl.float16), w.to(tl.float16)) * s[None, :]
         else:
             acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC) * s[None, :]

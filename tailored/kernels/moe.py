@@ -168,7 +168,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                  stride_at, stride_we, stride_wn, stride_yt, stride_se, stride_sn,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
-                 COMPACT: tl.constexpr,
+                 COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False,
                  PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
@@ -192,8 +192,10 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                # float16 dots only with each row scaled into float16's range by a power of
+                # 2 (FP8_DOWN_F16): silu(g)·u has no bound below 65504
                 acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC,
-                               W_FP8, 128)  # bf16 dots: silu(g)·u has no bound below 65504
+                               W_FP8, 128, DOT_F16, True)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -274,6 +276,14 @@ _LAUNCHERS: dict = {}
 # (kb/0030): in one process decode B=32 11.80 -> 10.82 ms, B=1 3.81 -> 3.68, 1024-token prefill
 # 56.4 -> 52.2 ms; the FP8 gate passed with it.
 FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
+# The same for the down GEMM (kb/0042), whose input silu(g)·u has no bound below float16's
+# 65504: each row of an activation tile is scaled by a power of 2 into float16's range first and
+# the tile's product scaled back (`fp8_linear.pow2_rows_f16`), which changes no bit of a finite
+# product or of the fp32 sum. Why: the H200's B=32 FP8 kernel table (session 25 run1) has
+# `_down_kernel` at 73.7 µs a layer for ~171 MB of FP8 weights (2.3 TB/s) where gate_up, with
+# float16 dots, streams twice the bytes in 90.4 µs (3.8 TB/s); bf16 dots make it ALU-bound on
+# the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Off until its H200 A/B and FP8 gate.
+FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
 
@@ -555,17 +565,18 @@ def _expert_scales(x, gate_up, down, gate_up_scale, down_scale, E, H, I, who: st
 def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int, warps: int,
                  prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor):
     """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks)."""
+    f16 = fp8 and FP8_DOWN_F16 and x.dtype == torch.bfloat16  # fp32 activations: fp32 dots
     if tuned:
         _launcher("down", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact, **pdl_launch(x))
+            COMPACT=compact, DOT_F16=f16, **pdl_launch(x))
         return
     kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
     bk_dn = min(bk, triton.next_power_of_2(I))
     _down_kernel[(grid_e, triton.cdiv(H, bn))](
         *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
-        DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, num_warps=warps,
-        **pdl_launch(x))
+        DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16,
+        num_warps=warps, **pdl_launch(x))
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

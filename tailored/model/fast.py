@@ -122,9 +122,13 @@ FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # Projections with a weight in the activations' dtype (bf16 checkpoints, the bf16 router view
 # of FP8 ones) of up to this many rows through the same GEMV without scales
 # (`fp8_gemv.bf16_gemv`, kb/0039 §7.3) instead of cuBLAS, which streams the 16.8 MB GDN out at
-# ~1.8 TB/s. Built in session 21 with no device time left: off (0) until its bench, A/B and
-# bf16 gate. Read at call time (A/B).
-BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 0, 0, 4)
+# ~1.8 TB/s and, being cuBLAS, takes no part in PDL (each of its launches waits for the kernel
+# before it to end, and the one after for it). Session 22 (PDL off) measured no gain; with
+# PDL on (session 25 run1, graph step, 3 rounds, with the FP8 GEMV's configs by shape
+# `fp8_gemv.BF16_CFGS`): B=1 bf16 -7.7 % median / -7.1 % min, FP8 (the router alone) -3.0 / -4.6;
+# B=2 -0.5 / -1.4 and +0.3 / -0.3, no gain, hence 1. Both gates passed with it at 2 (run2,
+# kb/0042). 0 = cuBLAS. Read at call time (A/B).
+BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
