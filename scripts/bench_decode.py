@@ -69,6 +69,9 @@ VARIANTS = {
     "route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 1),
     "route_in_gate_up2": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 2),
     "shared_up_to1": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 1),
+    # the shared expert as expert E up to 32 rows: FP8 reads its weights as FP8 there (the
+    # bf16 copy through cuBLAS + `_silu_mul` otherwise, 3 launches; kb/0042 §3)
+    "shared_up_to32": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 32),
     "no_route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 0),
     # the experts of 1-2 row MoE inputs as GEMVs (moe_gemv.route_gemv_moe, kb/0039): FP8 by
     # default, bf16 with moe_gemv_bf16

@@ -87,6 +87,30 @@ def test_gate_tiny_fp8_against_dequantized_and_bf16_references(tmp_path):
     assert vb["overall"]["max_logit_err"] > 1e-2  # FP8 rounding shows against the bf16 weights
 
 
+def test_gate_one_at_a_time_runs_each_prompt_alone(monkeypatch, tmp_path):
+    """--one-at-a-time (kb/0042): each prompt goes through the engine alone, so every decode
+    step has one row (the c=1 path); the gate still passes on the tiny preset and records the
+    option in its manifest."""
+    from tailored.gate import run as gate_run
+
+    calls = []
+    real = gate_run.engine_greedy
+
+    def counting(engine, prompts, *a, **kw):
+        calls.append(sorted(prompts))
+        return real(engine, prompts, *a, **kw)
+
+    monkeypatch.setattr(gate_run, "engine_greedy", counting)
+    out = tmp_path / "gate.json"
+    assert gate_run.run(gate_args("--preset", "tiny", "--only", "code,chinese",
+                                  "--max-new-tokens", "8", "--one-at-a-time",
+                                  "--report", str(out))) == 0
+    assert calls == [["code"], ["chinese"]]
+    r = json.loads(out.read_text())
+    assert r["passed"] and r["overall"]["greedy_match"] == 2
+    assert r["manifest"]["options"]["one_at_a_time"] is True
+
+
 def test_bf16_reference_is_checked_before_the_run(tmp_path, tiny_fp8_ckpt, monkeypatch):
     """A wrong --bf16-reference fails in seconds, before the engine is built: not a directory,
     an FP8 checkpoint, another seed's weights (not what the FP8 ones were quantized from), or

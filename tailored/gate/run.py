@@ -68,6 +68,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "are sampled evenly, continuation positions always kept)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="engine step budget = teacher-forced prefill chunk")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="send the prompts to the engine one after another instead of all at "
+                        "once: every decode step then has one row, the c=1 path (the 1-row "
+                        "GEMVs, kb/0042), where all at once decodes up to 7 rows a step")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="engine with prefill CUDA graphs (kb/0013): a prompt's first chunk, "
                         "alone in its step, replays a graph")
@@ -133,14 +137,23 @@ def score_prompt(hf, model, h_ref: torch.Tensor, h_eng: torch.Tensor, positions:
             "_top_ids": torch.cat(top_ids), "_top_logprobs": torch.cat(top_lp)}
 
 
-def engine_pass(stack, prompts, max_new_tokens: int, chunk: int, hidden_from: str = "engine"):
+def engine_pass(stack, prompts, max_new_tokens: int, chunk: int, hidden_from: str = "engine",
+                one_at_a_time: bool = False):
     """The engine's side, once for every reference: prompt ids, greedy continuations and the
-    hidden states [T+N-1, H] behind them, per prompt name; and timings (s)."""
+    hidden states [T+N-1, H] behind them, per prompt name; and timings (s). one_at_a_time:
+    each prompt runs alone (its decode steps have one row) instead of all of them together."""
     engine, tok = stack.engine, stack.tokenizer
     ids = {p.name: p.encode(tok) for p in prompts}
     t = time.monotonic()
-    eng_tokens, eng_hidden = engine_greedy(engine, ids, max_new_tokens,
-                                           capture=hidden_from == "engine")
+    capture = hidden_from == "engine"
+    if one_at_a_time:
+        eng_tokens, eng_hidden = {}, {}
+        for name, one in ids.items():
+            toks, hid = engine_greedy(engine, {name: one}, max_new_tokens, capture=capture)
+            eng_tokens.update(toks)
+            eng_hidden.update(hid)
+    else:
+        eng_tokens, eng_hidden = engine_greedy(engine, ids, max_new_tokens, capture=capture)
     timings = {"engine_greedy_s": time.monotonic() - t}
     if hidden_from != "engine":
         t = time.monotonic()
@@ -311,7 +324,8 @@ def _run(args) -> int:
     section, th = _section(args.thresholds, "fp8" if fp8 and dtype != "float32" else dtype)
     t_built = time.monotonic()
     ids, eng_tokens, eng_hidden, timings = engine_pass(
-        stack, prompts, args.max_new_tokens, args.max_num_batched_tokens, args.hidden_from)
+        stack, prompts, args.max_new_tokens, args.max_num_batched_tokens, args.hidden_from,
+        args.one_at_a_time)
     t = time.monotonic()
     hf = load_reference(cfg, stack.engine.runner.model, mode, stack.checkpoint_dir,
                         args.reference_attn)
