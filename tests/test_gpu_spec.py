@@ -252,6 +252,7 @@ def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, monkeypatc
         fast.capture(sizes=[4])
         spec = fast.spec = SpecGraphs(fast, 2, 4)
         spec.capture()
+        assert 4 in spec.verify and 4 in spec.chains  # no eager fallback passes silently
         for _ in range(3):
             for t, s_ in zip(tensors, snap):
                 t.copy_(s_)

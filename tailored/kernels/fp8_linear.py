@@ -28,14 +28,17 @@ SCALE_BLOCK = 128
 def pow2_rows_f16(a):
     """(a·2^k as float16, 2^-k) with one power of 2 per row of the [M, K] tile a (bf16/fp32),
     chosen from the row's largest magnitude m so that m·2^k < 2^15 (float16 ends at 65504):
-    k = 141 - (m's biased fp32 exponent), clamped to [-100, 100]. A power-of-2 scale changes no
-    significant bit, so bf16 values convert to float16 exactly down to m·2^-28 (below that
-    float16 is subnormal: terms < 2^-28 of the row's largest, under fp32's own rounding of
-    the sum), and a product's fp32 sum scaled back by 2^-k is the unscaled one (kb/0042).
-    inf stays inf and NaN NaN (a NaN's row max is the other elements'); zero rows stay zero."""
+    k = 141 - (m's biased fp32 exponent), at most 126 (m zero or subnormal; 2^±126 are the
+    widest powers of 2 the exponent field builds as normal floats; no finite m needs k below
+    -113). A power-of-2 scale changes no significant bit, so every bf16 value ≥ m·2^-28 converts
+    to float16 exactly (smaller ones fall into float16's subnormals: terms below 2^-28 of the
+    row's largest, under fp32's own rounding of the sum), and an fp32 sum of products scaled
+    back by 2^-k is the unscaled one (kb/0042). inf stays inf and NaN NaN (a NaN's row max is
+    the other elements'); zero rows stay zero. Review of session 25: a clamp at ±100 sent rows
+    ≥ 2^116 to inf and flushed rows below 2^-117."""
     af = a.to(tl.float32)
     ex = (tl.max(tl.abs(af), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    k = tl.minimum(tl.maximum(141 - ex, -100), 100)
+    k = tl.minimum(tl.maximum(141 - ex, -126), 126)
     up = ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2^k built from its exponent: exact
     back = ((127 - k) << 23).to(tl.float32, bitcast=True)
     return (af * up[:, None]).to(tl.float16), back
@@ -58,7 +61,8 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
     significant bits), so the products, and the fp32 sums, are those of the bf16 dot.
     A_POW2 (with DOT_F16; the MoE down GEMM, whose input silu(g)·u has no bound below 65504):
     each row of a is first scaled by a power of 2 into float16's range (`pow2_rows_f16`) and
-    its partial product scaled back, so the dot is the bf16 one for any finite activation."""
+    its partial product scaled back, so the dot is the bf16 one for every finite activation
+    row (elements below 2^-28 of their row's largest may round: float16 subnormals)."""
     if W_FP8:
         s = tl.load(s_ptr + (n // S_ROWS) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
         if DOT_F16 and A_POW2:

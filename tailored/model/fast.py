@@ -315,7 +315,8 @@ class Proj:
             return fp8_gemv(x, w8, s8, other=wb, other_first=bf16_first)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
-        if 1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype:
+        if (1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype
+                and self.weight.stride(1) == 1):  # bf16_gemv's contract (else it raises)
             return bf16_gemv(x, self.weight)
         return F.linear(x, self.weight)
 

@@ -24,6 +24,10 @@ tail -1 "$OUT/tests-f16.log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_spec.py -k pdl \
     > "$OUT/tests-pdl-spec.log" 2>&1
 tail -1 "$OUT/tests-pdl-spec.log"
+# fp32 models now take the GEMV at one row too: "alone equals inside a batch" at 1e-5
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_invariance.py \
+    > "$OUT/tests-invariance.log" 2>&1
+tail -1 "$OUT/tests-invariance.log"
 stamp "A/B fp8 down_f16: B=8,32, prefill 1024 and 8 x 1024 ($(left) s left)"
 timeout $(( $(left) - 10 )) python3 scripts/bench_decode.py /tmp/full-fp8 --batches 8,32 \
     --json "$OUT/ab-down-f16.json" --rounds 3 \
