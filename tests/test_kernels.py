@@ -95,26 +95,29 @@ def test_fused_moe_fp8(dtype, T, E, k, H, I):
                   fp8.row_scales(sgu.reshape(E, -1, sgu.shape[-1]), 2 * I).to(DEV), rd.to(DEV))
 
 
+@pytest.mark.parametrize("switch", ["FP8_DOT_F16", "FP8_DOWN_F16"])
 @pytest.mark.parametrize("T", [1, 5, 37])
-def test_fused_moe_fp8_f16_dots(T, monkeypatch):
+def test_fused_moe_fp8_f16_dots(T, switch, monkeypatch):
     """FP8_DOT_F16 (kb/0029): the gate_up GEMM's e4m3 weights and bf16 activations both convert
     to float16 exactly (activations inside its normal range), so the products are those of the
-    bf16 dots. GPU: against the reference over the dequantized experts, and equal to the bf16
-    dots up to fp32 summation order (the MMA's internal order is the hardware's). Everywhere:
-    float32 activations keep the fp32 dots (the switch would round them). The interpreter runs
-    bf16 dots wrongly (the CPU suite is fp32), so the bf16 half is GPU only; its compile for
-    sm_90 is checked on the CPU (test_kernels_sm90.py)."""
+    bf16 dots. FP8_DOWN_F16 (kb/0042): the down GEMM's too, each activation row first scaled
+    into float16's range by a power of 2, so even activations far above 65504 (x·300 here)
+    give the bf16 dots' result. GPU: against the reference over the dequantized experts, and
+    equal to the bf16 dots up to fp32 summation order (the MMA's internal order is the
+    hardware's). Everywhere: float32 activations keep the fp32 dots (the switch would round
+    them). The interpreter runs bf16 dots wrongly (the CPU suite is fp32), so the bf16 half is
+    GPU only; its compile for sm_90 is checked on the CPU (test_kernels_sm90.py)."""
     from tailored.kernels import moe
     from tailored.model import fp8
 
     E, k, H, I = 16, 4, 256, 160
-    g = torch.Generator().manual_seed(T + 40)
+    g = torch.Generator().manual_seed(T + (40 if switch == "FP8_DOT_F16" else 50))
     x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
     qgu, qd, (sgu, sd), (rgu, rd) = _fp8_experts(E, H, I, g)
     w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
 
     def run(f16, xx):
-        monkeypatch.setattr(moe, "FP8_DOT_F16", f16)
+        monkeypatch.setattr(moe, switch, f16)
         return moe.fused_moe(xx, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV), rd.to(DEV))
 
     x32 = x.float()
@@ -127,6 +130,9 @@ def test_fused_moe_fp8_f16_dots(T, monkeypatch):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         assert rel_err(got, want) < TOL[torch.bfloat16]
         assert rel_err(got, run(False, x)) < 1e-5
+        big = x * 300  # silu(g)·u ~1e5-1e6: float16 overflows without the down's row scales
+        got = run(True, big)
+        assert torch.isfinite(got).all() and rel_err(got, run(False, big)) < 1e-5
 
 
 if kernels.available():
@@ -178,41 +184,6 @@ def test_pow2_rows_f16_scales_each_row_exactly_into_float16():
     assert torch.equal(o[2], torch.zeros(K)) and torch.isfinite(back[2])
     assert torch.isinf(o[3, 5]) and torch.isfinite(o[3]).sum() == K - 1
     assert torch.isnan(o[4, 7]) and torch.equal(o[4, :7] * back[4], a[4, :7])
-
-
-@pytest.mark.parametrize("T", [1, 5, 37])
-def test_fused_moe_fp8_down_f16_dots(T, monkeypatch):
-    """FP8_DOWN_F16 (kb/0042): the down GEMM's dots in float16 with each activation row
-    scaled into float16's range by a power of 2, so even activations far above 65504 (x·300
-    here) give the bf16 dots' result up to the MMA's internal summation order. Everywhere:
-    float32 activations keep the fp32 dots; GPU: vs the reference and vs the bf16 dots; the
-    sm_90 compile is checked on the CPU (test_kernels_sm90.py)."""
-    from tailored.kernels import moe
-    from tailored.model import fp8
-
-    E, k, H, I = 16, 4, 256, 160
-    g = torch.Generator().manual_seed(T + 50)
-    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
-    qgu, qd, (sgu, sd), (rgu, rd) = _fp8_experts(E, H, I, g)
-    w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
-
-    def run(f16, xx):
-        monkeypatch.setattr(moe, "FP8_DOWN_F16", f16)
-        return moe.fused_moe(xx, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV), rd.to(DEV))
-
-    x32 = x.float()
-    assert torch.equal(run(True, x32), run(False, x32))
-    if DEV == "cuda":
-        want = ref.moe_experts(x32, w.float(), ids,
-                               fp8.DequantExperts(qgu.to(DEV), sgu.to(DEV), torch.float32, True),
-                               fp8.DequantExperts(qd.to(DEV), sd.to(DEV), torch.float32, False))
-        got = run(True, x)
-        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-        assert rel_err(got, want) < TOL[torch.bfloat16]
-        assert rel_err(got, run(False, x)) < 1e-5
-        big = x * 300  # silu(g)·u ~1e5-1e6: float16 overflows without the row scales
-        got = run(True, big)
-        assert torch.isfinite(got).all() and rel_err(got, run(False, big)) < 1e-5
 
 
 def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):
