@@ -90,15 +90,13 @@ def test_session25_defaults():
     (PDL-capable, unlike cuBLAS), with the FP8 GEMV's configs by shape."""
     import os
 
-    from tailored.kernels import fp8_gemv
+    from tailored.kernels import fp8_gemv, moe
     from tailored.model import fast
 
     for name in ("TAILORED_BF16_GEMV_UP_TO", "TAILORED_BF16_GEMV_FP8_CFGS",
                  "TAILORED_MOE_FP8_DOWN_F16"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
-    from tailored.kernels import moe
-
     assert fast.BF16_GEMV_UP_TO == 1 and fp8_gemv.BF16_CFGS == fp8_gemv.fp8_cfgs_for_bf16()
     assert moe.FP8_DOWN_F16 is False  # until its H200 A/B and FP8 gate
 

@@ -183,8 +183,8 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor,
     """x [T, K], T ≤ 4 · weightᵀ → [T, N] in x.dtype, for a weight [N, K] in x's dtype (bf16
     served, fp32 in the CPU tests; unit column stride): the kernel's second branch alone, the
     same GEMV without scales (kb/0039 §7.3; `FastPath` up to `BF16_GEMV_UP_TO` rows, 1 by
-    default since kb/0042). cfg as `fp8_gemv`'s (its table: `BF16_CFGS`). Raises ValueError on other
-    T, shapes or dtypes."""
+    default since kb/0042). cfg as `fp8_gemv`'s (its table: `BF16_CFGS`). Raises ValueError
+    on other T, shapes or dtypes."""
     T, K = x.shape
     if (not 1 <= T <= 4 or weight.shape[1] != K or weight.dtype != x.dtype
             or weight.stride(1) != 1):

@@ -279,7 +279,8 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # The same for the down GEMM (kb/0042), whose input silu(g)·u has no bound below float16's
 # 65504: each row of an activation tile is scaled by a power of 2 into float16's range first and
 # the tile's product scaled back (`fp8_linear.pow2_rows_f16`), which changes no bit of a product
-# or of the fp32 sum, bar elements below 2^-28 of their row's largest (float16 subnormals). Why: the H200's B=32 FP8 kernel table (session 25 run1) has
+# or of the fp32 sum, bar elements below 2^-28 of their row's largest (float16 subnormals).
+# Why: the H200's B=32 FP8 kernel table (session 25 run1) has
 # `_down_kernel` at 73.7 µs a layer for ~171 MB of FP8 weights (2.3 TB/s) where gate_up, with
 # float16 dots, streams twice the bytes in 90.4 µs (3.8 TB/s); bf16 dots make it ALU-bound on
 # the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Off until its H200 A/B and FP8 gate.
