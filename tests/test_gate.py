@@ -106,6 +106,11 @@ def test_gate_one_at_a_time_runs_each_prompt_alone(monkeypatch, tmp_path):
                                   "--max-new-tokens", "8", "--one-at-a-time",
                                   "--report", str(out))) == 0
     assert calls == [["code"], ["chinese"]]
+    # bad input stops before the engine is built, naming the flag (a fresh user's findings)
+    for argv, msg in ((("--max-new-tokens", "0"), "--max-new-tokens"),
+                      (("--only", ","), "names no prompt")):
+        with pytest.raises(ValueError, match=msg):
+            gate_run.run(gate_args("--preset", "tiny", "--one-at-a-time", *argv))
     r = json.loads(out.read_text())
     assert r["passed"] and r["overall"]["greedy_match"] == 2
     assert r["manifest"]["options"]["one_at_a_time"] is True

@@ -3,8 +3,9 @@
     tailored gate --preset tiny --report gate.json                 # CPU, fp32 (CI)
     tailored gate /ckpt --device cuda --dtype bfloat16 --report gate-bf16.json
 
-Steps: (1) all prompts go through the real Engine at once, greedy, N new tokens each, keeping
-the hidden states it computed (engine_side.py); (2) the reference (reference.py) runs one
+Steps: (1) all prompts go through the real Engine at once (or one after another with
+--one-at-a-time: one-row decode steps, the single-stream path), greedy, N new tokens each,
+keeping the hidden states it computed (engine_side.py); (2) the reference (reference.py) runs one
 teacher-forced pass over each prompt + the engine's continuation; (3) logits at the scored
 positions are compared and the greedy continuations checked (metrics.py) against the
 thresholds file's section for the engine dtype.
@@ -305,6 +306,11 @@ def _run(args) -> int:
     from tailored.tokenizer import load_tokenizer
 
     t_start = time.monotonic()
+    # checked before anything slow (the engine would say "max_tokens" after the load)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.only is not None and not [s for s in args.only.split(",") if s]:
+        raise ValueError(f"--only {args.only!r} names no prompt (leave it out to run them all)")
     ckpt, dev, dtype, mode = resolve(args)
     # checked before anything slow: a wrong --bf16-reference must not cost the engine pass
     bf16_src = check_bf16_source(bf16_source(args, ckpt), ckpt, args)
