@@ -235,9 +235,8 @@ def test_pdl_changes_no_bit(precision, monkeypatch):
     """PDL (kernels/pdl.py, kb/0030; on by default since kb/0041): every Triton kernel waits
     for the one before it before reading what that one writes, so a decode graph captured
     with PDL, and an eager prefill of two sequences, give the same bits, and leave the same
-    cache, as without it. A
-    missed wait would race; so would a read before the wait (the GEMV's weights, the GDN
-    state: kb/0040) of something the step writes. Decode at 3 rows and at 1 row (the FP8 GEMV
+    cache, as without it. A missed wait would race; so would a read before the wait (the
+    GEMV's weights, the GDN state: kb/0040) of something the step writes. Decode at 3 rows and at 1 row (the FP8 GEMV
     and, switched on here, the bf16 GEMV)."""
     from tailored.kernels import pdl
     from tailored.model import fast as fast_mod

@@ -334,10 +334,11 @@ def _need_ptxas():
 
 def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
     """PDL on (kernels/pdl.py, the default on sm_90+): every kernel launch carries the PDL
-    constexpr and Triton's launch_pdl option, and its PTX has the wait and the launch of dependents, the wait
-    before any global store and (but in PDL_PREFETCH, which loads weights first) any global
-    load (bf16 launches, the served dtype: half the compile time of the test below). The CUDA-only autotuned launchers share the kernels and pdl_launch calls
-    with the interpreter branch recorded here."""
+    constexpr and Triton's launch_pdl option, and its PTX has the wait and the launch of
+    dependents, the wait before any global store and (but in PDL_PREFETCH, which loads weights
+    first) any global load (bf16 launches, the served dtype: half the compile time of the test
+    below). The CUDA-only autotuned launchers share the kernels and pdl_launch calls with the
+    interpreter branch recorded here."""
     from tailored.kernels import pdl
 
     _need_ptxas()

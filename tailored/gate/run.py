@@ -5,8 +5,8 @@
 
 Steps: (1) all prompts go through the real Engine at once (or one after another with
 --one-at-a-time: one-row decode steps, the single-stream path), greedy, N new tokens each,
-keeping the hidden states it computed (engine_side.py); (2) the reference (reference.py) runs one
-teacher-forced pass over each prompt + the engine's continuation; (3) logits at the scored
+keeping the hidden states it computed (engine_side.py); (2) the reference (reference.py) runs
+one teacher-forced pass over each prompt + the engine's continuation; (3) logits at the scored
 positions are compared and the greedy continuations checked (metrics.py) against the
 thresholds file's section for the engine dtype.
 Exit code: 0 pass, 1 a threshold breached, 2 bad input (raised as ValueError/RuntimeError and
@@ -309,12 +309,12 @@ def _run(args) -> int:
     # checked before anything slow (the engine would say "max_tokens" after the load)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.only is not None and not [s for s in args.only.split(",") if s]:
+    only = [s for s in args.only.split(",") if s] if args.only is not None else None
+    if only == []:
         raise ValueError(f"--only {args.only!r} names no prompt (leave it out to run them all)")
     ckpt, dev, dtype, mode = resolve(args)
     # checked before anything slow: a wrong --bf16-reference must not cost the engine pass
     bf16_src = check_bf16_source(bf16_source(args, ckpt), ckpt, args)
-    only = [s for s in args.only.split(",") if s] if args.only else None
     prompts = load_prompts(args.prompts, only)
     tok = load_tokenizer(ckpt)
     all_ids = [p.encode(tok) for p in prompts]
