@@ -114,6 +114,11 @@ VARIANTS = {
     # the down GEMM's dots in float16 too, rows scaled by powers of 2 (kb/0042; decode and
     # prefill: also a --prefill-variants one)
     "down_f16": lambda: _set("kernels.moe", "FP8_DOWN_F16", True),
+    # FP8 dense projections of 3-64 rows over their FP8 weights, the tiled GEMM with float16
+    # dots instead of cuBLAS over the bf16 copy (kb/0043); dense_f16_all: prefills too (a
+    # --prefill-variants one)
+    "dense_f16": lambda: _set("model.fast", "FP8_DENSE_F16_UP_TO", 64),
+    "dense_f16_all": lambda: _set("model.fast", "FP8_DENSE_F16_UP_TO", 1 << 16),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),

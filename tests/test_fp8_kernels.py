@@ -193,3 +193,52 @@ def test_fp8_gemv_with_bf16_rows_in_the_launch(T, other_first):
     assert ((got.float() - want).norm() / want.norm()).item() < (1e-5 if DEV == "cpu" else 1e-2)
     with pytest.raises(ValueError):
         mod.fp8_gemv(x, q, fp8.row_scales(s, N), other=other.to(torch.float16))
+
+
+@pytest.mark.parametrize("M", [3, 33, 70])
+@pytest.mark.parametrize("other_first", [False, True])
+def test_fp8_linear_with_bf16_rows_and_float16_dots(M, other_first):
+    """`fp8_linear` as FastPath's FP8 projections of 3+ rows (FP8_DENSE_F16_UP_TO, kb/0043):
+    a fused projection's rows in x's dtype in the same launch, their columns after (or before)
+    the FP8 rows', each block equal to its own reference, NaN-poisoned output fully written;
+    other rows of another dtype or width are refused. dot_f16: fp32 activations keep fp32 dots
+    (bitwise the same launch without it); GPU, bf16: float16 dots with each activation row
+    scaled by a power of 2, equal to the bf16 dots up to fp32 summation order (then one bf16
+    rounding of the output), even for rows far beyond float16's 65504 (x·1e5) and rows of tiny
+    values (x·1e-6). The interpreter runs bf16 dots wrongly, so that half is GPU only (its
+    sm_90 compile: test_kernels_sm90.py)."""
+    from tailored.kernels.fp8_linear import fp8_linear
+
+    N, K, NB = 200, 320, 37
+    q, s = _weight(N, K, 13 + M)
+    rows = fp8.row_scales(s, N)
+    g = torch.Generator().manual_seed(M)
+    other32 = torch.randn(NB, K, generator=g).to(DEV)
+    x32 = torch.randn(M, K, generator=g).to(DEV)
+    want8 = F.linear(x32, fp8.dequantize_block(q, s, torch.float32))
+    wantb = F.linear(x32, other32)
+    want = torch.cat([wantb, want8] if other_first else [want8, wantb], 1)
+    with nan_empty():
+        got = fp8_linear(x32, q, rows, other32, other_first)
+    assert got.shape == (M, N + NB) and got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert torch.equal(fp8_linear(x32, q, rows, other32, other_first, dot_f16=True), got)
+    with pytest.raises(ValueError):
+        fp8_linear(x32, q, rows, other32.to(torch.float16))
+    with pytest.raises(ValueError):
+        fp8_linear(x32, q, rows, other32[:, :-1])
+    if DEV != "cuda":
+        return
+    x, other = x32.to(torch.bfloat16), other32.to(torch.bfloat16)
+    for scale in (1.0, 1e5, 1e-6):
+        xs = (x.float() * scale).to(torch.bfloat16)
+        with nan_empty():
+            f16 = fp8_linear(xs, q, rows, other, other_first, dot_f16=True)
+        bf = fp8_linear(xs, q, rows, other, other_first)
+        assert torch.isfinite(f16).all(), scale
+        # the fp32 sums agree to ~1e-7; rounded to bf16 they may land one ulp apart
+        a, b = f16.float(), bf.float()
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-5 * b.abs().max()).all(), scale
+    ref = F.linear(x.float(), fp8.dequantize_block(q, s, torch.float32))
+    got8 = fp8_linear(x, q, rows, dot_f16=True)
+    assert ((got8.float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -94,11 +94,12 @@ def test_session25_defaults():
     from tailored.model import fast
 
     for name in ("TAILORED_BF16_GEMV_UP_TO", "TAILORED_BF16_GEMV_FP8_CFGS",
-                 "TAILORED_MOE_FP8_DOWN_F16"):
+                 "TAILORED_MOE_FP8_DOWN_F16", "TAILORED_FP8_DENSE_F16_UP_TO"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert fast.BF16_GEMV_UP_TO == 1 and fp8_gemv.BF16_CFGS == fp8_gemv.fp8_cfgs_for_bf16()
     assert moe.FP8_DOWN_F16 is False  # until its H200 A/B and FP8 gate
+    assert fast.FP8_DENSE_F16_UP_TO == 0  # kb/0043: the same
 
 
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():

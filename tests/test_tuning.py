@@ -83,3 +83,31 @@ def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
     assert set(c.cache) == {(2048, 4096, 16, 1, "torch.bfloat16", True),
                             (512, 2048, 16, 1, "torch.bfloat16", False)}
     assert c.cache[(2048, 4096, 16, 1, "torch.bfloat16", True)].num_stages == 4
+
+
+def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
+    """Every entry of tailored/kernels/tuned.json is keyed as its launcher's autotuner keys
+    today: one value per `key` name (in order), then one dtype string per tensor argument
+    (the kernel's *_ptr arguments). A launcher whose key gained a name (fp8_linear's NB and
+    DOT_F16, kb/0043) silently re-tunes every stale entry at server start (minutes on the H200):
+    the table must be migrated with the key."""
+    from tailored.kernels import fp8_linear, moe
+
+    table = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
+    monkeypatch.setenv("TAILORED_TUNING", "off")
+    monkeypatch.setattr(fp8_linear, "_TUNED", {})
+    monkeypatch.setattr(moe, "_LAUNCHERS", {})
+    for small in (True, False):
+        fp8_linear._tuned(small)
+    for name in ("gate_up", "down", "route_gate_up"):
+        for decode in (True, False):
+            for w8 in (True, False):
+                moe._launcher(name, decode, w8)
+    for name, rows in table.items():
+        tuner = tuning._REGISTRY[name]
+        n_ptr = sum(a.endswith("_ptr") for a in tuner.arg_names)
+        for r in rows:
+            key = r["key"]
+            assert len(key) == len(tuner.keys) + n_ptr, (name, key)
+            assert all(isinstance(v, str) and v.startswith("torch.") for v in key[-n_ptr:])
+            assert not any(isinstance(v, str) for v in key[:len(tuner.keys)]), (name, key)

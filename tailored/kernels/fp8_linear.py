@@ -7,7 +7,12 @@ by its rows' block scale for that K block before it is added — so BLOCK_K divi
 scale is one value per (row, K block). Scales come per row (`fp8.row_scales`, [N, ceil(K/128)]
 fp32), which keeps them right when linears are concatenated along N.
 
-Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_kernels.py);
+Two uses: FP8 linears held as FP8 (`TAILORED_FP8_DENSE_DEQUANT=0`, the MTP draft head), and
+the FP8 dense projections of 3+ row decode steps (`model.fast.FP8_DENSE_F16_UP_TO`, kb/0043),
+where a fused projection's bf16 members (GDN b/a, the router) ride in the same launch as extra
+column blocks and the FP8 tiles' dots run in float16 (`tile_dot`'s DOT_F16 with A_POW2).
+
+Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_fp8_kernels.py);
 the idea as in vLLM's block-FP8 Triton GEMM, with bf16 activations instead of FP8 ones.
 """
 
@@ -78,25 +83,16 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
-                       stride_xm, stride_wn, stride_sn, stride_ym,
-                       M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
-                       W_FP8: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
+def _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K: tl.constexpr, stride_xm, stride_wn,
+               stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               KB: tl.constexpr, DOT_PREC: tl.constexpr, W_FP8: tl.constexpr,
+               DOT_F16: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: rows m of x times weight rows n, over all of K."""
     # BLOCK_K of K per loop iteration, as BLOCK_K // KB dots of KB each (FP8: KB ≤ 128, one
     # scale per row and dot). The dots of one iteration are independent and their loads issue
     # together: at M ≤ 32 the K loop is a chain of dependent iterations (16 of 128 at K = 2048
     # set an ~11 µs floor, kb/0009), and 256-wide iterations halve it with the same sequence
     # of accumulations, so the result is bitwise that of BLOCK_K = KB.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < M
-    n_ok = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         for j in tl.static_range(BLOCK_K // KB):
@@ -106,9 +102,43 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC, W_FP8)
-    tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            # DOT_F16: the activations are unbounded (normed states, gated outputs), hence
+            # each row scaled by a power of 2 into float16's range (A_POW2, kb/0043)
+            acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC, W_FP8,
+                           1, DOT_F16, DOT_F16)
+    return acc
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, y_ptr, M, N, NB, K: tl.constexpr,
+                       stride_xm, stride_wn, stride_sn, stride_wbn, stride_ym, COL8, COLB,
+                       M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
+                       DOT_F16: tl.constexpr = False, PDL: tl.constexpr = False):
+    # Column blocks 0 .. cdiv(N, BLOCK_N) - 1: the N FP8 rows (w, s) into columns COL8..;
+    # the blocks after them: the NB rows in x's dtype (wb: a fused projection's bf16 members,
+    # GDN b/a or the router) into columns COLB.., as `fp8_gemv` lays them out.
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    p8 = tl.cdiv(N, BLOCK_N)
+    if pid_n < p8:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        acc = _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wn,
+                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, True, DOT_F16)
+        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + COL8 + n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        n = (pid_n - p8) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < NB
+        acc = _acc_tiles(x_ptr, wb_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wbn,
+                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, False, False)
+        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + COLB + n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _block_m(M: int) -> int:
@@ -119,10 +149,10 @@ _TUNED: dict = {}
 
 
 def _tuned(small: bool):
-    """Autotuned launcher (CUDA): keyed on N, K, BLOCK_M and the power-of-2 row bucket (decode
-    batch sizes tune once each, at warm-up; all prefills > 64 rows share one tuning). Two small
-    config sets (memory-bound rows ≤ 64: narrow N tiles for more CTAs; prefill: wide tiles),
-    since every config is one more compile at server start."""
+    """Autotuned launcher (CUDA): keyed on N, NB, K, BLOCK_M, the power-of-2 row bucket and
+    DOT_F16 (decode batch sizes tune once each, at warm-up; all prefills > 64 rows share one
+    tuning). Two small config sets (memory-bound rows ≤ 64: narrow N tiles for more CTAs;
+    prefill: wide tiles), since every config is one more compile at server start."""
     if small not in _TUNED:
         if small:  # 128 or 256 of K per iteration (two 128-wide dots: kb/0009's floor)
             cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": 128}, num_warps=4,
@@ -134,40 +164,60 @@ def _tuned(small: bool):
                     for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
         _TUNED[small] = tuning.register(
             f"fp8_linear/{'small' if small else 'large'}",
-            triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"], warmup=5,
-                            rep=20)(_fp8_linear_kernel))
+            triton.autotune(configs=cfgs, key=["N", "NB", "K", "BLOCK_M", "M_BUCKET", "DOT_F16"],
+                            warmup=5, rep=20)(_fp8_linear_kernel))
     return _TUNED[small]
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
+               other: torch.Tensor | None = None, other_first: bool = False,
+               dot_f16: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit column stride) · dequant(weight)ᵀ → [M, N] in x.dtype.
 
     weight: [N, K] float8_e4m3fn, row stride free, unit column stride; scale_rows: [N,
-    ceil(K/128)] fp32 (`fp8.row_scales`). Raises ValueError on mismatched shapes or dtypes.
+    ceil(K/128)] fp32 (`fp8.row_scales`). other: [NB, K] rows in x's dtype (a fused
+    projection's bf16 members: GDN b/a, the router) in the same launch; the output is then
+    [M, N + NB], the FP8 rows' columns first, or last with other_first (`fp8_gemv`'s layout).
+    dot_f16 (bf16 x only; `model.fast.FP8_DENSE_F16_UP_TO`, kb/0043): the FP8 tiles' dots in
+    float16, each activation row scaled by a power of 2 into float16's range
+    (`pow2_rows_f16`) and the product scaled back: the bf16 dot's products and fp32 sums up
+    to the MMA's summation order, bar activations below 2^-28 of their row's largest. Raises
+    ValueError on mismatched shapes or dtypes.
     """
     M, K = x.shape
     N, K2 = weight.shape
-    if K2 != K or weight.dtype != torch.float8_e4m3fn or scale_rows.shape != (N, triton.cdiv(K, SCALE_BLOCK)):
-        raise ValueError(f"fp8_linear: x{tuple(x.shape)} weight{tuple(weight.shape)} "
-                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)}")
+    NB = 0 if other is None else other.shape[0]
+    if (K2 != K or weight.dtype != torch.float8_e4m3fn
+            or scale_rows.shape != (N, triton.cdiv(K, SCALE_BLOCK))
+            or (other is not None and (other.dim() != 2 or other.shape[1] != K
+                                       or other.dtype != x.dtype))):
+        raise ValueError(f"fp8_linear: x{tuple(x.shape)} {x.dtype} weight{tuple(weight.shape)} "
+                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} other "
+                         f"{None if other is None else (tuple(other.shape), other.dtype)} "
+                         "(other in x's dtype)")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if weight.stride(1) != 1 or scale_rows.stride(1) != 1:
-        raise ValueError("fp8_linear: weight and scale_rows need a unit column stride")
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if (weight.stride(1) != 1 or scale_rows.stride(1) != 1
+            or (other is not None and other.stride(1) != 1)):
+        raise ValueError("fp8_linear: weight, scale_rows and other need a unit column stride")
+    y = torch.empty(M, N + NB, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     bm = _block_m(M)
     bucket = triton.next_power_of_2(M) if M <= 64 else 0
-    args = (x, weight, scale_rows, y, M, N, K, x.stride(0), weight.stride(0),
-            scale_rows.stride(0), y.stride(0), bucket)
+    wb = x if other is None else other  # never read when NB = 0 (no program takes that branch)
+    col8, colb = (NB, 0) if other_first else (0, N)
+    args = (x, weight, scale_rows, wb, y, M, N, NB, K, x.stride(0), weight.stride(0),
+            scale_rows.stride(0), wb.stride(0), y.stride(0), col8, colb, bucket)
     prec = dot_precision(x.dtype)
+    f16 = dot_f16 and x.dtype == torch.bfloat16  # fp32 activations (CPU tests): fp32 dots
     if x.is_cuda and autotune_enabled(x.dtype):
-        _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
-            *args, BLOCK_M=bm, DOT_PREC=prec, W_FP8=True, **pdl_launch(x))
+        _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm),
+                                   triton.cdiv(N, c["BLOCK_N"]) + triton.cdiv(NB, c["BLOCK_N"]))](
+            *args, BLOCK_M=bm, DOT_PREC=prec, DOT_F16=f16, **pdl_launch(x))
     else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
-        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, W_FP8=True,
+        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn) + triton.cdiv(NB, bn))](
+            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, DOT_F16=f16,
             **pdl_launch(x))
     return y

@@ -129,6 +129,17 @@ FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # B=2 -0.5 / -1.4 and +0.3 / -0.3, no gain, hence 1. Both gates passed with it at 2 (run2,
 # kb/0042). 0 = cuBLAS. Read at call time (A/B).
 BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
+# With FP8_DENSE_DEQUANT, projections of more than FP8_GEMV_UP_TO and up to this many rows
+# read their FP8 weights through the tiled W8A16 GEMM (`fp8_linear`, the bf16 members of a
+# fused projection in the same launch) with float16 dots, each activation row scaled by a
+# power of 2 into float16's range (kb/0043), instead of cuBLAS over the dequantized bf16 copy.
+# Why: the H200's B=32 FP8 step spends ~1.4 ms a step in those cuBLAS GEMMs (kb/0042 §3: GDN
+# in 16.0 µs for 50.6 MB, ~3.2 TB/s; the out / o projections' splitK 8.5 + 2.1 µs for 16.8 MB,
+# ~1.6 TB/s) on twice the FP8 bytes; bf16 dots made this GEMM ALU-bound on e4m3 -> bf16
+# (kb/0009, kb/0029), float16 converts e4m3 in one instruction a pair. Numerics: (x·q)·s in
+# fp32 where cuBLAS reads bf16(q·s): another rounding, FP8 gate owed. 0 = off (the default
+# until its H200 A/B and gate). Read at call time (A/B).
+FP8_DENSE_F16_UP_TO = env_int("TAILORED_FP8_DENSE_F16_UP_TO", 0, 0, 1 << 16)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
@@ -313,6 +324,9 @@ class Proj:
         if self.gemv is not None and 1 <= x.shape[0] <= FP8_GEMV_UP_TO:
             w8, s8, wb, bf16_first = self.gemv
             return fp8_gemv(x, w8, s8, other=wb, other_first=bf16_first)
+        if self.gemv is not None and 1 <= x.shape[0] <= FP8_DENSE_F16_UP_TO:
+            w8, s8, wb, bf16_first = self.gemv
+            return fp8_linear(x, w8, s8, other=wb, other_first=bf16_first, dot_f16=True)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
         if (1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype
