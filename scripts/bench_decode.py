@@ -99,6 +99,9 @@ VARIANTS = {
     "qk_one_launch": lambda: _set("model.fast", "QK_NORM_ONE_LAUNCH", True),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
+    # 4 / 2 key ranges per (sequence, KV head) from 16 sequences up instead of 8 (kb/0043)
+    "attn_large4": lambda: _set("kernels.attention_decode", "LARGE_BATCH_SPLITS", 4),
+    "attn_large2": lambda: _set("kernels.attention_decode", "LARGE_BATCH_SPLITS", 2),
     # GDN state columns over 2 / 4 programs (kb/0022)
     "gdn_split2": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 2),
     "gdn_split4": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 4),

@@ -102,6 +102,23 @@ def test_session25_defaults():
     assert fast.FP8_DENSE_F16_UP_TO == 0  # kb/0043: the same
 
 
+def test_attention_splits_by_batch_size(monkeypatch):
+    """splits_for (kb/0043): 8 key ranges below LARGE_BATCH_FROM sequences, LARGE_BATCH_SPLITS
+    (8 unless TAILORED_ATTN_LARGE_BATCH_SPLITS says otherwise) from there; ADAPTIVE_SPLITS
+    (kb/0019) still wins when on."""
+    import os
+
+    from tailored.kernels import attention_decode as ad
+
+    if not os.environ.get("TAILORED_ATTN_LARGE_BATCH_SPLITS"):
+        assert ad.LARGE_BATCH_SPLITS == 8
+    monkeypatch.setattr(ad, "ADAPTIVE_SPLITS", False)
+    monkeypatch.setattr(ad, "LARGE_BATCH_SPLITS", 2)
+    assert [ad.splits_for(b, 2) for b in (1, 15, 16, 32, 64)] == [8, 8, 2, 2, 2]
+    monkeypatch.setattr(ad, "ADAPTIVE_SPLITS", True)
+    assert ad.splits_for(32, 2) == 8 and ad.splits_for(1, 2) == 32
+
+
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():
     """Read at import of the kernel path (in a child: no module reload in this process)."""
     import os

@@ -434,7 +434,9 @@ def _kernel_switches() -> dict:
             "gdn_conv_in_recurrent": fast.GDN_CONV_IN_RECURRENT,
             "qk_norm_one_launch": fast.QK_NORM_ONE_LAUNCH,
             "attention_adaptive_splits":
-            attention_decode.ADAPTIVE_SPLITS, "gdn_dv_split": gdn_decode.DV_SPLIT,
+            attention_decode.ADAPTIVE_SPLITS,
+            "attention_large_batch_splits": attention_decode.LARGE_BATCH_SPLITS,
+            "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
             "combine_next_norm": fast.COMBINE_NEXT_NORM,
             "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,

@@ -13,18 +13,20 @@
 #  kern     The FP8 dense shapes at 8 and 32 rows: cuBLAS over the bf16 copy against
 #           fp8_linear with bf16 dots and with float16 dots (scripts/bench_fp8_gemv.py).
 #  ab       FP8 A/B at B=8,32 (3 rounds): down_f16 (kb/0042), dense_f16 (kb/0043), both,
-#           shared_up_to32; prefill 1024 and 8 x 1024 with down_f16 and dense_f16_all; the
+#           shared_up_to32, attention with 4 / 2 splits from 16 rows (kb/0043); prefill 1024 and 8 x 1024 with down_f16 and dense_f16_all; the
 #           B=32 kernel table with both.
+#  bf16ab   bf16 B=1 (5 rounds): the bf16 MoE GEMV (kb/0039, measured with PDL off only)
+#           against the tiles, and the B=1 kernel table (none since session 18's).
 #  gate     The FP8 gate with both switches on (TAILORED_MOE_FP8_DOWN_F16=1
 #           TAILORED_FP8_DENSE_F16_UP_TO=64); a failure means gating each alone next.
 #  onegate  The bf16 gate with the prompts one at a time (`--one-at-a-time`, kb/0042 §5).
 # PARTS picks sections (default all, in the order above); on a flaky machine run calls of
-# ~300 s back to back: PARTS="sbs", then PARTS="tests kern ab", then PARTS="gate onegate".
+# ~300 s back to back: PARTS="sbs", then PARTS="tests kern ab", then PARTS="bf16ab gate onegate".
 # Usage: TAILORED_COMMIT=<sha> OUT=$OUT END=560 [PARTS=...] [SBS_ENV=...] \
 #            bash logs/gpu/2026-12-05-s26/next_call.sh
 source "$(dirname "$0")/../../../scripts/device_env.sh" next_call
 left() { echo $(( ${END:-560} - ($(date +%s) - T0) )); }
-PARTS=" ${PARTS:-sbs tests kern ab gate onegate} "
+PARTS=" ${PARTS:-sbs tests kern ab bf16ab gate onegate} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 full_configs > /dev/null
 want sbs && for prec in fp8 bf16; do
@@ -63,11 +65,18 @@ want ab && {
 stamp "A/B fp8 down_f16, dense_f16: B=8,32, prefill 1024 and 8 x 1024 ($(left) s left)"
 timeout $(( $(left) - 10 )) python3 scripts/bench_decode.py /tmp/full-fp8 --batches 8,32 \
     --json "$OUT/ab-f16.json" --rounds 3 \
-    --variants control,down_f16,dense_f16,down_f16+dense_f16,shared_up_to32 \
+    --variants control,down_f16,dense_f16,down_f16+dense_f16,shared_up_to32,attn_large4,attn_large2 \
     --prefill-variants control,down_f16,dense_f16_all --prefill-batch 8 \
     --profile --profile-batch 32 --profile-variant down_f16+dense_f16 > "$OUT/ab-f16.log" 2>&1
 grep "^| \|^B=\|min of rounds\|prefill\|_down_kernel\|_fp8_linear\|Error\|error" \
     "$OUT/ab-f16.log" | cut -c1-130 | head -30
+}
+want bf16ab && {  # the bf16 c=1 gap (320 vs 420 tok/s): where one row's step goes, PDL on
+stamp "bf16 B=1: the MoE GEMV against the tiles, the kernel table ($(left) s left)"
+timeout $(( $(left) - 10 )) python3 scripts/bench_decode.py /tmp/full --batches 1 \
+    --json "$OUT/ab-bf16.json" --rounds 5 --variants control,moe_gemv_bf16 \
+    --profile --profile-batch 1 > "$OUT/ab-bf16.log" 2>&1
+grep "^| \|^B=\|min of rounds\|Error\|error" "$OUT/ab-bf16.log" | cut -c1-130 | head -40
 }
 if want gate && [ "$(left)" -gt 120 ]; then
     stamp "FP8 gate with down_f16 and dense_f16 ($(left) s left)"
