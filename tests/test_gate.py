@@ -87,7 +87,7 @@ def test_gate_tiny_fp8_against_dequantized_and_bf16_references(tmp_path):
     assert vb["overall"]["max_logit_err"] > 1e-2  # FP8 rounding shows against the bf16 weights
 
 
-def test_gate_one_at_a_time_runs_each_prompt_alone(monkeypatch, tmp_path):
+def test_gate_one_at_a_time_runs_each_prompt_alone(monkeypatch, tmp_path, capsys):
     """--one-at-a-time (kb/0042): each prompt goes through the engine alone, so every decode
     step has one row (the c=1 path); the gate still passes on the tiny preset and records the
     option in its manifest."""
@@ -108,12 +108,15 @@ def test_gate_one_at_a_time_runs_each_prompt_alone(monkeypatch, tmp_path):
     assert calls == [["code"], ["chinese"]]
     # bad input stops before the engine is built, naming the flag (a fresh user's findings)
     for argv, msg in ((("--max-new-tokens", "0"), "--max-new-tokens"),
-                      (("--only", ","), "names no prompt")):
+                      (("--only", ","), "names no prompt"),
+                      (("--only", "code,chinese,code"), "names code more than once")):
         with pytest.raises(ValueError, match=msg):
             gate_run.run(gate_args("--preset", "tiny", "--one-at-a-time", *argv))
     r = json.loads(out.read_text())
     assert r["passed"] and r["overall"]["greedy_match"] == 2
     assert r["manifest"]["options"]["one_at_a_time"] is True
+    gate_run._print_summary(r)  # the terminal says which mode ran, not only the report
+    assert "gate PASSED (prompts one at a time)" in capsys.readouterr().out
 
 
 def test_bf16_reference_is_checked_before_the_run(tmp_path, tiny_fp8_ckpt, monkeypatch):

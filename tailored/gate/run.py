@@ -312,6 +312,9 @@ def _run(args) -> int:
     only = [s for s in args.only.split(",") if s] if args.only is not None else None
     if only == []:
         raise ValueError(f"--only {args.only!r} names no prompt (leave it out to run them all)")
+    if only and len(set(only)) != len(only):  # a prompt runs once: a repeat is likely a typo
+        twice = sorted({n for n in only if only.count(n) > 1})
+        raise ValueError(f"--only {args.only!r} names {', '.join(twice)} more than once")
     ckpt, dev, dtype, mode = resolve(args)
     # checked before anything slow: a wrong --bf16-reference must not cost the engine pass
     bf16_src = check_bf16_source(bf16_source(args, ckpt), ckpt, args)
@@ -565,5 +568,7 @@ def _print_summary(r: dict) -> None:
         print(f"vs bf16 reference: {vb.get('note')}")
     for b in r["breaches"]:
         print(f"BREACH: {b}")
+    one = r["manifest"].get("options", {}).get("one_at_a_time")
     print("gate " + ("PASSED" if r["passed"] else "FAILED")
-          + ("" if r["thresholds"].get("enforced", True) else " (section not enforced)"))
+          + ("" if r["thresholds"].get("enforced", True) else " (section not enforced)")
+          + (" (prompts one at a time)" if one else ""))
