@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""FP8 dense projections at 1–2 rows: cuBLAS over the dequantized bf16 weight (what FP8
-serving runs today, `FP8_DENSE_DEQUANT`, kb/0026) against the tiled W8A16 GEMM (`fp8_linear`)
-and the FP8 GEMV (`fp8_gemv`) over a sweep of its (ROWS, BLOCK_K, warps), kb/0039 §4.
+"""FP8 dense projections at decode rows: cuBLAS over the dequantized bf16 weight (what FP8
+serving runs above the GEMV's rows, `FP8_DENSE_DEQUANT`, kb/0026) against the tiled W8A16 GEMM
+(`fp8_linear`) and, at 1–4 rows, the FP8 GEMV (`fp8_gemv`) over a sweep of its (ROWS,
+BLOCK_K, warps), kb/0039 §4. Each shape as FastPath launches it: its bf16 members (GDN b/a,
+the router and shared-expert gate) in the same launch.
 
 For each decode shape of the model (spec §3–§6; per step: GDN in/out × 30, attention qkv/o ×
 10; the shared expert's in/down at 2 rows × 40) enough copies of the weight are cycled that
@@ -32,8 +34,11 @@ from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.model import fp8
 
-SHAPES = {"gdn_in": (12352, 2048), "gdn_out": (2048, 4096), "attn_qkv": (9216, 2048),
-          "attn_o": (2048, 4096), "moe_in_2rows": (1281, 2048), "shared_down": (2048, 512)}
+# (FP8 rows N, bf16 rows NB in the same launch, K) as FastPath runs them: GDN in = qkv|z FP8
+# then b|a bf16; the MoE group = router|shared-expert gate bf16 first, then shared gate|up FP8
+SHAPES = {"gdn_in": (12288, 64, 2048), "gdn_out": (2048, 0, 4096), "attn_qkv": (9216, 0, 2048),
+          "attn_o": (2048, 0, 4096), "moe_in": (1024, 257, 2048), "shared_down": (2048, 0, 512)}
+BF16_FIRST = {"moe_in"}
 CONFIGS = [(r, bk, w) for r in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
 
 
@@ -53,15 +58,20 @@ def main() -> None:
         lambda r: f"{r['shape']:<13} T={r['T']} {r['variant']:<18} {r['us']:7.2f} us "
                   f"{r['tb_s']:5.2f} TB/s rel {r['rel']:.1e}")
 
-    for name, (N, K) in SHAPES.items():
-        copies = max(4, math.ceil(3 * l2 / (N * K)))
-        qs, ss, ws = [], [], []
+    for name, (N, NB, K) in SHAPES.items():
+        first = name in BF16_FIRST
+        copies = max(4, math.ceil(3 * l2 / ((N + 2 * NB) * K)))
+        qs, ss, ws, bs = [], [], [], []
         for _ in range(copies):
             w = torch.randn(N, K, device="cuda", generator=g) * K ** -0.5
             q, s = fp8.quantize_block(w)
             qs.append(q)
             ss.append(fp8.row_scales(s, N))
-            ws.append(fp8.dequantize_block(q, s, torch.bfloat16))
+            b = (torch.randn(NB, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
+            bs.append(b if NB else None)
+            wd = fp8.dequantize_block(q, s, torch.bfloat16)
+            ws.append(torch.cat([b, wd] if first else [wd, b]))  # cuBLAS: the fused bf16 copy
+        nbytes8 = N * K + 2 * NB * K
         for T in (int(b) for b in a.batches.split(",")):
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
             ref = F.linear(x.float(), ws[-1].float())
@@ -78,19 +88,20 @@ def main() -> None:
                 record({"shape": name, "N": N, "K": K, "T": T, "variant": label, "us": us,
                         "tb_s": nbytes / (us * 1e-6) / 1e12, "rel": rel})
 
-            run("cublas_bf16", lambda i: F.linear(x, ws[i]), 2 * N * K)
-            run("fp8_linear", lambda i: fp8_linear(x, qs[i], ss[i]), N * K)
-            run("fp8_f16", lambda i: fp8_linear(x, qs[i], ss[i], dot_f16=True), N * K)
+            run("cublas_bf16", lambda i: F.linear(x, ws[i]), 2 * (N + NB) * K)
+            run("fp8_linear", lambda i: fp8_linear(x, qs[i], ss[i], bs[i], first), nbytes8)
+            run("fp8_f16", lambda i: fp8_linear(x, qs[i], ss[i], bs[i], first, dot_f16=True),
+                nbytes8)
             if T > 4:  # past the GEMVs' rows
                 continue
             for cfg in CONFIGS:
                 run(f"gemv {cfg[0]}x{cfg[1]}x{cfg[2]}",
-                    lambda i, cfg=cfg: fp8_gemv(x, qs[i], ss[i], cfg), N * K)
+                    lambda i, cfg=cfg: fp8_gemv(x, qs[i], ss[i], cfg, bs[i], first), nbytes8)
             if a.bf16:  # the same GEMV over the bf16 weight (kb/0039 §7.3)
                 for cfg in CONFIGS:
                     run(f"bf16gemv {cfg[0]}x{cfg[1]}x{cfg[2]}",
-                        lambda i, cfg=cfg: bf16_gemv(x, ws[i], cfg), 2 * N * K)
-        del qs, ss, ws
+                        lambda i, cfg=cfg: bf16_gemv(x, ws[i], cfg), 2 * (N + NB) * K)
+        del qs, ss, ws, bs
         torch.cuda.empty_cache()
     print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs | fp8_linear f16 µs (TB/s) |")
     print("|---|---|---|---|---|")

@@ -67,10 +67,12 @@ def run_scale(x, q, rows, bm, bn, bk, warps, stages):
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    # no bf16 rows (NB = 0: x stands in for their never-read pointer), FP8 columns from 0
     _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, q, rows, y, M, N, K, x.stride(0), q.stride(0), rows.stride(0), y.stride(0), 0,
+        x, q, rows, x, y, M, N, 0, K, x.stride(0), q.stride(0), rows.stride(0), x.stride(0),
+        y.stride(0), 0, N, 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC="tf32" if x.dtype != torch.float32 else "ieee",
-        KB=min(bk, 128), W_FP8=True, num_warps=warps, num_stages=stages)
+        KB=min(bk, 128), num_warps=warps, num_stages=stages)
     return y
 
 

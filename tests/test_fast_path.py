@@ -116,7 +116,7 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     _run_steps(plain, fastm, fcache)
 
 
-@pytest.mark.parametrize("gemv_up_to,tiles_up_to", [(0, 0), (4, 0), (0, 4096)])
+@pytest.mark.parametrize("gemv_up_to,tiles_up_to", [(0, 0), (4, 0), (0, 4096), (4, 4096)])
 def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiles_up_to, tiny_fp8_ckpt,
                                               monkeypatch):
     """TAILORED_FP8_DENSE_DEQUANT (kb/0026): the dense projections held dequantized, one GEMM
@@ -126,7 +126,7 @@ def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiles_up_to, tiny_fp8_
     bf16 members' rows (b/a, router) viewing the dequantized weight. tiles_up_to
     (FP8_DENSE_F16_UP_TO, kb/0043): the steps above the GEMV's rows (prefills included here)
     through the tiled W8A16 GEMM with the bf16 rows in its launch (float16 dots on the GPU;
-    fp32 dots for the fp32 CPU model)."""
+    fp32 dots for the fp32 CPU model); with both, the decode steps' 3-4 rows keep the GEMV."""
     from tailored.model import fast as fastmod
 
     monkeypatch.setattr(fastmod, "FP8_DENSE_DEQUANT", True)

@@ -95,6 +95,7 @@ def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
 
     table = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
     monkeypatch.setenv("TAILORED_TUNING", "off")
+    monkeypatch.setattr(tuning, "_TABLE", None)  # (the autouse fixture resets _REGISTRY)
     monkeypatch.setattr(fp8_linear, "_TUNED", {})
     monkeypatch.setattr(moe, "_LAUNCHERS", {})
     for small in (True, False):
@@ -111,3 +112,14 @@ def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
             assert len(key) == len(tuner.keys) + n_ptr, (name, key)
             assert all(isinstance(v, str) and v.startswith("torch.") for v in key[-n_ptr:])
             assert not any(isinstance(v, str) for v in key[:len(tuner.keys)]), (name, key)
+    # fp8_linear's layout by name: N, NB, K, BLOCK_M, M_BUCKET, DOT_F16, then the dtypes of x,
+    # weight, scale_rows, other (x itself when NB = 0) and y, in argument order
+    assert tuning._REGISTRY["fp8_linear/small"].keys == ["N", "NB", "K", "BLOCK_M", "M_BUCKET",
+                                                          "DOT_F16"]
+    dtypes = ["torch.bfloat16", "torch.float8_e4m3fn", "torch.float32", "torch.bfloat16",
+              "torch.bfloat16"]
+    for name in ("fp8_linear/small", "fp8_linear/large"):
+        for r in table[name]:
+            N, NB, K, bm, bucket, f16, *dt = r["key"]
+            assert NB == 0 and f16 is False and dt == dtypes, r["key"]
+            assert K % 128 == 0 and bm in (16, 32, 64, 128) and N > 0, r["key"]

@@ -1,10 +1,11 @@
 """W8A16 linear for block-FP8 weights (model spec §9.1): y = x · (W_fp8 ⊙ scale)ᵀ.
 
 The weight stays FP8 in memory and is read once per tile (half the bytes of bf16: decode is
-memory bound); each [BLOCK_K, BLOCK_N] tile is converted to the activation dtype (exact: every
+memory bound); each [KB, BLOCK_N] tile is converted to the activation dtype (exact: every
 e4m3 value is a bf16 value), multiplied on the tensor cores with fp32 accumulation, and scaled
-by its rows' block scale for that K block before it is added — so BLOCK_K divides 128 and the
-scale is one value per (row, K block). Scales come per row (`fp8.row_scales`, [N, ceil(K/128)]
+by its rows' block scale for that K block before it is added — so KB (the K of one dot;
+BLOCK_K = one or two of them per loop iteration) divides 128 and the scale is one value per
+(row, K block). Scales come per row (`fp8.row_scales`, [N, ceil(K/128)]
 fp32), which keeps them right when linears are concatenated along N.
 
 Two uses: FP8 linears held as FP8 (`TAILORED_FP8_DENSE_DEQUANT=0`, the MTP draft head), and
@@ -158,6 +159,10 @@ def _tuned(small: bool):
             cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": 128}, num_warps=4,
                                   num_stages=st)
                     for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
+            # wider N tiles for 17-64 rows (kb/0043): each program re-reads its rows of x from
+            # L2 for every N tile, as many bytes as its FP8 weight tile at 64 x 32 rows
+            cfgs += [triton.Config({"BLOCK_N": 128, "BLOCK_K": 128, "KB": 128}, num_warps=w,
+                                   num_stages=3) for w in (4, 8)]
         else:
             cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": bk}, num_warps=w,
                                   num_stages=3)
@@ -186,7 +191,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     """
     M, K = x.shape
     N, K2 = weight.shape
-    NB = 0 if other is None else other.shape[0]
+    NB = 0 if other is None or other.dim() != 2 else other.shape[0]
     if (K2 != K or weight.dtype != torch.float8_e4m3fn
             or scale_rows.shape != (N, triton.cdiv(K, SCALE_BLOCK))
             or (other is not None and (other.dim() != 2 or other.shape[1] != K

@@ -8,8 +8,9 @@
 #           and gate below passed), then bf16.
 #  tests    GPU tests of the CPU-only code of sessions 25-26: pow2 rows and the f16 dots
 #           (MoE gate_up and down; fp8_linear with bf16 rows, kb/0043), the PDL bitwise tests
-#           (verify + chain graphs; the tiled FP8 GEMM at 3 rows), the full-width fast-vs-plain
-#           test with every switch on (FP8_DENSE_F16_UP_TO=4096 there), fp32 invariance.
+#           (verify + chain graphs; the tiled FP8 GEMM at 3 rows), the full-width
+#           fast-vs-plain test with every switch on (FP8_DENSE_F16_UP_TO=4096 there), fp32
+#           invariance. The new fp8_linear keys are not in tuned.json: they tune at first use.
 #  kern     The FP8 dense shapes at 8 and 32 rows: cuBLAS over the bf16 copy against
 #           fp8_linear with bf16 dots and with float16 dots (scripts/bench_fp8_gemv.py).
 #  ab       FP8 A/B at B=8,32 (3 rounds): down_f16 (kb/0042), dense_f16 (kb/0043), both,
@@ -26,44 +27,58 @@
 #            bash logs/gpu/2026-12-05-s26/next_call.sh
 source "$(dirname "$0")/../../../scripts/device_env.sh" next_call
 left() { echo $(( ${END:-560} - ($(date +%s) - T0) )); }
+# a step's timeout: its own limit, or what is left of END less a margin, whichever is less
+cap() { local l=$(( $(left) - 15 )); echo $(( l < $1 ? l : $1 )); }
+# whether more than $1 s are left (else say which step is skipped)
+enough() { [ "$(left)" -gt "$1" ] || { stamp "skipped ($(left) s left): $2"; false; }; }
 PARTS=" ${PARTS:-sbs tests kern ab bf16ab gate onegate} "
+for part in $PARTS; do
+    case $part in sbs|tests|kern|ab|bf16ab|gate|onegate) ;;
+        *) echo "unknown part '$part' in PARTS (sbs tests kern ab bf16ab gate onegate)"; exit 2;;
+    esac
+done
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 full_configs > /dev/null
 want sbs && for prec in fp8 bf16; do
     [ "$(left)" -gt 170 ] || { stamp "no time for the $prec side by side"; break; }
     envs=""; [ "$prec" = fp8 ] && envs=${SBS_ENV:-}
     stamp "side by side $prec (tailored half, defaults + '$envs', $(left) s left)"
-    env $envs OUT=/tmp/sbs-out timeout "$(left)" bash logs/gpu/2026-12-01-s12/sbs.sh $prec \
+    env $envs OUT=/tmp/sbs-out timeout "$(cap 600)" bash logs/gpu/2026-12-01-s12/sbs.sh $prec \
         > "$OUT/sbs-$prec.out" 2>&1
+    cp /tmp/sbs-out/sbs-call.log "$OUT/sbs-call-$prec.log" 2>/dev/null  # bf16's overwrites it
     grep "c=1\|c=32" "$OUT/sbs-$prec.out" | tail -2
     tar czf "$OUT/sbs.tgz" -C /tmp sbs sbs-out 2>/dev/null
 done
 want tests && {
 stamp "GPU tests: pow2 rows, f16 dots (MoE, fp8_linear); PDL (verify + chain, tiles at 3 rows)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py \
-    tests/test_fp8_kernels.py tests/test_tuning.py -k "pow2 or f16_dots or float16_dots or shipped" \
-    > "$OUT/tests-f16.log" 2>&1
-tail -1 "$OUT/tests-f16.log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_spec.py \
+enough 60 "f16 tests" && {
+timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py \
+    tests/test_fp8_kernels.py tests/test_tuning.py \
+    -k "pow2 or f16_dots or float16 or autotuned_with or shipped" > "$OUT/tests-f16.log" 2>&1
+tail -1 "$OUT/tests-f16.log"; }
+enough 90 "PDL tests" && {
+timeout "$(cap 300)" python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_spec.py \
     tests/test_gpu.py -k "pdl" > "$OUT/tests-pdl.log" 2>&1
-tail -1 "$OUT/tests-pdl.log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu.py \
+tail -1 "$OUT/tests-pdl.log"; }
+enough 90 "full-width test" && {
+timeout "$(cap 240)" python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu.py \
     -k "full_width and new and fp8" > "$OUT/tests-full-width.log" 2>&1
-tail -1 "$OUT/tests-full-width.log"
+tail -1 "$OUT/tests-full-width.log"; }
 # fp32 models take the GEMV at one row too: "alone equals inside a batch" at 1e-5
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_invariance.py \
+enough 90 "invariance tests" && {
+timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_invariance.py \
     > "$OUT/tests-invariance.log" 2>&1
-tail -1 "$OUT/tests-invariance.log"
+tail -1 "$OUT/tests-invariance.log"; }
 }
-want kern && {
+want kern && enough 90 "kern" && {
 stamp "FP8 dense shapes at 8 and 32 rows: cuBLAS bf16 vs fp8_linear bf16 / float16 dots"
-timeout 240 python3 scripts/bench_fp8_gemv.py --batches 8,32 --json "$OUT/kern-dense.json" \
-    > "$OUT/kern-dense.log" 2>&1
+timeout "$(cap 240)" python3 scripts/bench_fp8_gemv.py --batches 8,32 \
+    --json "$OUT/kern-dense.json" > "$OUT/kern-dense.log" 2>&1
 grep -A14 "fp8_linear f16" "$OUT/kern-dense.log" | head -16
 }
-want ab && {
+want ab && enough 150 "FP8 A/B" && {
 stamp "A/B fp8 down_f16, dense_f16: B=8,32, prefill 1024 and 8 x 1024 ($(left) s left)"
-timeout $(( $(left) - 10 )) python3 scripts/bench_decode.py /tmp/full-fp8 --batches 8,32 \
+timeout "$(cap 600)" python3 scripts/bench_decode.py /tmp/full-fp8 --batches 8,32 \
     --json "$OUT/ab-f16.json" --rounds 3 \
     --variants control,down_f16,dense_f16,down_f16+dense_f16,shared_up_to32,attn_large4,attn_large2 \
     --prefill-variants control,down_f16,dense_f16_all --prefill-batch 8 \
@@ -71,9 +86,9 @@ timeout $(( $(left) - 10 )) python3 scripts/bench_decode.py /tmp/full-fp8 --batc
 grep "^| \|^B=\|min of rounds\|prefill\|_down_kernel\|_fp8_linear\|Error\|error" \
     "$OUT/ab-f16.log" | cut -c1-130 | head -30
 }
-want bf16ab && {  # the bf16 c=1 gap (320 vs 420 tok/s): where one row's step goes, PDL on
+want bf16ab && enough 120 "bf16 A/B" && {  # the bf16 c=1 gap (320 vs 420 tok/s), PDL on
 stamp "bf16 B=1: the MoE GEMV against the tiles, the kernel table ($(left) s left)"
-timeout $(( $(left) - 10 )) python3 scripts/bench_decode.py /tmp/full --batches 1 \
+timeout "$(cap 600)" python3 scripts/bench_decode.py /tmp/full --batches 1 \
     --json "$OUT/ab-bf16.json" --rounds 5 --variants control,moe_gemv_bf16 \
     --profile --profile-batch 1 > "$OUT/ab-bf16.log" 2>&1
 grep "^| \|^B=\|min of rounds\|Error\|error" "$OUT/ab-bf16.log" | cut -c1-130 | head -40
