@@ -86,6 +86,11 @@ def test_top_k_top_p_min_p_keep_the_right_tokens():
     assert c[3] == 0 and c[:3].min() > 0
     # renormalised distribution after filtering
     assert chi2(c, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95) < 25
+    # a top_k past the vocabulary is no limit, also beside a top_p (2^63 - 1 went negative
+    # through the float32 knobs, masked every token and fell back to greedy: session 26)
+    for k in (2**63 - 1, 2**40, len(LOGITS)):
+        c = draws(LOGITS, 4000, top_k=k, top_p=0.81)
+        assert c[3] == 0 and c[:3].min() > 0, k
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0], ids=lambda t: f"T{t}")

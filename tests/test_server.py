@@ -227,6 +227,13 @@ def test_health_and_models(srv):
     assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == MAX_LEN
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert_openai_error(client.get("/v1/models/other"), 404)
+    r = client.head("/health")  # load balancers' health checks (session 26)
+    assert r.status_code == 200 and not r.content
+    # a trailing slash is a 404 in the OpenAI format, not a 307 to the Host header's server
+    r = client.post("/v1/completions/", json={"model": MODEL, "prompt": "SAY:x"},
+                    headers={"host": "evil.example"}, follow_redirects=False)
+    assert_openai_error(r, 404)
+    assert "location" not in r.headers
 
 
 def test_completion_non_streaming(srv):
@@ -837,6 +844,26 @@ def test_request_body_size_cap():
         assert not engine.reqs
         ok = completion(client, prompt="SAY:fine")
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
+
+
+def test_default_body_cap_scales_with_the_context():
+    """Without max_body_bytes the cap is 256 bytes a token of max_model_len, at least 2 MiB
+    (session 26: a 27 MB body of 2.2M unknown keys held the event loop, and every stream, for
+    2.4 s of parsing under the old fixed 32 MiB): 2 MiB at this test's small context, 4 MiB at
+    16k, 64 MiB at 256k; one byte over gets 413 before any parsing."""
+    from tailored.server.app import default_max_body_bytes
+
+    assert default_max_body_bytes(MAX_LEN) == 2 * 2**20
+    assert default_max_body_bytes(16384) == 4 * 2**20
+    assert default_max_body_bytes(262144) == 64 * 2**20
+    app, _, engine, _ = make_app()
+    with TestClient(app) as client:
+        pad = 2 * 2**20 - len(json.dumps({"model": MODEL, "prompt": "SAY:x", "k": ""}))
+        body = json.dumps({"model": MODEL, "prompt": "SAY:x", "k": " " * (pad + 1)})
+        r = client.post("/v1/completions", content=body,
+                        headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, "too large")
+        assert not engine.reqs
 
 
 @pytest.mark.parametrize(

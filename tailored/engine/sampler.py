@@ -148,7 +148,9 @@ def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
     # one host->device copy of the per-row knobs: temperature, min_p, top_p, top_k
     knobs = torch.tensor(
         [
-            [1.0 if g else p.temperature, p.min_p, p.top_p, p.top_k if p.top_k > 0 else V]
+            # a top_k past the vocabulary is no limit (2^63 would not survive float32:
+            # it came back negative, masked every token, fell back to greedy; session 26)
+            [1.0 if g else p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < V else V]
             for g, p in zip(greedy_rows, params)
         ],
         dtype=torch.float32,

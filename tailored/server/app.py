@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP routes over an `AsyncEngine`.
 
     GET  /health                200 {"status": "ok"} | 503 once the engine loop is dead/stopped
+                                (HEAD too; a trailing slash on any route is a 404, no redirect)
     GET  /v1/models             OpenAI model list with the one served model (+ max_model_len)
     GET  /v1/models/{id}        that model, or 404 model_not_found
     POST /v1/completions        text or token-id prompt (one per request)
@@ -9,6 +10,11 @@
 Streaming is SSE: `data: {chunk json}\\n\\n` per non-empty delta; the last chunk carries
 finish_reason; with stream_options.include_usage one more chunk with `choices: []` and usage;
 then `data: [DONE]\\n\\n`. Chat streams start with a `{"role": "assistant", "content": ""}` delta.
+
+Chat input: the messages are rendered by the chat template and the text encoded as a whole,
+so special-token text inside a message (`<|im_start|>`, `<|im_end|>`, `<think>`) becomes those
+control tokens, as in vLLM and transformers' apply_chat_template + encode: a client that
+forwards untrusted text must escape it.
 
 Chat output: `message.content` is the raw generated text. With thinking on, that includes the
 reasoning and the closing `</think>` (the template's generation prompt already holds `<think>`);
@@ -21,7 +27,8 @@ headers were sent gets `data: {"error": {...}}` and then `data: [DONE]`. Error b
 rendered with ensure_ascii and messages quote user input escaped and shortened.
 
 Input limits, checked before any tokenizer work (HF `encode` of a few MB takes seconds):
-- the request body: at most `max_body_bytes` (default 32 MiB) -> else 413;
+- the request body: at most `max_body_bytes` (default 256 bytes a token of max_model_len, at
+  least 2 MiB: 4 MiB at 16k) -> else 413;
 - the body must be UTF-8 (or UTF-16/32) JSON nested at most protocol.MAX_JSON_DEPTH (64)
   levels, checked before parsing; no string may hold a lone UTF-16 surrogate (JSON "\\ud800")
   -> else 400 naming the field;
@@ -80,7 +87,20 @@ from tailored.server.protocol import (
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-MAX_BODY_BYTES = 32 * 2**20  # default cap of a request body -> 413
+# The default cap of a request body (-> 413) scales with the context: a prompt that fits
+# max_model_len tokens at ~4 characters a token, each JSON-escaped to at most 12 bytes
+# (a non-BMP character as two \uXXXX escapes), is ~48 bytes a token; 256 leaves 5x for chat
+# framing and odd text, and 2 MiB is the floor for small contexts. Why not one large cap: the
+# body is parsed on the event loop, and json.loads + validation of a 27 MB body of 2.2M
+# unknown keys took 2.4 s here, during which every other stream stopped (a fresh helper's
+# attack, session 26); at 4 MiB (16k context) that is ~0.35 s.
+BODY_BYTES_PER_TOKEN = 256
+MIN_BODY_BYTES = 2 * 2**20
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The request-body cap for a context of max_model_len tokens (bytes)."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 MAX_CHARS_PER_TOKEN = 32  # prompt text over max_model_len * this many characters -> 400
 # every chat message renders to at least this many tokens (<|im_start|>role\n ... <|im_end|>\n
 # is five; a tool response merged into a user turn still has its tags): more messages than
@@ -124,7 +144,7 @@ class _Server:
         max_model_len: int,
         sampling_defaults: dict | None,
         disconnect_poll_s: float,
-        max_body_bytes: int = MAX_BODY_BYTES,
+        max_body_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -132,7 +152,7 @@ class _Server:
         self.max_model_len = max_model_len
         self.sampling_defaults = dict(sampling_defaults or {})
         self.disconnect_poll_s = disconnect_poll_s
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = max_body_bytes or default_max_body_bytes(max_model_len)
         self.max_prompt_chars = max_model_len * MAX_CHARS_PER_TOKEN
         # Tokenizer work runs off the event loop, on one thread so the tokenizer is never used
         # by two server threads at once (the engine thread may still decode concurrently).
@@ -468,14 +488,15 @@ def build_app(
     *,
     sampling_defaults: dict | None = None,
     disconnect_poll_s: float = 0.5,
-    max_body_bytes: int = MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
 
     sampling_defaults: values for omitted sampling fields (temperature, top_p, top_k, min_p,
     presence/frequency/repetition_penalty, seed), e.g. from the model's generation_config.json.
     disconnect_poll_s: how often a non-streaming request checks whether its client left.
-    max_body_bytes: larger request bodies get 413.
+    max_body_bytes: larger request bodies get 413 (None: `default_max_body_bytes`, 256 bytes a
+    token of max_model_len, at least 2 MiB).
     """
     server = _Server(
         async_engine,
@@ -496,7 +517,10 @@ def build_app(
             await asyncio.to_thread(async_engine.shutdown)
             server.tokenizer_pool.shutdown(wait=False)
 
-    app = FastAPI(title="tailored", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # redirect_slashes off: `/v1/completions/` got a 307 to wherever the Host header pointed
+    # (an OpenAI client does not follow it and fails obscurely); now a 404 in the OpenAI format
+    app = FastAPI(title="tailored", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False)
     app.state.server = server
 
     @app.exception_handler(StarletteHTTPException)
@@ -528,7 +552,7 @@ def build_app(
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(_internal_error(exc))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
     async def health():
         if async_engine.healthy:
             return {"status": "ok"}
