@@ -135,8 +135,9 @@ BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
 # power of 2 into float16's range (kb/0043), instead of cuBLAS over the dequantized bf16 copy.
 # Why: the H200's B=32 FP8 step spends ~1.4 ms a step in those cuBLAS GEMMs
 # (logs/gpu/2026-12-04-s25/run1/b32-fp8.log, kb/0042 §3: GDN in 16.0 µs for 50.6 MB, ~3.2 TB/s;
-# the out / o projections' splitK 8.5 + 2.1 µs for 16.8 MB, ~1.6 TB/s) on twice the FP8 bytes; bf16 dots made this GEMM ALU-bound on e4m3 -> bf16
-# (kb/0009, kb/0029), float16 converts e4m3 in one instruction a pair. Numerics: (x·q)·s in
+# the out / o projections' splitK 8.5 + 2.1 µs for 16.8 MB, ~1.6 TB/s) on twice the FP8 bytes;
+# bf16 dots made this GEMM ALU-bound on e4m3 -> bf16 (kb/0009, kb/0029), float16 converts e4m3
+# in one instruction a pair. Numerics: (x·q)·s in
 # fp32 where cuBLAS reads bf16(q·s): another rounding, FP8 gate owed. 0 = off (the default
 # until its H200 A/B and gate). Read at call time (A/B).
 FP8_DENSE_F16_UP_TO = env_int("TAILORED_FP8_DENSE_F16_UP_TO", 0, 0, 1 << 16)
