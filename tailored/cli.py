@@ -81,6 +81,10 @@ def _serve_parser(sub) -> None:
                    help="seconds that SIGTERM or a first Ctrl-C lets in-flight requests run "
                         "before they end with an error event (default 30; a second Ctrl-C "
                         "exits at once)")
+    p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                   help="qwen3: chat answers split into reasoning_content (the thinking, up to "
+                        "</think>) and content (the answer after it), streamed too, as vLLM's "
+                        "parser of that name; default: content is the raw text")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -229,7 +233,8 @@ def cmd_serve(args) -> int:
         # OpenAI semantics: an omitted temperature means 1.0; take the model's top_k/top_p like vLLM
         defaults = {k: g[k] for k in ("temperature", "top_p", "top_k") if k in g}
     app = build_app(async_engine, tokenizer, args.served_model_name or DEFAULT_MODEL_NAME,
-                    max_model_len, sampling_defaults=defaults)
+                    max_model_len, sampling_defaults=defaults,
+                    reasoning_parser=args.reasoning_parser)
     logging.getLogger("tailored").info(
         "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d, "
         "engine loop in %s%s",

@@ -302,6 +302,47 @@ def test_chat_streaming(srv):
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
 
 
+def _deltas(text: str) -> tuple[str, str, list]:
+    """(joined reasoning, joined content, chunks) of a chat SSE body."""
+    events = sse_events(text)
+    assert events[-1] == "DONE"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:]]  # after the role chunk
+    return ("".join(d.get("reasoning_content", "") for d in deltas),
+            "".join(d.get("content", "") for d in deltas), chunks)
+
+
+def test_reasoning_parser_splits_the_thinking_from_the_answer():
+    """--reasoning-parser qwen3: the text up to </think> is reasoning_content, the answer after
+    it (its leading newlines dropped) content, whole and streamed (one character a delta here,
+    so "</think>" arrives cut across eight deltas); thinking off: all content, a literal
+    "</think>" included; cut by max_tokens inside the thinking: content null, no content delta;
+    completions and usage are untouched."""
+    app, _, _, _ = make_app(reasoning_parser="qwen3")
+    with TestClient(app) as client:
+        said = "SAY:x < y, so</think>\n\nfour"
+        m = chat(client, said).json()["choices"][0]["message"]
+        assert m == {"role": "assistant", "content": "four", "reasoning_content": "x < y, so"}
+        r = chat(client, said, stream=True, stream_options={"include_usage": True})
+        reasoning, content, chunks = _deltas(r.text)
+        assert (reasoning, content) == ("x < y, so", "four")
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        usage = sse_events(r.text)[-2]["usage"]
+        assert usage["completion_tokens"] == len("x < y, so</think>\n\nfour") + 1
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        m = chat(client, "SAY:2 </think> 3", **off).json()["choices"][0]["message"]
+        assert m == {"role": "assistant", "content": "2 </think> 3"}
+        assert _deltas(chat(client, "SAY:2 </think> 3", stream=True, **off).text)[:2] == (
+            "", "2 </think> 3")
+        cut = chat(client, said, max_tokens=5).json()["choices"][0]
+        assert cut["message"] == {"role": "assistant", "content": None,
+                                  "reasoning_content": "x < y"}
+        assert cut["finish_reason"] == "length"
+        assert _deltas(chat(client, said, max_tokens=5, stream=True).text)[:2] == ("x < y", "")
+        text = completion(client, prompt="SAY:a</think>b").json()["choices"][0]["text"]
+        assert text == "a</think>b"
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_stream_include_usage(srv, path):
     client, _, _ = srv
@@ -1122,24 +1163,33 @@ def test_client_disconnect_aborts_live_server():
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_stream_chunk_template_equals_the_models(chat, include_usage):
-    """_Formatter.chunk fills a template for text-only chunks; it must say what the pydantic
-    models say (JSON-equal, same keys in the same order), for any text."""
+    """_Formatter.chunk fills a template for text-only chunks (answer text, and chat reasoning
+    text with --reasoning-parser); it must say what the pydantic models say (JSON-equal, same
+    keys in the same order), for any text."""
     import json as _json
 
     from tailored.server.app import _Formatter
 
     f = _Formatter("cmpl-x", "m", chat, 7, include_usage)
     for text in ["hi", 'q"uote\\ back\nnew\ttab\x01ctl', "é中文😀", "@@tailored-text@@", " "]:
-        fast, slow = f.chunk(text, None), f._render(text, None)
-        assert fast.startswith("data: ") and fast.endswith("\n\n")
-        a, b = _json.loads(fast[6:]), _json.loads(slow[6:])
-        a.pop("created"), b.pop("created")
-        assert list(a) == list(b) and a == b
+        pairs = [(f.chunk(text, None), f._render(text, "", None))]
+        if chat:  # a reasoning delta
+            pairs.append((f.chunk("", None, text), f._render("", text, None)))
+        for fast, slow in pairs:
+            assert fast.startswith("data: ") and fast.endswith("\n\n")
+            a, b = _json.loads(fast[6:]), _json.loads(slow[6:])
+            a.pop("created"), b.pop("created")
+            assert list(a) == list(b) and a == b
+    if chat:
+        d = _json.loads(f.chunk("", None, "why")[6:])["choices"][0]["delta"]
+        assert d == {"reasoning_content": "why"}
+        d = _json.loads(f.chunk("so", "stop", "why")[6:])["choices"][0]
+        assert d["delta"] == {"content": "so", "reasoning_content": "why"}
     assert _json.loads(f.chunk("", "stop")[6:])["choices"][0]["finish_reason"] == "stop"
     # a model named like the placeholder: the template is not unique, the models render
     g = _Formatter("cmpl-y", "@@tailored-text@@", chat, 7, include_usage)
     assert _json.loads(g.chunk("ok", None)[6:])["model"] == "@@tailored-text@@"
-    assert g._template == []
+    assert g._templates["content"] == []
 
 
 def test_chat_messages_that_cannot_fit_are_refused_before_validation(srv):

@@ -17,8 +17,10 @@ control tokens, as in vLLM and transformers' apply_chat_template + encode: a cli
 forwards untrusted text must escape it.
 
 Chat output: `message.content` is the raw generated text. With thinking on, that includes the
-reasoning and the closing `</think>` (the template's generation prompt already holds `<think>`);
-`reasoning_content` is not filled yet.
+reasoning and the closing `</think>` (the template's generation prompt already holds `<think>`).
+With `reasoning_parser="qwen3"` (`tailored serve --reasoning-parser qwen3`) the reasoning goes
+to `reasoning_content` and the answer after `</think>` to `content` (null while the reasoning
+never ended), in streamed deltas too (`reasoning.py`).
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
 unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
@@ -61,6 +63,8 @@ from starlette.requests import ClientDisconnect
 
 from tailored.engine.types import FinishReason, RequestOutput
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tailored.server.reasoning import ReasoningSplitter
+from tailored.server.reasoning import split as split_reasoning
 from tailored.server.protocol import (
     MAX_JSON_DEPTH,
     ChatChoice,
@@ -145,6 +149,7 @@ class _Server:
         sampling_defaults: dict | None,
         disconnect_poll_s: float,
         max_body_bytes: int | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -153,6 +158,7 @@ class _Server:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.disconnect_poll_s = disconnect_poll_s
         self.max_body_bytes = max_body_bytes or default_max_body_bytes(max_model_len)
+        self.reasoning_parser = reasoning_parser  # "qwen3": chat answers split (reasoning.py)
         self.max_prompt_chars = max_model_len * MAX_CHARS_PER_TOKEN
         # Tokenizer work runs off the event loop, on one thread so the tokenizer is never used
         # by two server threads at once (the engine thread may still decode concurrently).
@@ -338,7 +344,12 @@ class _Server:
                 raise OpenAIError(
                     f"engine unavailable: {e}", status=503, type="service_unavailable"
                 ) from None
-            fmt = _Formatter(request_id, self.model_name, chat, len(prompt_ids), req.include_usage)
+            # the thinking split only where the output starts at a generation prompt (a
+            # continued final message, add_generation_prompt false, is the message's own text)
+            splitter = (ReasoningSplitter(req.enable_thinking)
+                        if chat and self.reasoning_parser and req.add_generation_prompt else None)
+            fmt = _Formatter(request_id, self.model_name, chat, len(prompt_ids), req.include_usage,
+                             splitter)
             if req.stream:
                 return StreamingResponse(
                     self.stream_events(stream, fmt),
@@ -398,8 +409,14 @@ class _Server:
                     return
                 num_tokens += len(out.delta_token_ids)
                 finish = _finish_reason(out) if out.finished else None
-                if out.delta_text or finish is not None:
-                    yield fmt.chunk(out.delta_text, finish)
+                text, reasoning = out.delta_text, ""
+                if fmt.splitter is not None:
+                    reasoning, text = fmt.splitter.feed(text)
+                    if out.finished:  # a held-back tail that never became "</think>"
+                        r, c = fmt.splitter.finish()
+                        reasoning, text = reasoning + r, text + c
+                if text or reasoning or finish is not None:
+                    yield fmt.chunk(text, finish, reasoning)
                 if out.finished:
                     break
             if fmt.include_usage:
@@ -422,12 +439,15 @@ def _internal_error(e: Exception) -> OpenAIError:
 class _Formatter:
     """Builds the response objects of one request for either API."""
 
-    def __init__(self, request_id, model, chat, prompt_tokens, include_usage) -> None:
+    def __init__(self, request_id, model, chat, prompt_tokens, include_usage,
+                 splitter: ReasoningSplitter | None = None) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
+        self.splitter = splitter  # chat answers' thinking split out (--reasoning-parser)
         # OpenAI sends "usage": null on every chunk only when include_usage is set.
         self._exclude = None if include_usage else {"usage"}
-        self._template: list[str] | None = None  # chunk() before / after the text
+        # chunk() before / after the text, for content and for reasoning deltas
+        self._templates: dict[str, list[str]] = {}
 
     def _envelope(self, choices):
         cls = ChatCompletionChunk if self.chat else CompletionStreamResponse
@@ -441,22 +461,26 @@ class _Formatter:
 
     _TEXT = "@@tailored-text@@"  # placeholder: plain ASCII, survives JSON encoding unchanged
 
-    def chunk(self, text: str, finish: str | None) -> str:
-        """One SSE event with a token's text. The common case (some text, no finish) fills a
-        template rendered once per request by the same pydantic models: the HTTP thread pays
-        ~140 µs of CPU per streamed token and shares the GIL with the engine (kb/0011)."""
-        if text and finish is None:
-            if self._template is None:
-                parts = self._render(self._TEXT, None).split(f'"{self._TEXT}"')
-                self._template = parts if len(parts) == 2 else []  # [] = placeholder not unique
-            if self._template:
-                head, tail = self._template
-                return head + json.dumps(text, ensure_ascii=False) + tail
-        return self._render(text, finish)
+    def chunk(self, text: str, finish: str | None, reasoning: str = "") -> str:
+        """One SSE event with a token's text (answer text, and chat reasoning text with
+        --reasoning-parser). The common cases (answer text alone, or reasoning text alone, no
+        finish) fill a template rendered once per request by the same pydantic models: the
+        HTTP thread pays ~140 µs of CPU per streamed token and shares the GIL with the engine
+        (kb/0011)."""
+        if finish is None and bool(text) != bool(reasoning):
+            kind = "content" if text else "reasoning"
+            if kind not in self._templates:
+                args = (self._TEXT, "") if text else ("", self._TEXT)
+                parts = self._render(*args, None).split(f'"{self._TEXT}"')
+                self._templates[kind] = parts if len(parts) == 2 else []  # []: not unique
+            if self._templates[kind]:
+                head, tail = self._templates[kind]
+                return head + json.dumps(text or reasoning, ensure_ascii=False) + tail
+        return self._render(text, reasoning, finish)
 
-    def _render(self, text: str, finish: str | None) -> str:
+    def _render(self, text: str, reasoning: str, finish: str | None) -> str:
         if self.chat:
-            delta = DeltaMessage(content=text) if text else DeltaMessage()
+            delta = DeltaMessage(content=text or None, reasoning_content=reasoning or None)
             choice = ChatChunkChoice(delta=delta, finish_reason=finish)
         else:
             choice = CompletionChoice(text=text, finish_reason=finish)
@@ -470,7 +494,11 @@ class _Formatter:
     def response(self, text: str, finish: str | None, completion_tokens: int) -> BaseModel:
         usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
         if self.chat:
-            choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=finish)
+            reasoning = None
+            if self.splitter is not None:
+                reasoning, text = split_reasoning(text, self.splitter.thinking)
+            message = ChatResponseMessage(content=text, reasoning_content=reasoning)
+            choice = ChatChoice(message=message, finish_reason=finish)
             return ChatCompletionResponse(
                 id=self.request_id, model=self.model, choices=[choice], usage=usage
             )
@@ -489,6 +517,7 @@ def build_app(
     sampling_defaults: dict | None = None,
     disconnect_poll_s: float = 0.5,
     max_body_bytes: int | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
 
@@ -497,6 +526,8 @@ def build_app(
     disconnect_poll_s: how often a non-streaming request checks whether its client left.
     max_body_bytes: larger request bodies get 413 (None: `default_max_body_bytes`, 256 bytes a
     token of max_model_len, at least 2 MiB).
+    reasoning_parser: "qwen3" splits chat answers into reasoning_content and content
+    (`reasoning.py`); None leaves content the raw text.
     """
     server = _Server(
         async_engine,
@@ -506,6 +537,7 @@ def build_app(
         sampling_defaults,
         disconnect_poll_s,
         max_body_bytes,
+        reasoning_parser,
     )
 
     @asynccontextmanager
