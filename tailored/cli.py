@@ -81,6 +81,11 @@ def _serve_parser(sub) -> None:
                    help="seconds that SIGTERM or a first Ctrl-C lets in-flight requests run "
                         "before they end with an error event (default 30; a second Ctrl-C "
                         "exits at once)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body in bytes, else 413 (default 256 a token of "
+                        "--max-model-len, 2 to 32 MiB: 4 MiB at 16k; bodies are parsed on the "
+                        "event loop, so a larger cap lets one huge body stall every stream "
+                        "longer)")
     p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
                    help="qwen3: chat answers split into reasoning_content (the thinking, up to "
                         "</think>) and content (the answer after it), streamed too, as vLLM's "
@@ -114,6 +119,8 @@ def _check_serve_args(args) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -234,7 +241,8 @@ def cmd_serve(args) -> int:
         defaults = {k: g[k] for k in ("temperature", "top_p", "top_k") if k in g}
     app = build_app(async_engine, tokenizer, args.served_model_name or DEFAULT_MODEL_NAME,
                     max_model_len, sampling_defaults=defaults,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    max_body_bytes=args.max_body_bytes)
     logging.getLogger("tailored").info(
         "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d, "
         "engine loop in %s%s",

@@ -32,6 +32,7 @@ from tailored.stack import build_stack
     (["--num-speculative-tokens", "1", "--spec-max-running", "0"],
      "--spec-max-running must be >= 1"),
     (["--spec-max-running", "4"], "--spec-max-running needs --num-speculative-tokens >= 1"),
+    (["--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
 ])
 def test_bad_serve_flags(tiny_ckpt, capsys, flags, msg):
     assert main(["serve", str(tiny_ckpt), "--port", "8197", *flags]) == 2

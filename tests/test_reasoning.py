@@ -1,5 +1,5 @@
 """server/reasoning.py: the thinking of a Qwen3.6 answer split from its content, whole and as
-streamed deltas cut anywhere (a `</think>` across two deltas)."""
+streamed deltas cut anywhere (a `</think>` across two deltas): both give the same split."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ CASES = [
     ("\n\nno thinking here", False, None, "no thinking here"),  # thinking off: all content
     ("2 </think> 3", False, None, "2 </think> 3"),
     ("<think>", True, None, None),  # stopped right after a <think> of its own
+    ("<think><think>x</think>y", True, "<think>x", "y"),  # one leading <think> at most
+    ("why</think>\n\n", True, "why", None),  # an empty answer is null (as vLLM's parser)
     ("", True, None, None),
 ]
 
@@ -33,6 +35,4 @@ def test_split_whole_and_every_cut(text, thinking, reasoning, content):
         rs, cs = zip(*[s.feed(p) for p in parts], s.finish())
         r, c = "".join(rs), "".join(cs)
         assert (r or None if thinking else None) == reasoning, parts
-        want_c = content if content is not None else ""
-        assert c == want_c, parts
-        assert s.ended_thinking == (content is not None or not thinking)
+        assert (c or None) == content or (c == content == "" and not thinking), parts

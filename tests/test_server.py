@@ -322,10 +322,15 @@ def test_reasoning_parser_splits_the_thinking_from_the_answer():
     with TestClient(app) as client:
         said = "SAY:x < y, so</think>\n\nfour"
         m = chat(client, said).json()["choices"][0]["message"]
-        assert m == {"role": "assistant", "content": "four", "reasoning_content": "x < y, so"}
+        assert m == {"role": "assistant", "content": "four", "reasoning": "x < y, so",
+                     "reasoning_content": "x < y, so"}
         r = chat(client, said, stream=True, stream_options={"include_usage": True})
         reasoning, content, chunks = _deltas(r.text)
         assert (reasoning, content) == ("x < y, so", "four")
+        assert len({c["created"] for c in sse_events(r.text)[:-1]}) == 1  # one timestamp
+        for c in chunks[1:]:  # the reasoning under both names, always together
+            d = c["choices"][0]["delta"]
+            assert d.get("reasoning") == d.get("reasoning_content")
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         usage = sse_events(r.text)[-2]["usage"]
         assert usage["completion_tokens"] == len("x < y, so</think>\n\nfour") + 1
@@ -335,12 +340,14 @@ def test_reasoning_parser_splits_the_thinking_from_the_answer():
         assert _deltas(chat(client, "SAY:2 </think> 3", stream=True, **off).text)[:2] == (
             "", "2 </think> 3")
         cut = chat(client, said, max_tokens=5).json()["choices"][0]
-        assert cut["message"] == {"role": "assistant", "content": None,
+        assert cut["message"] == {"role": "assistant", "content": None, "reasoning": "x < y",
                                   "reasoning_content": "x < y"}
         assert cut["finish_reason"] == "length"
         assert _deltas(chat(client, said, max_tokens=5, stream=True).text)[:2] == ("x < y", "")
         text = completion(client, prompt="SAY:a</think>b").json()["choices"][0]["text"]
         assert text == "a</think>b"
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        make_app(reasoning_parser="deepseek_r1")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -888,15 +895,15 @@ def test_request_body_size_cap():
 
 
 def test_default_body_cap_scales_with_the_context():
-    """Without max_body_bytes the cap is 256 bytes a token of max_model_len, at least 2 MiB
+    """Without max_body_bytes the cap is 256 bytes a token of max_model_len, 2 to 32 MiB
     (session 26: a 27 MB body of 2.2M unknown keys held the event loop, and every stream, for
     2.4 s of parsing under the old fixed 32 MiB): 2 MiB at this test's small context, 4 MiB at
-    16k, 64 MiB at 256k; one byte over gets 413 before any parsing."""
+    16k, 32 MiB from 128k; one byte over gets 413 before any parsing."""
     from tailored.server.app import default_max_body_bytes
 
     assert default_max_body_bytes(MAX_LEN) == 2 * 2**20
     assert default_max_body_bytes(16384) == 4 * 2**20
-    assert default_max_body_bytes(262144) == 64 * 2**20
+    assert default_max_body_bytes(262144) == 32 * 2**20  # the ceiling (the old fixed cap)
     app, _, engine, _ = make_app()
     with TestClient(app) as client:
         pad = 2 * 2**20 - len(json.dumps({"model": MODEL, "prompt": "SAY:x", "k": ""}))
@@ -1182,9 +1189,9 @@ def test_stream_chunk_template_equals_the_models(chat, include_usage):
             assert list(a) == list(b) and a == b
     if chat:
         d = _json.loads(f.chunk("", None, "why")[6:])["choices"][0]["delta"]
-        assert d == {"reasoning_content": "why"}
+        assert d == {"reasoning": "why", "reasoning_content": "why"}
         d = _json.loads(f.chunk("so", "stop", "why")[6:])["choices"][0]
-        assert d["delta"] == {"content": "so", "reasoning_content": "why"}
+        assert d["delta"] == {"content": "so", "reasoning": "why", "reasoning_content": "why"}
     assert _json.loads(f.chunk("", "stop")[6:])["choices"][0]["finish_reason"] == "stop"
     # a model named like the placeholder: the template is not unique, the models render
     g = _Formatter("cmpl-y", "@@tailored-text@@", chat, 7, include_usage)

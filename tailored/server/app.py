@@ -29,8 +29,8 @@ headers were sent gets `data: {"error": {...}}` and then `data: [DONE]`. Error b
 rendered with ensure_ascii and messages quote user input escaped and shortened.
 
 Input limits, checked before any tokenizer work (HF `encode` of a few MB takes seconds):
-- the request body: at most `max_body_bytes` (default 256 bytes a token of max_model_len, at
-  least 2 MiB: 4 MiB at 16k) -> else 413;
+- the request body: at most `max_body_bytes` (default 256 bytes a token of max_model_len, 2 to
+  32 MiB: 4 MiB at 16k) -> else 413;
 - the body must be UTF-8 (or UTF-16/32) JSON nested at most protocol.MAX_JSON_DEPTH (64)
   levels, checked before parsing; no string may hold a lone UTF-16 surrogate (JSON "\\ud800")
   -> else 400 naming the field;
@@ -63,7 +63,7 @@ from starlette.requests import ClientDisconnect
 
 from tailored.engine.types import FinishReason, RequestOutput
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from tailored.server.reasoning import ReasoningSplitter
+from tailored.server.reasoning import REASONING_PARSERS, ReasoningSplitter
 from tailored.server.reasoning import split as split_reasoning
 from tailored.server.protocol import (
     MAX_JSON_DEPTH,
@@ -85,32 +85,31 @@ from tailored.server.protocol import (
     check_json_body,
     json_too_deep,
     shown,
+    unix_now,
     validation_error_to_openai,
 )
 
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# The default cap of a request body (-> 413) scales with the context: a prompt that fits
-# max_model_len tokens at ~4 characters a token, each JSON-escaped to at most 12 bytes
-# (a non-BMP character as two \uXXXX escapes), is ~48 bytes a token; 256 leaves 5x for chat
-# framing and odd text, and 2 MiB is the floor for small contexts. Why not one large cap: the
-# body is parsed on the event loop, and json.loads + validation of a 27 MB body of 2.2M
-# unknown keys took 2.4 s here, during which every other stream stopped (a fresh helper's
-# attack, session 26); at 4 MiB (16k context) that is ~0.35 s.
+# The default cap of a request body (-> 413) scales with the context: real text is ~2-4
+# characters a token (CJK ~1.9), ~12 bytes a token once JSON-escaped as \uXXXX; the longest
+# token of the vocabulary is 128 characters. 256 bytes a token leaves 2x over that worst case
+# (which the 32-characters-a-token check refuses anyway); 2 MiB is the floor for small
+# contexts, 32 MiB (the old fixed cap) the ceiling. Why not one large cap: the body is parsed on
+# the event loop, and json.loads + validation of a 27 MB body of 2.2M unknown keys took 2.4 s
+# here, during which every other stream stopped (a fresh helper's attack, session 26), with
+# the GIL held throughout (a worker thread would not help); at 4 MiB (16k context) ~0.35 s.
+# Bytes that never become tokens count too: reasoning that clients send back in the history
+# (the template drops it from earlier turns); `tailored serve --max-body-bytes` raises the cap.
 BODY_BYTES_PER_TOKEN = 256
 MIN_BODY_BYTES = 2 * 2**20
+MAX_DEFAULT_BODY_BYTES = 32 * 2**20
 
 
 def default_max_body_bytes(max_model_len: int) -> int:
     """The request-body cap for a context of max_model_len tokens (bytes)."""
-    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
-MAX_CHARS_PER_TOKEN = 32  # prompt text over max_model_len * this many characters -> 400
-# every chat message renders to at least this many tokens (<|im_start|>role\n ... <|im_end|>\n
-# is five; a tool response merged into a user turn still has its tags): more messages than
-# max_model_len / this cannot fit, and are refused before validation and templating, which
-# took ~2 s of the event loop for 300k tiny messages (review of session 10)
-MIN_TOKENS_PER_MESSAGE = 2
+    return min(MAX_DEFAULT_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len))
 
 
 class _ErrorJSONResponse(JSONResponse):
@@ -158,6 +157,8 @@ class _Server:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.disconnect_poll_s = disconnect_poll_s
         self.max_body_bytes = max_body_bytes or default_max_body_bytes(max_model_len)
+        if reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {reasoning_parser!r}: one of {REASONING_PARSERS}")
         self.reasoning_parser = reasoning_parser  # "qwen3": chat answers split (reasoning.py)
         self.max_prompt_chars = max_model_len * MAX_CHARS_PER_TOKEN
         # Tokenizer work runs off the event loop, on one thread so the tokenizer is never used
@@ -344,12 +345,12 @@ class _Server:
                 raise OpenAIError(
                     f"engine unavailable: {e}", status=503, type="service_unavailable"
                 ) from None
-            # the thinking split only where the output starts at a generation prompt (a
-            # continued final message, add_generation_prompt false, is the message's own text)
-            splitter = (ReasoningSplitter(req.enable_thinking)
+            # the thinking split only where the output starts at the template's generation
+            # prompt (which opens the think block); with add_generation_prompt false it does not
+            thinking = (req.enable_thinking
                         if chat and self.reasoning_parser and req.add_generation_prompt else None)
             fmt = _Formatter(request_id, self.model_name, chat, len(prompt_ids), req.include_usage,
-                             splitter)
+                             thinking)
             if req.stream:
                 return StreamingResponse(
                     self.stream_events(stream, fmt),
@@ -440,10 +441,14 @@ class _Formatter:
     """Builds the response objects of one request for either API."""
 
     def __init__(self, request_id, model, chat, prompt_tokens, include_usage,
-                 splitter: ReasoningSplitter | None = None) -> None:
+                 thinking: bool | None = None) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
-        self.splitter = splitter  # chat answers' thinking split out (--reasoning-parser)
+        # chat answers' thinking split out (--reasoning-parser): whether the output starts
+        # inside it (None: no split); streams feed `splitter` delta by delta
+        self.thinking = thinking
+        self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
+        self.created = unix_now()  # one timestamp for every chunk of a stream (OpenAI's rule)
         # OpenAI sends "usage": null on every chunk only when include_usage is set.
         self._exclude = None if include_usage else {"usage"}
         # chunk() before / after the text, for content and for reasoning deltas
@@ -451,7 +456,7 @@ class _Formatter:
 
     def _envelope(self, choices):
         cls = ChatCompletionChunk if self.chat else CompletionStreamResponse
-        return cls(id=self.request_id, model=self.model, choices=choices)
+        return cls(id=self.request_id, created=self.created, model=self.model, choices=choices)
 
     def first_chunk(self) -> str | None:
         if not self.chat:
@@ -472,15 +477,19 @@ class _Formatter:
             if kind not in self._templates:
                 args = (self._TEXT, "") if text else ("", self._TEXT)
                 parts = self._render(*args, None).split(f'"{self._TEXT}"')
-                self._templates[kind] = parts if len(parts) == 2 else []  # []: not unique
+                # the placeholder once a field (the reasoning goes under two names): else it
+                # also sits elsewhere (a model named so), and the models render every chunk
+                fields = 1 if text else 2
+                self._templates[kind] = parts if len(parts) == fields + 1 else []
             if self._templates[kind]:
-                head, tail = self._templates[kind]
-                return head + json.dumps(text or reasoning, ensure_ascii=False) + tail
+                return json.dumps(text or reasoning, ensure_ascii=False).join(
+                    self._templates[kind])
         return self._render(text, reasoning, finish)
 
     def _render(self, text: str, reasoning: str, finish: str | None) -> str:
         if self.chat:
-            delta = DeltaMessage(content=text or None, reasoning_content=reasoning or None)
+            delta = DeltaMessage(content=text or None, reasoning=reasoning or None,
+                                 reasoning_content=reasoning or None)
             choice = ChatChunkChoice(delta=delta, finish_reason=finish)
         else:
             choice = CompletionChoice(text=text, finish_reason=finish)
@@ -495,9 +504,10 @@ class _Formatter:
         usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
         if self.chat:
             reasoning = None
-            if self.splitter is not None:
-                reasoning, text = split_reasoning(text, self.splitter.thinking)
-            message = ChatResponseMessage(content=text, reasoning_content=reasoning)
+            if self.thinking is not None:
+                reasoning, text = split_reasoning(text, self.thinking)
+            message = ChatResponseMessage(content=text, reasoning=reasoning,
+                                          reasoning_content=reasoning)
             choice = ChatChoice(message=message, finish_reason=finish)
             return ChatCompletionResponse(
                 id=self.request_id, model=self.model, choices=[choice], usage=usage
@@ -525,7 +535,7 @@ def build_app(
     presence/frequency/repetition_penalty, seed), e.g. from the model's generation_config.json.
     disconnect_poll_s: how often a non-streaming request checks whether its client left.
     max_body_bytes: larger request bodies get 413 (None: `default_max_body_bytes`, 256 bytes a
-    token of max_model_len, at least 2 MiB).
+    token of max_model_len, 2 to 32 MiB).
     reasoning_parser: "qwen3" splits chat answers into reasoning_content and content
     (`reasoning.py`); None leaves content the raw text.
     """

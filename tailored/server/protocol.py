@@ -618,7 +618,7 @@ class UsageInfo(BaseModel):
         )
 
 
-def _now() -> int:
+def unix_now() -> int:
     return int(time.time())
 
 
@@ -632,7 +632,7 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
@@ -643,25 +643,28 @@ class CompletionStreamResponse(BaseModel):
 
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
 
 class ChatResponseMessage(BaseModel):
-    """content holds the raw generated text (think tags are not parsed out yet);
-    reasoning_content is omitted while it is None."""
+    """content: the answer (the raw generated text, or with `--reasoning-parser` the text after
+    `</think>`); the reasoning under both names clients read (`reasoning`, vLLM's since late
+    2025; `reasoning_content`, DeepSeek's, LiteLLM's), both omitted while None."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_empty_reasoning(self, handler):
         d = handler(self)
-        if d.get("reasoning_content") is None:
-            d.pop("reasoning_content", None)
+        for k in ("reasoning", "reasoning_content"):
+            if d.get(k) is None:
+                d.pop(k, None)
         return d
 
 
@@ -675,7 +678,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
@@ -686,6 +689,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # the same text under both names (ChatResponseMessage)
     reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
@@ -703,7 +707,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
@@ -712,7 +716,7 @@ class ChatCompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     owned_by: str = "tailored"
     max_model_len: int
 

@@ -1,15 +1,20 @@
-"""Qwen3.6's thinking split out of a chat answer: `reasoning_content` and `content`
-(`tailored serve --reasoning-parser qwen3`, the flag and field names of vLLM's reasoning parsers).
+"""Qwen3.6's thinking split out of a chat answer: the reasoning and the `content`
+(`tailored serve --reasoning-parser qwen3`, the flag of vLLM's parser; the server sends the
+reasoning as both `reasoning`, vLLM's field since late 2025, and `reasoning_content`, DeepSeek's
+and LiteLLM's).
 
 With thinking on, Qwen3.6's chat template ends the generation prompt with `<think>\\n`, so the
 model's output is reasoning up to `</think>`, then the answer; with thinking off the template
 holds an empty `<think>\\n\\n</think>\\n\\n` and the output is all answer. The split works on
 the streamed text as the detokenizer hands it over: a `</think>` may arrive cut between two
-deltas, so a tail that could be its beginning is held back until the next delta settles it (at
-most 7 characters; `</think>` is one token of the vocabulary, so in practice nothing is held).
-The newlines that follow `</think>` are dropped from the answer, as the chat template drops them
-from earlier assistant turns (`content.split('</think>')[-1].lstrip('\\n')`); a `<think>` the
-model writes itself at the start is dropped too.
+deltas, so a tail that could be its beginning (a delta ending in `<`, say) is held back until
+the next delta settles it (at most 7 characters, one token's delay).
+
+Where this differs from vLLM's `qwen3` parser: the newlines after `</think>` are dropped from
+the answer, as the chat template drops them from earlier assistant turns
+(`content.split('</think>')[-1].lstrip('\\n')`), also with thinking off; an empty reasoning is
+left out rather than sent as ""; only a `<think>` the model writes at the very start is dropped.
+Like vLLM: an empty answer after `</think>` is null.
 
 Source: the Qwen3 / Qwen3.6 chat template (spec §2, the tokenizer's chat template) and vLLM's
 `qwen3` reasoning parser (the response fields).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+REASONING_PARSERS = (None, "qwen3")  # `--reasoning-parser` values (None: no split)
 
 
 class ReasoningSplitter:
@@ -34,7 +40,7 @@ class ReasoningSplitter:
     def __init__(self, thinking: bool) -> None:
         self.thinking = thinking  # still inside the reasoning
         self._held = ""  # the tail that may begin THINK_END (or, at the start, THINK_START)
-        self._started = False  # any reasoning given out (a leading <think> is dropped before)
+        self._started = False  # past the start: a leading <think> was dropped or ruled out
         self._content_started = False  # any answer text given out (leading newlines dropped)
 
     @property
@@ -48,27 +54,25 @@ class ReasoningSplitter:
         if not self.thinking:
             return "", self._content(buf)
         if not self._started:
-            if THINK_START.startswith(buf):  # "" or a beginning of "<think>": wait
+            if THINK_START.startswith(buf) and buf != THINK_START:  # may begin "<think>": wait
                 self._held = buf
                 return "", ""
             if buf.startswith(THINK_START):
                 buf = buf[len(THINK_START):]
+            self._started = True  # one leading <think> at most
         end = buf.find(THINK_END)
         if end >= 0:
             self.thinking = False
-            self._started = True
             return buf[:end], self._content(buf[end + len(THINK_END):])
         keep = _prefix_tail(buf, THINK_END)
         self._held = buf[len(buf) - keep:] if keep else ""
-        out = buf[:len(buf) - keep]
-        self._started = self._started or bool(out)
-        return out, ""
+        return buf[:len(buf) - keep], ""
 
     def finish(self) -> tuple[str, str]:
         """What was held back: reasoning if the thinking never ended, else answer."""
         held, self._held = self._held, ""
         if self.thinking:
-            return ("" if held == THINK_START and not self._started else held), ""
+            return held, ""
         return "", self._content(held)
 
     def _content(self, text: str) -> str:
@@ -87,12 +91,12 @@ def _prefix_tail(text: str, marker: str) -> int:
 
 
 def split(text: str, thinking: bool) -> tuple[str | None, str | None]:
-    """(reasoning_content, content) of a whole answer, as a non-streaming response gives them:
+    """(reasoning, content) of a whole answer, as a non-streaming response gives them:
     reasoning None when thinking is off or empty; content None when the reasoning never ended
-    (the answer was cut inside it, e.g. by max_tokens)."""
+    (the answer was cut inside it, e.g. by max_tokens) or the answer after it is empty."""
     s = ReasoningSplitter(thinking)
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     if not thinking:
         return None, c1 + c2
-    return (r1 + r2) or None, (c1 + c2) if s.ended_thinking else None
+    return (r1 + r2) or None, (c1 + c2) or None
