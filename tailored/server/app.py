@@ -112,6 +112,14 @@ def default_max_body_bytes(max_model_len: int) -> int:
     return min(MAX_DEFAULT_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len))
 
 
+MAX_CHARS_PER_TOKEN = 32  # prompt text over max_model_len * this many characters -> 400
+# every chat message renders to at least this many tokens (<|im_start|>role\n ... <|im_end|>\n
+# is five; a tool response merged into a user turn still has its tags): more messages than
+# max_model_len / this cannot fit, and are refused before validation and templating, which
+# took ~2 s of the event loop for 300k tiny messages (review of session 10)
+MIN_TOKENS_PER_MESSAGE = 2
+
+
 class _ErrorJSONResponse(JSONResponse):
     """JSON rendered with ensure_ascii: any text (even a lone surrogate) encodes."""
 
