@@ -5,7 +5,7 @@
 #  sbs      Served side by sides (tailored half) at the defaults (the bf16 GEMV at one row,
 #           kb/0042, never served), FP8 first with SBS_ENV in front (e.g.
 #           SBS_ENV="TAILORED_MOE_FP8_DOWN_F16=1 TAILORED_FP8_DENSE_F16_UP_TO=64" once the A/B
-#           and gate below passed), then bf16.
+#           and gate below passed), then bf16 (SBS_PRECS="fp8" or "bf16" for one of them).
 #  tests    GPU tests of the CPU-only code of sessions 25-26: pow2 rows and the f16 dots
 #           (MoE gate_up and down; fp8_linear with bf16 rows, kb/0043), the PDL bitwise tests
 #           (verify + chain graphs; the tiled FP8 GEMM at 3 rows), the full-width
@@ -14,16 +14,17 @@
 #  kern     The FP8 dense shapes at 8 and 32 rows: cuBLAS over the bf16 copy against
 #           fp8_linear with bf16 dots and with float16 dots (scripts/bench_fp8_gemv.py).
 #  ab       FP8 A/B at B=8,32 (3 rounds): down_f16 (kb/0042), dense_f16 (kb/0043), both,
-#           shared_up_to32, attention with 4 / 2 splits from 16 rows (kb/0043); prefill 1024 and 8 x 1024 with down_f16 and dense_f16_all; the
-#           B=32 kernel table with both.
+#           shared_up_to32, attention with 4 / 2 splits from 16 rows (kb/0043); prefill
+#           1024 and 8 x 1024 with down_f16 and dense_f16_all; the B=32 kernel table with both.
 #  bf16ab   bf16 B=1 (5 rounds): the bf16 MoE GEMV (kb/0039, measured with PDL off only)
 #           against the tiles, and the B=1 kernel table (none since session 18's).
 #  gate     The FP8 gate with both switches on (TAILORED_MOE_FP8_DOWN_F16=1
 #           TAILORED_FP8_DENSE_F16_UP_TO=64); a failure means gating each alone next.
 #  onegate  The bf16 gate with the prompts one at a time (`--one-at-a-time`, kb/0042 §5).
 # PARTS picks sections (default all, in the order above); on a flaky machine run calls of
-# ~300 s back to back: PARTS="sbs", then PARTS="tests kern ab", then PARTS="bf16ab gate onegate".
-# Usage: TAILORED_COMMIT=<sha> OUT=$OUT END=560 [PARTS=...] [SBS_ENV=...] \
+# ~300 s back to back: PARTS="sbs" SBS_PRECS=fp8, PARTS="sbs" SBS_PRECS=bf16, then
+# PARTS="tests kern ab", then PARTS="bf16ab gate onegate".
+# Usage: TAILORED_COMMIT=<sha> OUT=$OUT END=560 [PARTS=...] [SBS_PRECS=...] [SBS_ENV=...] \
 #            bash logs/gpu/2026-12-05-s26/next_call.sh
 source "$(dirname "$0")/../../../scripts/device_env.sh" next_call
 left() { echo $(( ${END:-560} - ($(date +%s) - T0) )); }
@@ -39,7 +40,7 @@ for part in $PARTS; do
 done
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 full_configs > /dev/null
-want sbs && for prec in fp8 bf16; do
+want sbs && for prec in ${SBS_PRECS:-fp8 bf16}; do
     [ "$(left)" -gt 170 ] || { stamp "no time for the $prec side by side"; break; }
     envs=""; [ "$prec" = fp8 ] && envs=${SBS_ENV:-}
     stamp "side by side $prec (tailored half, defaults + '$envs', $(left) s left)"
