@@ -116,8 +116,8 @@ ADAPTIVE_SPLITS = env_flag("TAILORED_ATTN_SPLITS", False)
 # reads back 8 fp32 partials of every (sequence, KV head): split 31.2 + merge 16.0 µs a layer
 # in the H200's B=32 table (kb/0042 §3) for ~72 MB of K/V (1.5 TB/s). Fewer splits at large
 # batches write and merge fewer partials while 64 (sequence, KV head) pairs still fill the
-# SMs. 8 = as before (the default until an A/B: bench_decode's attn_large4 / attn_large2).
-# Read at call time: a decode graph bakes in its batch's splits at capture.
+# SMs. Measured (session 26, kb/0043 §0, FP8 B=32 step): 4 splits +0.3 % median, 2 splits
+# +0.8 %: no gain; 8 stays. Read at call time: a decode graph bakes in its batch's splits.
 LARGE_BATCH_SPLITS = env_int("TAILORED_ATTN_LARGE_BATCH_SPLITS", 8, 1, 32, power_of_2=True)
 LARGE_BATCH_FROM = 16
 

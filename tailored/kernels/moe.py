@@ -283,7 +283,9 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # Why: the H200's B=32 FP8 kernel table (session 25 run1) has
 # `_down_kernel` at 73.7 µs a layer for ~171 MB of FP8 weights (2.3 TB/s) where gate_up, with
 # float16 dots, streams twice the bytes in 90.4 µs (3.8 TB/s); bf16 dots make it ALU-bound on
-# the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Off until its H200 A/B and FP8 gate.
+# the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Measured (session 26, kb/0043 §0): B=32
+# step -0.5 % median / +0.3 % min, the down kernel 73.7 -> 75.7 µs: no gain, so down is not
+# bound on the conversion. Off (never gated).
 FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
