@@ -87,9 +87,10 @@ def _serve_parser(sub) -> None:
                         "event loop, so a larger cap lets one huge body stall every stream "
                         "longer)")
     p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
-                   help="qwen3: chat answers split into reasoning_content (the thinking, up to "
-                        "</think>) and content (the answer after it), streamed too, as vLLM's "
-                        "parser of that name; default: content is the raw text")
+                   help="qwen3: chat answers split into reasoning / reasoning_content (the "
+                        "thinking, up to </think>, under both names) and content (the answer "
+                        "after it), streamed too, as vLLM's parser of that name; default: "
+                        "content is the raw text")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 

@@ -30,6 +30,17 @@ from __future__ import annotations
 import codecs
 
 
+def prefix_hold(text: str, markers: tuple[str, ...], max_hold: int) -> int:
+    """Length of the longest suffix of text, at most max_hold characters, that is a beginning
+    of one of markers: the text to hold back until the next piece tells whether a marker
+    completes (stop strings here; `</think>` in server/reasoning.py)."""
+    for k in range(min(len(text), max_hold), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in markers):
+            return k
+    return 0
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop=(),
                  include_stop_str_in_output: bool = False):
@@ -62,17 +73,10 @@ class IncrementalDetokenizer:
             self.stopped = s
             self._held = ""
             return text[:i] + (s if self._include else ""), s
-        keep = self._hold_len(text)
+        # a proper prefix of a stop string at most (max_hold: the longest stop's length - 1)
+        keep = prefix_hold(text, self._stops, self._max_hold)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], None
-
-    def _hold_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        for k in range(min(len(text), self._max_hold), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0
 
     def flush(self) -> str:
         if self.stopped is not None:

@@ -159,10 +159,6 @@ def _tuned(small: bool):
             cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": 128}, num_warps=4,
                                   num_stages=st)
                     for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
-            # wider N tiles for 17-64 rows (kb/0043): each program re-reads its rows of x from
-            # L2 for every N tile, as many bytes as its FP8 weight tile at 64 x 32 rows
-            cfgs += [triton.Config({"BLOCK_N": 128, "BLOCK_K": 128, "KB": 128}, num_warps=w,
-                                   num_stages=3) for w in (4, 8)]
         else:
             cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": bk}, num_warps=w,
                                   num_stages=3)

@@ -137,11 +137,11 @@ BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
 # (logs/gpu/2026-12-04-s25/run1/b32-fp8.log, kb/0042 §3: GDN in 16.0 µs for 50.6 MB, ~3.2 TB/s;
 # the out / o projections' splitK 8.5 + 2.1 µs for 16.8 MB, ~1.6 TB/s) on twice the FP8 bytes;
 # bf16 dots made this GEMM ALU-bound on e4m3 -> bf16 (kb/0009, kb/0029), float16 converts e4m3
-# in one instruction a pair. Numerics: (x·q)·s in
-# fp32 where cuBLAS reads bf16(q·s): another rounding, never gated. Measured (session 26 run3,
-# kb/0043 §0): slower than cuBLAS over the bf16 copy for GDN in / out and attention at 8 and 32
-# rows (e.g. out 9.8 -> 20.4 µs at 32 rows: the tiled GEMM's K loop is latency-bound, ~0.4-1.5
-# TB/s), faster only for the small MoE group. 0 = off, the default. Read at call time (A/B).
+# in one instruction a pair. Numerics: (x·q)·s in fp32 where cuBLAS reads bf16(q·s): another
+# rounding, never gated. Measured (session 26 run3, kb/0043 §0): slower than cuBLAS over the
+# bf16 copy for GDN in / out and attention at 8 and 32 rows (e.g. out 9.8 -> 20.4 µs at 32
+# rows: the tiled GEMM's K loop is latency-bound, ~0.4-1.5 TB/s), faster only for the small
+# MoE group. 0 = off, the default. Read at call time (A/B).
 FP8_DENSE_F16_UP_TO = env_int("TAILORED_FP8_DENSE_F16_UP_TO", 0, 0, 1 << 16)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =

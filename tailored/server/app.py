@@ -19,8 +19,9 @@ forwards untrusted text must escape it.
 Chat output: `message.content` is the raw generated text. With thinking on, that includes the
 reasoning and the closing `</think>` (the template's generation prompt already holds `<think>`).
 With `reasoning_parser="qwen3"` (`tailored serve --reasoning-parser qwen3`) the reasoning goes
-to `reasoning_content` and the answer after `</think>` to `content` (null while the reasoning
-never ended), in streamed deltas too (`reasoning.py`).
+to `reasoning` and `reasoning_content` (the same text under both names) and the answer after
+`</think>` to `content` (null while the reasoning never ended), in streamed deltas too
+(`reasoning.py`).
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
 unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
@@ -544,8 +545,8 @@ def build_app(
     disconnect_poll_s: how often a non-streaming request checks whether its client left.
     max_body_bytes: larger request bodies get 413 (None: `default_max_body_bytes`, 256 bytes a
     token of max_model_len, 2 to 32 MiB).
-    reasoning_parser: "qwen3" splits chat answers into reasoning_content and content
-    (`reasoning.py`); None leaves content the raw text.
+    reasoning_parser: "qwen3" splits chat answers into the reasoning (`reasoning` and
+    `reasoning_content`) and content (`reasoning.py`); None leaves content the raw text.
     """
     server = _Server(
         async_engine,

@@ -22,6 +22,8 @@ Source: the Qwen3 / Qwen3.6 chat template (spec §2, the tokenizer's chat templa
 
 from __future__ import annotations
 
+from tailored.engine.detokenizer import prefix_hold
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 REASONING_PARSERS = (None, "qwen3")  # `--reasoning-parser` values (None: no split)
@@ -43,11 +45,6 @@ class ReasoningSplitter:
         self._started = False  # past the start: a leading <think> was dropped or ruled out
         self._content_started = False  # any answer text given out (leading newlines dropped)
 
-    @property
-    def ended_thinking(self) -> bool:
-        """Whether the reasoning is over (or never began)."""
-        return not self.thinking
-
     def feed(self, text: str) -> tuple[str, str]:
         buf = self._held + text
         self._held = ""
@@ -64,7 +61,7 @@ class ReasoningSplitter:
         if end >= 0:
             self.thinking = False
             return buf[:end], self._content(buf[end + len(THINK_END):])
-        keep = _prefix_tail(buf, THINK_END)
+        keep = prefix_hold(buf, (THINK_END,), len(THINK_END) - 1)  # (the whole one: found above)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], ""
 
@@ -80,14 +77,6 @@ class ReasoningSplitter:
             text = text.lstrip("\n")
             self._content_started = bool(text)
         return text
-
-
-def _prefix_tail(text: str, marker: str) -> int:
-    """The length of the longest tail of text that is a proper beginning of marker (0 if none)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def split(text: str, thinking: bool) -> tuple[str | None, str | None]:
