@@ -55,6 +55,20 @@ def _bf16_gemv_fp8_cfgs():
     return lambda: [u() for u in reversed(undos)]
 
 
+def _moe_cfg(name: str):
+    """The MoE decode GEMM `name` at the fixed config in $BENCH_MOE_DOWN_CFG /
+    $BENCH_MOE_GATE_UP_CFG ("BLOCK_N,BLOCK_K,num_warps,num_stages", e.g. the best of
+    scripts/bench_moe_tiles.py --best-out) for bf16 and FP8 experts; returns the undo."""
+    import os
+
+    from tailored.kernels import moe
+
+    cfg = tuple(int(v) for v in os.environ[f"BENCH_MOE_{name.upper()}_CFG"].split(","))
+    old = dict(moe.DECODE_CFG)
+    moe.DECODE_CFG.update({(name, True): cfg, (name, False): cfg})
+    return lambda: (moe.DECODE_CFG.clear(), moe.DECODE_CFG.update(old))
+
+
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
 VARIANTS = {
     # a re-capture with nothing changed: the H200 run of session 8 measured +1.0 % and +2.3 % at
@@ -117,6 +131,9 @@ VARIANTS = {
     # the down GEMM's dots in float16 too, rows scaled by powers of 2 (kb/0042; decode and
     # prefill: also a --prefill-variants one)
     "down_f16": lambda: _set("kernels.moe", "FP8_DOWN_F16", True),
+    # the MoE decode GEMMs at a fixed launch config from the environment (kb/0044)
+    "down_cfg": lambda: _moe_cfg("down"),
+    "gate_up_cfg": lambda: _moe_cfg("gate_up"),
     # FP8 dense projections of 3-64 rows over their FP8 weights, the tiled GEMM with float16
     # dots instead of cuBLAS over the bf16 copy (kb/0043); dense_f16_all: prefills too (a
     # --prefill-variants one)

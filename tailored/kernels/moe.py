@@ -288,6 +288,19 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # bound on the conversion. Off (never gated).
 FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
+# A/B only (scripts/bench_decode.py's down_cfg / gate_up_cfg, kb/0044): a fixed decode launch
+# config {("down" | "gate_up", fp8): (BLOCK_N, BLOCK_K, num_warps, num_stages)} in place of the
+# autotuner's pick, to try configs outside its candidates (scripts/bench_moe_tiles.py)
+DECODE_CFG: dict = {}
+
+
+def _fixed(name: str, fp8: bool, decode: bool):
+    """(BLOCK_N, BLOCK_K, KB, num_warps, num_stages) forced by DECODE_CFG, or None."""
+    cfg = DECODE_CFG.get((name, fp8)) if decode else None
+    if cfg is None:
+        return None
+    bn, bk, warps, stages = cfg
+    return bn, bk, min(bk, 128) if fp8 else bk, warps, stages
 
 
 def _launcher(name: str, decode: bool, fp8: bool = False):
@@ -569,6 +582,14 @@ def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int
                  prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor):
     """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks)."""
     f16 = fp8 and FP8_DOWN_F16 and x.dtype == torch.bfloat16  # fp32 activations: fp32 dots
+    fixed = _fixed("down", fp8, bm == 16) if tuned else None
+    if fixed:
+        bn, bk_dn, kb, warps, stages = fixed
+        _down_kernel[(grid_e, triton.cdiv(H, bn))](
+            *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=kb, DOT_PREC=prec,
+            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps,
+            num_stages=stages, **pdl_launch(x))
+        return
     if tuned:
         _launcher("down", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
@@ -629,7 +650,14 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
     f16 = fp8 and FP8_DOT_F16 and x.dtype == torch.bfloat16  # exact for bf16 activations only
     tuned = x.is_cuda and autotune_enabled(x.dtype)
-    if tuned:  # autotuned block sizes
+    fixed = _fixed("gate_up", fp8, bm == 16) if tuned else None
+    if fixed:  # an A/B's config (DECODE_CFG)
+        bn_f, bk_f, kb_f, warps_f, stages_f = fixed
+        _gate_up_kernel[(grid_e, triton.cdiv(I, bn_f))](
+            *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn_f, BLOCK_K=bk_f, KB=kb_f, DOT_PREC=prec,
+            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps_f,
+            num_stages=stages_f, **pdl_launch(x))
+    elif tuned:  # autotuned block sizes
         _launcher("gate_up", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(I, m["BLOCK_N"]))](
             *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
             COMPACT=compact, DOT_F16=f16, **pdl_launch(x))
