@@ -55,6 +55,15 @@ def _bf16_gemv_fp8_cfgs():
     return lambda: [u() for u in reversed(undos)]
 
 
+def _moe_cfg_f16():
+    """down_cfg_f16: the down GEMM at $BENCH_MOE_DOWN_F16_CFG with float16 dots (FP8_DOWN_F16)."""
+    import os
+
+    os.environ["BENCH_MOE_DOWN_CFG"] = os.environ["BENCH_MOE_DOWN_F16_CFG"]
+    undos = [_moe_cfg("down"), _set("kernels.moe", "FP8_DOWN_F16", True)]
+    return lambda: [u() for u in reversed(undos)]
+
+
 def _moe_cfg(name: str):
     """The MoE decode GEMM `name` at the fixed config in $BENCH_MOE_DOWN_CFG /
     $BENCH_MOE_GATE_UP_CFG ("BLOCK_N,BLOCK_K,num_warps,num_stages", e.g. the best of
@@ -134,6 +143,7 @@ VARIANTS = {
     # the MoE decode GEMMs at a fixed launch config from the environment (kb/0044)
     "down_cfg": lambda: _moe_cfg("down"),
     "gate_up_cfg": lambda: _moe_cfg("gate_up"),
+    "down_cfg_f16": lambda: _moe_cfg_f16(),
     # FP8 dense projections of 3-64 rows over their FP8 weights, the tiled GEMM with float16
     # dots instead of cuBLAS over the bf16 copy (kb/0043); dense_f16_all: prefills too (a
     # --prefill-variants one)

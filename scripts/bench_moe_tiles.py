@@ -15,7 +15,8 @@ is the fp32 sum order (~1e-7), larger means a broken config.
 
 Usage: python scripts/bench_moe_tiles.py [--fp8] [--kernel down|gate_up] [--batches 8,16,32]
        [--json F] [--best-out F]   (F gets "BLOCK_N,BLOCK_K,num_warps,num_stages" of the best
-       config at the last batch, for bench_decode's down_cfg / gate_up_cfg variants)
+       config at the last batch, for bench_decode's down_cfg / gate_up_cfg variants; F.f16 the
+       best with float16 dots, FP8 down only, for down_cfg_f16)
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def main() -> None:
             layers.append((w.reshape(-1).contiguous(), order, offsets, experts))
             distinct += len(set(ids.flatten().tolist())) / LAYERS
 
-        def step(cfg):
+        def step(cfg, f16=f16):
             bn, bk, warps, st = cfg
             outs = []
             for li, (rw, order, offsets, experts) in enumerate(layers):
@@ -149,21 +150,37 @@ def main() -> None:
             res.append({"batch": B, "cfg": cfg, "us": us, "tb_s": tbs, "rel_vs_first": rel})
             print(f"B={B} {cfg}: {us:.1f} us {tbs:.2f} TB/s rel {rel:.1e}", flush=True)
         res.sort(key=lambda r: r["us"])
+        if a.kernel == "down" and a.fp8 and not f16:
+            # the six fastest again with float16 dots (FP8_DOWN_F16's pow2 rows, kb/0042):
+            # with wider tiles the down GEMM may turn ALU-bound on e4m3 -> bf16, as gate_up was
+            for r in list(res[:6]):
+                us, outs = time_graph(lambda: step(r["cfg"], True), LAYERS, a.reps, 3)
+                rel = max(((p - q).float().norm() / q.float().norm().clamp_min(1e-30)).item()
+                          for p, q in zip(outs, ref_out))
+                print(f"B={B} {r['cfg']} f16 dots: {us:.1f} us rel {rel:.1e}", flush=True)
+                res.append({"batch": B, "cfg": r["cfg"], "us": us, "f16": True,
+                            "tb_s": distinct * per_expert / (us * 1e-6) / 1e12,
+                            "rel_vs_first": rel})
+            res.sort(key=lambda r: r["us"])
         rows += res
-        ok = [r for r in res if r["rel_vs_first"] < 1e-4]
+        ok = [r for r in res if r["rel_vs_first"] < 1e-4 and not r.get("f16")]
         best = ok[0]["cfg"] if ok else None
+        ok16 = [r for r in res if r["rel_vs_first"] < 1e-4 and r.get("f16")]
+        best16 = ok16[0]["cfg"] if ok16 else None
         print(f"\nB={B} ({distinct:.0f} experts, compact={compact}), fastest first:")
-        print("| BLOCK_N | BLOCK_K | warps | stages | µs/layer | TB/s | rel |\n|---|---|---|---|---|---|---|")
-        for r in res[:8]:
-            print("| %d | %d | %d | %d | " % r["cfg"]
-                  + f"{r['us']:.1f} | {r['tb_s']:.2f} | {r['rel_vs_first']:.0e} |")
+        print("| BLOCK_N | BLOCK_K | warps | stages | dots | µs/layer | TB/s | rel |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for r in res[:10]:
+            print("| %d | %d | %d | %d | " % r["cfg"] + ("f16" if r.get("f16") else "bf16")
+                  + f" | {r['us']:.1f} | {r['tb_s']:.2f} | {r['rel_vs_first']:.0e} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"kernel": a.kernel, "fp8": a.fp8, "rows": rows}, f, indent=1)
-    if a.best_out and best:
-        with open(a.best_out, "w") as f:
-            f.write(",".join(map(str, best)))
-        print(f"best at the last batch: {best} -> {a.best_out}")
+    for path, cfg in ((a.best_out, best), (a.best_out and a.best_out + ".f16", best16)):
+        if path and cfg:  # .f16: the best with float16 dots, for bench_decode's down_cfg_f16
+            with open(path, "w") as f:
+                f.write(",".join(map(str, cfg)))
+            print(f"best at the last batch: {cfg} -> {path}")
 
 
 if __name__ == "__main__":

@@ -31,25 +31,26 @@ enough 60 "FP8 down sweep" && {
 stamp "FP8 down sweep, B=16,32 ($(left) s left)"
 timeout "$(cap 300)" python3 scripts/bench_moe_tiles.py --fp8 --kernel down --batches 16,32 \
     --json "$OUT/tiles-down-fp8.json" --best-out "$OUT/best-down.txt" > "$OUT/tiles-down-fp8.log" 2>&1
-grep -A11 "fastest first" "$OUT/tiles-down-fp8.log"; tail -2 "$OUT/tiles-down-fp8.log"; }
+grep -A13 "fastest first" "$OUT/tiles-down-fp8.log"; tail -2 "$OUT/tiles-down-fp8.log"; }
 enough 60 "FP8 gate_up sweep" && {
 stamp "FP8 gate_up sweep, B=32 ($(left) s left)"
 timeout "$(cap 200)" python3 scripts/bench_moe_tiles.py --fp8 --kernel gate_up --batches 32 \
     --json "$OUT/tiles-gate_up-fp8.json" --best-out "$OUT/best-gate_up.txt" \
     > "$OUT/tiles-gate_up-fp8.log" 2>&1
-grep -A11 "fastest first" "$OUT/tiles-gate_up-fp8.log"; tail -1 "$OUT/tiles-gate_up-fp8.log"; }
+grep -A13 "fastest first" "$OUT/tiles-gate_up-fp8.log"; tail -1 "$OUT/tiles-gate_up-fp8.log"; }
 enough 60 "bf16 down sweep" && {
 stamp "bf16 down sweep, B=32 ($(left) s left)"
 timeout "$(cap 150)" python3 scripts/bench_moe_tiles.py --kernel down --batches 32 \
     --json "$OUT/tiles-down-bf16.json" > "$OUT/tiles-down-bf16.log" 2>&1
-grep -A11 "fastest first" "$OUT/tiles-down-bf16.log"; }
+grep -A13 "fastest first" "$OUT/tiles-down-bf16.log"; }
 }
 want ab && enough 150 "FP8 A/B" && {
 variants=control
 [ -s "$OUT/best-down.txt" ] && { export BENCH_MOE_DOWN_CFG=$(cat "$OUT/best-down.txt"); variants+=",down_cfg"; }
 [ -s "$OUT/best-gate_up.txt" ] && { export BENCH_MOE_GATE_UP_CFG=$(cat "$OUT/best-gate_up.txt"); variants+=",gate_up_cfg"; }
 [[ $variants == *down_cfg*gate_up_cfg* ]] && variants+=",down_cfg+gate_up_cfg"
-stamp "A/B fp8 B=8,32: $variants (down ${BENCH_MOE_DOWN_CFG:-}, gate_up ${BENCH_MOE_GATE_UP_CFG:-}; $(left) s left)"
+[ -s "$OUT/best-down.txt.f16" ] && { export BENCH_MOE_DOWN_F16_CFG=$(cat "$OUT/best-down.txt.f16"); variants+=",down_cfg_f16"; }
+stamp "A/B fp8 B=8,32: $variants (down ${BENCH_MOE_DOWN_CFG:-} / f16 ${BENCH_MOE_DOWN_F16_CFG:-}, gate_up ${BENCH_MOE_GATE_UP_CFG:-}; $(left) s left)"
 timeout "$(cap 400)" python3 scripts/bench_decode.py /tmp/full-fp8 --batches 8,32 \
     --json "$OUT/ab-tiles.json" --rounds 3 --variants $variants > "$OUT/ab-tiles.log" 2>&1
 grep "^| \|^B=\|min of rounds\|Error\|error" "$OUT/ab-tiles.log" | cut -c1-130 | head -30
