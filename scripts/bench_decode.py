@@ -97,10 +97,9 @@ VARIANTS = {
     "shared_up_to32": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 32),
     "no_route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 0),
     # the experts of 1-2 row MoE inputs as GEMVs (moe_gemv.route_gemv_moe, kb/0039): FP8 by
-    # default, bf16 with moe_gemv_bf16
+    # only (bf16's measured no gain, kb/0043)
     "no_moe_gemv": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 0),
     "moe_gemv1": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 1),
-    "moe_gemv_bf16": lambda: _set("model.fast", "MOE_GEMV_BF16", True),
     # FP8 dense projections of 1-2 rows through the FP8 GEMV (kernels/fp8_gemv.py, kb/0039 §4;
     # fp8_gemv is the default since 64846c1, i.e. the same as control now)
     "fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 2),
@@ -122,9 +121,6 @@ VARIANTS = {
     "qk_one_launch": lambda: _set("model.fast", "QK_NORM_ONE_LAUNCH", True),
     "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
     "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
-    # 4 / 2 key ranges per (sequence, KV head) from 16 sequences up instead of 8 (kb/0043)
-    "attn_large4": lambda: _set("kernels.attention_decode", "LARGE_BATCH_SPLITS", 4),
-    "attn_large2": lambda: _set("kernels.attention_decode", "LARGE_BATCH_SPLITS", 2),
     # GDN state columns over 2 / 4 programs (kb/0022)
     "gdn_split2": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 2),
     "gdn_split4": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 4),
@@ -144,11 +140,9 @@ VARIANTS = {
     "down_cfg": lambda: _moe_cfg("down"),
     "gate_up_cfg": lambda: _moe_cfg("gate_up"),
     "down_cfg_f16": lambda: _moe_cfg_f16(),
-    # FP8 dense projections of 3-64 rows over their FP8 weights, the tiled GEMM with float16
-    # dots instead of cuBLAS over the bf16 copy (kb/0043); dense_f16_all: prefills too (a
-    # --prefill-variants one)
-    "dense_f16": lambda: _set("model.fast", "FP8_DENSE_F16_UP_TO", 64),
-    "dense_f16_all": lambda: _set("model.fast", "FP8_DENSE_F16_UP_TO", 1 << 16),
+    # the FP8 MoE group (router | shared gate | shared gate/up) of 3-64 rows over its FP8
+    # weights, the tiled GEMM with bf16 dots, instead of cuBLAS over the bf16 copy (kb/0044)
+    "moe_group_tiled": lambda: _set("model.fast", "FP8_MOE_GROUP_TILED_UP_TO", 64),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),

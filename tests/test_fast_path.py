@@ -110,13 +110,12 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
         monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
         monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039: the GEMVs at 3-4 rows too
-        monkeypatch.setattr(fastmod, "MOE_GEMV_BF16", True)  # and for fp32 experts
         monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)  # dense projections too (kb/0039)
     plain, fastm, fcache = pair
     _run_steps(plain, fastm, fcache)
 
 
-@pytest.mark.parametrize("gemv_up_to,tiles_up_to", [(0, 0), (4, 0), (0, 4096), (4, 4096)])
+@pytest.mark.parametrize("gemv_up_to,tiles_up_to", [(0, 0), (4, 0), (0, 64), (4, 64)])
 def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiles_up_to, tiny_fp8_ckpt,
                                               monkeypatch):
     """TAILORED_FP8_DENSE_DEQUANT (kb/0026): the dense projections held dequantized, one GEMM
@@ -124,14 +123,14 @@ def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiles_up_to, tiny_fp8_
     routed experts stay FP8. Same steps as the plain path. gemv_up_to (FP8_GEMV_UP_TO,
     kb/0039 §4): steps of up to 4 rows read the FP8 weights through the GEMV instead, the
     bf16 members' rows (b/a, router) viewing the dequantized weight. tiles_up_to
-    (FP8_DENSE_F16_UP_TO, kb/0043): the steps above the GEMV's rows (prefills included here)
-    through the tiled W8A16 GEMM with the bf16 rows in its launch (float16 dots on the GPU;
-    fp32 dots for the fp32 CPU model); with both, the decode steps' 3-4 rows keep the GEMV."""
+    (FP8_MOE_GROUP_TILED_UP_TO, kb/0044): the MoE group's steps above the GEMV's rows
+    (prefills up to 64 rows included here) through the tiled W8A16 GEMM with the bf16 rows in
+    its launch; with both, the decode steps' 3-4 rows keep the GEMV."""
     from tailored.model import fast as fastmod
 
     monkeypatch.setattr(fastmod, "FP8_DENSE_DEQUANT", True)
     monkeypatch.setattr(fastmod, "FP8_GEMV_UP_TO", gemv_up_to)
-    monkeypatch.setattr(fastmod, "FP8_DENSE_F16_UP_TO", tiles_up_to)
+    monkeypatch.setattr(fastmod, "FP8_MOE_GROUP_TILED_UP_TO", tiles_up_to)
     plain, fastm, fcache = _make_pair(tiny_fp8_ckpt)
     fast = fastm.fast
     for g in (fast.p_in, fast.p_moe):

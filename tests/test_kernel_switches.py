@@ -77,11 +77,11 @@ def test_session21_defaults():
 
     from tailored.model import fast
 
-    for name in ("TAILORED_MOE_GEMV_UP_TO", "TAILORED_MOE_GEMV_BF16", "TAILORED_FP8_GEMV_UP_TO",
+    for name in ("TAILORED_MOE_GEMV_UP_TO", "TAILORED_FP8_GEMV_UP_TO",
                  "TAILORED_BF16_GEMV_UP_TO"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
-    assert fast.MOE_GEMV_UP_TO == 2 and fast.MOE_GEMV_BF16 is False
+    assert fast.MOE_GEMV_UP_TO == 2 and not hasattr(fast, "MOE_GEMV_BF16")  # deleted, kb/0044
     assert fast.FP8_GEMV_UP_TO == 2
 
 
@@ -94,27 +94,22 @@ def test_session25_defaults():
     from tailored.model import fast
 
     for name in ("TAILORED_BF16_GEMV_UP_TO", "TAILORED_BF16_GEMV_FP8_CFGS",
-                 "TAILORED_MOE_FP8_DOWN_F16", "TAILORED_FP8_DENSE_F16_UP_TO"):
+                 "TAILORED_MOE_FP8_DOWN_F16", "TAILORED_FP8_MOE_GROUP_TILED_UP_TO"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert fast.BF16_GEMV_UP_TO == 1 and fp8_gemv.BF16_CFGS == fp8_gemv.fp8_cfgs_for_bf16()
     assert moe.FP8_DOWN_F16 is False  # until its H200 A/B and FP8 gate
-    assert fast.FP8_DENSE_F16_UP_TO == 0  # kb/0043: the same
+    assert fast.FP8_MOE_GROUP_TILED_UP_TO == 0  # kb/0044: until its A/B and FP8 gate
+    assert not hasattr(fast, "FP8_DENSE_F16_UP_TO")  # deleted: lost (kb/0043)
 
 
 def test_attention_splits_by_batch_size(monkeypatch):
-    """splits_for (kb/0043): 8 key ranges below LARGE_BATCH_FROM sequences, LARGE_BATCH_SPLITS
-    (8 unless TAILORED_ATTN_LARGE_BATCH_SPLITS says otherwise) from there; ADAPTIVE_SPLITS
-    (kb/0019) still wins when on."""
-    import os
-
+    """splits_for: 8 key ranges at every batch (kb/0043: fewer at large batches did not pay);
+    ADAPTIVE_SPLITS (kb/0019) more at small batches when on."""
     from tailored.kernels import attention_decode as ad
 
-    if not os.environ.get("TAILORED_ATTN_LARGE_BATCH_SPLITS"):
-        assert ad.LARGE_BATCH_SPLITS == 8
     monkeypatch.setattr(ad, "ADAPTIVE_SPLITS", False)
-    monkeypatch.setattr(ad, "LARGE_BATCH_SPLITS", 2)
-    assert [ad.splits_for(b, 2) for b in (1, 15, 16, 32, 64)] == [8, 8, 2, 2, 2]
+    assert [ad.splits_for(b, 2) for b in (1, 15, 16, 32, 64)] == [8] * 5
     monkeypatch.setattr(ad, "ADAPTIVE_SPLITS", True)
     assert ad.splits_for(32, 2) == 8 and ad.splits_for(1, 2) == 32
 

@@ -438,18 +438,17 @@ def _kernel_switches() -> dict:
             "qk_norm_one_launch": fast.QK_NORM_ONE_LAUNCH,
             "attention_adaptive_splits":
             attention_decode.ADAPTIVE_SPLITS,
-            "attention_large_batch_splits": attention_decode.LARGE_BATCH_SPLITS,
             "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
             "combine_next_norm": fast.COMBINE_NEXT_NORM,
             "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
             "moe_fp8_dot_f16": moe.FP8_DOT_F16, "proj_row_align": fast.PROJ_ROW_ALIGN,
             "pdl": pdl.PDL, "moe_gemv_up_to": fast.MOE_GEMV_UP_TO,
-            "moe_gemv_bf16": fast.MOE_GEMV_BF16, "fp8_gemv_up_to": fast.FP8_GEMV_UP_TO,
+            "fp8_gemv_up_to": fast.FP8_GEMV_UP_TO,
             "bf16_gemv_up_to": fast.BF16_GEMV_UP_TO,
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),
             "moe_fp8_down_f16": moe.FP8_DOWN_F16,
-            "fp8_dense_f16_up_to": fast.FP8_DENSE_F16_UP_TO}
+            "fp8_moe_group_tiled_up_to": fast.FP8_MOE_GROUP_TILED_UP_TO}
 
 
 def _free(dev) -> None:

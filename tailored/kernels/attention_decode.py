@@ -111,23 +111,14 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, gat
 ADAPTIVE_SPLITS = env_flag("TAILORED_ATTN_SPLITS", False)
 
 
-# Key ranges per (sequence, KV head) from LARGE_BATCH_FROM sequences up (kb/0043): at B=32
-# 8 splits make 512 programs that each read ~1/8 of a ~1.1k-token context, and the merge
-# reads back 8 fp32 partials of every (sequence, KV head): split 31.2 + merge 16.0 µs a layer
-# in the H200's B=32 table (kb/0042 §3) for ~72 MB of K/V (1.5 TB/s). Fewer splits at large
-# batches write and merge fewer partials while 64 (sequence, KV head) pairs still fill the
-# SMs. Measured (session 26, kb/0043 §0, FP8 B=32 step): 4 splits +0.3 % median, 2 splits
-# +0.8 %: no gain; 8 stays. Read at call time: a decode graph bakes in its batch's splits.
-LARGE_BATCH_SPLITS = env_int("TAILORED_ATTN_LARGE_BATCH_SPLITS", 8, 1, 32, power_of_2=True)
-LARGE_BATCH_FROM = 16
-
-
+# Fewer key ranges at large batches (4 or 2 from 16 sequences, to write and merge fewer fp32
+# partials) measured no gain on the H200 (session 26, kb/0043 §0: FP8 B=32 step +0.3 / +0.8 %);
+# the switch was deleted in session 27, 8 everywhere.
 def splits_for(batch: int, kv_heads: int) -> int:
-    """Key ranges per (sequence, KV head): 8 below LARGE_BATCH_FROM sequences and
-    LARGE_BATCH_SPLITS from there, or with ADAPTIVE_SPLITS the power of 2 in 8..32 that brings
-    batch·kv_heads·splits to ≥ 128 programs."""
+    """Key ranges per (sequence, KV head): 8, or with ADAPTIVE_SPLITS the power of 2 in 8..32
+    that brings batch·kv_heads·splits to ≥ 128 programs."""
     if not ADAPTIVE_SPLITS:
-        return 8 if batch < LARGE_BATCH_FROM else LARGE_BATCH_SPLITS
+        return 8
     s = 8
     while s < 32 and batch * kv_heads * s < 128:
         s *= 2

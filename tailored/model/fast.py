@@ -93,11 +93,11 @@ ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 2, 0,
 # experts as GEMVs, one (token, expert) pair a program (`moe_gemv.route_gemv_moe`, kb/0039),
 # instead of the tiled GEMMs, which were compute-bound at one row (e4m3 conversion into
 # tl.dot). In-layer bench on the H200 (µs a MoE layer, tiled → GEMV): FP8 T=1 23.0 → 15.4,
-# T=2 31.4 → 24.2. bf16 experts only with MOE_GEMV_BF16: 24.2 → 23.0 and 37.6 → 36.8 there,
-# not worth a bf16 gate yet. Another fp32 summation order: the FP8 gate passed with it
-# (kb/0039). 0 = off. Both read at call time (A/B).
+# T=2 31.4 → 24.2. Another fp32 summation order: the FP8 gate passed with it (kb/0039). 0 = off.
+# Read at call time (A/B). FP8 experts only: for bf16 experts the GEMVs measured no gain (layer
+# 24.2 → 23.0 µs at T=1 but the step +0.9 % min / +3.2 % median, kb/0039; with PDL, session 26,
+# +5.6 % median / −1.5 % min, kb/0043); their switch was deleted in session 27.
 MOE_GEMV_UP_TO = env_int("TAILORED_MOE_GEMV_UP_TO", 2, 0, moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
-MOE_GEMV_BF16 = env_flag("TAILORED_MOE_GEMV_BF16", False)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step above FP8_GEMV_UP_TO rows (at 1-2 rows the FP8
 # GEMV reads the FP8 weights, kb/0039); the routed experts stay FP8 (kb/0026). The
@@ -129,20 +129,17 @@ FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # B=2 -0.5 / -1.4 and +0.3 / -0.3, no gain, hence 1. Both gates passed with it at 2 (run2,
 # kb/0042). 0 = cuBLAS. Read at call time (A/B).
 BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
-# With FP8_DENSE_DEQUANT, projections of more than FP8_GEMV_UP_TO and up to this many rows
-# read their FP8 weights through the tiled W8A16 GEMM (`fp8_linear`, the bf16 members of a
-# fused projection in the same launch) with float16 dots, each activation row scaled by a
-# power of 2 into float16's range (kb/0043), instead of cuBLAS over the dequantized bf16 copy.
-# Why: the H200's B=32 FP8 step spends ~1.4 ms a step in those cuBLAS GEMMs
-# (logs/gpu/2026-12-04-s25/run1/b32-fp8.log, kb/0042 §3: GDN in 16.0 µs for 50.6 MB, ~3.2 TB/s;
-# the out / o projections' splitK 8.5 + 2.1 µs for 16.8 MB, ~1.6 TB/s) on twice the FP8 bytes;
-# bf16 dots made this GEMM ALU-bound on e4m3 -> bf16 (kb/0009, kb/0029), float16 converts e4m3
-# in one instruction a pair. Numerics: (x·q)·s in fp32 where cuBLAS reads bf16(q·s): another
-# rounding, never gated. Measured (session 26 run3, kb/0043 §0): slower than cuBLAS over the
-# bf16 copy for GDN in / out and attention at 8 and 32 rows (e.g. out 9.8 -> 20.4 µs at 32
-# rows: the tiled GEMM's K loop is latency-bound, ~0.4-1.5 TB/s), faster only for the small
-# MoE group. 0 = off, the default. Read at call time (A/B).
-FP8_DENSE_F16_UP_TO = env_int("TAILORED_FP8_DENSE_F16_UP_TO", 0, 0, 1 << 16)
+# With FP8_DENSE_DEQUANT, the MoE group (router | shared-expert gate | shared gate/up: 1024
+# FP8 + 257 bf16 rows) of more than FP8_GEMV_UP_TO and up to this many rows reads its FP8
+# weights through the tiled W8A16 GEMM (`fp8_linear`, bf16 dots, the bf16 rows in the same
+# launch) instead of cuBLAS over the dequantized bf16 copy. Why: the H200's shape bench
+# (session 26 run3, kb/0043 §0) had it at 8.5 / 8.3 µs against cuBLAS's 11.6 / 12.8 at 8 / 32
+# rows (~0.18 ms of a B=32 step); for the other dense shapes cuBLAS over twice the bytes won
+# (the tiled GEMM is latency-bound in its K loop; float16 dots did not help it: that switch,
+# FP8_DENSE_F16_UP_TO, was deleted in session 27). Numerics: (x·q)·s in fp32 where cuBLAS reads
+# bf16(q·s), and the router's logits in another summation order: routing ties may flip, so
+# it needs the FP8 gate. 0 = off, the default until then. Read at call time (A/B).
+FP8_MOE_GROUP_TILED_UP_TO = env_int("TAILORED_FP8_MOE_GROUP_TILED_UP_TO", 0, 0, 64)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
@@ -327,9 +324,10 @@ class Proj:
         if self.gemv is not None and 1 <= x.shape[0] <= FP8_GEMV_UP_TO:
             w8, s8, wb, bf16_first = self.gemv
             return fp8_gemv(x, w8, s8, other=wb, other_first=bf16_first)
-        if self.gemv is not None and 1 <= x.shape[0] <= FP8_DENSE_F16_UP_TO:
+        if (self.gemv is not None and self.kind == "router"
+                and 1 <= x.shape[0] <= FP8_MOE_GROUP_TILED_UP_TO):
             w8, s8, wb, bf16_first = self.gemv
-            return fp8_linear(x, w8, s8, other=wb, other_first=bf16_first, dot_f16=True)
+            return fp8_linear(x, w8, s8, other=wb, other_first=bf16_first)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
         if (1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype
@@ -596,9 +594,9 @@ class FastPath:
     @staticmethod
     def _route_experts(T: int, experts: torch.Tensor):
         """The kernels for a T-row MoE input that routes inside the gate_up launch, by the
-        experts' weight dtype: GEMVs up to MOE_GEMV_UP_TO rows (bf16/fp32 with MOE_GEMV_BF16),
-        else the tiled GEMMs (same contract)."""
-        gemv = experts.dtype == torch.float8_e4m3fn or MOE_GEMV_BF16
+        experts' weight dtype: FP8 experts as GEMVs up to MOE_GEMV_UP_TO rows, else the tiled
+        GEMMs (same contract)."""
+        gemv = experts.dtype == torch.float8_e4m3fn
         return route_gemv_moe if gemv and T <= MOE_GEMV_UP_TO else route_fused_moe
 
     def _moe(self, i: int, x: torch.Tensor, norm: tuple | None = None):

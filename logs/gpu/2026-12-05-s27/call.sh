@@ -6,7 +6,8 @@
 #           2.3 TB/s kernel, kb/0043 §0), FP8 gate_up and bf16 down at B=32. The best FP8
 #           configs at B=32 go to $OUT/best-*.txt for the A/B.
 #  ab       FP8 decode A/B at B=8,32 (3 rounds): the swept best down / gate_up configs in the
-#           model (bench_decode's down_cfg, gate_up_cfg) against the autotuned control.
+#           model (bench_decode's down_cfg, gate_up_cfg, down_cfg_f16) against the autotuned
+#           control; the MoE group through the tiled FP8 GEMM (moe_group_tiled, kb/0044).
 #  ncu      One eager FP8 MoE layer at B=32 under ncu (--clock-control none): the down
 #           kernel's speed of light, memory, occupancy and warp stall sections.
 #  tests    GPU tests owed since session 25: PDL (tiles at 3 rows), the full-width
@@ -45,7 +46,7 @@ timeout "$(cap 150)" python3 scripts/bench_moe_tiles.py --kernel down --batches 
 grep -A13 "fastest first" "$OUT/tiles-down-bf16.log"; }
 }
 want ab && enough 150 "FP8 A/B" && {
-variants=control
+variants=control,moe_group_tiled
 [ -s "$OUT/best-down.txt" ] && { export BENCH_MOE_DOWN_CFG=$(cat "$OUT/best-down.txt"); variants+=",down_cfg"; }
 [ -s "$OUT/best-gate_up.txt" ] && { export BENCH_MOE_GATE_UP_CFG=$(cat "$OUT/best-gate_up.txt"); variants+=",gate_up_cfg"; }
 [[ $variants == *down_cfg*gate_up_cfg* ]] && variants+=",down_cfg+gate_up_cfg"
