@@ -13,9 +13,9 @@ bytes. Prints each row as it completes and a table last; rel = relative differen
 reference over the dequantized weight.
 
 With --bf16 also `bf16_gemv` over the bf16 weight (the same sweep; kb/0039 §7.3). Batches
-above 4 rows (the GEMV's limit) time cuBLAS, `fp8_linear` with bf16 dots and `fp8_linear` with
-float16 dots and power-of-2 row scales (`fp8_f16`, FastPath's FP8_DENSE_F16_UP_TO, kb/0043),
-both autotuned at their first call, outside the graph.
+above 4 rows (the GEMV's limit) time cuBLAS and `fp8_linear` (bf16 dots; autotuned at its
+first call, outside the graph; FastPath's FP8_MOE_GROUP_TILED_UP_TO for the MoE group, kb/0044).
+Session 26's float16-dot variant lost for every shape (kb/0043) and was removed.
 
 Usage (GPU): python3 scripts/bench_fp8_gemv.py [--batches 1,2] [--bf16] [--json F]   (~1-2 min)
              python3 scripts/bench_fp8_gemv.py --batches 8,16,32,64 (the tiled GEMMs only)
@@ -90,8 +90,6 @@ def main() -> None:
 
             run("cublas_bf16", lambda i: F.linear(x, ws[i]), 2 * (N + NB) * K)
             run("fp8_linear", lambda i: fp8_linear(x, qs[i], ss[i], bs[i], first), nbytes8)
-            run("fp8_f16", lambda i: fp8_linear(x, qs[i], ss[i], bs[i], first, dot_f16=True),
-                nbytes8)
             if T > 4:  # past the GEMVs' rows
                 continue
             for cfg in CONFIGS:
@@ -103,17 +101,16 @@ def main() -> None:
                         lambda i, cfg=cfg: bf16_gemv(x, ws[i], cfg), 2 * (N + NB) * K)
         del qs, ss, ws, bs
         torch.cuda.empty_cache()
-    print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs | fp8_linear f16 µs (TB/s) |")
-    print("|---|---|---|---|---|")
+    print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs (TB/s) |")
+    print("|---|---|---|---|")
     for name in SHAPES:
         for T in sorted({r["T"] for r in rows}):
             sel = {r["variant"]: r for r in rows if r["shape"] == name and r["T"] == T}
-            cb, fl, f16 = (sel.get(v) for v in ("cublas_bf16", "fp8_linear", "fp8_f16"))
-            if cb or fl or f16:
+            cb, fl = (sel.get(v) for v in ("cublas_bf16", "fp8_linear"))
+            if cb or fl:
                 nan = {"us": float("nan"), "tb_s": float("nan")}
-                cb, fl, f16 = cb or nan, fl or nan, f16 or nan
-                print(f"| {name} | {T} | {cb['us']:.2f} | {fl['us']:.2f} | "
-                      f"{f16['us']:.2f} ({f16['tb_s']:.2f}) |")
+                cb, fl = cb or nan, fl or nan
+                print(f"| {name} | {T} | {cb['us']:.2f} | {fl['us']:.2f} ({fl['tb_s']:.2f}) |")
     print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs | best GEMV µs (cfg) | GEMV TB/s "
           "| best bf16 GEMV µs (cfg) |")
     print("|---|---|---|---|---|---|---|")

@@ -173,11 +173,9 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     x, w, ids, gu, dn, None, *sc))
             wl = torch.zeros(1024, H, dtype=f8)
             calls.append(lambda x=x, wl=wl: fp8_linear(x, wl, torch.ones(1024, H // 128)))
-            # FastPath's FP8 projections of 3+ rows (kb/0043): bf16 rows in the launch,
-            # float16 dots with power-of-2 row scales
+            # FastPath's FP8 MoE group of 3+ rows (kb/0044): bf16 rows in the launch
             calls.append(lambda x=x, wl=wl, dt=dt: fp8_linear(
-                x, wl, torch.ones(1024, H // 128), torch.zeros(64, H, dtype=dt), True,
-                dot_f16=True))
+                x, wl, torch.ones(1024, H // 128), torch.zeros(64, H, dtype=dt), True))
             if T == 1:  # the FP8 GEMV (kb/0039 §4), 1 and 2 rows
                 for xr in (x, torch.randn(2, H, dtype=dt)):
                     calls.append(lambda xr=xr, wl=wl: fp8_gemv(xr, wl, torch.ones(1024, H // 128)))

@@ -88,9 +88,9 @@ def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
 def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
     """Every entry of tailored/kernels/tuned.json is keyed as its launcher's autotuner keys
     today: one value per `key` name (in order), then one dtype string per tensor argument
-    (the kernel's *_ptr arguments). A launcher whose key gained a name (fp8_linear's NB and
-    DOT_F16, kb/0043) silently re-tunes every stale entry at server start (minutes on the H200):
-    the table must be migrated with the key."""
+    (the kernel's *_ptr arguments). A launcher whose key gained or lost a name (fp8_linear's NB
+    and DOT_F16 in kb/0043, DOT_F16 gone in kb/0044) silently re-tunes every stale entry at
+    server start (minutes on the H200): the table must be migrated with the key."""
     from tailored.kernels import fp8_linear, moe
 
     table = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
@@ -112,14 +112,13 @@ def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
             assert len(key) == len(tuner.keys) + n_ptr, (name, key)
             assert all(isinstance(v, str) and v.startswith("torch.") for v in key[-n_ptr:])
             assert not any(isinstance(v, str) for v in key[:len(tuner.keys)]), (name, key)
-    # fp8_linear's layout by name: N, NB, K, BLOCK_M, M_BUCKET, DOT_F16, then the dtypes of x,
-    # weight, scale_rows, other (x itself when NB = 0) and y, in argument order
-    assert tuning._REGISTRY["fp8_linear/small"].keys == ["N", "NB", "K", "BLOCK_M", "M_BUCKET",
-                                                          "DOT_F16"]
+    # fp8_linear's layout by name: N, NB, K, BLOCK_M, M_BUCKET, then the dtypes of x, weight,
+    # scale_rows, other (x itself when NB = 0) and y, in argument order
+    assert tuning._REGISTRY["fp8_linear/small"].keys == ["N", "NB", "K", "BLOCK_M", "M_BUCKET"]
     dtypes = ["torch.bfloat16", "torch.float8_e4m3fn", "torch.float32", "torch.bfloat16",
               "torch.bfloat16"]
     for name in ("fp8_linear/small", "fp8_linear/large"):
         for r in table[name]:
-            N, NB, K, bm, bucket, f16, *dt = r["key"]
-            assert NB == 0 and f16 is False and dt == dtypes, r["key"]
+            N, NB, K, bm, bucket, *dt = r["key"]
+            assert NB == 0 and dt == dtypes, r["key"]
             assert K % 128 == 0 and bm in (16, 32, 64, 128) and N > 0, r["key"]

@@ -9,9 +9,10 @@ BLOCK_K = one or two of them per loop iteration) divides 128 and the scale is on
 fp32), which keeps them right when linears are concatenated along N.
 
 Two uses: FP8 linears held as FP8 (`TAILORED_FP8_DENSE_DEQUANT=0`, the MTP draft head), and
-the FP8 dense projections of 3+ row decode steps (`model.fast.FP8_DENSE_F16_UP_TO`, kb/0043),
-where a fused projection's bf16 members (GDN b/a, the router) ride in the same launch as extra
-column blocks and the FP8 tiles' dots run in float16 (`tile_dot`'s DOT_F16 with A_POW2).
+the FP8 MoE group of 3-64 row decode steps (`model.fast.FP8_MOE_GROUP_TILED_UP_TO`, kb/0044),
+whose bf16 members (the router, the shared-expert gate) ride in the same launch as extra column
+blocks. (Float16 dots with power-of-2 row scales for the dense projections lost to cuBLAS over
+the dequantized bf16 copy, kb/0043, and were removed in session 27.)
 
 Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_fp8_kernels.py);
 the idea as in vLLM's block-FP8 Triton GEMM, with bf16 activations instead of FP8 ones.
@@ -86,8 +87,7 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
 @triton.jit
 def _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K: tl.constexpr, stride_xm, stride_wn,
                stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               KB: tl.constexpr, DOT_PREC: tl.constexpr, W_FP8: tl.constexpr,
-               DOT_F16: tl.constexpr):
+               KB: tl.constexpr, DOT_PREC: tl.constexpr, W_FP8: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32: rows m of x times weight rows n, over all of K."""
     # BLOCK_K of K per loop iteration, as BLOCK_K // KB dots of KB each (FP8: KB ≤ 128, one
     # scale per row and dot). The dots of one iteration are independent and their loads issue
@@ -103,10 +103,7 @@ def _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K: tl.constexpr, stride_xm
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            # DOT_F16: the activations are unbounded (normed states, gated outputs), hence
-            # each row scaled by a power of 2 into float16's range (A_POW2, kb/0043)
-            acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC, W_FP8,
-                           1, DOT_F16, DOT_F16)
+            acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC, W_FP8)
     return acc
 
 
@@ -115,7 +112,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, y_ptr, M, N, NB, K: tl.const
                        stride_xm, stride_wn, stride_sn, stride_wbn, stride_ym, COL8, COLB,
                        M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
-                       DOT_F16: tl.constexpr = False, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
     # Column blocks 0 .. cdiv(N, BLOCK_N) - 1: the N FP8 rows (w, s) into columns COL8..;
     # the blocks after them: the NB rows in x's dtype (wb: a fused projection's bf16 members,
     # GDN b/a or the router) into columns COLB.., as `fp8_gemv` lays them out.
@@ -130,14 +127,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, y_ptr, M, N, NB, K: tl.const
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         acc = _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wn,
-                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, True, DOT_F16)
+                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, True)
         tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + COL8 + n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     else:
         n = (pid_n - p8) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < NB
         acc = _acc_tiles(x_ptr, wb_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wbn,
-                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, False, False)
+                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, False)
         tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + COLB + n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -150,9 +147,8 @@ _TUNED: dict = {}
 
 
 def _tuned(small: bool):
-    """Autotuned launcher (CUDA): keyed on N, NB, K, BLOCK_M, the power-of-2 row bucket and
-    DOT_F16 (decode batch sizes tune once each, at warm-up; all prefills > 64 rows share one
-    tuning). Two small config sets (memory-bound rows ≤ 64: narrow N tiles for more CTAs;
+    """Autotuned launcher (CUDA): keyed on N, NB, K, BLOCK_M and the power-of-2 row bucket
+    (decode batch sizes tune once each, at warm-up; all prefills > 64 rows share one tuning). Two small config sets (memory-bound rows ≤ 64: narrow N tiles for more CTAs;
     prefill: wide tiles), since every config is one more compile at server start."""
     if small not in _TUNED:
         if small:  # 128 or 256 of K per iteration (two 128-wide dots: kb/0009's floor)
@@ -165,25 +161,20 @@ def _tuned(small: bool):
                     for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
         _TUNED[small] = tuning.register(
             f"fp8_linear/{'small' if small else 'large'}",
-            triton.autotune(configs=cfgs, key=["N", "NB", "K", "BLOCK_M", "M_BUCKET", "DOT_F16"],
+            triton.autotune(configs=cfgs, key=["N", "NB", "K", "BLOCK_M", "M_BUCKET"],
                             warmup=5, rep=20)(_fp8_linear_kernel))
     return _TUNED[small]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
-               other: torch.Tensor | None = None, other_first: bool = False,
-               dot_f16: bool = False) -> torch.Tensor:
+               other: torch.Tensor | None = None, other_first: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit column stride) · dequant(weight)ᵀ → [M, N] in x.dtype.
 
     weight: [N, K] float8_e4m3fn, row stride free, unit column stride; scale_rows: [N,
     ceil(K/128)] fp32 (`fp8.row_scales`). other: [NB, K] rows in x's dtype (a fused
     projection's bf16 members: GDN b/a, the router) in the same launch; the output is then
     [M, N + NB], the FP8 rows' columns first, or last with other_first (`fp8_gemv`'s layout).
-    dot_f16 (bf16 x only; `model.fast.FP8_DENSE_F16_UP_TO`, kb/0043): the FP8 tiles' dots in
-    float16, each activation row scaled by a power of 2 into float16's range
-    (`pow2_rows_f16`) and the product scaled back: the bf16 dot's products and fp32 sums up
-    to the MMA's summation order, bar activations below 2^-28 of their row's largest. Raises
-    ValueError on mismatched shapes or dtypes.
+    Raises ValueError on mismatched shapes or dtypes.
     """
     M, K = x.shape
     N, K2 = weight.shape
@@ -211,14 +202,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
     args = (x, weight, scale_rows, wb, y, M, N, NB, K, x.stride(0), weight.stride(0),
             scale_rows.stride(0), wb.stride(0), y.stride(0), col8, colb, bucket)
     prec = dot_precision(x.dtype)
-    f16 = dot_f16 and x.dtype == torch.bfloat16  # fp32 activations (CPU tests): fp32 dots
     if x.is_cuda and autotune_enabled(x.dtype):
         _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm),
                                    triton.cdiv(N, c["BLOCK_N"]) + triton.cdiv(NB, c["BLOCK_N"]))](
-            *args, BLOCK_M=bm, DOT_PREC=prec, DOT_F16=f16, **pdl_launch(x))
+            *args, BLOCK_M=bm, DOT_PREC=prec, **pdl_launch(x))
     else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn) + triton.cdiv(NB, bn))](
-            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, DOT_F16=f16,
-            **pdl_launch(x))
+            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, **pdl_launch(x))
     return y
