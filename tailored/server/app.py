@@ -6,6 +6,10 @@
     GET  /v1/models/{id}        that model, or 404 model_not_found
     POST /v1/completions        text or token-id prompt (one per request)
     POST /v1/chat/completions   messages -> tokenizer.apply_chat_template -> encode
+    GET  /metrics               Prometheus text (HEAD too): vLLM's metric names with the prefix
+                                `tailored:` (tokens, finished requests by reason, TTFT /
+                                inter-token / end-to-end latency histograms in seconds, running
+                                and waiting requests, engine_healthy 0/1); list in metrics.py
 
 Streaming is SSE: `data: {chunk json}\\n\\n` per non-empty delta; the last chunk carries
 finish_reason; with stream_options.include_usage one more chunk with `choices: []` and usage;
@@ -49,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +69,7 @@ from starlette.requests import ClientDisconnect
 
 from tailored.engine.types import FinishReason, RequestOutput
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tailored.server.metrics import CONTENT_TYPE_LATEST, RequestMetrics, ServerMetrics
 from tailored.server.reasoning import REASONING_PARSERS, ReasoningSplitter
 from tailored.server.reasoning import split as split_reasoning
 from tailored.server.protocol import (
@@ -173,6 +179,7 @@ class _Server:
         # Tokenizer work runs off the event loop, on one thread so the tokenizer is never used
         # by two server threads at once (the engine thread may still decode concurrently).
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tailored-tokenize")
+        self.metrics = ServerMetrics(model_name)  # GET /metrics; its own registry per app
 
     # ---- parsing and validation ----------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -337,6 +344,13 @@ class _Server:
 
     # ---- one request ---------------------------------------------------------------------
     async def handle(self, request: Request, chat: bool) -> Response:
+        arrival = time.monotonic()  # TTFT and end-to-end latency count from here
+        response = await self._handle(request, chat, arrival)
+        self.metrics.http_response("/v1/chat/completions" if chat else "/v1/completions",
+                                   response.status_code)
+        return response
+
+    async def _handle(self, request: Request, chat: bool, arrival: float) -> Response:
         try:
             req = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
             prompt_ids = await self.prompt_ids(req)
@@ -360,15 +374,16 @@ class _Server:
                         if chat and self.reasoning_parser and req.add_generation_prompt else None)
             fmt = _Formatter(request_id, self.model_name, chat, len(prompt_ids), req.include_usage,
                              thinking)
+            tracker = self.metrics.request(arrival, len(prompt_ids))
             if req.stream:
                 return StreamingResponse(
-                    self.stream_events(stream, fmt),
+                    self.stream_events(stream, fmt, tracker),
                     media_type="text/event-stream",
                     headers=SSE_HEADERS,
                     # Runs also when the client left before the body started: frees the engine.
-                    background=BackgroundTask(stream.abort),
+                    background=BackgroundTask(_end_stream, stream, tracker),
                 )
-            return await self.complete(request, stream, fmt)
+            return await self.complete(request, stream, fmt, tracker)
         except OpenAIError as e:
             return error_response(e)
         except ClientDisconnect:  # left before its body was complete: nothing was started
@@ -378,13 +393,15 @@ class _Server:
             logger.exception("unexpected error while handling %s", request.url.path)
             return error_response(_internal_error(e))
 
-    async def complete(self, request: Request, stream: RequestStream, fmt: _Formatter):
+    async def complete(self, request: Request, stream: RequestStream, fmt: _Formatter,
+                       tracker: RequestMetrics):
         """Non-streaming: aggregate all deltas; abort if the client disconnects meanwhile."""
         watcher = asyncio.create_task(self._abort_on_disconnect(request, stream))
         parts: list[str] = []
         num_tokens, finish = 0, None
         try:
             async for out in stream:
+                tracker.output(out)
                 if out.error is not None:
                     raise OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
                 parts.append(out.delta_text)
@@ -393,6 +410,7 @@ class _Server:
                     finish = _finish_reason(out)
         finally:
             watcher.cancel()
+            tracker.finish("abort")  # no-op when its last output was seen
             stream.abort()  # no-op when finished
         return JSONResponse(fmt.response("".join(parts), finish, num_tokens).model_dump())
 
@@ -404,7 +422,8 @@ class _Server:
                 stream.abort()
                 return
 
-    async def stream_events(self, stream: RequestStream, fmt: _Formatter) -> AsyncIterator[str]:
+    async def stream_events(self, stream: RequestStream, fmt: _Formatter,
+                            tracker: RequestMetrics) -> AsyncIterator[str]:
         """SSE body. Cancellation (client disconnect) lands in `finally` and aborts the request."""
         num_tokens = 0
         try:
@@ -412,6 +431,7 @@ class _Server:
             if first is not None:
                 yield first
             async for out in stream:
+                tracker.output(out)
                 if out.error is not None:
                     err = OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
                     yield _sse(err.to_dict())
@@ -434,10 +454,19 @@ class _Server:
             yield "data: [DONE]\n\n"
         except Exception as e:  # headers are sent; report in-band
             logger.exception("unexpected error while streaming %s", stream.request_id)
+            tracker.finish("error")
             yield _sse(_internal_error(e).to_dict())
             yield "data: [DONE]\n\n"
         finally:
+            tracker.finish("abort")  # no-op when its last output was seen
             stream.abort()  # no-op when finished
+
+
+def _end_stream(stream: RequestStream, tracker: RequestMetrics) -> None:
+    """A stream response's background task: also runs when the client left before the body
+    started (the generator never ran): the request counts as aborted and leaves the engine."""
+    tracker.finish("abort")  # no-op when the body's `finally` already counted it
+    stream.abort()
 
 
 def _internal_error(e: Exception) -> OpenAIError:
@@ -602,6 +631,10 @@ def build_app(
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(_internal_error(exc))
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics():
+        return Response(await server.metrics.render(async_engine), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
     async def health():
