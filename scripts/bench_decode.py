@@ -57,24 +57,21 @@ def _bf16_gemv_fp8_cfgs():
 
 def _moe_cfg_f16():
     """down_cfg_f16: the down GEMM at $BENCH_MOE_DOWN_F16_CFG with float16 dots (FP8_DOWN_F16)."""
-    import os
-
-    os.environ["BENCH_MOE_DOWN_CFG"] = os.environ["BENCH_MOE_DOWN_F16_CFG"]
-    undos = [_moe_cfg("down"), _set("kernels.moe", "FP8_DOWN_F16", True)]
+    undos = [_moe_cfg("down", "BENCH_MOE_DOWN_F16_CFG"), _set("kernels.moe", "FP8_DOWN_F16", True)]
     return lambda: [u() for u in reversed(undos)]
 
 
-def _moe_cfg(name: str):
+def _moe_cfg(name: str, env: str | None = None):
     """The MoE decode GEMM `name` at the fixed config in $BENCH_MOE_DOWN_CFG /
-    $BENCH_MOE_GATE_UP_CFG ("BLOCK_N,BLOCK_K,num_warps,num_stages", e.g. the best of
-    scripts/bench_moe_tiles.py --best-out) for bf16 and FP8 experts; returns the undo."""
+    $BENCH_MOE_GATE_UP_CFG (or $env; "BLOCK_N,BLOCK_K,num_warps,num_stages", e.g. the best of
+    scripts/bench_moe_tiles.py --best-out) for FP8 experts; returns the undo."""
     import os
 
     from tailored.kernels import moe
 
-    cfg = tuple(int(v) for v in os.environ[f"BENCH_MOE_{name.upper()}_CFG"].split(","))
+    cfg = tuple(int(v) for v in os.environ[env or f"BENCH_MOE_{name.upper()}_CFG"].split(","))
     old = dict(moe.DECODE_CFG)
-    moe.DECODE_CFG.update({(name, True): cfg, (name, False): cfg})
+    moe.DECODE_CFG[(name, True)] = cfg  # FP8 experts only: a swept FP8 config may not fit bf16
     return lambda: (moe.DECODE_CFG.clear(), moe.DECODE_CFG.update(old))
 
 
