@@ -635,8 +635,7 @@ def test_conv_recurrent_step_is_bitwise_conv_then_recurrent(dtype, B, HK, HV, Dk
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page,lens", [(16, [1, 17, 100]), (4, [7, 64, 129, 2]), (16, [300])])
 def test_paged_decode_attention(dtype, page, lens, splits, monkeypatch):
-    """splits: key ranges per (sequence, KV head); 1: the merge only divides (and gates; large
-    batches may take 1-4, kb/0043); 16 and 32 run 32-key blocks and the merge over D in
+    """splits: key ranges per (sequence, KV head); 1: the merge only divides (and gates); 16 and 32 run 32-key blocks and the merge over D in
     programs; "by_batch" = splits_for with ADAPTIVE_SPLITS on (kb/0019)."""
     from tailored.kernels import attention_decode
     from tailored.kernels.attention_decode import paged_decode_attention

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import dot_precision, env_flag, env_int
+from tailored.kernels import dot_precision, env_flag
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 

@@ -290,7 +290,8 @@ FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 # A/B only (scripts/bench_decode.py's down_cfg / gate_up_cfg, kb/0044): a fixed decode launch
 # config {("down" | "gate_up", fp8): (BLOCK_N, BLOCK_K, num_warps, num_stages)} in place of the
-# autotuner's pick, to try configs outside its candidates (scripts/bench_moe_tiles.py)
+# autotuner's pick, to try configs outside its candidates (scripts/bench_moe_tiles.py). fused_moe
+# only: route_fused_moe (1-2 rows) keeps its own gate_up launcher; its down GEMM takes "down"
 DECODE_CFG: dict = {}
 
 

@@ -408,6 +408,9 @@ class _Server:
                 num_tokens += len(out.delta_token_ids)
                 if out.finished:
                     finish = _finish_reason(out)
+        except Exception:
+            tracker.finish("error")  # as stream_events counts it
+            raise
         finally:
             watcher.cancel()
             tracker.finish("abort")  # no-op when its last output was seen
@@ -462,7 +465,7 @@ class _Server:
             stream.abort()  # no-op when finished
 
 
-def _end_stream(stream: RequestStream, tracker: RequestMetrics) -> None:
+async def _end_stream(stream: RequestStream, tracker: RequestMetrics) -> None:
     """A stream response's background task: also runs when the client left before the body
     started (the generator never ran): the request counts as aborted and leaves the engine."""
     tracker.finish("abort")  # no-op when the body's `finally` already counted it
