@@ -2,14 +2,15 @@
 # Session 27's device calls (carry [".whl"]; END s of device time for the command; kb/0044).
 # PARTS picks sections, in this order:
 #  tiles    Launch-config sweep of the MoE expert GEMMs at decode batches, outside the
-#           autotuner's candidates (scripts/bench_moe_tiles.py): FP8 down at B=16,32 (the
-#           2.3 TB/s kernel, kb/0043 §0), FP8 gate_up and bf16 down at B=32. The best FP8
-#           configs at B=32 go to $OUT/best-*.txt for the A/B.
+#           autotuner's candidates (scripts/bench_moe_tiles.py): FP8 down (the 2.3 TB/s
+#           kernel, kb/0043 §0) and gate_up at B=32. The best configs go to $OUT/best-*.txt
+#           for the A/B.
 #  ab       FP8 decode A/B at B=8,32 (3 rounds): the swept best down / gate_up configs in the
 #           model (bench_decode's down_cfg, gate_up_cfg, down_cfg_f16) against the autotuned
 #           control; the MoE group through the tiled FP8 GEMM (moe_group_tiled, kb/0044).
 #  ncu      One eager FP8 MoE layer at B=32 under ncu (--clock-control none): the down
 #           kernel's speed of light, memory, occupancy and warp stall sections.
+#  tilesbf16 The same sweep for bf16 down at B=32.
 #  tests    GPU tests owed since session 25: PDL (tiles at 3 rows), the full-width
 #           fast-vs-plain test with every switch on, fp32 invariance.
 #  onegate  The bf16 gate with the prompts one at a time (the one-row bf16 GEMV alone).
@@ -18,10 +19,10 @@ source "$(dirname "$0")/../../../scripts/device_env.sh" call
 left() { echo $(( ${END:-560} - ($(date +%s) - T0) )); }
 cap() { local l=$(( $(left) - 15 )); echo $(( l < $1 ? l : $1 )); }
 enough() { [ "$(left)" -gt "$1" ] || { stamp "skipped ($(left) s left): $2"; false; }; }
-PARTS=" ${PARTS:-tiles ab ncu tests onegate} "
+PARTS=" ${PARTS:-tiles ab ncu tilesbf16 tests onegate} "
 for part in $PARTS; do
-    case $part in tiles|ab|ncu|tests|onegate) ;;
-        *) echo "unknown part '$part' in PARTS (tiles ab ncu tests onegate)"; exit 2;;
+    case $part in tiles|ab|ncu|tilesbf16|tests|onegate) ;;
+        *) echo "unknown part '$part' in PARTS (tiles ab ncu tilesbf16 tests onegate)"; exit 2;;
     esac
 done
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -29,8 +30,8 @@ full_configs > /dev/null
 export TRITON_CACHE_DIR=/tmp/triton-cache
 want tiles && {
 enough 60 "FP8 down sweep" && {
-stamp "FP8 down sweep, B=16,32 ($(left) s left)"
-timeout "$(cap 300)" python3 scripts/bench_moe_tiles.py --fp8 --kernel down --batches 16,32 \
+stamp "FP8 down sweep, B=32 ($(left) s left)"
+timeout "$(cap 300)" python3 scripts/bench_moe_tiles.py --fp8 --kernel down --batches 32 \
     --json "$OUT/tiles-down-fp8.json" --best-out "$OUT/best-down.txt" > "$OUT/tiles-down-fp8.log" 2>&1
 grep -A13 "fastest first" "$OUT/tiles-down-fp8.log"; tail -2 "$OUT/tiles-down-fp8.log"; }
 enough 60 "FP8 gate_up sweep" && {
@@ -39,11 +40,6 @@ timeout "$(cap 200)" python3 scripts/bench_moe_tiles.py --fp8 --kernel gate_up -
     --json "$OUT/tiles-gate_up-fp8.json" --best-out "$OUT/best-gate_up.txt" \
     > "$OUT/tiles-gate_up-fp8.log" 2>&1
 grep -A13 "fastest first" "$OUT/tiles-gate_up-fp8.log"; tail -1 "$OUT/tiles-gate_up-fp8.log"; }
-enough 60 "bf16 down sweep" && {
-stamp "bf16 down sweep, B=32 ($(left) s left)"
-timeout "$(cap 150)" python3 scripts/bench_moe_tiles.py --kernel down --batches 32 \
-    --json "$OUT/tiles-down-bf16.json" > "$OUT/tiles-down-bf16.log" 2>&1
-grep -A13 "fastest first" "$OUT/tiles-down-bf16.log"; }
 }
 want ab && enough 150 "FP8 A/B" && {
 variants=control,moe_group_tiled
@@ -65,6 +61,13 @@ timeout "$(cap 150)" ncu --clock-control none --profile-from-start off \
     > "$OUT/ncu-moe-b32.log" 2>&1
 grep -n "_down_kernel\|_gate_up_kernel\|Duration\|DRAM Throughput\|Memory Throughput\|Compute (SM)\|Achieved Occupancy\|Registers Per\|Stall Long\|Warp Cycles Per Issued\|Waves Per SM\|Block Limit" \
     "$OUT/ncu-moe-b32.log" | head -60
+}
+want tilesbf16 && {
+enough 60 "bf16 down sweep" && {
+stamp "bf16 down sweep, B=32 ($(left) s left)"
+timeout "$(cap 150)" python3 scripts/bench_moe_tiles.py --kernel down --batches 32 \
+    --json "$OUT/tiles-down-bf16.json" > "$OUT/tiles-down-bf16.log" 2>&1
+grep -A13 "fastest first" "$OUT/tiles-down-bf16.log"; }
 }
 want tests && {
 enough 90 "PDL tests" && {
