@@ -6,6 +6,8 @@ gate_up reaches 3.8 TB/s (session 25 run1). down's K is I = 512, so a program of
 rows streams only 32 KB in 4 K iterations: the hypothesis is that the fixed cost of each of its
 ~5200 programs (the expert id → offsets → pair ids chain, the pipeline's fill) dominates, and
 that wider N tiles (128, 256, outside the autotuner's 16-64) stream closer to HBM speed.
+Measured (session 27, kb/0044 §4): wrong with bf16 dots (the tuned 64-wide tile is the best);
+right only with float16 dots, 128 x 128 x 4 warps x 4 stages, 62.2 -> 54.7 µs a layer.
 
 Published shapes (E=256, k=8, H=2048, I=512); 8 layers of distinct expert weights cycled in one
 CUDA graph so the experts come from HBM, not the 50 MB L2; routing from random logits

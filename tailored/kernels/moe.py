@@ -284,8 +284,10 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # `_down_kernel` at 73.7 µs a layer for ~171 MB of FP8 weights (2.3 TB/s) where gate_up, with
 # float16 dots, streams twice the bytes in 90.4 µs (3.8 TB/s); bf16 dots make it ALU-bound on
 # the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Measured (session 26, kb/0043 §0): B=32
-# step -0.5 % median / +0.3 % min, the down kernel 73.7 -> 75.7 µs: no gain, so down is not
-# bound on the conversion. Off (never gated).
+# step -0.5 % median / +0.3 % min, the down kernel 73.7 -> 75.7 µs: no gain at the tuned
+# 64-wide tiles. Session 27 (kb/0044 §4): with 128-wide tiles and 4 stages it is 62.2 -> 54.7 µs
+# a layer (B=32 step -3.9 % median, forced through DECODE_CFG) and the FP8 gate passed; off until
+# the down decode configs are re-tuned with it on (the autotune key lacks DOT_F16).
 FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 # A/B only (scripts/bench_decode.py's down_cfg / gate_up_cfg, kb/0044): a fixed decode launch
