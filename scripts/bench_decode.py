@@ -55,26 +55,6 @@ def _bf16_gemv_fp8_cfgs():
     return lambda: [u() for u in reversed(undos)]
 
 
-def _moe_cfg_f16():
-    """down_cfg_f16: the down GEMM at $BENCH_MOE_DOWN_F16_CFG with float16 dots (FP8_DOWN_F16)."""
-    undos = [_moe_cfg("down", "BENCH_MOE_DOWN_F16_CFG"), _set("kernels.moe", "FP8_DOWN_F16", True)]
-    return lambda: [u() for u in reversed(undos)]
-
-
-def _moe_cfg(name: str, env: str | None = None):
-    """The MoE decode GEMM `name` at the fixed config in $BENCH_MOE_DOWN_CFG /
-    $BENCH_MOE_GATE_UP_CFG (or $env; "BLOCK_N,BLOCK_K,num_warps,num_stages", e.g. the best of
-    scripts/bench_moe_tiles.py --best-out) for FP8 experts; returns the undo."""
-    import os
-
-    from tailored.kernels import moe
-
-    cfg = tuple(int(v) for v in os.environ[env or f"BENCH_MOE_{name.upper()}_CFG"].split(","))
-    old = dict(moe.DECODE_CFG)
-    moe.DECODE_CFG[(name, True)] = cfg  # FP8 experts only: a swept FP8 config may not fit bf16
-    return lambda: (moe.DECODE_CFG.clear(), moe.DECODE_CFG.update(old))
-
-
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
 VARIANTS = {
     # a re-capture with nothing changed: the H200 run of session 8 measured +1.0 % and +2.3 % at
@@ -130,16 +110,9 @@ VARIANTS = {
     # FP8 experts' gate_up dots in bf16, as before session 12's default float16 (kb/0029, 0030;
     # decode and prefill: also a --prefill-variants one)
     "fp8_bf16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", False),
-    # the down GEMM's dots in float16 too, rows scaled by powers of 2 (kb/0042; decode and
-    # prefill: also a --prefill-variants one)
-    "down_f16": lambda: _set("kernels.moe", "FP8_DOWN_F16", True),
-    # the MoE decode GEMMs at a fixed launch config from the environment (kb/0044)
-    "down_cfg": lambda: _moe_cfg("down"),
-    "gate_up_cfg": lambda: _moe_cfg("gate_up"),
-    "down_cfg_f16": lambda: _moe_cfg_f16(),
-    # the FP8 MoE group (router | shared gate | shared gate/up) of 3-64 rows over its FP8
-    # weights, the tiled GEMM with bf16 dots, instead of cuBLAS over the bf16 copy (kb/0044)
-    "moe_group_tiled": lambda: _set("model.fast", "FP8_MOE_GROUP_TILED_UP_TO", 64),
+    # the decode down GEMM's bf16-dot configs only (FP8_DOWN_F16 off, kb/0045): a new launcher,
+    # tuned at the re-capture's warm-up where tuned.json's float16 picks no longer apply
+    "down_bf16dot": lambda: _set("kernels.moe", "FP8_DOWN_F16", False),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),

@@ -16,9 +16,10 @@ the first config's: the relative difference is the fp32 sum order (~1e-7; 0 for 
 128-wide dots keep one sum sequence), larger means a broken config.
 
 Usage: python scripts/bench_moe_tiles.py [--fp8] [--kernel down|gate_up] [--batches 8,16,32]
-       [--json F] [--best-out F]   (F gets "BLOCK_N,BLOCK_K,num_warps,num_stages" of the best
-       config at the last batch, for bench_decode's down_cfg / gate_up_cfg variants; F.f16 the
-       best with float16 dots, FP8 down only, for down_cfg_f16)
+       [--json F]
+FP8 down: the grid with bf16 dots, then its six fastest with float16 dots (session 28 made
+the best of these an autotuner candidate, `moe._tuned`'s down_f16; kb/0045). A config worth
+more goes into `moe._tuned`'s candidates and is then measured in the model with bench_decode.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--best-out", default=None)
     ap.add_argument("--check", action="store_true",
                     help="CPU (TRITON_INTERPRET=1): one layer, one config, one batch, no timing")
     a = ap.parse_args()
@@ -86,9 +86,9 @@ def main() -> None:
     wbytes = 1 if a.fp8 else 2
     per_expert = (I if a.kernel == "down" else 2 * I) * H * wbytes
     prec = dot_precision(dt)
-    f16 = a.fp8 and (moe.FP8_DOT_F16 if a.kernel == "gate_up" else moe.FP8_DOWN_F16)
+    # gate_up as served; down with bf16 dots first (float16 for the six fastest below)
+    f16 = a.fp8 and a.kernel == "gate_up" and moe.FP8_DOT_F16
     rows = []
-    best = None
     for B in [int(b) for b in a.batches.split(",")]:
         x = torch.randn(B, H, device=dev, dtype=dt, generator=g)
         act = torch.randn(B * K, I, device=dev, dtype=dt, generator=g)
@@ -165,10 +165,6 @@ def main() -> None:
                             "rel_vs_first": rel})
             res.sort(key=lambda r: r["us"])
         rows += res
-        ok = [r for r in res if r["rel_vs_first"] < 1e-4 and not r.get("f16")]
-        best = ok[0]["cfg"] if ok else None
-        ok16 = [r for r in res if r["rel_vs_first"] < 1e-4 and r.get("f16")]
-        best16 = ok16[0]["cfg"] if ok16 else None
         print(f"\nB={B} ({distinct:.0f} experts, compact={compact}), fastest first:")
         print("| BLOCK_N | BLOCK_K | warps | stages | dots | µs/layer | TB/s | rel |\n"
               "|---|---|---|---|---|---|---|---|")
@@ -178,11 +174,6 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"kernel": a.kernel, "fp8": a.fp8, "rows": rows}, f, indent=1)
-    for path, cfg in ((a.best_out, best), (a.best_out and a.best_out + ".f16", best16)):
-        if path and cfg:  # .f16: the best with float16 dots, for bench_decode's down_cfg_f16
-            with open(path, "w") as f:
-                f.write(",".join(map(str, cfg)))
-            print(f"best at the last batch: {cfg} -> {path}")
 
 
 if __name__ == "__main__":

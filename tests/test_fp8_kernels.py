@@ -196,64 +196,93 @@ def test_fp8_gemv_with_bf16_rows_in_the_launch(T, other_first):
 
 
 @pytest.mark.parametrize("M", [3, 33, 70])
-@pytest.mark.parametrize("other_first", [False, True])
-def test_fp8_linear_with_bf16_rows(M, other_first):
-    """`fp8_linear` as FastPath's FP8 MoE group of 3+ rows (FP8_MOE_GROUP_TILED_UP_TO,
-    kb/0044): a fused projection's rows in x's dtype in the same launch, their columns after
-    (or before) the FP8 rows', each block equal to its own reference, NaN-poisoned output fully
-    written; other rows of another dtype or width are refused. The interpreter runs bf16 dots
-    wrongly, so the bf16 run is GPU only (the sm_90 compile: test_kernels_sm90.py)."""
+def test_fp8_linear_writes_every_element(M):
+    """`fp8_linear` at odd sizes (N = 200 is no multiple of the 32-wide tiles, K = 320 no
+    multiple of 128): the NaN-poisoned output is fully written and equals the reference;
+    other weight dtypes and scale shapes are refused. GPU: bf16 activations over a wide range
+    of magnitudes stay finite and within bf16 rounding (the interpreter runs bf16 dots wrongly;
+    the sm_90 compile: test_kernels_sm90.py)."""
     from tailored.kernels.fp8_linear import fp8_linear
 
-    N, K, NB = 200, 320, 37
+    N, K = 200, 320
     q, s = _weight(N, K, 13 + M)
     rows = fp8.row_scales(s, N)
-    g = torch.Generator().manual_seed(M)
-    other32 = torch.randn(NB, K, generator=g).to(DEV)
-    x32 = torch.randn(M, K, generator=g).to(DEV)
-    want8 = F.linear(x32, fp8.dequantize_block(q, s, torch.float32))
-    wantb = F.linear(x32, other32)
-    want = torch.cat([wantb, want8] if other_first else [want8, wantb], 1)
+    x32 = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEV)
+    want = F.linear(x32, fp8.dequantize_block(q, s, torch.float32))
     with nan_empty():
-        got = fp8_linear(x32, q, rows, other32, other_first)
-    assert got.shape == (M, N + NB) and got.dtype == torch.float32 and torch.isfinite(got).all()
+        got = fp8_linear(x32, q, rows)
+    assert got.shape == (M, N) and got.dtype == torch.float32 and torch.isfinite(got).all()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
-    for bad in (other32.to(torch.float16), other32[:, :-1], other32[0]):
+    for bad_w, bad_s in ((q.float(), rows), (q, rows[:, :-1]), (q[:, :-1], rows)):
         with pytest.raises(ValueError):
-            fp8_linear(x32, q, rows, bad)
+            fp8_linear(x32, bad_w, bad_s)
     if DEV != "cuda":
         return
-    x, other = x32.to(torch.bfloat16), other32.to(torch.bfloat16)
-    cols8 = slice(NB, NB + N) if other_first else slice(0, N)
-    colsb = slice(0, NB) if other_first else slice(N, N + NB)
+    x = x32.to(torch.bfloat16)
     for scale in (1.0, 1e5, 1e-6):
         xs = (x.float() * scale).to(torch.bfloat16)
         with nan_empty():
-            a = fp8_linear(xs, q, rows, other, other_first).float()
+            a = fp8_linear(xs, q, rows).float()
         assert torch.isfinite(a).all(), scale
         ref8 = F.linear(xs.float(), fp8.dequantize_block(q, s, torch.float32))
-        refb = F.linear(xs.float(), other.float())
-        for got_, ref_ in ((a[:, cols8], ref8), (a[:, colsb], refb)):
-            assert ((got_ - ref_).norm() / ref_.norm()).item() < 1e-2, scale
+        assert ((a - ref8).norm() / ref8.norm()).item() < 1e-2, scale
+
+
+@pytest.mark.parametrize("M", [1, 5, 33, 70])
+@pytest.mark.parametrize("k_split,block_n", [(128, 32), (256, 64), (1024, 32)])
+def test_fp8_linear_splitk_against_dequantize_then_linear(M, k_split, block_n):
+    """`fp8_splitk.fp8_linear_splitk` (kb/0045 §4): K split over programs (partials summed in
+    split order by a second launch; one split writes y itself) at odd sizes (N = 200 no
+    multiple of the tiles, K = 640 five 128-blocks: the last split partial), NaN-poisoned
+    output fully written, equal to the reference to fp32 rounding; the same for every split
+    up to fp32 summation order; bad k_split and shapes refused. GPU: bf16 with bf16 and
+    float16 dots (×1, ×1e5, ×1e-6) within bf16 rounding of the reference, the two dot kinds
+    equal up to summation order."""
+    from tailored.kernels.fp8_splitk import fp8_linear_splitk
+
+    N, K = 200, 640
+    q, s = _weight(N, K, 17 + M)
+    rows = fp8.row_scales(s, N)
+    x32 = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEV)
+    want = F.linear(x32, fp8.dequantize_block(q, s, torch.float32))
+    with nan_empty():
+        got = fp8_linear_splitk(x32, q, rows, k_split, block_n)
+    assert got.shape == (M, N) and got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    for bad in (0, 64, -128):
+        with pytest.raises(ValueError):
+            fp8_linear_splitk(x32, q, rows, bad)
+    with pytest.raises(ValueError):
+        fp8_linear_splitk(x32, q, rows[:, :-1], 128)
+    if DEV != "cuda":
+        return
+    for scale in (1.0, 1e5, 1e-6):
+        xs = (x32 * scale).to(torch.bfloat16)
+        ref8 = F.linear(xs.float(), fp8.dequantize_block(q, s, torch.float32))
+        outs = []
+        for f16 in (False, True):
+            with nan_empty():
+                a = fp8_linear_splitk(xs, q, rows, k_split, block_n, dot_f16=f16).float()
+            assert torch.isfinite(a).all(), (scale, f16)
+            assert ((a - ref8).norm() / ref8.norm()).item() < 1e-2, (scale, f16)
+            outs.append(a)
+        assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < 1e-2
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the autotuned launcher runs on CUDA only")
-def test_fp8_linear_autotuned_with_bf16_rows(monkeypatch):
-    """The served launcher (autotune on): every candidate config's grid covers the FP8 and the
-    bf16 column blocks (NaN-poisoned output fully written) at a decode bucket and a prefill
-    size, FastPath's MoE-group layout (bf16 rows first)."""
+def test_fp8_linear_autotuned_writes_every_element(monkeypatch):
+    """The served launcher (autotune on): every candidate config's grid covers the output
+    (NaN-poisoned, fully written) at a decode bucket and a prefill size."""
     from tailored.kernels.fp8_linear import fp8_linear
 
     monkeypatch.setenv("TAILORED_AUTOTUNE", "1")
-    N, K, NB = 1024, 2048, 257
+    N, K = 1024, 2048
     q, s = _weight(N, K, 31)
     g = torch.Generator().manual_seed(4)
-    other = torch.randn(NB, K, generator=g).to(DEV, torch.bfloat16)
     for M in (32, 130):
         x = torch.randn(M, K, generator=g).to(DEV, torch.bfloat16)
         with nan_empty():
-            got = fp8_linear(x, q, fp8.row_scales(s, N), other, True)
-        want = torch.cat([F.linear(x.float(), other.float()),
-                          F.linear(x.float(), fp8.dequantize_block(q, s, torch.float32))], 1)
+            got = fp8_linear(x, q, fp8.row_scales(s, N))
+        want = F.linear(x.float(), fp8.dequantize_block(q, s, torch.float32))
         assert torch.isfinite(got).all()
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2

@@ -121,6 +121,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.fp8_dequant import dequantize_rows
     from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
     from tailored.kernels.fp8_linear import fp8_linear
+    from tailored.kernels.fp8_splitk import fp8_linear_splitk
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
@@ -173,9 +174,11 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     x, w, ids, gu, dn, None, *sc))
             wl = torch.zeros(1024, H, dtype=f8)
             calls.append(lambda x=x, wl=wl: fp8_linear(x, wl, torch.ones(1024, H // 128)))
-            # FastPath's FP8 MoE group of 3+ rows (kb/0044): bf16 rows in the launch
-            calls.append(lambda x=x, wl=wl, dt=dt: fp8_linear(
-                x, wl, torch.ones(1024, H // 128), torch.zeros(64, H, dtype=dt), True))
+            # the split-K GEMM (bench only, kb/0045 §4): partials + reduce, and one split;
+            # float16 dots with power-of-2 rows for bf16
+            for ks, bn, f16 in ((512, 256, dt == torch.bfloat16), (H, 128, False)):
+                calls.append(lambda x=x, wl=wl, ks=ks, bn=bn, f16=f16: fp8_linear_splitk(
+                    x, wl, torch.ones(1024, H // 128), ks, bn, 8, 4, f16))
             if T == 1:  # the FP8 GEMV (kb/0039 §4), 1 and 2 rows
                 for xr in (x, torch.randn(2, H, dtype=dt)):
                     calls.append(lambda xr=xr, wl=wl: fp8_gemv(xr, wl, torch.ones(1024, H // 128)))
@@ -307,7 +310,8 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
            "_dequant_experts_kernel", "_route_gate_up_kernel", "_q_k_norm_rope_kernel",
-           "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel"}
+           "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel", "_splitk_kernel",
+           "_reduce_kernel"}
 
 
 def _compile(recs) -> list[dict]:

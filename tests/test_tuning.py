@@ -112,13 +112,42 @@ def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
             assert len(key) == len(tuner.keys) + n_ptr, (name, key)
             assert all(isinstance(v, str) and v.startswith("torch.") for v in key[-n_ptr:])
             assert not any(isinstance(v, str) for v in key[:len(tuner.keys)]), (name, key)
-    # fp8_linear's layout by name: N, NB, K, BLOCK_M, M_BUCKET, then the dtypes of x, weight,
-    # scale_rows, other (x itself when NB = 0) and y, in argument order
-    assert tuning._REGISTRY["fp8_linear/small"].keys == ["N", "NB", "K", "BLOCK_M", "M_BUCKET"]
-    dtypes = ["torch.bfloat16", "torch.float8_e4m3fn", "torch.float32", "torch.bfloat16",
-              "torch.bfloat16"]
+    # fp8_linear's layout by name: N, K, BLOCK_M, M_BUCKET, then the dtypes of x, weight,
+    # scale_rows and y, in argument order (NB and the bf16 rows' dtype left in session 28)
+    assert tuning._REGISTRY["fp8_linear/small"].keys == ["N", "K", "BLOCK_M", "M_BUCKET"]
+    dtypes = ["torch.bfloat16", "torch.float8_e4m3fn", "torch.float32", "torch.bfloat16"]
     for name in ("fp8_linear/small", "fp8_linear/large"):
         for r in table[name]:
-            N, NB, K, bm, bucket, *dt = r["key"]
-            assert NB == 0 and dt == dtypes, r["key"]
+            N, K, bm, bucket, *dt = r["key"]
+            assert dt == dtypes, r["key"]
             assert K % 128 == 0 and bm in (16, 32, 64, 128) and N > 0, r["key"]
+
+
+def test_shipped_table_configs_are_offered(monkeypatch):
+    """Every entry of tailored/kernels/tuned.json names a config its launcher still offers
+    (with the default switches): `register` drops any other, and the key then re-tunes at
+    server start (minutes on the H200). Session 28 (kb/0045) put DOT_F16 into the FP8 decode
+    down configs, so those entries carry it, and the two float16 picks are 128-wide."""
+    from tailored.kernels import fp8_linear, moe
+
+    table = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
+    monkeypatch.setenv("TAILORED_TUNING", "off")
+    monkeypatch.setattr(tuning, "_TABLE", None)
+    monkeypatch.setattr(fp8_linear, "_TUNED", {})
+    monkeypatch.setattr(moe, "_LAUNCHERS", {})
+    for small in (True, False):
+        fp8_linear._tuned(small)
+    for name in ("gate_up", "down", "route_gate_up"):
+        for decode in (True, False):
+            for w8 in (True, False):
+                moe._launcher(name, decode, w8)
+    for name, rows in table.items():
+        offered = {tuning._config_id(c.kwargs, c.num_warps, c.num_stages)
+                   for c in tuning._REGISTRY[name].configs}
+        for r in rows:
+            assert tuning._config_id(r["kwargs"], r["num_warps"], r["num_stages"]) in offered, \
+                (name, r)
+    down = table["moe/down/decode/fp8"]
+    assert all("DOT_F16" in r["kwargs"] for r in down)
+    f16 = {(r["key"][3], r["key"][4]) for r in down if r["kwargs"]["DOT_F16"]}
+    assert f16 == {(64, True), (256, False)}  # B=8 and B=32, as measured (kb/0044 §4)

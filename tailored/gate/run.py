@@ -447,8 +447,7 @@ def _kernel_switches() -> dict:
             "fp8_gemv_up_to": fast.FP8_GEMV_UP_TO,
             "bf16_gemv_up_to": fast.BF16_GEMV_UP_TO,
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),
-            "moe_fp8_down_f16": moe.FP8_DOWN_F16,
-            "fp8_moe_group_tiled_up_to": fast.FP8_MOE_GROUP_TILED_UP_TO}
+            "moe_fp8_down_f16": moe.FP8_DOWN_F16}
 
 
 def _free(dev) -> None:

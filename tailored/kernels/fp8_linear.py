@@ -8,11 +8,10 @@ BLOCK_K = one or two of them per loop iteration) divides 128 and the scale is on
 (row, K block). Scales come per row (`fp8.row_scales`, [N, ceil(K/128)]
 fp32), which keeps them right when linears are concatenated along N.
 
-Two uses: FP8 linears held as FP8 (`TAILORED_FP8_DENSE_DEQUANT=0`, the MTP draft head), and
-the FP8 MoE group of 3-64 row decode steps (`model.fast.FP8_MOE_GROUP_TILED_UP_TO`, kb/0044),
-whose bf16 members (the router, the shared-expert gate) ride in the same launch as extra column
-blocks. (Float16 dots with power-of-2 row scales for the dense projections lost to cuBLAS over
-the dequantized bf16 copy, kb/0043, and were removed in session 27.)
+Used by FP8 linears held as FP8 (`TAILORED_FP8_DENSE_DEQUANT=0`, the MTP draft head). (Float16
+dots with power-of-2 row scales for the dense projections lost to cuBLAS over the dequantized
+bf16 copy, kb/0043, and were removed in session 27; the FP8 MoE group through this GEMM with
+its bf16 rows in the same launch gained nothing in the model, kb/0044, and went in session 28.)
 
 Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_fp8_kernels.py);
 the idea as in vLLM's block-FP8 Triton GEMM, with bf16 activations instead of FP8 ones.
@@ -108,35 +107,23 @@ def _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K: tl.constexpr, stride_xm
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, y_ptr, M, N, NB, K: tl.constexpr,
-                       stride_xm, stride_wn, stride_sn, stride_wbn, stride_ym, COL8, COLB,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
+                       stride_xm, stride_wn, stride_sn, stride_ym,
                        M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
                        PDL: tl.constexpr = False):
-    # Column blocks 0 .. cdiv(N, BLOCK_N) - 1: the N FP8 rows (w, s) into columns COL8..;
-    # the blocks after them: the NB rows in x's dtype (wb: a fused projection's bf16 members,
-    # GDN b/a or the router) into columns COLB.., as `fp8_gemv` lays them out.
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    p8 = tl.cdiv(N, BLOCK_N)
-    if pid_n < p8:
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        acc = _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wn,
-                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, True)
-        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + COL8 + n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        n = (pid_n - p8) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < NB
-        acc = _acc_tiles(x_ptr, wb_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wbn,
-                         stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, False)
-        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + COLB + n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wn,
+                     stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, True)
+    tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _block_m(M: int) -> int:
@@ -147,7 +134,7 @@ _TUNED: dict = {}
 
 
 def _tuned(small: bool):
-    """Autotuned launcher (CUDA): keyed on N, NB, K, BLOCK_M and the power-of-2 row bucket
+    """Autotuned launcher (CUDA): keyed on N, K, BLOCK_M and the power-of-2 row bucket
     (decode batch sizes tune once each, at warm-up; all prefills > 64 rows share one tuning). Two small config sets (memory-bound rows ≤ 64: narrow N tiles for more CTAs;
     prefill: wide tiles), since every config is one more compile at server start."""
     if small not in _TUNED:
@@ -161,53 +148,40 @@ def _tuned(small: bool):
                     for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]
         _TUNED[small] = tuning.register(
             f"fp8_linear/{'small' if small else 'large'}",
-            triton.autotune(configs=cfgs, key=["N", "NB", "K", "BLOCK_M", "M_BUCKET"],
+            triton.autotune(configs=cfgs, key=["N", "K", "BLOCK_M", "M_BUCKET"],
                             warmup=5, rep=20)(_fp8_linear_kernel))
     return _TUNED[small]
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
-               other: torch.Tensor | None = None, other_first: bool = False) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit column stride) · dequant(weight)ᵀ → [M, N] in x.dtype.
 
     weight: [N, K] float8_e4m3fn, row stride free, unit column stride; scale_rows: [N,
-    ceil(K/128)] fp32 (`fp8.row_scales`). other: [NB, K] rows in x's dtype (a fused
-    projection's bf16 members: GDN b/a, the router) in the same launch; the output is then
-    [M, N + NB], the FP8 rows' columns first, or last with other_first (`fp8_gemv`'s layout).
-    Raises ValueError on mismatched shapes or dtypes.
+    ceil(K/128)] fp32 (`fp8.row_scales`). Raises ValueError on mismatched shapes or dtypes.
     """
     M, K = x.shape
     N, K2 = weight.shape
-    NB = 0 if other is None or other.dim() != 2 else other.shape[0]
     if (K2 != K or weight.dtype != torch.float8_e4m3fn
-            or scale_rows.shape != (N, triton.cdiv(K, SCALE_BLOCK))
-            or (other is not None and (other.dim() != 2 or other.shape[1] != K
-                                       or other.dtype != x.dtype))):
+            or scale_rows.shape != (N, triton.cdiv(K, SCALE_BLOCK))):
         raise ValueError(f"fp8_linear: x{tuple(x.shape)} {x.dtype} weight{tuple(weight.shape)} "
-                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} other "
-                         f"{None if other is None else (tuple(other.shape), other.dtype)} "
-                         "(other in x's dtype)")
+                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if (weight.stride(1) != 1 or scale_rows.stride(1) != 1
-            or (other is not None and other.stride(1) != 1)):
-        raise ValueError("fp8_linear: weight, scale_rows and other need a unit column stride")
-    y = torch.empty(M, N + NB, dtype=x.dtype, device=x.device)
+    if weight.stride(1) != 1 or scale_rows.stride(1) != 1:
+        raise ValueError("fp8_linear: weight and scale_rows need a unit column stride")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     bm = _block_m(M)
     bucket = triton.next_power_of_2(M) if M <= 64 else 0
-    wb = x if other is None else other  # never read when NB = 0 (no program takes that branch)
-    col8, colb = (NB, 0) if other_first else (0, N)
-    args = (x, weight, scale_rows, wb, y, M, N, NB, K, x.stride(0), weight.stride(0),
-            scale_rows.stride(0), wb.stride(0), y.stride(0), col8, colb, bucket)
+    args = (x, weight, scale_rows, y, M, N, K, x.stride(0), weight.stride(0),
+            scale_rows.stride(0), y.stride(0), bucket)
     prec = dot_precision(x.dtype)
     if x.is_cuda and autotune_enabled(x.dtype):
-        _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm),
-                                   triton.cdiv(N, c["BLOCK_N"]) + triton.cdiv(NB, c["BLOCK_N"]))](
+        _tuned(M <= 64)[lambda c: (triton.cdiv(M, bm), triton.cdiv(N, c["BLOCK_N"]))](
             *args, BLOCK_M=bm, DOT_PREC=prec, **pdl_launch(x))
     else:  # Triton's interpreter (CPU tests), or TAILORED_AUTOTUNE=0: a fixed choice
         bn, bk = 32, min(128, max(16, triton.next_power_of_2(K)))
-        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn) + triton.cdiv(NB, bn))](
+        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
             *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, KB=bk, DOT_PREC=prec, **pdl_launch(x))
     return y

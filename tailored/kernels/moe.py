@@ -231,11 +231,15 @@ def _blocks(num_pairs: int, num_experts: int, fp8: bool = False):
     return 64, 128, 64, 8
 
 
-def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True):
+def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
+           down_f16: bool = False):
     """Autotuned launcher (CUDA only) keyed on the model dims, BLOCK_M and the pair-count
     bucket; tuned when first seen (the runner warms every decode batch size up before CUDA
     graph capture, so no tuning ever happens inside a capture). FP8 weights: dots of KB ≤ 128 (one
-    scale per row and dot), BLOCK_K // KB of them per K iteration."""
+    scale per row and dot), BLOCK_K // KB of them per K iteration. The FP8 decode down
+    GEMM's configs name their DOT_F16 (the caller omits it), with float16 ones offered when
+    down_f16 (FP8_DOWN_F16); the tuner only ever sees bf16 activations (fp32 never tunes,
+    `autotune_enabled`)."""
     if decode:
         # FP8: K per iteration 128 or 256 as 128-wide dots (one scale each; two independent
         # dots per iteration halve the dependent K chain, kb/0009); bf16: one dot per iteration
@@ -243,6 +247,16 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True):
                               num_warps=w, num_stages=st)
                 for bn in (16, 32, 64) for bk in (128, 256)
                 for w in (4,) for st in (3, 4)]
+        if fp8 and kernel is _down_kernel:
+            # FP8 down: the dot kind is part of the config (kb/0045); the float16 dots pay
+            # only with 128-wide 4-stage tiles (kb/0044 §4: B=32 62.2 -> 54.7 µs a layer;
+            # 64-wide 63.9, 128-wide bf16 64.3), so the tuner weighs both kinds per bucket
+            cfgs = [triton.Config({**c.kwargs, "DOT_F16": False}, num_warps=c.num_warps,
+                                  num_stages=c.num_stages) for c in cfgs]
+            if down_f16:
+                cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "KB": 128,
+                                        "DOT_F16": True}, num_warps=4, num_stages=st)
+                         for bn in (64, 128) for st in (3, 4)]
     else:
         # prefill runs at ~57 % of HBM bandwidth with these (1024 tokens: gate_up 441 µs for
         # 1 GB, H200 session 7): deeper K tiles / pipelines added for the tuner to try (kb/0016)
@@ -283,35 +297,27 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # Why: the H200's B=32 FP8 kernel table (session 25 run1) has
 # `_down_kernel` at 73.7 µs a layer for ~171 MB of FP8 weights (2.3 TB/s) where gate_up, with
 # float16 dots, streams twice the bytes in 90.4 µs (3.8 TB/s); bf16 dots make it ALU-bound on
-# the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Measured (session 26, kb/0043 §0): B=32
-# step -0.5 % median / +0.3 % min, the down kernel 73.7 -> 75.7 µs: no gain at the tuned
-# 64-wide tiles. Session 27 (kb/0044 §4): with 128-wide tiles and 4 stages it is 62.2 -> 54.7 µs
-# a layer (B=32 step -3.9 % median, forced through DECODE_CFG) and the FP8 gate passed; off until
-# the down decode configs are re-tuned with it on (the autotune key lacks DOT_F16).
-FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", False)
+# the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Session 26 (kb/0043 §0): no gain at the
+# tuned 64-wide tiles. Session 27 (kb/0044 §4): with 128-wide tiles and 4 stages 62.2 -> 54.7
+# µs a layer, in the model B=32 -3.9 % median (B=8 -2.7 %), and the FP8 gate passed with
+# float16 down dots everywhere. Since session 28 (kb/0045) the dot kind is part of the decode
+# down config: the tuner weighs 128/64-wide float16 configs against the bf16 ones per bucket
+# (tuned.json holds the measured picks), decode only (prefill keeps bf16 dots: not measured).
+# False = bf16 configs only (A/B: bench_decode's down_bf16dot; tuned.json's bf16 picks still
+# apply there, its float16 ones re-tune at the re-capture). Read when the launcher is made;
+# the fixed configs (interpreter, TAILORED_AUTOTUNE=0) take float16 dots at decode when on.
+FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", True)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
-# A/B only (scripts/bench_decode.py's down_cfg / gate_up_cfg, kb/0044): a fixed decode launch
-# config {("down" | "gate_up", fp8): (BLOCK_N, BLOCK_K, num_warps, num_stages)} in place of the
-# autotuner's pick, to try configs outside its candidates (scripts/bench_moe_tiles.py). fused_moe
-# only: route_fused_moe (1-2 rows) keeps its own gate_up launcher; its down GEMM takes "down"
-DECODE_CFG: dict = {}
-
-
-def _fixed(name: str, fp8: bool, decode: bool):
-    """(BLOCK_N, BLOCK_K, KB, num_warps, num_stages) forced by DECODE_CFG, or None."""
-    cfg = DECODE_CFG.get((name, fp8)) if decode else None
-    if cfg is None:
-        return None
-    bn, bk, warps, stages = cfg
-    return bn, bk, min(bk, 128) if fp8 else bk, warps, stages
 
 
 def _launcher(name: str, decode: bool, fp8: bool = False):
-    key = (name, decode, fp8)
+    down_f16 = name == "down" and decode and fp8 and FP8_DOWN_F16
+    key = (name, decode, fp8, down_f16)
     if key not in _LAUNCHERS:
         kernel = {"gate_up": _gate_up_kernel, "down": _down_kernel,
                   "route_gate_up": _route_gate_up_kernel}[name]
-        _LAUNCHERS[key] = _tuned(kernel, decode, fp8, compact_key=name != "route_gate_up")
+        _LAUNCHERS[key] = _tuned(kernel, decode, fp8, compact_key=name != "route_gate_up",
+                                 down_f16=down_f16)
     return _LAUNCHERS[key]
 
 
@@ -583,20 +589,17 @@ def _expert_scales(x, gate_up, down, gate_up_scale, down_scale, E, H, I, who: st
 
 def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int, warps: int,
                  prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor):
-    """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks)."""
-    f16 = fp8 and FP8_DOWN_F16 and x.dtype == torch.bfloat16  # fp32 activations: fp32 dots
-    fixed = _fixed("down", fp8, bm == 16) if tuned else None
-    if fixed:
-        bn, bk_dn, kb, warps, stages = fixed
-        _down_kernel[(grid_e, triton.cdiv(H, bn))](
-            *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=kb, DOT_PREC=prec,
-            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps,
-            num_stages=stages, **pdl_launch(x))
-        return
+    """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks).
+    FP8 experts at decode with bf16 activations: float16 dots where FP8_DOWN_F16 (the tuned
+    launcher's config carries DOT_F16); fp32 activations keep fp32 dots, prefill bf16 dots."""
+    decode = bm == 16
+    f16 = fp8 and FP8_DOWN_F16 and decode and x.dtype == torch.bfloat16
     if tuned:
-        _launcher("down", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
+        launch = _launcher("down", decode, fp8)
+        dot = {} if fp8 and decode else {"DOT_F16": False}  # FP8 decode: the config's
+        launch[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
-            COMPACT=compact, DOT_F16=f16, **pdl_launch(x))
+            COMPACT=compact, **dot, **pdl_launch(x))
         return
     kb = min(bk, 128) if fp8 else bk  # FP8: one scale per row and dot
     bk_dn = min(bk, triton.next_power_of_2(I))
@@ -653,14 +656,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                act.stride(0), down.stride(0), down.stride(1), y.stride(0), *s_dn)
     f16 = fp8 and FP8_DOT_F16 and x.dtype == torch.bfloat16  # exact for bf16 activations only
     tuned = x.is_cuda and autotune_enabled(x.dtype)
-    fixed = _fixed("gate_up", fp8, bm == 16) if tuned else None
-    if fixed:  # an A/B's config (DECODE_CFG)
-        bn_f, bk_f, kb_f, warps_f, stages_f = fixed
-        _gate_up_kernel[(grid_e, triton.cdiv(I, bn_f))](
-            *gu_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn_f, BLOCK_K=bk_f, KB=kb_f, DOT_PREC=prec,
-            PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16, num_warps=warps_f,
-            num_stages=stages_f, **pdl_launch(x))
-    elif tuned:  # autotuned block sizes
+    if tuned:  # autotuned block sizes
         _launcher("gate_up", bm == 16, fp8)[lambda m: (grid_e, triton.cdiv(I, m["BLOCK_N"]))](
             *gu_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
             COMPACT=compact, DOT_F16=f16, **pdl_launch(x))

@@ -129,17 +129,6 @@ FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # B=2 -0.5 / -1.4 and +0.3 / -0.3, no gain, hence 1. Both gates passed with it at 2 (run2,
 # kb/0042). 0 = cuBLAS. Read at call time (A/B).
 BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
-# With FP8_DENSE_DEQUANT, the MoE group (router | shared-expert gate | shared gate/up: 1024
-# FP8 + 257 bf16 rows) of more than FP8_GEMV_UP_TO and up to this many rows reads its FP8
-# weights through the tiled W8A16 GEMM (`fp8_linear`, bf16 dots, the bf16 rows in the same
-# launch) instead of cuBLAS over the dequantized bf16 copy. Why: the H200's shape bench
-# (session 26 run3, kb/0043 §0) had it at 8.5 / 8.3 µs against cuBLAS's 11.6 / 12.8 at 8 / 32
-# rows (~0.18 ms of a B=32 step); for the other dense shapes cuBLAS over twice the bytes won
-# (the tiled GEMM is latency-bound in its K loop; float16 dots did not help it: that switch,
-# FP8_DENSE_F16_UP_TO, was deleted in session 27). Numerics: (x·q)·s in fp32 where cuBLAS reads
-# bf16(q·s), and the router's logits in another summation order: routing ties may flip, so
-# it needs the FP8 gate. 0 = off, the default until then. Read at call time (A/B).
-FP8_MOE_GROUP_TILED_UP_TO = env_int("TAILORED_FP8_MOE_GROUP_TILED_UP_TO", 0, 0, 64)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
@@ -324,10 +313,6 @@ class Proj:
         if self.gemv is not None and 1 <= x.shape[0] <= FP8_GEMV_UP_TO:
             w8, s8, wb, bf16_first = self.gemv
             return fp8_gemv(x, w8, s8, other=wb, other_first=bf16_first)
-        if (self.gemv is not None and self.kind == "router"
-                and 1 <= x.shape[0] <= FP8_MOE_GROUP_TILED_UP_TO):
-            w8, s8, wb, bf16_first = self.gemv
-            return fp8_linear(x, w8, s8, other=wb, other_first=bf16_first)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
         if (1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype

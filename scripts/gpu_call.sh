@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# One device call in parts, each run while enough of END s is left (carry [".whl"]; the usual
+# per-session needs as settings, so a session's plan is one line of environment in
+# logs/gpu/next/README.md instead of one more copied script; sessions 25-27 each wrote one).
+# PARTS picks sections, run in this order:
+#  tests    pytest on the GPU: each ';'-separated entry of TESTS is one pytest run (its own
+#           log, tests-N.log; shell words, quotes kept), e.g.
+#           TESTS="tests/test_tuning.py;tests/test_gpu.py -k 'pdl or full_width'".
+#  tune     Re-tune launchers from scratch and dump the table (kernels/tuning.py): a copy of
+#           tuned.json without the TUNE_DROP launchers (space-separated names) is loaded, an
+#           in-process decode run at TUNE_BATCHES (TUNE_PREC bf16|fp8) warms every decode
+#           graph size up, so each dropped key tunes once, and the merged table lands in
+#           $OUT/tuned.json (commit it as tailored/kernels/tuned.json once the A/B agrees).
+#           Later parts of the call load it and dump into it (a served start adds its keys).
+#  bench    Each ';'-separated command of BENCHES (a kernel bench; its own log bench-N.log,
+#           whose last 25 lines are printed), e.g.
+#           BENCHES="python3 scripts/bench_fp8_gemv.py --batches 8,32 --splitk".
+#  ab       bench_decode A/B (AB_PREC, AB_BATCHES, AB_VARIANTS, AB_ROUNDS; AB_ARGS more flags,
+#           e.g. "--profile --profile-batch 32").
+#  sbs      Served side by side, tailored half (vLLM's halves are in bench/results), for each
+#           of SBS_PRECS with SBS_ENV in front (FP8 only).
+#  gate     `tailored gate` for each of GATE_PRECS with GATE_ENV in front.
+#  onegate  The bf16 gate with the prompts one at a time (the one-row paths alone).
+# Usage: TAILORED_COMMIT=<sha> OUT=$OUT END=560 PARTS="tests tune ab" [settings] \
+#            bash scripts/gpu_call.sh
+source "$(dirname "$0")/device_env.sh" gpu_call
+left() { echo $(( ${END:-560} - ($(date +%s) - T0) )); }
+# a step's timeout: its own limit, or what is left of END less a margin, whichever is less
+cap() { local l=$(( $(left) - 15 )); echo $(( l < $1 ? l : $1 )); }
+# whether more than $1 s are left (else say which step is skipped)
+enough() { [ "$(left)" -gt "$1" ] || { stamp "skipped ($(left) s left): $2"; false; }; }
+ALL="tests tune bench ab sbs gate onegate"
+PARTS=" ${PARTS:-$ALL} "
+for part in $PARTS; do
+    [[ " $ALL " == *" $part "* ]] || { echo "unknown part '$part' in PARTS ($ALL)"; exit 2; }
+done
+want() { [[ "$PARTS" == *" $1 "* ]]; }
+ckpt() { [ "$1" = fp8 ] && echo /tmp/full-fp8 || echo /tmp/full; }
+full_configs > /dev/null
+export TRITON_CACHE_DIR=/tmp/triton-cache
+want tests && {
+    n=0
+    IFS=';' read -ra runs <<< "${TESTS:?tests: set TESTS}"
+    for t in "${runs[@]}"; do
+        n=$((n + 1))
+        enough 60 "tests $t" || break
+        stamp "GPU tests $n: $t ($(left) s left)"
+        # eval: an entry is pytest's words, quotes included (-k "a or b")
+        eval "timeout $(cap 300) python3 -m pytest -q -p no:cacheprovider -rf $t" \
+            > "$OUT/tests-$n.log" 2>&1
+        grep "^FAILED\|^ERROR" "$OUT/tests-$n.log" | head -5; tail -1 "$OUT/tests-$n.log"
+    done
+}
+want tune && enough 120 "tune" && {
+    prec=${TUNE_PREC:-fp8}
+    stamp "tune $prec from scratch: ${TUNE_DROP:?tune: set TUNE_DROP} ($(left) s left)"
+    TUNE_DROP=$TUNE_DROP python3 - "$OUT/tuned.json" <<'EOF'
+import json, os, sys
+from tailored.kernels import tuning
+doc = json.loads(tuning.DEFAULT_TABLE.read_text())
+for name in os.environ["TUNE_DROP"].split():
+    print(f"dropped {len(doc['launchers'].pop(name, []))} entries of {name}")
+open(sys.argv[1], "w").write(json.dumps(doc, indent=1) + "\n")
+EOF
+    # load the trimmed copy, dump into it: the dropped keys tune, the rest stay as shipped.
+    # Exported: later parts use it, and a served start (sbs) adds the keys of its larger
+    # batches (bench_decode captures up to its largest batch + 1, the server up to 128)
+    export TAILORED_TUNING=$OUT/tuned.json TAILORED_TUNING_DUMP=$OUT/tuned.json
+    timeout "$(cap 400)" python3 scripts/bench_decode.py \
+        "$(ckpt "$prec")" --batches "${TUNE_BATCHES:-1,8,32}" --json "$OUT/tune.json" \
+        > "$OUT/tune.log" 2>&1
+    grep "^| \|^B=\|Error\|error\|tuning table" "$OUT/tune.log" | cut -c1-130 | head -20
+    for name in $TUNE_DROP; do
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['launchers'].get(sys.argv[2], [])
+for r in d: print(sys.argv[2], r['key'][:5], r['kwargs'], r['num_warps'], r['num_stages'])" \
+            "$OUT/tuned.json" "$name"
+    done
+}
+want bench && {
+    n=0
+    IFS=';' read -ra runs <<< "${BENCHES:?bench: set BENCHES}"
+    for b in "${runs[@]}"; do
+        n=$((n + 1))
+        enough 60 "bench $b" || break
+        stamp "bench $n: $b ($(left) s left)"
+        eval "timeout $(cap 400) $b" > "$OUT/bench-$n.log" 2>&1
+        tail -25 "$OUT/bench-$n.log"
+    done
+}
+want ab && enough 150 "A/B" && {
+    prec=${AB_PREC:-fp8}
+    stamp "A/B $prec B=${AB_BATCHES:-8,32}: ${AB_VARIANTS:?ab: set AB_VARIANTS} ($(left) s left)"
+    # shellcheck disable=SC2086  # AB_ARGS: bench_decode's words
+    timeout "$(cap 500)" python3 scripts/bench_decode.py "$(ckpt "$prec")" \
+        --batches "${AB_BATCHES:-8,32}" --rounds "${AB_ROUNDS:-3}" --variants "$AB_VARIANTS" \
+        --json "$OUT/ab.json" ${AB_ARGS:-} > "$OUT/ab.log" 2>&1
+    grep "^| \|^B=\|min of rounds\|Error\|error" "$OUT/ab.log" | cut -c1-130 | head -40
+}
+want sbs && for prec in ${SBS_PRECS:-fp8 bf16}; do
+    [ "$(left)" -gt 170 ] || { stamp "no time for the $prec side by side"; break; }
+    envs=""; [ "$prec" = fp8 ] && envs=${SBS_ENV:-}
+    stamp "side by side $prec (tailored half, defaults + '$envs', $(left) s left)"
+    env $envs OUT=/tmp/sbs-out timeout "$(cap 600)" bash logs/gpu/2026-12-01-s12/sbs.sh "$prec" \
+        > "$OUT/sbs-$prec.out" 2>&1
+    cp /tmp/sbs-out/sbs-call.log "$OUT/sbs-call-$prec.log" 2>/dev/null
+    grep "c=1\|c=32" "$OUT/sbs-$prec.out" | tail -2
+    tar czf "$OUT/sbs.tgz" -C /tmp sbs sbs-out 2>/dev/null
+done
+want gate && for prec in ${GATE_PRECS:-fp8}; do
+    [ "$(left)" -gt 120 ] || { stamp "no time for the $prec gate"; break; }
+    stamp "$prec gate with '${GATE_ENV:-}' ($(left) s left)"
+    env ${GATE_ENV:-} timeout $(( $(left) - 5 )) bash scripts/gpu_gate.sh "$prec" \
+        > "$OUT/gate-$prec.out" 2>&1
+    grep "overall\|vs bf16 reference\|gate PASSED\|gate FAILED" "$OUT/gate-$prec.out"
+done
+if want onegate && [ "$(left)" -gt 100 ]; then
+    stamp "bf16 gate, prompts one at a time ($(left) s left)"
+    GATE_ARGS="--one-at-a-time" timeout $(( $(left) - 5 )) bash scripts/gpu_gate.sh bf16 \
+        > "$OUT/gate-bf16-one.out" 2>&1
+    grep "overall\|gate PASSED\|gate FAILED" "$OUT/gate-bf16-one.out"
+fi
+stamp done
