@@ -113,6 +113,9 @@ VARIANTS = {
     # the decode down GEMM's bf16-dot configs only (FP8_DOWN_F16 off, kb/0045): a new launcher,
     # tuned at the re-capture's warm-up where tuned.json's float16 picks no longer apply
     "down_bf16dot": lambda: _set("kernels.moe", "FP8_DOWN_F16", False),
+    # FP8 dense projections of 3-64 rows through the split-K W8A16 GEMM over their FP8 weights
+    # instead of cuBLAS over the bf16 copy (kb/0045 §4; its configs: fp8_splitk.CFGS)
+    "dense_splitk": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 64),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),

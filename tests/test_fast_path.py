@@ -115,17 +115,21 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     _run_steps(plain, fastm, fcache)
 
 
-@pytest.mark.parametrize("gemv_up_to", [0, 4])
-def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiny_fp8_ckpt, monkeypatch):
+@pytest.mark.parametrize("gemv_up_to,splitk_up_to", [(0, 0), (4, 0), (0, 64), (4, 64)])
+def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, splitk_up_to, tiny_fp8_ckpt,
+                                              monkeypatch):
     """TAILORED_FP8_DENSE_DEQUANT (kb/0026): the dense projections held dequantized, one GEMM
     per input (qkv|z|b|a, router|gates|shared up), the modules' FP8 weights untouched; the
     routed experts stay FP8. Same steps as the plain path. gemv_up_to (FP8_GEMV_UP_TO,
     kb/0039 §4): steps of up to 4 rows read the FP8 weights through the GEMV instead, the
-    bf16 members' rows (b/a, router) viewing the dequantized weight."""
+    bf16 members' rows (b/a, router) viewing the dequantized weight. splitk_up_to
+    (FP8_DENSE_SPLITK_UP_TO, kb/0045 §4): the steps above the GEMV's rows (prefills up to 64
+    rows included here) through the split-K GEMM with the bf16 rows in its launch."""
     from tailored.model import fast as fastmod
 
     monkeypatch.setattr(fastmod, "FP8_DENSE_DEQUANT", True)
     monkeypatch.setattr(fastmod, "FP8_GEMV_UP_TO", gemv_up_to)
+    monkeypatch.setattr(fastmod, "FP8_DENSE_SPLITK_UP_TO", splitk_up_to)
     plain, fastm, fcache = _make_pair(tiny_fp8_ckpt)
     fast = fastm.fast
     for g in (fast.p_in, fast.p_moe):
@@ -147,14 +151,17 @@ def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, tiny_fp8_ckpt, monkeyp
     assert w8.dtype == torch.float8_e4m3fn and not bf16_first
     assert wb.untyped_storage().data_ptr() == fast.p_in[0].parts[0][0].weight.untyped_storage().data_ptr()
     assert fast.p_moe[0].parts[0][0].gemv[3]  # router|gate first
-    calls, tiles = [], []
-    real, real_tiles = fastmod.fp8_gemv, fastmod.fp8_linear
+    calls, tiles, splitk = [], [], []
+    real, real_tiles, real_sk = fastmod.fp8_gemv, fastmod.fp8_linear, fastmod.fp8_dense_splitk
     monkeypatch.setattr(fastmod, "fp8_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(fastmod, "fp8_linear",
                         lambda *a, **kw: tiles.append(a[0].shape[0]) or real_tiles(*a, **kw))
+    monkeypatch.setattr(fastmod, "fp8_dense_splitk",
+                        lambda *a, **kw: splitk.append(a[0].shape[0]) or real_sk(*a, **kw))
     _run_steps(plain, fastm, fcache)
     assert bool(calls) == bool(gemv_up_to)
-    assert not tiles  # above the GEMV's rows: cuBLAS over the dequantized copy, never fp8_linear
+    assert not tiles  # never fp8_linear: cuBLAS over the dequantized copy, or split-K
+    assert bool(splitk) == bool(splitk_up_to) and all(gemv_up_to < t <= 64 for t in splitk)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -269,6 +269,34 @@ def test_fp8_linear_splitk_against_dequantize_then_linear(M, k_split, block_n):
         assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("M", [3, 33])
+@pytest.mark.parametrize("other_first", [False, True])
+@pytest.mark.parametrize("k_split", [128, 2048])
+def test_fp8_linear_splitk_with_bf16_rows(M, other_first, k_split):
+    """The split-K GEMM with a fused projection's rows in x's dtype in the same launch
+    (FastPath's GDN in b|a after, MoE group router|shared gate before: `fp8_gemv`'s layout),
+    split or not: each column block equals its own reference, the NaN-poisoned output is fully
+    written; other rows of another dtype or width are refused."""
+    from tailored.kernels.fp8_splitk import fp8_linear_splitk
+
+    N, K, NB = 200, 320, 37
+    q, s = _weight(N, K, 29 + M)
+    rows = fp8.row_scales(s, N)
+    g = torch.Generator().manual_seed(M + 7)
+    other = torch.randn(NB, K, generator=g).to(DEV)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    want8 = F.linear(x, fp8.dequantize_block(q, s, torch.float32))
+    wantb = F.linear(x, other)
+    want = torch.cat([wantb, want8] if other_first else [want8, wantb], 1)
+    with nan_empty():
+        got = fp8_linear_splitk(x, q, rows, k_split, 64, other=other, other_first=other_first)
+    assert got.shape == (M, N + NB) and torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    for bad in (other.to(torch.float16), other[:, :-1], other[0]):
+        with pytest.raises(ValueError):
+            fp8_linear_splitk(x, q, rows, 128, other=bad)
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the autotuned launcher runs on CUDA only")
 def test_fp8_linear_autotuned_writes_every_element(monkeypatch):
     """The served launcher (autotune on): every candidate config's grid covers the output

@@ -161,6 +161,7 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
         monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
         monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039
         monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)
+        monkeypatch.setattr(fastmod, "FP8_DENSE_SPLITK_UP_TO", 64)  # kb/0045 §4
 
     model = _full4(dtype, precision=precision)
     cfg = model.config
@@ -236,12 +237,14 @@ def test_pdl_changes_no_bit(precision, monkeypatch):
     with PDL, and an eager prefill of two sequences, give the same bits, and leave the same
     cache, as without it. A missed wait would race; so would a read before the wait (the
     GEMV's weights, the GDN state: kb/0040) of something the step writes. Decode at 3 rows and at 1 row (the FP8 GEMV
-    and, switched on here, the bf16 GEMV)."""
+    and, switched on here, the bf16 GEMV; FP8's dense projections at 3 rows through the
+    split-K GEMM, kb/0045 §4)."""
     from tailored.kernels import pdl
     from tailored.model import fast as fast_mod
     from tailored.model.fast import FastPath
 
     monkeypatch.setattr(fast_mod, "BF16_GEMV_UP_TO", 2)
+    monkeypatch.setattr(fast_mod, "FP8_DENSE_SPLITK_UP_TO", 64)  # FP8's 3 rows: split-K
     model = _full4(torch.bfloat16, seed=3, precision=precision)
     cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
     fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)

@@ -94,7 +94,7 @@ def test_session25_defaults():
     from tailored.model import fast
 
     for name in ("TAILORED_BF16_GEMV_UP_TO", "TAILORED_BF16_GEMV_FP8_CFGS",
-                 "TAILORED_MOE_FP8_DOWN_F16"):
+                 "TAILORED_MOE_FP8_DOWN_F16", "TAILORED_FP8_DENSE_SPLITK_UP_TO"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert fast.BF16_GEMV_UP_TO == 1 and fp8_gemv.BF16_CFGS == fp8_gemv.fp8_cfgs_for_bf16()
@@ -103,6 +103,7 @@ def test_session25_defaults():
     assert not hasattr(fast, "FP8_DENSE_F16_UP_TO")  # deleted: lost (kb/0043)
     assert not hasattr(fast, "FP8_MOE_GROUP_TILED_UP_TO")  # deleted: no gain (kb/0044)
     assert not hasattr(moe, "DECODE_CFG")  # the A/B hook went once its config became a candidate
+    assert fast.FP8_DENSE_SPLITK_UP_TO == 0  # kb/0045 §4: until its bench, A/B and FP8 gate
 
 
 def test_attention_splits_by_batch_size(monkeypatch):

@@ -177,8 +177,9 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             # the split-K GEMM (bench only, kb/0045 §4): partials + reduce, and one split;
             # float16 dots with power-of-2 rows for bf16
             for ks, bn, f16 in ((512, 256, dt == torch.bfloat16), (H, 128, False)):
-                calls.append(lambda x=x, wl=wl, ks=ks, bn=bn, f16=f16: fp8_linear_splitk(
-                    x, wl, torch.ones(1024, H // 128), ks, bn, 8, 4, f16))
+                calls.append(lambda x=x, wl=wl, ks=ks, bn=bn, f16=f16, dt=dt: fp8_linear_splitk(
+                    x, wl, torch.ones(1024, H // 128), ks, bn, 8, 4, f16,
+                    torch.zeros(64, H, dtype=dt)))  # with bf16 rows in the launch
             if T == 1:  # the FP8 GEMV (kb/0039 §4), 1 and 2 rows
                 for xr in (x, torch.randn(2, H, dtype=dt)):
                     calls.append(lambda xr=xr, wl=wl: fp8_gemv(xr, wl, torch.ones(1024, H // 128)))

@@ -447,7 +447,8 @@ def _kernel_switches() -> dict:
             "fp8_gemv_up_to": fast.FP8_GEMV_UP_TO,
             "bf16_gemv_up_to": fast.BF16_GEMV_UP_TO,
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),
-            "moe_fp8_down_f16": moe.FP8_DOWN_F16}
+            "moe_fp8_down_f16": moe.FP8_DOWN_F16,
+            "fp8_dense_splitk_up_to": fast.FP8_DENSE_SPLITK_UP_TO}
 
 
 def _free(dev) -> None:

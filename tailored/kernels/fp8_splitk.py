@@ -1,6 +1,7 @@
 """W8A16 GEMM for block-FP8 dense weights at decode rows, wide N tiles and split K (kb/0045 §4):
-y = x · (W_fp8 ⊙ s)ᵀ. Bench only so far (`scripts/bench_fp8_gemv.py --splitk`); FastPath does
-not call it.
+y = x · (W_fp8 ⊙ s)ᵀ. FastPath takes it for the FP8 dense projections of
+(FP8_GEMV_UP_TO, FP8_DENSE_SPLITK_UP_TO] rows (off by default: unmeasured on the H200; bench:
+`scripts/bench_fp8_gemv.py --splitk`, in the model: bench_decode's `dense_splitk`).
 
 Why: at 3–64 rows FP8 serving runs its dense projections through cuBLAS over a dequantized bf16
 copy (`FastPath`, `FP8_DENSE_DEQUANT`, kb/0026): ~1.4 ms of the 10.4 ms FP8 B=32 step reads
@@ -38,23 +39,11 @@ from tailored.kernels.pdl import launch as pdl_launch
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
-                   stride_sn, stride_os, stride_om, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F16: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    # program (n block, split, m block): K range [split·K_SPLIT, +K_SPLIT) in 128-wide dots
-    # (one block scale each); out is the fp32 partials [splits, M, N] or, with one split, y
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    k_lo = pid_s * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+def _acc_split(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, k_lo, k_hi, stride_xm, stride_wn,
+               stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DOT_PREC: tl.constexpr, W_FP8: tl.constexpr, DOT_F16: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: rows m of x times weight rows n over K range [k_lo, k_hi), in
+    128-wide dots (FP8: one block scale each; bf16 rows: plain dots)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, 128):
         kk = k0 + tl.arange(0, 128)
@@ -63,10 +52,46 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, st
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC, True, 1, DOT_F16,
-                       DOT_F16)
-    tl.store(out_ptr + pid_s * stride_os + m[:, None].to(tl.int64) * stride_om + n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8, 1, DOT_F16,
+                       DOT_F16)  # (bf16 rows: W_FP8 False, a plain dot)
+    return acc
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, out_ptr, M, N, NB, K, K_SPLIT, stride_xm,
+                   stride_wn, stride_sn, stride_wbn, stride_os, stride_om, COL8, COLB,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                   DOT_F16: tl.constexpr, PDL: tl.constexpr = False):
+    # program (n block, split, m block) over K range [split·K_SPLIT, +K_SPLIT). N blocks 0 ..
+    # cdiv(N, BLOCK_N) - 1: the N FP8 rows (w, s) into columns COL8..; the blocks after them:
+    # the NB rows in x's dtype (wb: a fused projection's bf16 members, GDN b/a or the router
+    # and shared-expert gate) into columns COLB.., as `fp8_gemv` lays them out. out: the fp32
+    # partials [splits, M, N + NB] or, with one split, y
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    k_lo = pid_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    out = out_ptr + pid_s * stride_os + m[:, None].to(tl.int64) * stride_om
+    p8 = tl.cdiv(N, BLOCK_N)
+    if pid_n < p8:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        acc = _acc_split(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, k_lo, k_hi, stride_xm,
+                         stride_wn, stride_sn, BLOCK_M, BLOCK_N, DOT_PREC, True, DOT_F16)
+        tl.store(out + COL8 + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        n = (pid_n - p8) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < NB
+        acc = _acc_split(x_ptr, wb_ptr, s_ptr, m, m_ok, n, n_ok, k_lo, k_hi, stride_xm,
+                         stride_wbn, stride_sn, BLOCK_M, BLOCK_N, DOT_PREC, False, False)
+        tl.store(out + COLB + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -87,48 +112,90 @@ def _block_m(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
+# (k_split, BLOCK_N, num_warps, num_stages, float16 dots) for a shape not in CFGS: a guess
+# (K in 512-wide slices: 4 at K = 2048, one at the shared down's 512; the MoE down GEMM's
+# 128-wide tiles), until the bench's winners fill CFGS.
+CFG = (512, 128, 4, 3, False)
+# by (N + NB, K, power-of-2 row bucket ≤ 64) at the model's decode shapes: GDN in (12352,
+# 2048), GDN out / attention o (2048, 4096), attention qkv (9216, 2048), the MoE group (1281,
+# 2048), the shared down (2048, 512). Empty until `scripts/bench_fp8_gemv.py --splitk` runs on
+# the H200; each entry's summation order must pass the FP8 gate.
+CFGS: dict[tuple[int, int, int], tuple[int, int, int, int, bool]] = {}
+
+
+def config(n_total: int, K: int, rows: int) -> tuple[int, int, int, int, bool]:
+    """The launch config for an [rows, K] x against n_total weight rows (CFGS, else CFG)."""
+    return CFGS.get((n_total, K, min(64, triton.next_power_of_2(rows))), CFG)
+
+
 def fp8_linear_splitk(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
                       k_split: int, block_n: int = 128, num_warps: int = 4,
-                      num_stages: int = 3, dot_f16: bool = False) -> torch.Tensor:
+                      num_stages: int = 3, dot_f16: bool = False,
+                      other: torch.Tensor | None = None,
+                      other_first: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp32, unit column stride) · dequant(weight)ᵀ → [M, N] in x.dtype.
 
     weight: [N, K] float8_e4m3fn (unit column stride); scale_rows: [N, ceil(K/128)] fp32
     (`fp8.row_scales`). k_split: K per program, a positive multiple of 128 (ceil(K / k_split)
-    splits; one split writes y directly, more write fp32 partials [splits, M, N] summed by a
-    second launch). block_n: N tile (16–256, power of 2); dot_f16: float16 dots with
-    power-of-2 row scaling (bf16 activations; fp32 ones keep fp32 dots). Raises ValueError on
-    mismatched shapes or dtypes, or a k_split that is not a positive multiple of 128.
+    splits; one split writes y directly, more write fp32 partials [splits, M, N + NB] summed
+    by a second launch). block_n: N tile (16–256, power of 2); dot_f16: float16 dots with
+    power-of-2 row scaling for the FP8 rows (bf16 activations; fp32 ones keep fp32 dots).
+    other: [NB, K] rows in x's dtype (a fused projection's bf16 members) in the same launch;
+    the output is then [M, N + NB], the FP8 rows' columns first, or last with other_first
+    (`fp8_gemv`'s layout). Raises ValueError on mismatched shapes or dtypes, or a k_split that
+    is not a positive multiple of 128.
     """
     M, K = x.shape
     N, K2 = weight.shape
+    NB = 0 if other is None or other.dim() != 2 else other.shape[0]
     if (K2 != K or weight.dtype != torch.float8_e4m3fn
             or scale_rows.shape != (N, triton.cdiv(K, SCALE_BLOCK))
-            or scale_rows.dtype != torch.float32):
-        raise ValueError(f"fp8_linear_splitk: x{tuple(x.shape)} weight{tuple(weight.shape)} "
-                         f"{weight.dtype} scale_rows{tuple(scale_rows.shape)} "
-                         f"{scale_rows.dtype}")
+            or scale_rows.dtype != torch.float32
+            or (other is not None and (other.dim() != 2 or other.shape[1] != K
+                                       or other.dtype != x.dtype))):
+        raise ValueError(f"fp8_linear_splitk: x{tuple(x.shape)} {x.dtype} "
+                         f"weight{tuple(weight.shape)} {weight.dtype} "
+                         f"scale_rows{tuple(scale_rows.shape)} {scale_rows.dtype} other "
+                         f"{None if other is None else (tuple(other.shape), other.dtype)} "
+                         "(other in x's dtype)")
     if k_split <= 0 or k_split % SCALE_BLOCK:
         raise ValueError(f"fp8_linear_splitk: k_split {k_split} is not a positive multiple "
                          f"of {SCALE_BLOCK}")
-    if weight.stride(1) != 1 or scale_rows.stride(1) != 1:
-        raise ValueError("fp8_linear_splitk: weight and scale_rows need a unit column stride")
+    if (weight.stride(1) != 1 or scale_rows.stride(1) != 1
+            or (other is not None and other.stride(1) != 1)):
+        raise ValueError("fp8_linear_splitk: weight, scale_rows and other need a unit column "
+                         "stride")
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N + NB, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     splits = triton.cdiv(K, k_split)
-    out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    out = y if splits == 1 else torch.empty(splits, M, N + NB, dtype=torch.float32,
+                                            device=x.device)
     bm = _block_m(M)
     f16 = dot_f16 and x.dtype == torch.bfloat16
-    _splitk_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, bm))](
-        x, weight, scale_rows, out, M, N, K, k_split, x.stride(0), weight.stride(0),
-        scale_rows.stride(0), out.stride(0) if splits > 1 else 0, N,
-        BLOCK_M=bm, BLOCK_N=block_n, DOT_PREC=dot_precision(x.dtype), DOT_F16=f16,
+    wb = x if other is None else other  # never read when NB = 0 (no program takes that branch)
+    col8, colb = (NB, 0) if other_first else (0, N)
+    grid_n = triton.cdiv(N, block_n) + triton.cdiv(NB, block_n)
+    _splitk_kernel[(grid_n, splits, triton.cdiv(M, bm))](
+        x, weight, scale_rows, wb, out, M, N, NB, K, k_split, x.stride(0), weight.stride(0),
+        scale_rows.stride(0), wb.stride(0), out.stride(0) if splits > 1 else 0, N + NB, col8,
+        colb, BLOCK_M=bm, BLOCK_N=block_n, DOT_PREC=dot_precision(x.dtype), DOT_F16=f16,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(x))
     if splits > 1:
         block = 1024
-        _reduce_kernel[(triton.cdiv(M * N, block),)](
-            out, y, M * N, SPLITS=splits, stride_ps=out.stride(0), BLOCK=block, num_warps=4,
-            **pdl_launch(x))
+        _reduce_kernel[(triton.cdiv(M * (N + NB), block),)](
+            out, y, M * (N + NB), SPLITS=splits, stride_ps=out.stride(0), BLOCK=block,
+            num_warps=4, **pdl_launch(x))
     return y
+
+
+def fp8_dense_splitk(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
+                     other: torch.Tensor | None = None, other_first: bool = False) -> torch.Tensor:
+    """`fp8_linear_splitk` at the shape's config (`config`): FastPath's FP8 dense projections
+    (a fused projection's bf16 rows in other, as `fp8_gemv` takes them). Same contract."""
+    n_total = weight.shape[0] + (0 if other is None else other.shape[0])
+    ks, bn, warps, stages, f16 = config(n_total, x.shape[1], x.shape[0])
+    return fp8_linear_splitk(x, weight, scale_rows, ks, bn, warps, stages, f16, other,
+                             other_first)

@@ -33,6 +33,7 @@ from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.fp8_dequant import dequantize_rows
 from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
+from tailored.kernels.fp8_splitk import fp8_dense_splitk
 from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
 from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
@@ -129,6 +130,16 @@ FP8_GEMV_UP_TO = env_int("TAILORED_FP8_GEMV_UP_TO", 2, 0, 4)
 # B=2 -0.5 / -1.4 and +0.3 / -0.3, no gain, hence 1. Both gates passed with it at 2 (run2,
 # kb/0042). 0 = cuBLAS. Read at call time (A/B).
 BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
+# With FP8_DENSE_DEQUANT, projections of more than FP8_GEMV_UP_TO and up to this many rows
+# read their FP8 weights through the split-K W8A16 GEMM (`kernels/fp8_splitk.py`, kb/0045 §4;
+# the bf16 members of a fused projection in the same launch) instead of cuBLAS over the
+# dequantized bf16 copy, which reads twice the bytes: ~1.4 ms of the FP8 B=32 step. Why
+# another try after the tiled GEMM lost (kb/0043 §0): the hypothesis that it re-read the
+# activations for every 64-wide N tile; here 128-256 wide tiles, K split over programs.
+# Numerics: (x·q)·s in fp32 per 128-block, summed by split, where cuBLAS reads bf16(q·s): the
+# FP8 gate decides. 0 = off, the default until the H200 bench, the A/B and the gate. Read at
+# call time (A/B).
+FP8_DENSE_SPLITK_UP_TO = env_int("TAILORED_FP8_DENSE_SPLITK_UP_TO", 0, 0, 64)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
@@ -313,6 +324,9 @@ class Proj:
         if self.gemv is not None and 1 <= x.shape[0] <= FP8_GEMV_UP_TO:
             w8, s8, wb, bf16_first = self.gemv
             return fp8_gemv(x, w8, s8, other=wb, other_first=bf16_first)
+        if self.gemv is not None and 1 <= x.shape[0] <= FP8_DENSE_SPLITK_UP_TO:
+            w8, s8, wb, bf16_first = self.gemv
+            return fp8_dense_splitk(x, w8, s8, other=wb, other_first=bf16_first)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
         if (1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype
