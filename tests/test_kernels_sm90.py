@@ -35,7 +35,7 @@ TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32",
 # kernels that read what no kernel of the step writes (weights, the GDN state) before their
 # PDL wait (kb/0040): their PTX loads before the wait; every other kernel's first global load
 # and store come after it
-PDL_PREFETCH = {"_fp8_gemv_kernel", "_recurrent_kernel"}
+PDL_PREFETCH = {"_fp8_gemv_kernel", "_recurrent_kernel", "_splitk_kernel"}
 NO_FMA = {"_qk_norm_rope_kernel", "_q_k_norm_rope_kernel", "_moe_combine_kernel",
           "_silu_mul_kernel"}
 

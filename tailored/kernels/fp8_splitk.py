@@ -41,11 +41,24 @@ from tailored.kernels.pdl import launch as pdl_launch
 @triton.jit
 def _acc_split(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, k_lo, k_hi, stride_xm, stride_wn,
                stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               DOT_PREC: tl.constexpr, W_FP8: tl.constexpr, DOT_F16: tl.constexpr):
+               DOT_PREC: tl.constexpr, W_FP8: tl.constexpr, DOT_F16: tl.constexpr,
+               PDL: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32: rows m of x times weight rows n over K range [k_lo, k_hi), in
-    128-wide dots (FP8: one block scale each; bf16 rows: plain dots)."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, 128):
+    128-wide dots (FP8: one block scale each; bf16 rows: plain dots). The first weight tile
+    is loaded before the PDL wait, as `fp8_gemv` does (kb/0040): weights are never written
+    while serving, so their first DRAM latency overlaps the previous kernel's tail; x, which
+    that kernel writes, is read after the wait. That tile is peeled off the loop."""
+    kk = k_lo + tl.arange(0, 128)
+    k_ok = kk < k_hi
+    w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
+                mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    if PDL:  # kernels/pdl.py: wait for the previous kernel before reading x
+        pdl_enter()
+    a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a, w, s_ptr, n, n_ok,
+                   stride_sn, k_lo, DOT_PREC, W_FP8, 1, DOT_F16, DOT_F16)
+    for k0 in range(k_lo + 128, k_hi, 128):
         kk = k0 + tl.arange(0, 128)
         k_ok = kk < k_hi
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
@@ -66,9 +79,7 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, out_ptr, M, N, NB, K, K_SPLIT, s
     # cdiv(N, BLOCK_N) - 1: the N FP8 rows (w, s) into columns COL8..; the blocks after them:
     # the NB rows in x's dtype (wb: a fused projection's bf16 members, GDN b/a or the router
     # and shared-expert gate) into columns COLB.., as `fp8_gemv` lays them out. out: the fp32
-    # partials [splits, M, N + NB] or, with one split, y
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
+    # partials [splits, M, N + NB] or, with one split, y. The PDL wait is in _acc_split.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -82,14 +93,14 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, wb_ptr, out_ptr, M, N, NB, K, K_SPLIT, s
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         acc = _acc_split(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, k_lo, k_hi, stride_xm,
-                         stride_wn, stride_sn, BLOCK_M, BLOCK_N, DOT_PREC, True, DOT_F16)
+                         stride_wn, stride_sn, BLOCK_M, BLOCK_N, DOT_PREC, True, DOT_F16, PDL)
         tl.store(out + COL8 + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
     else:
         n = (pid_n - p8) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < NB
         acc = _acc_split(x_ptr, wb_ptr, s_ptr, m, m_ok, n, n_ok, k_lo, k_hi, stride_xm,
-                         stride_wbn, stride_sn, BLOCK_M, BLOCK_N, DOT_PREC, False, False)
+                         stride_wbn, stride_sn, BLOCK_M, BLOCK_N, DOT_PREC, False, False, PDL)
         tl.store(out + COLB + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
