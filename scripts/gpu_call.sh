@@ -6,12 +6,14 @@
 #  tests    pytest on the GPU: each ';'-separated entry of TESTS is one pytest run (its own
 #           log, tests-N.log; shell words, quotes kept), e.g.
 #           TESTS="tests/test_tuning.py;tests/test_gpu.py -k 'pdl or full_width'".
-#  tune     Re-tune launchers from scratch and dump the table (kernels/tuning.py): a copy of
-#           tuned.json without the TUNE_DROP launchers (space-separated names) is loaded, an
-#           in-process decode run at TUNE_BATCHES (TUNE_PREC bf16|fp8) warms every decode
-#           graph size up, so each dropped key tunes once, and the merged table lands in
-#           $OUT/tuned.json (commit it as tailored/kernels/tuned.json once the A/B agrees).
-#           Later parts of the call load it and dump into it (a served start adds its keys).
+#  tune     Re-tune launchers from scratch (kernels/tuning.py): a copy of tuned.json without
+#           the TUNE_DROP launchers (space-separated names) is loaded, an in-process decode
+#           run at TUNE_BATCHES (TUNE_PREC bf16|fp8) warms every decode graph size up to the
+#           largest batch + 1, so each dropped key of those sizes tunes once; the shipped
+#           entries of keys it did not reach (larger batches) are put back. The table lands in
+#           $OUT/tuned.json (commit it as tailored/kernels/tuned.json once the A/B agrees) and
+#           in /tmp/tuned.json, which every later part, and every later call while the machine
+#           stays warm, loads (TAILORED_TUNING). Nothing after `tune` dumps into it.
 #  bench    Each ';'-separated command of BENCHES (a kernel bench; its own log bench-N.log,
 #           whose last 25 lines are printed), e.g.
 #           BENCHES="python3 scripts/bench_fp8_gemv.py --batches 8,32 --splitk".
@@ -21,6 +23,9 @@
 #           of SBS_PRECS with SBS_ENV in front (FP8 only).
 #  gate     `tailored gate` for each of GATE_PRECS with GATE_ENV in front.
 #  onegate  The bf16 gate with the prompts one at a time (the one-row paths alone).
+# SBS_ENV / GATE_ENV are NAME=VALUE words split at spaces (no value may hold a space).
+# The device returns a few files only: at the end everything in $OUT but this log and
+# tuned.json is packed into $OUT/logs.tgz.
 # Usage: TAILORED_COMMIT=<sha> OUT=$OUT END=560 PARTS="tests tune ab" [settings] \
 #            bash scripts/gpu_call.sh
 source "$(dirname "$0")/device_env.sh" gpu_call
@@ -35,26 +40,41 @@ for part in $PARTS; do
     [[ " $ALL " == *" $part "* ]] || { echo "unknown part '$part' in PARTS ($ALL)"; exit 2; }
 done
 want() { [[ "$PARTS" == *" $1 "* ]]; }
+# the settings each wanted part needs, checked before anything runs
+for need in "tests TESTS" "tune TUNE_DROP" "bench BENCHES" "ab AB_VARIANTS"; do
+    set -- $need
+    if want "$1" && [ -z "${!2:-}" ]; then echo "PARTS has $1: set $2"; exit 2; fi
+done
 ckpt() { [ "$1" = fp8 ] && echo /tmp/full-fp8 || echo /tmp/full; }
+# ';'-separated entries of $1, blank ones dropped (a blank pytest entry would run everything)
+entries() {
+    local -a raw
+    IFS=';' read -ra raw <<< "$1"
+    for e in "${raw[@]}"; do [ -n "${e// /}" ] && printf '%s\n' "$e"; done
+}
 full_configs > /dev/null
 export TRITON_CACHE_DIR=/tmp/triton-cache
+unset TAILORED_TUNING_DUMP
+if [ -s /tmp/tuned.json ]; then  # an earlier call's `tune` on this (warm) machine
+    export TAILORED_TUNING=/tmp/tuned.json
+    stamp "loading the tuning table of an earlier call: /tmp/tuned.json"
+fi
 want tests && {
     n=0
-    IFS=';' read -ra runs <<< "${TESTS:?tests: set TESTS}"
-    for t in "${runs[@]}"; do
+    while IFS= read -r t; do
         n=$((n + 1))
         enough 60 "tests $t" || break
         stamp "GPU tests $n: $t ($(left) s left)"
         # eval: an entry is pytest's words, quotes included (-k "a or b")
         eval "timeout $(cap 300) python3 -m pytest -q -p no:cacheprovider -rf $t" \
-            > "$OUT/tests-$n.log" 2>&1
+            > "$OUT/tests-$n.log" 2>&1 < /dev/null
         grep "^FAILED\|^ERROR" "$OUT/tests-$n.log" | head -5; tail -1 "$OUT/tests-$n.log"
-    done
+    done < <(entries "$TESTS")
 }
 want tune && enough 120 "tune" && {
     prec=${TUNE_PREC:-fp8}
-    stamp "tune $prec from scratch: ${TUNE_DROP:?tune: set TUNE_DROP} ($(left) s left)"
-    TUNE_DROP=$TUNE_DROP python3 - "$OUT/tuned.json" <<'EOF'
+    stamp "tune $prec from scratch: $TUNE_DROP ($(left) s left)"
+    TUNE_DROP=$TUNE_DROP python3 - /tmp/tuned.json <<'EOF'
 import json, os, sys
 from tailored.kernels import tuning
 doc = json.loads(tuning.DEFAULT_TABLE.read_text())
@@ -62,34 +82,46 @@ for name in os.environ["TUNE_DROP"].split():
     print(f"dropped {len(doc['launchers'].pop(name, []))} entries of {name}")
 open(sys.argv[1], "w").write(json.dumps(doc, indent=1) + "\n")
 EOF
-    # load the trimmed copy, dump into it: the dropped keys tune, the rest stay as shipped.
-    # Exported: later parts use it, and a served start (sbs) adds the keys of its larger
-    # batches (bench_decode captures up to its largest batch + 1, the server up to 128)
-    export TAILORED_TUNING=$OUT/tuned.json TAILORED_TUNING_DUMP=$OUT/tuned.json
-    timeout "$(cap 400)" python3 scripts/bench_decode.py \
-        "$(ckpt "$prec")" --batches "${TUNE_BATCHES:-1,8,32}" --json "$OUT/tune.json" \
-        > "$OUT/tune.log" 2>&1
+    # load the trimmed copy and dump into it: the dropped keys tune, the rest stay as shipped
+    TAILORED_TUNING=/tmp/tuned.json TAILORED_TUNING_DUMP=/tmp/tuned.json \
+        timeout "$(cap 400)" python3 scripts/bench_decode.py "$(ckpt "$prec")" \
+        --batches "${TUNE_BATCHES:-1,8,32}" --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
     grep "^| \|^B=\|Error\|error\|tuning table" "$OUT/tune.log" | cut -c1-130 | head -20
-    for name in $TUNE_DROP; do
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['launchers'].get(sys.argv[2], [])
-for r in d: print(sys.argv[2], r['key'][:5], r['kwargs'], r['num_warps'], r['num_stages'])" \
-            "$OUT/tuned.json" "$name"
-    done
+    TUNE_DROP=$TUNE_DROP python3 - /tmp/tuned.json <<'EOF'
+# put back the shipped entries of dropped launchers whose keys this run did not reach, and
+# print the new picks
+import json, os, sys
+from tailored.kernels import tuning
+shipped = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
+doc = json.loads(open(sys.argv[1]).read())
+for name in os.environ["TUNE_DROP"].split():
+    rows = doc["launchers"].setdefault(name, [])
+    have = {json.dumps(r["key"]) for r in rows}
+    back = [r for r in shipped.get(name, []) if json.dumps(r["key"]) not in have]
+    for r in sorted(rows, key=lambda r: json.dumps(r["key"])):
+        print(name, "tuned", r["key"][:5], r["kwargs"], r["num_warps"], r["num_stages"])
+    for r in back:
+        print(name, "kept (not reached)", r["key"][:5], r["kwargs"])
+    rows += back
+    rows.sort(key=lambda r: json.dumps(r["key"]))
+open(sys.argv[1], "w").write(json.dumps(doc, indent=1) + "\n")
+EOF
+    cp /tmp/tuned.json "$OUT/tuned.json"
+    export TAILORED_TUNING=/tmp/tuned.json
 }
 want bench && {
     n=0
-    IFS=';' read -ra runs <<< "${BENCHES:?bench: set BENCHES}"
-    for b in "${runs[@]}"; do
+    while IFS= read -r b; do
         n=$((n + 1))
         enough 60 "bench $b" || break
         stamp "bench $n: $b ($(left) s left)"
-        eval "timeout $(cap 400) $b" > "$OUT/bench-$n.log" 2>&1
+        eval "timeout $(cap 400) $b" > "$OUT/bench-$n.log" 2>&1 < /dev/null
         tail -25 "$OUT/bench-$n.log"
-    done
+    done < <(entries "$BENCHES")
 }
 want ab && enough 150 "A/B" && {
     prec=${AB_PREC:-fp8}
-    stamp "A/B $prec B=${AB_BATCHES:-8,32}: ${AB_VARIANTS:?ab: set AB_VARIANTS} ($(left) s left)"
+    stamp "A/B $prec B=${AB_BATCHES:-8,32}: $AB_VARIANTS ($(left) s left)"
     # shellcheck disable=SC2086  # AB_ARGS: bench_decode's words
     timeout "$(cap 500)" python3 scripts/bench_decode.py "$(ckpt "$prec")" \
         --batches "${AB_BATCHES:-8,32}" --rounds "${AB_ROUNDS:-3}" --variants "$AB_VARIANTS" \
@@ -100,6 +132,7 @@ want sbs && for prec in ${SBS_PRECS:-fp8 bf16}; do
     [ "$(left)" -gt 170 ] || { stamp "no time for the $prec side by side"; break; }
     envs=""; [ "$prec" = fp8 ] && envs=${SBS_ENV:-}
     stamp "side by side $prec (tailored half, defaults + '$envs', $(left) s left)"
+    # shellcheck disable=SC2086  # NAME=VALUE words
     env $envs OUT=/tmp/sbs-out timeout "$(cap 600)" bash logs/gpu/2026-12-01-s12/sbs.sh "$prec" \
         > "$OUT/sbs-$prec.out" 2>&1
     cp /tmp/sbs-out/sbs-call.log "$OUT/sbs-call-$prec.log" 2>/dev/null
@@ -109,6 +142,7 @@ done
 want gate && for prec in ${GATE_PRECS:-fp8}; do
     [ "$(left)" -gt 120 ] || { stamp "no time for the $prec gate"; break; }
     stamp "$prec gate with '${GATE_ENV:-}' ($(left) s left)"
+    # shellcheck disable=SC2086  # NAME=VALUE words
     env ${GATE_ENV:-} timeout $(( $(left) - 5 )) bash scripts/gpu_gate.sh "$prec" \
         > "$OUT/gate-$prec.out" 2>&1
     grep "overall\|vs bf16 reference\|gate PASSED\|gate FAILED" "$OUT/gate-$prec.out"
@@ -120,3 +154,6 @@ if want onegate && [ "$(left)" -gt 100 ]; then
     grep "overall\|gate PASSED\|gate FAILED" "$OUT/gate-bf16-one.out"
 fi
 stamp done
+# the device returns a few files: this log and the table as they are, the rest in one archive
+(cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu_call.log ! -name tuned.json \
+    ! -name logs.tgz -printf '%P\n' | tar czf logs.tgz -T - --remove-files 2>/dev/null)

@@ -230,17 +230,19 @@ def test_fp8_linear_writes_every_element(M):
 
 @pytest.mark.parametrize("M", [1, 5, 33, 70])
 @pytest.mark.parametrize("k_split,block_n", [(128, 32), (256, 64), (1024, 32)])
-def test_fp8_linear_splitk_against_dequantize_then_linear(M, k_split, block_n):
+@pytest.mark.parametrize("K", [640, 600])
+def test_fp8_linear_splitk_against_dequantize_then_linear(M, k_split, block_n, K):
     """`fp8_splitk.fp8_linear_splitk` (kb/0045 §4): K split over programs (partials summed in
     split order by a second launch; one split writes y itself) at odd sizes (N = 200 no
-    multiple of the tiles, K = 640 five 128-blocks: the last split partial), NaN-poisoned
-    output fully written, equal to the reference to fp32 rounding; the same for every split
-    up to fp32 summation order; bad k_split and shapes refused. GPU: bf16 with bf16 and
+    multiple of the tiles; K = 640 five 128-blocks, the last split partial; K = 600 a partial
+    last 128-block too), NaN-poisoned output fully written, equal to the reference to fp32
+    rounding, and to one split's result up to fp32 summation order; bad k_split, block_n and
+    shapes refused. GPU: bf16 with bf16 and
     float16 dots (×1, ×1e5, ×1e-6) within bf16 rounding of the reference, the two dot kinds
     equal up to summation order."""
     from tailored.kernels.fp8_splitk import fp8_linear_splitk
 
-    N, K = 200, 640
+    N = 200
     q, s = _weight(N, K, 17 + M)
     rows = fp8.row_scales(s, N)
     x32 = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEV)
@@ -249,9 +251,13 @@ def test_fp8_linear_splitk_against_dequantize_then_linear(M, k_split, block_n):
         got = fp8_linear_splitk(x32, q, rows, k_split, block_n)
     assert got.shape == (M, N) and got.dtype == torch.float32 and torch.isfinite(got).all()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+    whole = fp8_linear_splitk(x32, q, rows, 1024, block_n)  # one split: no partials
+    assert ((got - whole).norm() / whole.norm()).item() < 1e-6
     for bad in (0, 64, -128):
         with pytest.raises(ValueError):
             fp8_linear_splitk(x32, q, rows, bad)
+    with pytest.raises(ValueError):
+        fp8_linear_splitk(x32, q, rows, 128, block_n=8)
     with pytest.raises(ValueError):
         fp8_linear_splitk(x32, q, rows[:, :-1], 128)
     if DEV != "cuda":

@@ -242,6 +242,21 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                 finally:
                     moe.FP8_DOT_F16, moe.FP8_DOWN_F16 = held
             calls.append(f16_moe)
+
+            def down_shipped(dt=dt):  # tuned.json's float16 pick for B=8 / 32 (kb/0045)
+                from tailored.kernels import dot_precision, moe
+                from tailored.kernels.pdl import launch as pdl_launch
+
+                act, y = torch.zeros(64, I, dtype=dt), torch.zeros(64, H)
+                dn, sd = torch.zeros(E, H, I, dtype=f8), torch.ones(E, H // 128, I // 128)
+                ids = torch.zeros(E + 1, dtype=torch.int32)
+                moe._down_kernel[(64, H // 128)](
+                    act, dn, ids, ids, ids, torch.ones(64), y, sd, act.stride(0),
+                    dn.stride(0), dn.stride(1), y.stride(0), sd.stride(0), sd.stride(1), H=H,
+                    I=I, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, KB=128, DOT_PREC=dot_precision(dt),
+                    PAIRS_BUCKET=64, W_FP8=True, COMPACT=True, DOT_F16=True, num_warps=4,
+                    num_stages=4, **pdl_launch(act))
+            calls.append(down_shipped)
         # the GDN prefill conv of all sequences, and the carried states (kb/0029)
         xs = torch.randn(50, 8192, dtype=dt)
         cs = torch.zeros(5, 8192, 3, dtype=dt)

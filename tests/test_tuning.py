@@ -76,7 +76,9 @@ def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "_REGISTRY", {})
     b = tuning.register("lin", FakeTuner(_cfgs()))
     b.cache[(512, 2048, 16, 1, "torch.bfloat16", False)] = _cfgs()[0]
-    assert tuning.dump(p) == 2
+    assert tuning.dump(p, {"fp8": True}) == 2
+    # the first manifest's fields stay beside the second's (a table's provenance survives)
+    assert json.loads(p.read_text())["manifest"] == {"commit": "x", "fp8": True}
     monkeypatch.setenv("TAILORED_TUNING", str(p))
     monkeypatch.setattr(tuning, "_TABLE", None)
     c = tuning.register("lin", FakeTuner(_cfgs()))
@@ -135,6 +137,7 @@ def test_shipped_table_configs_are_offered(monkeypatch):
     monkeypatch.setattr(tuning, "_TABLE", None)
     monkeypatch.setattr(fp8_linear, "_TUNED", {})
     monkeypatch.setattr(moe, "_LAUNCHERS", {})
+    monkeypatch.setattr(moe, "FP8_DOWN_F16", True)  # the default, whatever the environment
     for small in (True, False):
         fp8_linear._tuned(small)
     for name in ("gate_up", "down", "route_gate_up"):

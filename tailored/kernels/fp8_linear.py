@@ -84,10 +84,19 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
 
 
 @triton.jit
-def _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K: tl.constexpr, stride_xm, stride_wn,
-               stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               KB: tl.constexpr, DOT_PREC: tl.constexpr, W_FP8: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32: rows m of x times weight rows n, over all of K."""
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
+                       stride_xm, stride_wn, stride_sn, stride_ym,
+                       M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     # BLOCK_K of K per loop iteration, as BLOCK_K // KB dots of KB each (FP8: KB ≤ 128, one
     # scale per row and dot). The dots of one iteration are independent and their loads issue
     # together: at M ≤ 32 the K loop is a chain of dependent iterations (16 of 128 at K = 2048
@@ -102,26 +111,7 @@ def _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K: tl.constexpr, stride_xm
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC, W_FP8)
-    return acc
-
-
-@triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
-                       stride_xm, stride_wn, stride_sn, stride_ym,
-                       M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, KB: tl.constexpr, DOT_PREC: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    acc = _acc_tiles(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, K, stride_xm, stride_wn,
-                     stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, KB, DOT_PREC, True)
+            acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC, True)
     tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -10,8 +10,9 @@ and 32 rows (0.3–1.5 TB/s, kb/0043 §0). Hypothesis (session 28): not its K lo
 the activation tile it re-reads for every N block — at 32 rows a [32, 128] bf16 x tile (8 KB)
 per [128, 64] FP8 weight tile (8 KB), so x's L2 traffic equals the weight bytes at BLOCK_N 64
 (and 4x them at 16). The FP8 MoE down GEMM showed the same shape of result (kb/0044 §4): only
-128-wide tiles, with float16 dots, lifted it from 2.7 to 3.1 TB/s. Here N tiles are 128–256
-wide (x re-read 2–4x less), and K is split over programs (K_SPLIT per program) to keep
+128-wide tiles, with float16 dots, lifted it from 2.7 to 3.1 TB/s. Here N tiles are wider
+(the bench tries 64–256: x re-read up to 4x less), and K is split over programs (K_SPLIT per
+program) to keep
 enough programs in flight with so few N blocks: each program writes an fp32 partial
 [M, BLOCK_N] of its K range, and a second launch sums the partials in split order (a
 deterministic sum; fixed for a given split) and rounds to x's dtype. One split writes y directly.
@@ -153,8 +154,8 @@ def fp8_linear_splitk(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.T
     power-of-2 row scaling for the FP8 rows (bf16 activations; fp32 ones keep fp32 dots).
     other: [NB, K] rows in x's dtype (a fused projection's bf16 members) in the same launch;
     the output is then [M, N + NB], the FP8 rows' columns first, or last with other_first
-    (`fp8_gemv`'s layout). Raises ValueError on mismatched shapes or dtypes, or a k_split that
-    is not a positive multiple of 128.
+    (`fp8_gemv`'s layout). Raises ValueError on mismatched shapes or dtypes, a k_split that
+    is not a positive multiple of 128, another block_n, or partials past int32 offsets.
     """
     M, K = x.shape
     N, K2 = weight.shape
@@ -172,6 +173,11 @@ def fp8_linear_splitk(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.T
     if k_split <= 0 or k_split % SCALE_BLOCK:
         raise ValueError(f"fp8_linear_splitk: k_split {k_split} is not a positive multiple "
                          f"of {SCALE_BLOCK}")
+    if block_n not in (16, 32, 64, 128, 256):
+        raise ValueError(f"fp8_linear_splitk: block_n {block_n} is not a power of 2 in 16-256")
+    if triton.cdiv(K, k_split) * M * (N + NB) >= 2**31:  # the kernels' int32 offsets
+        raise ValueError(f"fp8_linear_splitk: {triton.cdiv(K, k_split)} splits of "
+                         f"[{M}, {N + NB}] partials exceed int32 offsets (decode rows only)")
     if (weight.stride(1) != 1 or scale_rows.stride(1) != 1
             or (other is not None and other.stride(1) != 1)):
         raise ValueError("fp8_linear_splitk: weight, scale_rows and other need a unit column "

@@ -302,10 +302,12 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # µs a layer, in the model B=32 -3.9 % median (B=8 -2.7 %), and the FP8 gate passed with
 # float16 down dots everywhere. Since session 28 (kb/0045) the dot kind is part of the decode
 # down config: the tuner weighs 128/64-wide float16 configs against the bf16 ones per bucket
-# (tuned.json holds the measured picks), decode only (prefill keeps bf16 dots: not measured).
-# False = bf16 configs only (A/B: bench_decode's down_bf16dot; tuned.json's bf16 picks still
-# apply there, its float16 ones re-tune at the re-capture). Read when the launcher is made;
-# the fixed configs (interpreter, TAILORED_AUTOTUNE=0) take float16 dots at decode when on.
+# (tuned.json holds the measured picks), for decode-size launches only (BLOCK_M 16: ≤ 4 pairs
+# an expert, i.e. decode and verify steps and prefill chunks of up to 128 tokens); larger
+# prefills keep bf16 dots (not measured). False = bf16 configs only (A/B: bench_decode's
+# down_bf16dot; tuned.json's bf16 picks still apply there, its float16 ones re-tune at the
+# re-capture). Read at each launch (each setting has its own launcher); the fixed configs
+# (interpreter, TAILORED_AUTOTUNE=0) take float16 dots at decode size when on.
 FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", True)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
@@ -590,8 +592,9 @@ def _expert_scales(x, gate_up, down, gate_up_scale, down_scale, E, H, I, who: st
 def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int, warps: int,
                  prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor):
     """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks).
-    FP8 experts at decode with bf16 activations: float16 dots where FP8_DOWN_F16 (the tuned
-    launcher's config carries DOT_F16); fp32 activations keep fp32 dots, prefill bf16 dots."""
+    FP8 experts at decode size (BLOCK_M 16) with bf16 activations: float16 dots where
+    FP8_DOWN_F16 (the tuned launcher's config carries DOT_F16); fp32 activations keep fp32
+    dots, larger prefill tiles bf16 dots."""
     decode = bm == 16
     f16 = fp8 and FP8_DOWN_F16 and decode and x.dtype == torch.bfloat16
     if tuned:

@@ -110,21 +110,25 @@ def table() -> dict:
 
 def dump(path: str | os.PathLike, manifest: dict | None = None) -> int:
     """Write `table()` with the GPU name (and a manifest) to path; returns the entry count.
-    An existing table of the same GPU at path is merged (this process's choices win per key),
-    so a bf16 and an FP8 server start can fill one file."""
+    An existing table of the same GPU at path is merged (this process's choices win per key,
+    its manifest's fields too; the old manifest's other fields stay), so a bf16 and an FP8
+    server start can fill one file."""
     import triton
 
     tabs = table()
+    man = dict(manifest or {})
     try:
         old = json.loads(Path(path).read_text())
         if old.get("gpu") == _device_name():
+            # keep the old table's provenance (its source, hand edits) beside this start's
+            man = {**old.get("manifest", {}), **man}
             for name, rows in old.get("launchers", {}).items():
                 mine = {json.dumps(r["key"]) for r in tabs.get(name, [])}
                 keep = [r for r in rows if json.dumps(r["key"]) not in mine]
                 tabs[name] = sorted(keep + tabs.get(name, []), key=lambda r: json.dumps(r["key"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no table there yet (or not one of ours): write a fresh one
-    doc = {"gpu": _device_name(), "triton": triton.__version__, "manifest": manifest or {},
+    doc = {"gpu": _device_name(), "triton": triton.__version__, "manifest": man,
            "launchers": tabs}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
     return sum(len(v) for v in tabs.values())

@@ -283,8 +283,7 @@ def _fp8_gemv_parts(mods: list[nn.Module], dequantized: torch.Tensor):
 class Proj:
     """One GEMM for linears of one kind (bf16, or block-FP8 via `fp8_linear`) sharing an input."""
 
-    def __init__(self, mods: list[nn.Module], kind: str = "in"):
-        self.kind = kind  # which projection (in, out, router, down)
+    def __init__(self, mods: list[nn.Module]):
         self.gemv = None  # FP8 GEMV operands (dequantized projections only)
         self.fp8 = isinstance(mods[0], Fp8Linear)
         self.sizes = [m.weight.shape[0] for m in mods]
@@ -295,11 +294,11 @@ class Proj:
                       if self.fp8 else None)
 
     @classmethod
-    def dequantized(cls, mods: list[nn.Module], kind: str, dtype: torch.dtype) -> "Proj":
+    def dequantized(cls, mods: list[nn.Module], dtype: torch.dtype) -> "Proj":
         """One `dtype` GEMM for linears of any kinds sharing an input (FP8_DENSE_DEQUANT): a new
         weight tensor, concatenated in module order; the modules keep their own weights."""
         p = cls.__new__(cls)
-        p.kind, p.fp8, p.scale = kind, False, None
+        p.fp8, p.scale = False, None
         p.sizes = [m.weight.shape[0] for m in mods]
         ws = [_dense_weight(m, dtype) for m in mods]
         p.pad = _pad_rows(sum(p.sizes)) if len(ws) > 1 else 0
@@ -314,7 +313,7 @@ class Proj:
         """A Proj over this one's first sum(sizes) output rows (a view: no copy)."""
         n = sum(sizes)
         p = Proj.__new__(Proj)
-        p.fp8, p.sizes, p.kind, p.pad, p.gemv = self.fp8, list(sizes), self.kind, 0, None
+        p.fp8, p.sizes, p.pad, p.gemv = self.fp8, list(sizes), 0, None
         p.weight = self.weight[:n]
         p.scale = self.scale[:n] if self.fp8 else None
         return p
@@ -340,17 +339,16 @@ class ProjGroup:
     per kind for FP8, where the router, shared-expert gate and GDN a/b stay bf16). Calling it
     returns the modules' outputs in the given order (views of the GEMM outputs)."""
 
-    def __init__(self, mods: list[nn.Module], kind: str = "in",
-                 dequant: torch.dtype | None = None):
+    def __init__(self, mods: list[nn.Module], dequant: torch.dtype | None = None):
         """dequant: a dtype to hold FP8 linears in (FP8_DENSE_DEQUANT): then one GEMM for all."""
         if dequant is not None and any(isinstance(m, Fp8Linear) for m in mods):
-            self.parts = [(Proj.dequantized(mods, kind, dequant), list(range(len(mods))))]
+            self.parts = [(Proj.dequantized(mods, dequant), list(range(len(mods))))]
             self.n = len(mods)
             return
         kinds: dict[bool, list[int]] = {}
         for j, m in enumerate(mods):
             kinds.setdefault(isinstance(m, Fp8Linear), []).append(j)
-        self.parts = [(Proj([mods[j] for j in idx], kind), idx) for idx in kinds.values()]
+        self.parts = [(Proj([mods[j] for j in idx]), idx) for idx in kinds.values()]
         self.n = len(mods)
 
     def leading(self, n: int) -> Proj:
@@ -537,9 +535,9 @@ class FastPath:
         self._moe_fused_only = False
         dq = self.dtype if FP8_DENSE_DEQUANT and model.config.fp8 is not None else None
 
-        def single(m, kind):  # one linear's projection
-            return Proj.dequantized([m], kind, dq) if dq is not None and \
-                isinstance(m, Fp8Linear) else Proj([m], kind)
+        def single(m):  # one linear's projection
+            return Proj.dequantized([m], dq) if dq is not None and \
+                isinstance(m, Fp8Linear) else Proj([m])
 
         # the decoder layers, then the MTP layer when the cache holds its KV (speculative
         # decoding, model/mtp.py): layer num_hidden_layers, run by `mtp_eager`
@@ -548,14 +546,14 @@ class FastPath:
         if model.mtp is not None and len(self.layers) in cache.attn_index:
             self.mtp_layer = len(self.layers)
             self.layers += list(model.mtp.layers)[:1]
-            self.p_fc = Proj([model.mtp.fc], "in")
+            self.p_fc = Proj([model.mtp.fc])
         for i, layer in enumerate(self.layers):
             ins, out, moe, down = layer_projections(layer)
             self.p_in[i] = ProjGroup(ins, dequant=dq)
-            self.p_out[i] = single(out, "out")
-            self.p_moe[i] = ProjGroup(moe, "router", dequant=dq)
+            self.p_out[i] = single(out)
+            self.p_moe[i] = ProjGroup(moe, dequant=dq)
             self.p_route[i] = self.p_moe[i].leading(2)
-            self.p_down[i] = single(down, "down")
+            self.p_down[i] = single(down)
             mlp = layer.mlp
             ex = mlp.experts
             scales = None
