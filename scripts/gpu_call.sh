@@ -59,18 +59,20 @@ if [ -s /tmp/tuned.json ]; then  # an earlier call's `tune` on this (warm) machi
     export TAILORED_TUNING=/tmp/tuned.json
     stamp "loading the tuning table of an earlier call: /tmp/tuned.json"
 fi
-want tests && {
-    n=0
-    while IFS= read -r t; do
+# each_entry NAME LIST LIMIT PREFIX TAIL: run every ';'-separated entry of LIST as shell words
+# after PREFIX (eval: quotes kept, e.g. -k "a or b"), each under its own timeout of at most LIMIT
+# s with its log NAME-N.log; prints the log's failures (tests) or its last TAIL lines (benches)
+each_entry() {
+    local n=0 e
+    while IFS= read -r e; do
         n=$((n + 1))
-        enough 60 "tests $t" || break
-        stamp "GPU tests $n: $t ($(left) s left)"
-        # eval: an entry is pytest's words, quotes included (-k "a or b")
-        eval "timeout $(cap 300) python3 -m pytest -q -p no:cacheprovider -rf $t" \
-            > "$OUT/tests-$n.log" 2>&1 < /dev/null
-        grep "^FAILED\|^ERROR" "$OUT/tests-$n.log" | head -5; tail -1 "$OUT/tests-$n.log"
-    done < <(entries "$TESTS")
+        enough 60 "$1 $e" || break
+        stamp "$1 $n: $e ($(left) s left)"
+        eval "timeout $(cap "$3") $4 $e" > "$OUT/$1-$n.log" 2>&1 < /dev/null
+        grep "^FAILED\|^ERROR" "$OUT/$1-$n.log" | head -5; tail -"$5" "$OUT/$1-$n.log"
+    done < <(entries "$2")
 }
+want tests && each_entry tests "$TESTS" 300 "python3 -m pytest -q -p no:cacheprovider -rf" 1
 want tune && enough 120 "tune" && {
     prec=${TUNE_PREC:-fp8}
     stamp "tune $prec from scratch: $TUNE_DROP ($(left) s left)"
@@ -109,16 +111,7 @@ EOF
     cp /tmp/tuned.json "$OUT/tuned.json"
     export TAILORED_TUNING=/tmp/tuned.json
 }
-want bench && {
-    n=0
-    while IFS= read -r b; do
-        n=$((n + 1))
-        enough 60 "bench $b" || break
-        stamp "bench $n: $b ($(left) s left)"
-        eval "timeout $(cap 400) $b" > "$OUT/bench-$n.log" 2>&1 < /dev/null
-        tail -25 "$OUT/bench-$n.log"
-    done < <(entries "$BENCHES")
-}
+want bench && each_entry bench "$BENCHES" 400 "" 25
 want ab && enough 150 "A/B" && {
     prec=${AB_PREC:-fp8}
     stamp "A/B $prec B=${AB_BATCHES:-8,32}: $AB_VARIANTS ($(left) s left)"

@@ -87,12 +87,9 @@ def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
     assert c.cache[(2048, 4096, 16, 1, "torch.bfloat16", True)].num_stages == 4
 
 
-def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
-    """Every entry of tailored/kernels/tuned.json is keyed as its launcher's autotuner keys
-    today: one value per `key` name (in order), then one dtype string per tensor argument
-    (the kernel's *_ptr arguments). A launcher whose key gained or lost a name (fp8_linear's NB
-    and DOT_F16 in kb/0043, DOT_F16 gone in kb/0044) silently re-tunes every stale entry at
-    server start (minutes on the H200): the table must be migrated with the key."""
+def _shipped_table_and_launchers(monkeypatch) -> dict:
+    """The shipped table's launchers ({name: rows}), every autotuned launcher registered
+    afresh (none prefilled) with the default switches, whatever the environment."""
     from tailored.kernels import fp8_linear, moe
 
     table = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
@@ -100,12 +97,23 @@ def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
     monkeypatch.setattr(tuning, "_TABLE", None)  # (the autouse fixture resets _REGISTRY)
     monkeypatch.setattr(fp8_linear, "_TUNED", {})
     monkeypatch.setattr(moe, "_LAUNCHERS", {})
+    monkeypatch.setattr(moe, "FP8_DOWN_F16", True)
     for small in (True, False):
         fp8_linear._tuned(small)
     for name in ("gate_up", "down", "route_gate_up"):
         for decode in (True, False):
             for w8 in (True, False):
                 moe._launcher(name, decode, w8)
+    return table
+
+
+def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
+    """Every entry of tailored/kernels/tuned.json is keyed as its launcher's autotuner keys
+    today: one value per `key` name (in order), then one dtype string per tensor argument
+    (the kernel's *_ptr arguments). A launcher whose key gained or lost a name (fp8_linear's NB
+    and DOT_F16 in kb/0043, DOT_F16 gone in kb/0044) silently re-tunes every stale entry at
+    server start (minutes on the H200): the table must be migrated with the key."""
+    table = _shipped_table_and_launchers(monkeypatch)
     for name, rows in table.items():
         tuner = tuning._REGISTRY[name]
         n_ptr = sum(a.endswith("_ptr") for a in tuner.arg_names)
@@ -130,20 +138,7 @@ def test_shipped_table_configs_are_offered(monkeypatch):
     (with the default switches): `register` drops any other, and the key then re-tunes at
     server start (minutes on the H200). Session 28 (kb/0045) put DOT_F16 into the FP8 decode
     down configs, so those entries carry it, and the two float16 picks are 128-wide."""
-    from tailored.kernels import fp8_linear, moe
-
-    table = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
-    monkeypatch.setenv("TAILORED_TUNING", "off")
-    monkeypatch.setattr(tuning, "_TABLE", None)
-    monkeypatch.setattr(fp8_linear, "_TUNED", {})
-    monkeypatch.setattr(moe, "_LAUNCHERS", {})
-    monkeypatch.setattr(moe, "FP8_DOWN_F16", True)  # the default, whatever the environment
-    for small in (True, False):
-        fp8_linear._tuned(small)
-    for name in ("gate_up", "down", "route_gate_up"):
-        for decode in (True, False):
-            for w8 in (True, False):
-                moe._launcher(name, decode, w8)
+    table = _shipped_table_and_launchers(monkeypatch)
     for name, rows in table.items():
         offered = {tuning._config_id(c.kwargs, c.num_warps, c.num_stages)
                    for c in tuning._REGISTRY[name].configs}
