@@ -12,10 +12,11 @@ per [128, 64] FP8 weight tile (8 KB), so x's L2 traffic equals the weight bytes 
 (and 4x them at 16). The FP8 MoE down GEMM showed the same shape of result (kb/0044 §4): only
 128-wide tiles, with float16 dots, lifted it from 2.7 to 3.1 TB/s. Here N tiles are wider
 (the bench tries 64–256: x re-read up to 4x less), and K is split over programs (K_SPLIT per
-program) to keep
-enough programs in flight with so few N blocks: each program writes an fp32 partial
-[M, BLOCK_N] of its K range, and a second launch sums the partials in split order (a
-deterministic sum; fixed for a given split) and rounds to x's dtype. One split writes y directly.
+program) to keep enough programs in flight with so few N blocks: each program writes an fp32
+partial [M, BLOCK_N] of its K range, and a second launch sums the partials in split order (a
+deterministic sum; fixed for a given split) and rounds to x's dtype. One split writes y
+directly. The partials cost traffic too (at 32 rows, 4 splits of GDN in: 6.3 MB written and
+read, against 25 MB of weights, mostly in L2): the bench's split counts weigh that.
 
 Numerics: per 128-wide K block an fp32 dot scaled by its rows' block scale, summed in K order
 within a split, then the splits summed in order: the reference's products in another fp32
