@@ -135,7 +135,7 @@ BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
 # the bf16 members of a fused projection in the same launch) instead of cuBLAS over the
 # dequantized bf16 copy, which reads twice the bytes: ~1.4 ms of the FP8 B=32 step. Why
 # another try after the tiled GEMM lost (kb/0043 §0): the hypothesis that it re-read the
-# activations for every 64-wide N tile; here 128-256 wide tiles, K split over programs.
+# activations for every 64-wide N tile; here wider tiles (64-256), K split over programs.
 # Numerics: (x·q)·s in fp32 per 128-block, summed by split, where cuBLAS reads bf16(q·s): the
 # FP8 gate decides. 0 = off, the default until the H200 bench, the A/B and the gate. Read at
 # call time (A/B).
