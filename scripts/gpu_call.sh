@@ -132,19 +132,23 @@ want sbs && for prec in ${SBS_PRECS:-fp8 bf16}; do
     grep "c=1\|c=32" "$OUT/sbs-$prec.out" | tail -2
     tar czf "$OUT/sbs.tgz" -C /tmp sbs sbs-out 2>/dev/null
 done
+# run_gate PREC OUTNAME [NAME=VALUE ...]: `scripts/gpu_gate.sh PREC` with those variables set,
+# in what is left of END; its verdict lines from $OUT/OUTNAME.out
+run_gate() {
+    local prec=$1 name=$2
+    shift 2
+    env "$@" timeout $(( $(left) - 5 )) bash scripts/gpu_gate.sh "$prec" > "$OUT/$name.out" 2>&1
+    grep "overall\|vs bf16 reference\|gate PASSED\|gate FAILED" "$OUT/$name.out"
+}
 want gate && for prec in ${GATE_PRECS:-fp8}; do
     [ "$(left)" -gt 120 ] || { stamp "no time for the $prec gate"; break; }
     stamp "$prec gate with '${GATE_ENV:-}' ($(left) s left)"
     # shellcheck disable=SC2086  # NAME=VALUE words
-    env ${GATE_ENV:-} timeout $(( $(left) - 5 )) bash scripts/gpu_gate.sh "$prec" \
-        > "$OUT/gate-$prec.out" 2>&1
-    grep "overall\|vs bf16 reference\|gate PASSED\|gate FAILED" "$OUT/gate-$prec.out"
+    run_gate "$prec" "gate-$prec" ${GATE_ENV:-}
 done
 if want onegate && [ "$(left)" -gt 100 ]; then
     stamp "bf16 gate, prompts one at a time ($(left) s left)"
-    GATE_ARGS="--one-at-a-time" timeout $(( $(left) - 5 )) bash scripts/gpu_gate.sh bf16 \
-        > "$OUT/gate-bf16-one.out" 2>&1
-    grep "overall\|gate PASSED\|gate FAILED" "$OUT/gate-bf16-one.out"
+    run_gate bf16 gate-bf16-one GATE_ARGS=--one-at-a-time
 fi
 stamp done
 # the device returns a few files: this log and the table as they are, the rest in one archive

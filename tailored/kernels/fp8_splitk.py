@@ -36,6 +36,7 @@ import triton.language as tl
 
 from tailored.kernels import dot_precision
 from tailored.kernels.fp8_linear import SCALE_BLOCK, tile_dot
+from tailored.kernels.fp8_linear import _block_m as _linear_block_m
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -50,26 +51,35 @@ def _acc_split(x_ptr, w_ptr, s_ptr, m, m_ok, n, n_ok, k_lo, k_hi, stride_xm, str
     is loaded before the PDL wait, as `fp8_gemv` does (kb/0040): weights are never written
     while serving, so their first DRAM latency overlaps the previous kernel's tail; x, which
     that kernel writes, is read after the wait. That tile is peeled off the loop."""
-    kk = k_lo + tl.arange(0, 128)
-    k_ok = kk < k_hi
-    w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    w = _w_tile(w_ptr, n, n_ok, k_lo, k_hi, stride_wn)
     if PDL:  # kernels/pdl.py: wait for the previous kernel before reading x
         pdl_enter()
-    a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    a = _x_tile(x_ptr, m, m_ok, k_lo, k_hi, stride_xm)
     acc = tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a, w, s_ptr, n, n_ok,
                    stride_sn, k_lo, DOT_PREC, W_FP8, 1, DOT_F16, DOT_F16)
     for k0 in range(k_lo + 128, k_hi, 128):
-        kk = k0 + tl.arange(0, 128)
-        k_ok = kk < k_hi
-        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a = _x_tile(x_ptr, m, m_ok, k0, k_hi, stride_xm)
+        w = _w_tile(w_ptr, n, n_ok, k0, k_hi, stride_wn)
         acc = tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC, W_FP8, 1, DOT_F16,
                        DOT_F16)  # (bf16 rows: W_FP8 False, a plain dot)
     return acc
+
+
+@triton.jit
+def _x_tile(x_ptr, m, m_ok, k0, k_hi, stride_xm):
+    """x's rows m at K columns k0 .. k0 + 127 below k_hi: [BLOCK_M, 128], zeros past them."""
+    kk = k0 + tl.arange(0, 128)
+    return tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                   mask=m_ok[:, None] & (kk < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _w_tile(w_ptr, n, n_ok, k0, k_hi, stride_wn):
+    """Weight rows n at K columns k0 .. k0 + 127 below k_hi, as [128, BLOCK_N] (K-major for
+    the dot), zeros past them."""
+    kk = k0 + tl.arange(0, 128)
+    return tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
+                   mask=n_ok[None, :] & (kk < k_hi)[:, None], other=0.0)
 
 
 @triton.jit
@@ -122,7 +132,8 @@ def _reduce_kernel(p_ptr, y_ptr, MN, SPLITS: tl.constexpr, stride_ps, BLOCK: tl.
 
 
 def _block_m(M: int) -> int:
-    return 16 if M <= 16 else 32 if M <= 32 else 64
+    """`fp8_linear`'s M tile, at most 64 (decode rows; the partials stay small)."""
+    return min(64, _linear_block_m(M))
 
 
 # (k_split, BLOCK_N, num_warps, num_stages, float16 dots) for a shape not in CFGS: a guess

@@ -599,7 +599,8 @@ def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int
     f16 = fp8 and FP8_DOWN_F16 and decode and x.dtype == torch.bfloat16
     if tuned:
         launch = _launcher("down", decode, fp8)
-        dot = {} if fp8 and decode else {"DOT_F16": False}  # FP8 decode: the config's
+        # the FP8 decode configs carry their DOT_F16 (`_tuned`); the others take it here
+        dot = {} if "DOT_F16" in launch.configs[0].kwargs else {"DOT_F16": False}
         launch[lambda m: (grid_e, triton.cdiv(H, m["BLOCK_N"]))](
             *dn_args, H=H, I=I, BLOCK_M=bm, DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8,
             COMPACT=compact, **dot, **pdl_launch(x))
