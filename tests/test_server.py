@@ -1032,6 +1032,10 @@ def test_engine_death_fails_pending_and_health_503():
         assert health.status_code == 503 and "fake engine crashed" in health.json()["message"]
         err = assert_openai_error(completion(client, prompt="SAY:a"), 503, "engine unavailable")
         assert not aengine.healthy
+        # a dead server must not advertise its model to load generators and routers
+        for path in ("/v1/models", f"/v1/models/{MODEL}", "/v1/models/other"):
+            err = assert_openai_error(client.get(path), 503, "fake engine crashed")
+            assert err["type"] == "service_unavailable"
 
 
 # ---- concurrency and abort ---------------------------------------------------------------

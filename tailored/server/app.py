@@ -2,8 +2,9 @@
 
     GET  /health                200 {"status": "ok"} | 503 once the engine loop is dead/stopped
                                 (HEAD too; a trailing slash on any route is a 404, no redirect)
-    GET  /v1/models             OpenAI model list with the one served model (+ max_model_len)
-    GET  /v1/models/{id}        that model, or 404 model_not_found
+    GET  /v1/models             OpenAI model list with the one served model (+ max_model_len);
+                                503 once the engine loop is dead, as /health
+    GET  /v1/models/{id}        that model, or 404 model_not_found (503 as above)
     POST /v1/completions        text or token-id prompt (one per request)
     POST /v1/chat/completions   messages -> tokenizer.apply_chat_template -> encode
     GET  /metrics               Prometheus text (HEAD too): vLLM's metric names with the prefix
@@ -651,12 +652,23 @@ def build_app(
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, max_model_len=max_model_len)
 
+    def engine_gone() -> JSONResponse | None:
+        """503 once the engine is dead: load generators and routers read /v1/models to find a
+        server to send work to, and a dead one answered 200 there while every request got 503."""
+        if async_engine.healthy:
+            return None
+        return error_response(OpenAIError(
+            f"engine unavailable: {async_engine.dead_reason or 'engine not running'}",
+            status=503, type="service_unavailable"))
+
     @app.get("/v1/models")
     async def list_models():
-        return ModelList(data=[model_card()]).model_dump()
+        return engine_gone() or ModelList(data=[model_card()]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
+        if (gone := engine_gone()) is not None:
+            return gone
         if model_id != served_model_name:
             return error_response(
                 OpenAIError(
