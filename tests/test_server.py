@@ -48,7 +48,8 @@ class FakeTokenizer:
     def apply_chat_template(
         self, messages, add_generation_prompt=True, enable_thinking=True, tools=None
     ) -> str:
-        self.template_calls.append({"messages": messages, "enable_thinking": enable_thinking})
+        self.template_calls.append({"messages": messages, "enable_thinking": enable_thinking,
+                                    "tools": tools})
         out = []
         for m in messages:
             content = m["content"]
@@ -593,14 +594,26 @@ BAD_REQUESTS = [
     ("c", {"prompt": "x", "min_tokens": 4}, 400, ["min_tokens"], "min_tokens"),
     ("m", {"messages": MSGS, "logprobs": True}, 400, ["logprobs"], "logprobs"),
     ("m", {"messages": MSGS, "top_logprobs": 3}, 400, ["top_logprobs"], "top_logprobs"),
-    (
-        "m",
-        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        400,
-        ["tools"],
-        "tools",
-    ),
-    ("m", {"messages": MSGS, "tool_choice": "auto"}, 400, ["tool_choice"], "tool_choice"),
+    # tools are a chat parameter (tests/test_tool_calls.py); completions refuse them
+    ("c", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     ["tools"], "tools"),
+    ("c", {"prompt": "x", "tool_choice": "auto"}, 400, ["tool_choice"], "tool_choice"),
+    ("m", {"messages": MSGS, "tool_choice": "required"}, 400,
+     ["'required'", "constrained decoding"], "tool_choice"),
+    ("m", {"messages": MSGS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     400, ["constrained decoding"], "tool_choice"),
+    ("m", {"messages": MSGS, "tool_choice": 5}, 400, ["'auto' or 'none'"], "tool_choice"),
+    ("m", {"messages": MSGS, "tools": {"type": "function"}}, 400, ["tools"], "tools"),
+    ("m", {"messages": MSGS, "tools": [{"type": "code", "function": {"name": "f"}}]}, 400,
+     ["tools[0].type", "function"], "tools[0].type"),
+    ("m", {"messages": MSGS, "tools": [{"type": "function"}]}, 400, ["tools[0].function"],
+     "tools[0].function"),
+    ("m", {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "a>b"}}]},
+     400, ["without whitespace, '<' or '>'"], "tools[0].function.name"),
+    ("m", {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f",
+                                                                         "parameters": "x"}}]},
+     400, ["parameters"], "tools[0].function.parameters"),
+    ("m", {"messages": MSGS, "functions": [{"name": "f"}]}, 400, ["functions"], "functions"),
     (
         "m",
         {"messages": MSGS, "response_format": {"type": "json_object"}},

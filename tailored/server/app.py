@@ -28,6 +28,12 @@ to `reasoning` and `reasoning_content` (the same text under both names) and the 
 `</think>` to `content` (null while the reasoning never ended), in streamed deltas too
 (`reasoning.py`).
 
+Tools: a chat request's `tools` are rendered by the chat template (unless tool_choice is
+"none"); the calls the model writes (`<tool_call>` XML) leave the answer's `content` and come
+back as `message.tool_calls`, or streamed as `delta.tool_calls` pieces with the arguments as
+they are written, and finish_reason "tool_calls" (`tool_calls.py`). tool_choice "required" or
+a named function is refused (400): forcing a call needs constrained decoding.
+
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
 unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
 500 engine or server fault, 503 engine loop dead. A streaming request that fails after the
@@ -73,6 +79,8 @@ from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestSt
 from tailored.server.metrics import CONTENT_TYPE_LATEST, RequestMetrics, ServerMetrics
 from tailored.server.reasoning import REASONING_PARSERS, ReasoningSplitter
 from tailored.server.reasoning import split as split_reasoning
+from tailored.server.tool_calls import ToolCallDelta, ToolCallSplitter, merge
+from tailored.server.tool_calls import split as split_tool_calls
 from tailored.server.protocol import (
     MAX_JSON_DEPTH,
     ChatChoice,
@@ -286,7 +294,7 @@ class _Server:
                     [m.to_template() for m in req.messages],
                     add_generation_prompt=req.add_generation_prompt,
                     enable_thinking=req.enable_thinking,
-                    tools=None,
+                    tools=req.active_tools,
                 )
             except ValueError as e:
                 raise OpenAIError(f"invalid messages: {e}", param="messages") from None
@@ -374,7 +382,7 @@ class _Server:
             thinking = (req.enable_thinking
                         if chat and self.reasoning_parser and req.add_generation_prompt else None)
             fmt = _Formatter(request_id, self.model_name, chat, len(prompt_ids), req.include_usage,
-                             thinking)
+                             thinking, req.active_tools if chat else None)
             tracker = self.metrics.request(arrival, len(prompt_ids))
             if req.stream:
                 return StreamingResponse(
@@ -442,15 +450,11 @@ class _Server:
                     yield "data: [DONE]\n\n"
                     return
                 num_tokens += len(out.delta_token_ids)
-                finish = _finish_reason(out) if out.finished else None
-                text, reasoning = out.delta_text, ""
-                if fmt.splitter is not None:
-                    reasoning, text = fmt.splitter.feed(text)
-                    if out.finished:  # a held-back tail that never became "</think>"
-                        r, c = fmt.splitter.finish()
-                        reasoning, text = reasoning + r, text + c
-                if text or reasoning or finish is not None:
-                    yield fmt.chunk(text, finish, reasoning)
+                text, reasoning, calls = fmt.split(out.delta_text, out.finished)
+                # (after the split: "tool_calls" once a call was seen, this delta's included)
+                finish = fmt.finish_reason(_finish_reason(out)) if out.finished else None
+                if text or reasoning or calls or finish is not None:
+                    yield fmt.chunk(text, finish, reasoning, calls)
                 if out.finished:
                     break
             if fmt.include_usage:
@@ -483,13 +487,18 @@ class _Formatter:
     """Builds the response objects of one request for either API."""
 
     def __init__(self, request_id, model, chat, prompt_tokens, include_usage,
-                 thinking: bool | None = None) -> None:
+                 thinking: bool | None = None, tools: list[dict] | None = None) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         # chat answers' thinking split out (--reasoning-parser): whether the output starts
         # inside it (None: no split); streams feed `splitter` delta by delta
         self.thinking = thinking
-        self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
+        self.splitter = (ReasoningSplitter(thinking, tools=bool(tools))
+                         if thinking is not None else None)
+        # the request's tools (None: no calls parsed); streams feed `tool_splitter` the answer
+        # text the reasoning split leaves
+        self.tools = tools
+        self.tool_splitter = ToolCallSplitter(tools) if tools else None
         self.created = unix_now()  # one timestamp for every chunk of a stream (OpenAI's rule)
         # OpenAI sends "usage": null on every chunk only when include_usage is set.
         self._exclude = None if include_usage else {"usage"}
@@ -506,15 +515,37 @@ class _Formatter:
         choice = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
         return _sse(self._envelope([choice]), self._exclude)
 
+    def split(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """One streamed delta's (answer text, reasoning text, tool-call pieces); `finished`:
+        the last delta, which also gives out what the splitters held back."""
+        reasoning, calls = "", []
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text)
+            if finished:  # a held-back tail that never became "</think>"
+                r, c = self.splitter.finish()
+                reasoning, text = reasoning + r, text + c
+        if self.tool_splitter is not None:
+            text, calls = self.tool_splitter.feed(text)
+            if finished:
+                c, more = self.tool_splitter.finish()
+                text, calls = text + c, merge(calls + more)
+        return text, reasoning, calls
+
+    def finish_reason(self, finish: str) -> str:
+        """OpenAI's "tool_calls" for an answer that called a tool and stopped by itself."""
+        called = self.tool_splitter is not None and self.tool_splitter.calls > 0
+        return "tool_calls" if finish == FinishReason.STOP.value and called else finish
+
     _TEXT = "@@tailored-text@@"  # placeholder: plain ASCII, survives JSON encoding unchanged
 
-    def chunk(self, text: str, finish: str | None, reasoning: str = "") -> str:
+    def chunk(self, text: str, finish: str | None, reasoning: str = "",
+              calls: list[ToolCallDelta] | None = None) -> str:
         """One SSE event with a token's text (answer text, and chat reasoning text with
         --reasoning-parser). The common cases (answer text alone, or reasoning text alone, no
         finish) fill a template rendered once per request by the same pydantic models: the
         HTTP thread pays ~140 µs of CPU per streamed token and shares the GIL with the engine
         (kb/0011)."""
-        if finish is None and bool(text) != bool(reasoning):
+        if finish is None and bool(text) != bool(reasoning) and not calls:
             kind = "content" if text else "reasoning"
             if kind not in self._templates:
                 args = (self._TEXT, "") if text else ("", self._TEXT)
@@ -526,12 +557,14 @@ class _Formatter:
             if self._templates[kind]:
                 return json.dumps(text or reasoning, ensure_ascii=False).join(
                     self._templates[kind])
-        return self._render(text, reasoning, finish)
+        return self._render(text, reasoning, finish, calls)
 
-    def _render(self, text: str, reasoning: str, finish: str | None) -> str:
+    def _render(self, text: str, reasoning: str, finish: str | None,
+                calls: list[ToolCallDelta] | None = None) -> str:
         if self.chat:
             delta = DeltaMessage(content=text or None, reasoning=reasoning or None,
-                                 reasoning_content=reasoning or None)
+                                 reasoning_content=reasoning or None,
+                                 tool_calls=[c.to_openai() for c in calls] if calls else None)
             choice = ChatChunkChoice(delta=delta, finish_reason=finish)
         else:
             choice = CompletionChoice(text=text, finish_reason=finish)
@@ -545,11 +578,16 @@ class _Formatter:
     def response(self, text: str, finish: str | None, completion_tokens: int) -> BaseModel:
         usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
         if self.chat:
-            reasoning = None
+            reasoning, calls = None, None
             if self.thinking is not None:
-                reasoning, text = split_reasoning(text, self.thinking)
+                reasoning, text = split_reasoning(text, self.thinking, tools=bool(self.tools))
+            if self.tools and text is not None:
+                text, calls = split_tool_calls(text, self.tools)
+                if calls:  # OpenAI: content null beside calls when the model wrote none
+                    text = text or None
+                    finish = "tool_calls" if finish == FinishReason.STOP.value else finish
             message = ChatResponseMessage(content=text, reasoning=reasoning,
-                                          reasoning_content=reasoning)
+                                          reasoning_content=reasoning, tool_calls=calls or None)
             choice = ChatChoice(message=message, finish_reason=finish)
             return ChatCompletionResponse(
                 id=self.request_id, model=self.model, choices=[choice], usage=usage

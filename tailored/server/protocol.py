@@ -7,7 +7,8 @@ Requests: `CompletionRequest`, `ChatCompletionRequest`. Validation happens in th
 1. `Model.model_validate(body)` checks types and ranges; `validation_error_to_openai` turns a
    pydantic ValidationError into one readable `OpenAIError` naming the field(s).
 2. `request.check_supported()` raises `OpenAIError` for parameters that would change the result
-   but are not implemented (n > 1, logprobs, tools, ...). Other unknown fields are ignored.
+   but are not implemented (n > 1, logprobs, tool_choice "required", ...). Other unknown fields
+   are ignored (parallel_tool_calls among them: the model may still call several tools).
 `request.sampling_params(max_tokens, defaults)` then builds the engine's `SamplingParams`.
 
 Responses and stream chunks: `CompletionResponse`, `CompletionStreamResponse`,
@@ -44,6 +45,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024  # the engine checks each sampled token against them
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper -> 400
 MAX_ERROR_MESSAGE_CHARS = 2000
+MAX_TOOL_NAME_CHARS = 256  # = tool_calls.MAX_NAME_CHARS: a longer name is not parsed as a call
 # repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -309,7 +311,7 @@ class _BaseRequest(BaseModel):
         "echo": _unset,
         "suffix": _unset,
         "logit_bias": _unset,
-        "tools": _unset,
+        "tools": _unset,  # chat requests take them (ChatCompletionRequest)
         "tool_choice": lambda v: v is None or v == "none",
         "functions": _unset,
         "function_call": lambda v: v is None or v == "none",
@@ -557,13 +559,79 @@ class ChatMessage(BaseModel):
         return d
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: {"name", "description"?, "parameters"? (a JSON schema), "strict"?};
+    other fields pass to the chat template as given."""
+
+    model_config = REQUEST_CONFIG
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_fits_the_format(cls, v: str) -> str:
+        # the model writes the call as <function=NAME>: a name ends at the first '>'
+        if not v or len(v) > MAX_TOOL_NAME_CHARS or any(c in v for c in "<> \t\r\n"):
+            raise ValueError(
+                f"must be 1 to {MAX_TOOL_NAME_CHARS} characters without whitespace, '<' or '>' "
+                f"(got {shown(v)})"
+            )
+        return v
+
+
+class ChatTool(BaseModel):
+    """One entry of `tools`: {"type": "function", "function": FunctionDefinition}."""
+
+    model_config = REQUEST_CONFIG
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+# tool_choice values served: "auto" (the model decides) and "none" (no tools in the prompt,
+# nothing parsed, as vLLM's default); "required" and a named function need constrained decoding
+TOOL_CHOICES = (None, "auto", "none")
+
+
 class ChatCompletionRequest(_BaseRequest):
-    """POST /v1/chat/completions. max_completion_tokens wins over max_tokens when both given."""
+    """POST /v1/chat/completions. max_completion_tokens wins over max_tokens when both given.
+
+    tools: OpenAI function tools, rendered by the chat template; the answer's calls come back
+    as `tool_calls` (`tool_calls.py`) unless tool_choice is "none"."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        k: v for k, v in _BaseRequest.UNSUPPORTED.items() if k not in ("tools", "tool_choice")
+    }
+
+    def check_supported(self) -> None:
+        if self.tool_choice not in TOOL_CHOICES:
+            required = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+            raise OpenAIError(
+                f"tool_choice {shown(self.tool_choice)} is not supported by this server: "
+                "'auto' or 'none'" + (" (forcing a call needs constrained decoding)"
+                                      if required else ""),
+                param="tool_choice",
+                code="unsupported_parameter" if required else None,
+            )
+        super().check_supported()
+
+    @property
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """The tools to render and parse calls of: None without tools or with tool_choice
+        "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @field_validator("messages")
     @classmethod
@@ -658,11 +726,13 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
+    # [{"id", "type": "function", "function": {"name", "arguments": JSON text}}], omitted if none
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_empty_reasoning(self, handler):
         d = handler(self)
-        for k in ("reasoning", "reasoning_content"):
+        for k in ("reasoning", "reasoning_content", "tool_calls"):
             if d.get(k) is None:
                 d.pop(k, None)
         return d
@@ -691,6 +761,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning: str | None = None  # the same text under both names (ChatResponseMessage)
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # ToolCallDelta.to_openai() pieces
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

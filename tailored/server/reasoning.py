@@ -14,7 +14,10 @@ Where this differs from vLLM's `qwen3` parser: the newlines after `</think>` are
 the answer, as the chat template drops them from earlier assistant turns
 (`content.split('</think>')[-1].lstrip('\\n')`), also with thinking off; an empty reasoning is
 left out rather than sent as ""; only a `<think>` the model writes at the very start is dropped.
-Like vLLM: an empty answer after `</think>` is null.
+Like vLLM: an empty answer after `</think>` is null. With tools in the request a `<tool_call>`
+also ends the reasoning (vLLM's `qwen3` parser does the same: the model at times opens its
+call without closing the think block); the call goes to the answer, where the tool-call
+parser finds it (`tool_calls.py`).
 
 Source: the Qwen3 / Qwen3.6 chat template (spec §2, the tokenizer's chat template) and vLLM's
 `qwen3` reasoning parser (the response fields).
@@ -23,6 +26,7 @@ Source: the Qwen3 / Qwen3.6 chat template (spec §2, the tokenizer's chat templa
 from __future__ import annotations
 
 from tailored.engine.detokenizer import prefix_hold
+from tailored.server.tool_calls import TOOL_START
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -33,14 +37,16 @@ class ReasoningSplitter:
     """Splits one answer's text, fed delta by delta, into (reasoning, content) pieces.
 
     thinking: whether the output starts inside the reasoning (the request's enable_thinking
-    with a generation prompt). `feed(text)` returns the (reasoning, content) text of that delta
+    with a generation prompt). tools: whether a `<tool_call>` also ends it (kept in the
+    answer). `feed(text)` returns the (reasoning, content) text of that delta
     (either may be ""); `finish()` returns what was held back, at the end. Joined over all
     deltas, reasoning + "</think>" + (dropped newlines) + content is the text fed, less a
     leading "<think>".
     """
 
-    def __init__(self, thinking: bool) -> None:
+    def __init__(self, thinking: bool, tools: bool = False) -> None:
         self.thinking = thinking  # still inside the reasoning
+        self._ends = (THINK_END, TOOL_START) if tools else (THINK_END,)
         self._held = ""  # the tail that may begin THINK_END (or, at the start, THINK_START)
         self._started = False  # past the start: a leading <think> was dropped or ruled out
         self._content_started = False  # any answer text given out (leading newlines dropped)
@@ -57,11 +63,14 @@ class ReasoningSplitter:
             if buf.startswith(THINK_START):
                 buf = buf[len(THINK_START):]
             self._started = True  # one leading <think> at most
-        end = buf.find(THINK_END)
-        if end >= 0:
+        found = [(i, t) for t in self._ends if (i := buf.find(t)) >= 0]
+        if found:
+            end, tag = min(found)
             self.thinking = False
-            return buf[:end], self._content(buf[end + len(THINK_END):])
-        keep = prefix_hold(buf, (THINK_END,), len(THINK_END) - 1)  # (the whole one: found above)
+            after = end + len(tag) if tag == THINK_END else end  # a tool call stays the answer's
+            return buf[:end], self._content(buf[after:])
+        # (a whole tag was found above, so at most its length - 1)
+        keep = prefix_hold(buf, self._ends, max(map(len, self._ends)) - 1)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], ""
 
@@ -79,11 +88,11 @@ class ReasoningSplitter:
         return text
 
 
-def split(text: str, thinking: bool) -> tuple[str | None, str | None]:
+def split(text: str, thinking: bool, tools: bool = False) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole answer, as a non-streaming response gives them:
     reasoning None when thinking is off or empty; content None when the reasoning never ended
     (the answer was cut inside it, e.g. by max_tokens) or the answer after it is empty."""
-    s = ReasoningSplitter(thinking)
+    s = ReasoningSplitter(thinking, tools)
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     if not thinking:

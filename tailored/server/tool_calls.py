@@ -1,0 +1,420 @@
+"""Qwen3.6's tool calls split out of a chat answer into OpenAI `tool_calls`.
+
+With `tools` in the request (and `tool_choice` "auto" or unset) the chat template lists them and
+tells the model to call one in this XML form (model spec §10.3; vLLM's and SGLang's
+`qwen3_coder` parsers read the same form):
+
+    <tool_call>
+    <function=NAME>
+    <parameter=ARG>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+`ToolCallSplitter` turns the answer text, fed delta by delta as the detokenizer hands it over,
+into content text and tool-call deltas (OpenAI's streamed shape: the first delta of a call has
+its index, id, type and name; the later ones carry pieces of `arguments`, a JSON object as
+text). Arguments stream as they are written (a fault seen in other servers: nothing until a
+parameter ended, failure-cases §8): a string parameter's value goes out JSON-escaped piece by
+piece, held back only where a piece could begin its closing tag; a parameter whose schema type
+is not string (integer, number, boolean, null, object, array) is sent whole once it ends,
+converted by that type, or as a JSON string where the text does not convert.
+
+Decisions:
+- The one newline after `<parameter=ARG>` and the one before `</parameter>` are the format's,
+  not the value's (the template writes them around every value).
+- Content is the text outside the calls. Whitespace between content and a call, between calls
+  and after the last call is the format's and is dropped; text the model writes after a call
+  (the template says not to) stays content, nothing is lost.
+- A block that is not a call (`<tool_call>` not followed by `<function=NAME>` or a JSON object
+  with a "name", the form of Qwen2.5's hermes template) is passed through as content.
+- A missing `</parameter>`, `</function>` or `</tool_call>` is forgiven where the next tag shows
+  where it should have been; an answer cut inside a call (max_tokens) leaves that call's
+  arguments unfinished (invalid JSON) rather than closing them into a call the model never
+  finished writing; finish_reason "length" says so. A call whose last parameter ended is
+  closed (`}`): the model stopped where `</function>` was due.
+- Parameter values are not checked against the schema beyond the type conversion: the client
+  validates, as with OpenAI.
+
+Source: the Qwen3.6 chat template (spec §10.3) and the OpenAI Chat Completions API (the
+`tool_calls` message and delta shapes); vLLM's `qwen3_coder` parser for what clients expect.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tailored.engine.detokenizer import prefix_hold
+
+TOOL_START = "<tool_call>"
+TOOL_END = "</tool_call>"
+FUNCTION_START = "<function="
+FUNCTION_END = "</function>"
+PARAM_START = "<parameter="
+PARAM_END = "</parameter>"
+# a function or parameter name longer than this, or one with a newline or '<' in it, means the
+# text is not a call (a name ends at the first '>')
+MAX_NAME_CHARS = 256
+_VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, TOOL_END)
+_WS = " \t\r\n"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one tool call: `index` counts the answer's calls from 0; the first piece of a
+    call has its `id` ("call_" + 24 hex digits) and `name`, every piece a bit of `arguments`."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The streamed `delta.tool_calls[i]` object."""
+        d: dict[str, Any] = {"index": self.index}
+        fn: dict[str, Any] = {}
+        if self.id is not None:
+            d["id"], d["type"] = self.id, "function"
+            fn["name"] = self.name
+        fn["arguments"] = self.arguments
+        d["function"] = fn
+        return d
+
+
+def param_types(tools: list[dict] | None) -> dict[str, dict[str, set[str]]]:
+    """{function name: {parameter name: its JSON-schema types}} from OpenAI `tools`
+    ([{"type": "function", "function": {"name", "parameters": {"properties": ...}}}]); types
+    come from "type" (a name or a list) and the branches of anyOf / oneOf; none found = {}."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        out[fn["name"]] = {k: _schema_types(v)
+                           for k, v in (props if isinstance(props, dict) else {}).items()}
+    return out
+
+
+def _schema_types(schema: Any) -> set[str]:
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    if isinstance(t, str):
+        types = {t}
+    elif isinstance(t, list):
+        types = {x for x in t if isinstance(x, str)}
+    else:
+        types = set()
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or []:
+            types |= _schema_types(sub)
+    enum = schema.get("enum")
+    if not types and isinstance(enum, list) and all(isinstance(v, str) for v in enum):
+        types = {"string"}
+    return types
+
+
+def _is_string(types: set[str]) -> bool:
+    """A value streamed as a JSON string: the schema says string, or says nothing (an unknown
+    function or parameter: the text as written)."""
+    return not types or "string" in types
+
+
+def convert_value(text: str, types: set[str]) -> Any:
+    """A non-string parameter's value from its text: the first of the schema's types the text
+    parses as (JSON; "True"/"False" for booleans too); else the text itself."""
+    s = text.strip()
+    try:
+        value = json.loads(s)
+    except (json.JSONDecodeError, RecursionError):
+        value = {"true": True, "false": False}.get(s.lower(), _NOT_JSON)
+    checks = {
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "null": lambda v: v is None,
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+    }
+    if value is not _NOT_JSON:
+        for t in ("integer", "number", "boolean", "null", "object", "array"):
+            if t in types and checks[t](value):
+                return value
+        # 5.0 for an integer parameter
+        if "integer" in types and isinstance(value, float) and value.is_integer():
+            return int(value)
+    return text
+
+
+_NOT_JSON = object()
+
+
+def _escaped(text: str) -> str:
+    """text as the inside of a JSON string (escapes are per character, so pieces join)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCallSplitter:
+    """Splits one answer's text, fed delta by delta, into content text and tool-call deltas.
+
+    tools: the request's `tools` (for the parameter types). `feed(text)` returns
+    (content, deltas) of that piece of text; `finish()` what was held back, at the end. The
+    content joined over all calls is the answer less the calls; the deltas joined by index are
+    the calls (see the module docstring). `calls` counts the calls begun.
+    """
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        self._types = param_types(tools)
+        self._buf = ""  # text not yet given out
+        self._state = "out"  # out | head | params | value | after
+        self._raw = ""  # a call block's text as written, while it may still turn out no call
+        self._after_call = False  # content after a call: its leading whitespace is dropped
+        self._fn_types: dict[str, set[str]] = {}
+        self._first_param = True
+        self._param_types: set[str] = set()
+        self._param_is_string = True
+        self._scanned = 0  # of a value's text in _buf: searched for its end already
+        self.calls = 0
+        self._content: list[str] = []
+        self._deltas: list[ToolCallDelta] = []
+
+    # -- the interface ---------------------------------------------------------------------------
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        self._run(final=False)
+        return self._take()
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._run(final=True)
+        return self._take()
+
+    def _take(self) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "".join(self._content), self._deltas
+        self._content, self._deltas = [], []
+        return content, merge(deltas)
+
+    # -- the states ------------------------------------------------------------------------------
+
+    def _run(self, final: bool) -> None:
+        while True:
+            step = getattr(self, f"_step_{self._state}")
+            if not step(final):
+                return
+
+    def _emit_content(self, text: str) -> None:
+        if self._after_call:
+            text = text.lstrip(_WS)
+            self._after_call = not text
+        if text:
+            self._content.append(text)
+
+    def _args(self, text: str) -> None:
+        self._deltas.append(ToolCallDelta(self.calls - 1, text))
+
+    def _step_out(self, final: bool) -> bool:
+        buf = self._buf
+        i = buf.find(TOOL_START)
+        if i >= 0:
+            self._emit_content(buf[:i].rstrip(_WS))
+            self._buf, self._raw = buf[i + len(TOOL_START):], TOOL_START
+            self._state = "head"
+            return True
+        if final:
+            # trailing whitespace is the format's once a call was made
+            self._emit_content(buf.rstrip(_WS) if self.calls else buf)
+            self._buf = ""
+            return False
+        keep = prefix_hold(buf, (TOOL_START,), len(TOOL_START) - 1)
+        cut = len(buf[:len(buf) - keep].rstrip(_WS))  # whitespace may precede a call
+        self._emit_content(buf[:cut])
+        self._buf = buf[cut:]
+        return False
+
+    def _not_a_call(self) -> bool:
+        """The block so far is no call: its text as written goes out as content."""
+        self._emit_content(self._raw + self._buf)
+        self._buf, self._raw, self._state = "", "", "out"
+        return False
+
+    def _step_head(self, final: bool) -> bool:
+        s = self._buf.lstrip(_WS)
+        if s.startswith(FUNCTION_START):
+            name, rest = self._tag_name(s, FUNCTION_START)
+            if name is None:
+                return self._not_a_call() if final else False
+            if not name:
+                return self._not_a_call()
+            self._open_call(name)
+            self._deltas.append(ToolCallDelta(self.calls - 1, "{", _new_id(), name))
+            self._buf, self._state = rest, "params"
+            return True
+        if s.startswith("{"):  # hermes form: a JSON object with name and arguments
+            end = s.find(TOOL_END)
+            if end < 0:
+                return self._not_a_call() if final else False
+            try:
+                obj = json.loads(s[:end])
+            except (json.JSONDecodeError, RecursionError):
+                obj = None
+            args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) \
+                else None
+            if not (isinstance(obj.get("name") if obj else None, str) and obj["name"]
+                    and isinstance(args, dict)):
+                return self._not_a_call()
+            self._open_call(obj["name"])
+            self._deltas.append(ToolCallDelta(self.calls - 1, json.dumps(args, ensure_ascii=False),
+                                              _new_id(), obj["name"]))
+            self._close_call(s[end + len(TOOL_END):])
+            return True
+        if FUNCTION_START.startswith(s) and not final:
+            return False  # may still become "<function="
+        return self._not_a_call()
+
+    def _tag_name(self, s: str, tag: str) -> tuple[str | None, str]:
+        """(name, text after the tag's '>') of a tag at the start of s; name None while the '>'
+        has not come yet, "" when this is no such tag (a bad or overlong name)."""
+        end = s.find(">", len(tag))
+        name = s[len(tag):end if end >= 0 else len(s)]
+        if any(c in name for c in "<\n") or len(name) > MAX_NAME_CHARS:
+            return "", s
+        if end < 0:
+            return None, s
+        return name.strip(), s[end + 1:]
+
+    def _open_call(self, name: str) -> None:
+        self.calls += 1
+        self._fn_types = self._types.get(name, {})
+        self._first_param = True
+
+    def _close_call(self, rest: str) -> None:
+        self._buf, self._raw, self._state, self._after_call = rest, "", "out", True
+
+    def _step_params(self, final: bool) -> bool:
+        s = self._buf.lstrip(_WS)
+        if s.startswith(PARAM_START):
+            name, rest = self._tag_name(s, PARAM_START)
+            if name is None or (name and not rest and not final):
+                self._buf = s
+                return False  # the name, or whether a newline follows it, is still coming
+            if not name:  # a bad parameter tag: skip it
+                self._buf = s[len(PARAM_START):]
+                return True
+            if rest.startswith("\n"):
+                rest = rest[1:]
+            self._param_types = self._fn_types.get(name, set())
+            self._param_is_string = _is_string(self._param_types)
+            sep = "" if self._first_param else ", "
+            self._first_param = False
+            key = json.dumps(name, ensure_ascii=False)
+            self._args(f'{sep}{key}: "' if self._param_is_string else f"{sep}{key}: ")
+            self._buf, self._scanned, self._state = rest, 0, "value"
+            return True
+        for tag, after in ((FUNCTION_END, "after"), (TOOL_END, None)):
+            if s.startswith(tag):
+                self._args("}")
+                if after is None:
+                    self._close_call(s[len(tag):])
+                else:
+                    self._buf, self._state = s[len(tag):], after
+                return True
+        if final:
+            self._args("}")  # every parameter ended: the model stopped where </function> was due
+            self._close_call(s)
+            return True
+        if any(t.startswith(s) for t in (PARAM_START, FUNCTION_END, TOOL_END)):
+            self._buf = s
+            return False
+        nxt = s.find("<", 1)  # text between parameters is no part of the call: dropped
+        self._buf = s[nxt:] if nxt >= 0 else ""
+        return nxt >= 0
+
+    def _step_value(self, final: bool) -> bool:
+        buf = self._buf
+        # a long non-string value (an object) stays in _buf until it ends: search only the new
+        # text (and a tag's length before it) or each token would rescan the whole value
+        start = max(0, self._scanned - max(map(len, _VALUE_ENDS)))
+        self._scanned = len(buf)
+        ends = [(buf.find(t, start), t) for t in _VALUE_ENDS]
+        found = [(i, t) for i, t in ends if i >= 0]
+        if found:
+            i, tag = min(found)
+            value = buf[:i]
+            if value.endswith("\n"):
+                value = value[:-1]
+            self._end_value(value)
+            self._buf = buf[i + len(tag):] if tag == PARAM_END else buf[i:]
+            self._state = "params"
+            return True
+        if final:  # cut inside the value: arguments left unfinished (see the module docstring)
+            self._args(_escaped(buf) if self._param_is_string else buf)
+            self._buf = ""
+            return False
+        if not self._param_is_string:
+            return False
+        keep = prefix_hold(buf, _VALUE_ENDS, max(map(len, _VALUE_ENDS)) - 1)
+        cut = len(buf) - keep
+        if cut > 0 and buf[cut - 1] == "\n":  # the format's newline before a closing tag
+            cut -= 1
+        if cut > 0:
+            self._args(_escaped(buf[:cut]))
+            self._buf, self._scanned = buf[cut:], len(buf) - cut
+        return False
+
+    def _end_value(self, value: str) -> None:
+        if self._param_is_string:
+            self._args(_escaped(value) + '"')
+        else:
+            self._args(json.dumps(convert_value(value, self._param_types), ensure_ascii=False))
+
+    def _step_after(self, final: bool) -> bool:
+        s = self._buf.lstrip(_WS)
+        if s.startswith(TOOL_END):
+            self._close_call(s[len(TOOL_END):])
+            return True
+        if s.startswith(FUNCTION_START):  # a second function in one block: a call of its own
+            self._buf, self._raw, self._state = s, "", "head"
+            return True
+        if not final and any(t.startswith(s) for t in (TOOL_END, FUNCTION_START)):
+            self._buf = s
+            return False
+        self._close_call(s)  # </tool_call> missing: what follows is content
+        return True
+
+
+def merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """deltas with each run of pieces of one call joined: one entry per call in a chunk."""
+    merged: list[ToolCallDelta] = []
+    for d in deltas:
+        if merged and merged[-1].index == d.index and d.id is None:
+            merged[-1].arguments += d.arguments
+        else:
+            merged.append(ToolCallDelta(d.index, d.arguments, d.id, d.name))
+    return merged
+
+
+def split(text: str, tools: list[dict] | None) -> tuple[str, list[dict[str, Any]]]:
+    """(content, tool_calls) of a whole answer, as a non-streaming response gives them: the
+    calls in OpenAI's message shape [{"id", "type": "function", "function": {"name",
+    "arguments"}}], the same as joining the streamed deltas."""
+    s = ToolCallSplitter(tools)
+    c1, d1 = s.feed(text)
+    c2, d2 = s.finish()
+    calls: list[dict[str, Any]] = []
+    for d in d1 + d2:
+        if d.id is not None:
+            calls.append({"id": d.id, "type": "function",
+                          "function": {"name": d.name, "arguments": d.arguments}})
+        else:
+            calls[d.index]["function"]["arguments"] += d.arguments
+    return c1 + c2, calls

@@ -1,0 +1,313 @@
+"""Tool calls: the XML form parsed out of the answer (tailored/server/tool_calls.py), streamed and
+whole, and the chat route with `tools` (failure-cases §8: arguments stream as written, the
+reasoning split is not swallowed, every request shape streaming and not)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+from test_server import MODEL, FakeEngine, FakeTokenizer, chat, sse_events
+
+from tailored.server.app import build_app
+from tailored.server.async_engine import AsyncEngine
+from tailored.server.reasoning import split as split_reasoning
+from tailored.server.tool_calls import ToolCallSplitter, convert_value, param_types, split
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"},
+        "opts": {"type": "object"}, "units": {"enum": ["c", "f"]},
+        "ratio": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+        "flags": {"type": "array"}, "exact": {"type": "boolean"},
+    }, "required": ["city"]}}}
+TOOLS = [WEATHER, {"type": "function", "function": {"name": "now"}}]
+
+
+def call_xml(name: str, **params) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+TWO_CALLS = ("Let me check.\n\n" + call_xml("get_weather", city='Paris "north"\nbank', days=2,
+                                             opts='{"a": [1, {"b": null}]}')
+             + "\n" + call_xml("now"))
+
+ANSWERS = [
+    TWO_CALLS,
+    "plain answer, no call\n\n",
+    "ends in a tag's start <tool_c",
+    call_xml("get_weather", city="Oslo", ratio="0.5", flags="[1, 2]", exact="True"),
+    "text " + call_xml("get_weather", city="A") + "\n\nand words after the call ",
+    "<tool_call>not a call</tool_call> then text",
+    '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>',
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n",  # no ends
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n3\n"
+    "</function></tool_call>",  # a missing </parameter>s
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNice\n</parameter>\n</function>\n"
+    "<function=now>\n</function>\n</tool_call>",  # two functions in one block
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nBer",  # cut inside a value
+    "<tool_call>\n<function=get_weather>\n<parameter=days>\n1",  # cut inside a number
+]
+
+
+def run_stream(text: str, pieces: list[int], tools=TOOLS):
+    """Feed text cut at `pieces` (lengths); (content, {index: (id, name, arguments)}, deltas)."""
+    s = ToolCallSplitter(tools)
+    content, calls, deltas, at = "", {}, [], 0
+    outs = []
+    for n in pieces:
+        outs.append(s.feed(text[at:at + n]))
+        at += n
+    outs.append(s.feed(text[at:]))
+    outs.append(s.finish())
+    for c, ds in outs:
+        content += c
+        for d in ds:
+            deltas.append(d)
+            if d.id is not None:
+                assert d.index not in calls and d.index == len(calls)
+                calls[d.index] = [d.id, d.name, d.arguments]
+            else:
+                calls[d.index][2] += d.arguments
+    return content, calls, deltas
+
+
+def test_split_whole_answer():
+    content, calls = split(TWO_CALLS, TOOLS)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) and c["type"] == "function"
+               for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert args == {"city": 'Paris "north"\nbank', "days": 2, "opts": {"a": [1, {"b": None}]}}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+def test_streaming_equals_whole_at_any_cut(text):
+    whole_content, whole_calls = split(text, TOOLS)
+    rng = random.Random(len(text))
+    cuts = [[1] * len(text), [len(text)]]
+    cuts += [[rng.randint(1, 6) for _ in range(len(text))] for _ in range(8)]
+    for pieces in cuts:
+        content, calls, _ = run_stream(text, pieces)
+        assert content == whole_content, pieces
+        assert [(n, a) for _, n, a in calls.values()] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]
+
+
+def test_no_call_leaves_the_text_as_it_was():
+    for text in ("plain answer, no call\n\n", "ends in a tag's start <tool_c", "a < b > c"):
+        assert split(text, TOOLS) == (text, [])
+
+
+def test_string_arguments_stream_before_the_parameter_ends():
+    s = ToolCallSplitter(TOOLS)
+    _, d = s.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Fra")
+    assert d[0].name == "get_weather" and d[0].id
+    assert "".join(x.arguments for x in d) == '{"city": "San Fra'
+    _, d = s.feed("ncisco\n</param")  # the newline may be the format's: held with the tag
+    assert "".join(x.arguments for x in d) == "ncisco"
+    _, d = s.feed("eter>\n</function>\n</tool_call>")
+    assert "".join(x.arguments for x in d) == '"}'
+    assert s.calls == 1
+
+
+def test_one_delta_per_call_in_a_chunk():
+    _, deltas = ToolCallSplitter(TOOLS).feed(TWO_CALLS)
+    assert [(d.index, d.id is not None) for d in deltas] == [(0, True), (1, True)]
+    assert deltas[0].to_openai() == {"index": 0, "id": deltas[0].id, "type": "function",
+                                     "function": {"name": "get_weather",
+                                                  "arguments": deltas[0].arguments}}
+
+
+@pytest.mark.parametrize("text,types,want", [
+    ("2", {"integer"}, 2), ("5.0", {"integer"}, 5), ("two", {"integer"}, "two"),
+    ("2.5", {"number"}, 2.5), ("true", {"boolean"}, True), ("False", {"boolean"}, False),
+    ("null", {"number", "null"}, None), ('{"a": 1}', {"object"}, {"a": 1}),
+    ("[1]", {"array"}, [1]), ("[1]", {"object"}, "[1]"), (" 7 ", {"number"}, 7),
+])
+def test_convert_value(text, types, want):
+    got = convert_value(text, types)
+    assert got == want and type(got) is type(want)
+
+
+def test_param_types_from_the_schema():
+    types = param_types(TOOLS + [{"type": "function", "function": {"name": "x",
+                                                                    "parameters": "bad"}}, 5])
+    assert types["get_weather"]["units"] == {"string"}  # an enum of strings
+    assert types["get_weather"]["ratio"] == {"number", "null"}
+    assert types["now"] == {} and types["x"] == {}
+    # unknown parameters and functions stream as strings
+    content, calls = split(call_xml("nope", n="3") + call_xml("get_weather", extra="4"), TOOLS)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"n": "3"},
+                                                                      {"extra": "4"}]
+
+
+def test_not_a_call_passes_through():
+    for text in ("<tool_call>not a call</tool_call> then text",
+                 "<tool_call>\n<function=bad\nname>\n</function>\n</tool_call>",
+                 "<tool_call>\n" + "<function=" + "x" * 300,
+                 '<tool_call>\n{"no": "name"}\n</tool_call>'):
+        assert split(text, TOOLS) == (text, []), text
+
+
+def test_hermes_json_form():
+    content, calls = split('<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n'
+                           "</tool_call>", TOOLS)
+    assert content == "" and calls[0]["function"] == {"name": "now",
+                                                      "arguments": '{"tz": "UTC"}'}
+
+
+def test_forgiven_and_unfinished_calls():
+    # every parameter ended, the answer stopped where </function> was due: closed
+    _, calls = split(ANSWERS[7], TOOLS)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Lima"}
+    _, calls = split(ANSWERS[8], TOOLS)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "days": 3}
+    content, calls = split(ANSWERS[9], TOOLS)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    # cut inside a value: left unfinished, not closed into a call the model never finished
+    for text, partial in ((ANSWERS[10], '{"city": "Ber'), (ANSWERS[11], '{"days": 1')):
+        content, calls = split(text, TOOLS)
+        assert content == "" and calls[0]["function"]["arguments"] == partial
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(calls[0]["function"]["arguments"])
+
+
+def test_text_after_a_call_stays_content():
+    content, calls = split(ANSWERS[4], TOOLS)
+    assert content == "textand words after the call" and len(calls) == 1
+
+
+def test_a_tool_call_ends_the_reasoning_only_with_tools():
+    text = "I should look.<tool_call>\n<function=now>\n</function>\n</tool_call>"
+    assert split_reasoning(text, True, tools=True) == ("I should look.", text[14:])
+    assert split_reasoning(text, True) == (text, None)
+    # a </think> first: the answer starts after it, as without tools
+    assert split_reasoning("r</think>\n\nok", True, tools=True) == ("r", "ok")
+
+
+# ---- the chat route ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def tool_srv():
+    engine, tok = FakeEngine(), FakeTokenizer()
+    # a context for the fake's byte-per-token prompts that carry the scripted answer
+    app = build_app(AsyncEngine(engine), tok, MODEL, 4096, reasoning_parser="qwen3")
+    with TestClient(app) as client:
+        yield client, engine, tok
+
+
+def ask(client, script: str, **body):
+    body.setdefault("chat_template_kwargs", {"enable_thinking": False})
+    return chat(client, "SAY:" + script, tools=TOOLS, **body)
+
+
+def test_chat_returns_tool_calls(tool_srv):
+    client, _, tok = tool_srv
+    r = ask(client, TWO_CALLS)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert msg["content"] == "Let me check."
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "now"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"])["days"] == 2
+    assert tok.template_calls[-1]["tools"] == TOOLS  # rendered as given
+
+
+def test_chat_stream_of_tool_calls_joins_to_the_whole(tool_srv):
+    client, _, _ = tool_srv
+    whole = ask(client, TWO_CALLS).json()["choices"][0]
+    events = sse_events(ask(client, TWO_CALLS, stream=True,
+                            stream_options={"include_usage": True}).text)
+    assert events[-1] == "DONE" and events[-2]["usage"]["completion_tokens"] > 0
+    chunks = [e["choices"][0] for e in events[:-2]]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for d in c["delta"].get("tool_calls", []):
+            if "id" in d:
+                calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+                assert d["type"] == "function"
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert content == whole["message"]["content"]
+    assert list(calls.values()) == [c["function"] for c in whole["message"]["tool_calls"]]
+    # the string argument came in pieces, as it was written
+    pieces = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert len(pieces) > 10
+
+
+def test_reasoning_then_a_call_without_the_think_end(tool_srv):
+    client, _, _ = tool_srv
+    script = "I need the weather." + call_xml("get_weather", city="Oslo")
+    for stream in (False, True):
+        r = ask(client, script, stream=stream, chat_template_kwargs={"enable_thinking": True})
+        if not stream:
+            msg = r.json()["choices"][0]["message"]
+            reasoning, content, names = msg["reasoning"], msg["content"], [
+                c["function"]["name"] for c in msg["tool_calls"]]
+        else:
+            chunks = [e["choices"][0] for e in sse_events(r.text)[:-1]]
+            reasoning = "".join(c["delta"].get("reasoning") or "" for c in chunks)
+            content = "".join(c["delta"].get("content") or "" for c in chunks) or None
+            names = [d["function"]["name"] for c in chunks
+                     for d in c["delta"].get("tool_calls", []) if "id" in d]
+        assert (reasoning, content, names) == ("I need the weather.", None, ["get_weather"])
+
+
+def test_tool_choice_none_renders_and_parses_no_tools(tool_srv):
+    client, _, tok = tool_srv
+    r = ask(client, call_xml("now"), tool_choice="none")
+    msg = r.json()["choices"][0]
+    assert tok.template_calls[-1]["tools"] is None
+    assert msg["finish_reason"] == "stop" and "tool_calls" not in msg["message"]
+    assert msg["message"]["content"] == call_xml("now")
+
+
+def test_without_tools_the_xml_stays_content(tool_srv):
+    client, _, _ = tool_srv
+    r = chat(client, "SAY:" + call_xml("now"), chat_template_kwargs={"enable_thinking": False})
+    assert r.json()["choices"][0]["message"]["content"] == call_xml("now")
+
+
+def test_cut_by_max_tokens_inside_a_call(tool_srv):
+    client, _, _ = tool_srv
+    script = call_xml("get_weather", city="Reykjavik")
+    cut = script.index("Reyk") + 4
+    for stream in (False, True):
+        r = ask(client, script, max_tokens=cut, stream=stream)
+        if stream:
+            chunks = [e["choices"][0] for e in sse_events(r.text)[:-1]]
+            finish = chunks[-1]["finish_reason"]
+            args = "".join(d["function"]["arguments"] for c in chunks
+                           for d in c["delta"].get("tool_calls", []))
+        else:
+            choice = r.json()["choices"][0]
+            finish, args = choice["finish_reason"], choice["message"]["tool_calls"][0][
+                "function"]["arguments"]
+        assert (finish, args) == ("length", '{"city": "Reyk')
+
+
+def test_history_with_tool_calls_and_results(tool_srv):
+    client, _, tok = tool_srv
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "SAY:sunny"}]
+    r = chat(client, messages=msgs, tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "sunny"
+    assert tok.template_calls[-1]["messages"][1]["tool_calls"][0]["function"]["name"] == \
+        "get_weather"
+    assert MODEL in r.json()["model"]
