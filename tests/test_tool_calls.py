@@ -311,3 +311,24 @@ def test_history_with_tool_calls_and_results(tool_srv):
     assert tok.template_calls[-1]["messages"][1]["tool_calls"][0]["function"]["name"] == \
         "get_weather"
     assert MODEL in r.json()["model"]
+
+
+def test_parsed_calls_render_back_as_the_model_wrote_them():
+    """A tool loop sends the answer back as history: the template must render the parsed calls
+    as the XML the model wrote (else the next turn sees calls it never made), and keep that
+    turn's reasoning (a tool result is no new user query; failure-cases §8: multi-turn tool
+    use degrading to empty arguments)."""
+    from tailored.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    written = "\n\n" + TWO_CALLS.split("\n\n", 1)[1]
+    reasoning, answer = split_reasoning("I should check." + "</think>\n\nLet me check." + written,
+                                        True, tools=True)
+    content, calls = split(answer, TOOLS)
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": content, "reasoning_content": reasoning,
+             "tool_calls": calls},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}]
+    prompt = tok.apply_chat_template(msgs, tools=TOOLS)
+    assert ("<|im_start|>assistant\n<think>\nI should check.\n</think>\n\nLet me check."
+            + written + "<|im_end|>\n") in prompt
