@@ -332,3 +332,25 @@ def test_parsed_calls_render_back_as_the_model_wrote_them():
     prompt = tok.apply_chat_template(msgs, tools=TOOLS)
     assert ("<|im_start|>assistant\n<think>\nI should check.\n</think>\n\nLet me check."
             + written + "<|im_end|>\n") in prompt
+
+
+def test_parallel_tool_calls_false_ends_at_the_first_call(tool_srv):
+    client, engine, _ = tool_srv
+    for stream in (False, True):
+        r = ask(client, TWO_CALLS, parallel_tool_calls=False, stream=stream)
+        if stream:
+            chunks = [e["choices"][0] for e in sse_events(r.text)[:-1]]
+            finish = chunks[-1]["finish_reason"]
+            names = [d["function"]["name"] for c in chunks
+                     for d in c["delta"].get("tool_calls", []) if "id" in d]
+        else:
+            choice = r.json()["choices"][0]
+            finish, names = choice["finish_reason"], [
+                c["function"]["name"] for c in choice["message"]["tool_calls"]]
+        assert (finish, names) == ("tool_calls", ["get_weather"])
+    assert list(engine.added.values())[-1].stop == ["</tool_call>"]
+    # the client's own stop strings stay; without tools nothing is added
+    ask(client, "x", parallel_tool_calls=False, stop=["END"])
+    assert list(engine.added.values())[-1].stop == ["END", "</tool_call>"]
+    chat(client, "SAY:x", parallel_tool_calls=False)
+    assert list(engine.added.values())[-1].stop == []

@@ -8,7 +8,7 @@ Requests: `CompletionRequest`, `ChatCompletionRequest`. Validation happens in th
    pydantic ValidationError into one readable `OpenAIError` naming the field(s).
 2. `request.check_supported()` raises `OpenAIError` for parameters that would change the result
    but are not implemented (n > 1, logprobs, tool_choice "required", ...). Other unknown fields
-   are ignored (parallel_tool_calls among them: the model may still call several tools).
+   are ignored.
 `request.sampling_params(max_tokens, defaults)` then builds the engine's `SamplingParams`.
 
 Responses and stream chunks: `CompletionResponse`, `CompletionStreamResponse`,
@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from tailored.engine.types import SamplingParams
+from tailored.server.tool_calls import TOOL_END
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -600,7 +601,9 @@ class ChatCompletionRequest(_BaseRequest):
     """POST /v1/chat/completions. max_completion_tokens wins over max_tokens when both given.
 
     tools: OpenAI function tools, rendered by the chat template; the answer's calls come back
-    as `tool_calls` (`tool_calls.py`) unless tool_choice is "none"."""
+    as `tool_calls` (`tool_calls.py`) unless tool_choice is "none". parallel_tool_calls false
+    stops the generation at the first `</tool_call>` (one call at most; the parser closes a
+    call whose `</tool_call>` is missing)."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -608,6 +611,7 @@ class ChatCompletionRequest(_BaseRequest):
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: the answer ends with its first call
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         k: v for k, v in _BaseRequest.UNSUPPORTED.items() if k not in ("tools", "tool_choice")
@@ -624,6 +628,12 @@ class ChatCompletionRequest(_BaseRequest):
                 code="unsupported_parameter" if required else None,
             )
         super().check_supported()
+
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        sp = super().sampling_params(max_tokens, defaults)
+        if self.active_tools and self.parallel_tool_calls is False:
+            sp.stop.append(TOOL_END)
+        return sp
 
     @property
     def active_tools(self) -> list[dict[str, Any]] | None:
