@@ -52,6 +52,11 @@ ANSWERS = [
     "<function=now>\n</function>\n</tool_call>",  # two functions in one block
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nBer",  # cut inside a value
     "<tool_call>\n<function=get_weather>\n<parameter=days>\n1",  # cut inside a number
+    # no call first, a real one after it (review of session 29: the whole-answer parser lost
+    # the real one)
+    "I will use <tool_call> tags:\n" + call_xml("now"),
+    "<tool_call>oops</tool_call>" + call_xml("now") + "<tool_call>\n" + "\n" * 300,
+    "<tool_call>\n<function=now>\n<parameter=x>\n1\n</parameter>\nThat is all.",
 ]
 
 
@@ -78,7 +83,7 @@ def run_stream(text: str, pieces: list[int], tools=TOOLS):
 
 
 def test_split_whole_answer():
-    content, calls = split(TWO_CALLS, TOOLS)
+    content, calls, _ = split(TWO_CALLS, TOOLS)
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) and c["type"] == "function"
@@ -91,7 +96,7 @@ def test_split_whole_answer():
 
 @pytest.mark.parametrize("text", ANSWERS)
 def test_streaming_equals_whole_at_any_cut(text):
-    whole_content, whole_calls = split(text, TOOLS)
+    whole_content, whole_calls, _ = split(text, TOOLS)
     rng = random.Random(len(text))
     cuts = [[1] * len(text), [len(text)]]
     cuts += [[rng.randint(1, 6) for _ in range(len(text))] for _ in range(8)]
@@ -104,7 +109,7 @@ def test_streaming_equals_whole_at_any_cut(text):
 
 def test_no_call_leaves_the_text_as_it_was():
     for text in ("plain answer, no call\n\n", "ends in a tag's start <tool_c", "a < b > c"):
-        assert split(text, TOOLS) == (text, [])
+        assert split(text, TOOLS) == (text, [], False)
 
 
 def test_string_arguments_stream_before_the_parameter_ends():
@@ -145,7 +150,7 @@ def test_param_types_from_the_schema():
     assert types["get_weather"]["ratio"] == {"number", "null"}
     assert types["now"] == {} and types["x"] == {}
     # unknown parameters and functions stream as strings
-    content, calls = split(call_xml("nope", n="3") + call_xml("get_weather", extra="4"), TOOLS)
+    content, calls, _ = split(call_xml("nope", n="3") + call_xml("get_weather", extra="4"), TOOLS)
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"n": "3"},
                                                                       {"extra": "4"}]
 
@@ -155,11 +160,11 @@ def test_not_a_call_passes_through():
                  "<tool_call>\n<function=bad\nname>\n</function>\n</tool_call>",
                  "<tool_call>\n" + "<function=" + "x" * 300,
                  '<tool_call>\n{"no": "name"}\n</tool_call>'):
-        assert split(text, TOOLS) == (text, []), text
+        assert split(text, TOOLS) == (text, [], False), text
 
 
 def test_hermes_json_form():
-    content, calls = split('<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n'
+    content, calls, _ = split('<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n'
                            "</tool_call>", TOOLS)
     assert content == "" and calls[0]["function"] == {"name": "now",
                                                       "arguments": '{"tz": "UTC"}'}
@@ -167,23 +172,50 @@ def test_hermes_json_form():
 
 def test_forgiven_and_unfinished_calls():
     # every parameter ended, the answer stopped where </function> was due: closed
-    _, calls = split(ANSWERS[7], TOOLS)
+    _, calls, _ = split(ANSWERS[7], TOOLS)
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Lima"}
-    _, calls = split(ANSWERS[8], TOOLS)
+    _, calls, _ = split(ANSWERS[8], TOOLS)
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "days": 3}
-    content, calls = split(ANSWERS[9], TOOLS)
+    content, calls, _ = split(ANSWERS[9], TOOLS)
     assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "now"]
     # cut inside a value: left unfinished, not closed into a call the model never finished
     for text, partial in ((ANSWERS[10], '{"city": "Ber'), (ANSWERS[11], '{"days": 1')):
-        content, calls = split(text, TOOLS)
+        content, calls, _ = split(text, TOOLS)
         assert content == "" and calls[0]["function"]["arguments"] == partial
         with pytest.raises(json.JSONDecodeError):
             json.loads(calls[0]["function"]["arguments"])
 
 
+def test_a_real_call_after_text_that_is_none():
+    for text in ANSWERS[12:14]:
+        content, calls, unfinished = split(text, TOOLS)
+        assert [c["function"]["name"] for c in calls] == ["now"] and not unfinished
+        assert "<tool_call>" in content and "<function=" not in content
+    # whitespace before a tag that opens no call stays
+    assert split("Use the <tool_call> tag", TOOLS)[0] == "Use the <tool_call> tag"
+
+
+def test_strict_json_and_model_text_that_breaks_json():
+    for text, types in (("NaN", {"number"}), ("1e400", {"number"}), ('{"a": -Infinity}',
+                                                                     {"object"}),
+                        ("9" * 5000, {"integer"})):  # over Python's int-from-text limit
+        assert convert_value(text, types) == text
+    content, calls, _ = split('<tool_call>\n{"name": "now", "arguments": {"x": NaN}}\n'
+                              "</tool_call>", TOOLS)
+    assert calls == [] and "NaN" in content
+    _, calls, _ = split('<tool_call>\n{"name": "now", "arguments": "{\\"x\\": 1}"}\n'
+                        "</tool_call>", TOOLS)  # arguments as JSON text
+    assert calls[0]["function"]["arguments"] == '{"x": 1}'
+
+
 def test_text_after_a_call_stays_content():
-    content, calls = split(ANSWERS[4], TOOLS)
-    assert content == "textand words after the call" and len(calls) == 1
+    # no </function> nor </tool_call>: the text after the last parameter is content
+    content, calls, _ = split(ANSWERS[14], TOOLS)
+    assert content == "That is all." and json.loads(calls[0]["function"]["arguments"]) == {
+        "x": "1"}
+    content, calls, _ = split(ANSWERS[4], TOOLS)
+    # the whitespace after a call is kept once text follows (it separates the two texts)
+    assert content == "text\n\nand words after the call" and len(calls) == 1
 
 
 def test_a_tool_call_ends_the_reasoning_only_with_tools():
@@ -192,6 +224,19 @@ def test_a_tool_call_ends_the_reasoning_only_with_tools():
     assert split_reasoning(text, True) == (text, None)
     # a </think> first: the answer starts after it, as without tools
     assert split_reasoning("r</think>\n\nok", True, tools=True) == ("r", "ok")
+    # the tag written in the thinking, no call after it: still reasoning
+    text = "plan: <tool_call> later</think>\n\nanswer"
+    assert split_reasoning(text, True, tools=True) == ("plan: <tool_call> later", "answer")
+    # streamed a character at a time: the same split
+    from tailored.server.reasoning import ReasoningSplitter
+
+    for t in (text, "I should look.<tool_call>\n<function=now>\n</function>\n</tool_call>",
+              "cut <tool_call>\n<func"):
+        rs = ReasoningSplitter(True, tools=True)
+        pieces = [rs.feed(c) for c in t] + [rs.finish()]
+        r, c = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+        want_r, want_c = split_reasoning(t, True, tools=True)
+        assert (r or None, c or None) == (want_r, want_c), t
 
 
 # ---- the chat route ----------------------------------------------------------------------
@@ -280,6 +325,41 @@ def test_without_tools_the_xml_stays_content(tool_srv):
     assert r.json()["choices"][0]["message"]["content"] == call_xml("now")
 
 
+def test_a_call_cut_by_the_end_of_the_answer_is_no_tool_calls_finish(tool_srv):
+    """EOS or a stop string inside a value: the arguments are no JSON object, so the finish
+    stays "stop" (clients read "tool_calls" as "the calls are complete")."""
+    client, _, _ = tool_srv
+    for stream in (False, True):
+        r = ask(client, "<tool_call>\n<function=get_weather>\n<parameter=city>\nBer",
+                stream=stream)
+        if stream:
+            finish = [e["choices"][0] for e in sse_events(r.text)[:-1]][-1]["finish_reason"]
+        else:
+            finish = r.json()["choices"][0]["finish_reason"]
+        assert finish == "stop"
+
+
+def test_odd_schemas_are_served(tool_srv):
+    client, _, _ = tool_srv
+    for props in ({"x": {"anyOf": 5}}, {"x": {"oneOf": True, "type": 3}}, {"x": 7}, "nope"):
+        tool = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": props}}}
+        r = chat(client, "SAY:" + call_xml("f", x="1"), tools=[tool],
+                 chat_template_kwargs={"enable_thinking": False})
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"][
+            "arguments"]) == {"x": "1"}
+
+
+def test_history_call_names_must_fit_the_format(tool_srv):
+    client, _, _ = tool_srv
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "a>b\n", "arguments": "{}"}}]}]
+    r = chat(client, messages=msgs)
+    assert r.status_code == 400 and "without whitespace" in r.json()["error"]["message"]
+
+
 def test_cut_by_max_tokens_inside_a_call(tool_srv):
     client, _, _ = tool_srv
     script = call_xml("get_weather", city="Reykjavik")
@@ -324,7 +404,7 @@ def test_parsed_calls_render_back_as_the_model_wrote_them():
     written = "\n\n" + TWO_CALLS.split("\n\n", 1)[1]
     reasoning, answer = split_reasoning("I should check." + "</think>\n\nLet me check." + written,
                                         True, tools=True)
-    content, calls = split(answer, TOOLS)
+    content, calls, _ = split(answer, TOOLS)
     msgs = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": content, "reasoning_content": reasoning,
              "tool_calls": calls},

@@ -532,8 +532,10 @@ class _Formatter:
         return text, reasoning, calls
 
     def finish_reason(self, finish: str) -> str:
-        """OpenAI's "tool_calls" for an answer that called a tool and stopped by itself."""
-        called = self.tool_splitter is not None and self.tool_splitter.calls > 0
+        """OpenAI's "tool_calls" for an answer that called a tool and stopped by itself, every
+        call complete (one cut inside a value keeps the engine's reason)."""
+        ts = self.tool_splitter
+        called = ts is not None and ts.calls > 0 and not ts.unfinished
         return "tool_calls" if finish == FinishReason.STOP.value and called else finish
 
     _TEXT = "@@tailored-text@@"  # placeholder: plain ASCII, survives JSON encoding unchanged
@@ -582,10 +584,11 @@ class _Formatter:
             if self.thinking is not None:
                 reasoning, text = split_reasoning(text, self.thinking, tools=bool(self.tools))
             if self.tools and text is not None:
-                text, calls = split_tool_calls(text, self.tools)
+                text, calls, unfinished = split_tool_calls(text, self.tools)
                 if calls:  # OpenAI: content null beside calls when the model wrote none
                     text = text or None
-                    finish = "tool_calls" if finish == FinishReason.STOP.value else finish
+                    if finish == FinishReason.STOP.value and not unfinished:
+                        finish = "tool_calls"
             message = ChatResponseMessage(content=text, reasoning=reasoning,
                                           reasoning_content=reasoning, tool_calls=calls or None)
             choice = ChatChoice(message=message, finish_reason=finish)

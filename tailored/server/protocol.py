@@ -443,6 +443,15 @@ class CompletionRequest(_BaseRequest):
         return v
 
 
+def tool_name_error(name: str) -> str | None:
+    """Why a function name cannot be a tool's (None: it can). The model writes a call as
+    <function=NAME> and the template renders history calls so: a name ends at the first '>'."""
+    if not name or len(name) > MAX_TOOL_NAME_CHARS or any(c in name for c in "<> \t\r\n"):
+        return (f"must be 1 to {MAX_TOOL_NAME_CHARS} characters without whitespace, '<' or '>' "
+                f"(got {shown(name)})")
+    return None
+
+
 class ChatMessage(BaseModel):
     """One input message; extra fields (name, tool_calls, tool_call_id, ...) pass to the template.
 
@@ -519,6 +528,8 @@ class ChatMessage(BaseModel):
             if not isinstance(name, str) or not name:
                 got = "missing" if "name" not in fn else f"got {shown(name)}"
                 raise ValueError(f"item {i}: 'function.name' must be a non-empty string ({got})")
+            if (bad := tool_name_error(name)) is not None:  # rendered as <function=NAME>
+                raise ValueError(f"item {i}: 'function.name' {bad}")
             args = fn.get("arguments")
             if isinstance(args, str):
                 if args.strip():
@@ -574,12 +585,8 @@ class FunctionDefinition(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_fits_the_format(cls, v: str) -> str:
-        # the model writes the call as <function=NAME>: a name ends at the first '>'
-        if not v or len(v) > MAX_TOOL_NAME_CHARS or any(c in v for c in "<> \t\r\n"):
-            raise ValueError(
-                f"must be 1 to {MAX_TOOL_NAME_CHARS} characters without whitespace, '<' or '>' "
-                f"(got {shown(v)})"
-            )
+        if (bad := tool_name_error(v)) is not None:
+            raise ValueError(bad)
         return v
 
 

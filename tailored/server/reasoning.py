@@ -15,9 +15,10 @@ the answer, as the chat template drops them from earlier assistant turns
 (`content.split('</think>')[-1].lstrip('\\n')`), also with thinking off; an empty reasoning is
 left out rather than sent as ""; only a `<think>` the model writes at the very start is dropped.
 Like vLLM: an empty answer after `</think>` is null. With tools in the request a `<tool_call>`
-also ends the reasoning (vLLM's `qwen3` parser does the same: the model at times opens its
-call without closing the think block); the call goes to the answer, where the tool-call
-parser finds it (`tool_calls.py`).
+that opens a call (`<function=` or a JSON object follows) also ends the reasoning (vLLM's
+`qwen3` parser does the same: the model at times opens its call without closing the think
+block); the call goes to the answer, where the tool-call parser finds it (`tool_calls.py`).
+A `<tool_call>` followed by other text stays reasoning, so a later `</think>` still splits.
 
 Source: the Qwen3 / Qwen3.6 chat template (spec §2, the tokenizer's chat template) and vLLM's
 `qwen3` reasoning parser (the response fields).
@@ -26,7 +27,7 @@ Source: the Qwen3 / Qwen3.6 chat template (spec §2, the tokenizer's chat templa
 from __future__ import annotations
 
 from tailored.engine.detokenizer import prefix_hold
-from tailored.server.tool_calls import TOOL_START
+from tailored.server.tool_calls import TOOL_START, opens_call
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -63,9 +64,17 @@ class ReasoningSplitter:
             if buf.startswith(THINK_START):
                 buf = buf[len(THINK_START):]
             self._started = True  # one leading <think> at most
-        found = [(i, t) for t in self._ends if (i := buf.find(t)) >= 0]
-        if found:
+        pos = 0
+        while found := [(i, t) for t in self._ends if (i := buf.find(t, pos)) >= 0]:
             end, tag = min(found)
+            if tag == TOOL_START:
+                opens = opens_call(buf[end + len(TOOL_START):])
+                if opens is None:  # the text after the tag does not tell yet: held
+                    self._held = buf[end:]
+                    return buf[:end], ""
+                if not opens:  # "<tool_call>" written in the thinking: reasoning text
+                    pos = end + len(TOOL_START)
+                    continue
             self.thinking = False
             after = end + len(tag) if tag == THINK_END else end  # a tool call stays the answer's
             return buf[:end], self._content(buf[after:])

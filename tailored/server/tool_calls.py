@@ -26,16 +26,22 @@ Decisions:
   not the value's (the template writes them around every value).
 - Content is the text outside the calls. Whitespace between content and a call, between calls
   and after the last call is the format's and is dropped; text the model writes after a call
-  (the template says not to) stays content, nothing is lost.
+  (the template says not to), with the whitespace before it, stays content: nothing is lost.
 - A block that is not a call (`<tool_call>` not followed by `<function=NAME>` or a JSON object
-  with a "name", the form of Qwen2.5's hermes template) is passed through as content.
+  with a "name", the form of Qwen2.5's hermes template) is passed through as content, and the
+  text after its tag is read again (a real call may follow).
 - A missing `</parameter>`, `</function>` or `</tool_call>` is forgiven where the next tag shows
   where it should have been; an answer cut inside a call (max_tokens) leaves that call's
   arguments unfinished (invalid JSON) rather than closing them into a call the model never
   finished writing; finish_reason "length" says so. A call whose last parameter ended is
   closed (`}`): the model stopped where `</function>` was due.
 - Parameter values are not checked against the schema beyond the type conversion: the client
-  validates, as with OpenAI.
+  validates, as with OpenAI. A converted value is strict JSON: NaN, Infinity or a number out of
+  float range stays the text, as a JSON string.
+- finish_reason "tool_calls" only when every call is complete: a call cut inside a value (by
+  max_tokens, a stop string or the end of the answer) keeps the engine's reason.
+- The format's limit: a value cannot hold `</parameter>`, `<parameter=`, `</function>` or
+  `</tool_call>` (the value ends there), as in every parser of this format.
 
 Source: the Qwen3.6 chat template (spec §10.3) and the OpenAI Chat Completions API (the
 `tool_calls` message and delta shapes); vLLM's `qwen3_coder` parser for what clients expect.
@@ -44,6 +50,7 @@ Source: the Qwen3.6 chat template (spec §10.3) and the OpenAI Chat Completions 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -59,8 +66,12 @@ PARAM_END = "</parameter>"
 # a function or parameter name longer than this, or one with a newline or '<' in it, means the
 # text is not a call (a name ends at the first '>')
 MAX_NAME_CHARS = 256
+# whitespace after <tool_call> longer than this means the text is no call (and bounds the
+# whitespace the head re-reads while it waits for <function=)
+MAX_GAP_CHARS = 256
 _VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, TOOL_END)
 _WS = " \t\r\n"
+_WS_RUN = re.compile(r"[ \t\r\n]*")
 
 
 @dataclass
@@ -112,12 +123,24 @@ def _schema_types(schema: Any) -> set[str]:
     else:
         types = set()
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else ():
             types |= _schema_types(sub)
     enum = schema.get("enum")
     if not types and isinstance(enum, list) and all(isinstance(v, str) for v in enum):
         types = {"string"}
     return types
+
+
+def opens_call(after_tag: str) -> bool | None:
+    """Whether the text after a `<tool_call>` opens a call (`<function=` or a JSON object after
+    at most MAX_GAP_CHARS of whitespace); None while it cannot tell (too little text)."""
+    s = after_tag.lstrip(_WS)
+    if len(after_tag) - len(s) > MAX_GAP_CHARS:
+        return False
+    if s.startswith((FUNCTION_START, "{")):
+        return True
+    return None if FUNCTION_START.startswith(s) else False
 
 
 def _is_string(types: set[str]) -> bool:
@@ -132,7 +155,8 @@ def convert_value(text: str, types: set[str]) -> Any:
     s = text.strip()
     try:
         value = json.loads(s)
-    except (json.JSONDecodeError, RecursionError):
+        json.dumps(value, allow_nan=False)  # NaN, Infinity, 1e400: no JSON a client can read
+    except (ValueError, RecursionError):  # ValueError: also an int of over 4300 digits
         value = {"true": True, "false": False}.get(s.lower(), _NOT_JSON)
     checks = {
         "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -170,21 +194,25 @@ class ToolCallSplitter:
     tools: the request's `tools` (for the parameter types). `feed(text)` returns
     (content, deltas) of that piece of text; `finish()` what was held back, at the end. The
     content joined over all calls is the answer less the calls; the deltas joined by index are
-    the calls (see the module docstring). `calls` counts the calls begun.
+    the calls (see the module docstring). `calls` counts the calls begun, `unfinished` says
+    whether the last one was cut inside a value (its arguments are no complete JSON object).
+    Every state does work in the new text only (a held run of whitespace is kept as pieces),
+    so a long answer fed a token at a time costs linear time.
     """
 
     def __init__(self, tools: list[dict] | None) -> None:
         self._types = param_types(tools)
         self._buf = ""  # text not yet given out
         self._state = "out"  # out | head | params | value | after
-        self._raw = ""  # a call block's text as written, while it may still turn out no call
-        self._after_call = False  # content after a call: its leading whitespace is dropped
+        self._ws: list[str] = []  # out: a held run of whitespace, before _buf
+        self._raw = ""  # head: the block's text as written, given out if it is no call
         self._fn_types: dict[str, set[str]] = {}
         self._first_param = True
         self._param_types: set[str] = set()
         self._param_is_string = True
-        self._scanned = 0  # of a value's text in _buf: searched for its end already
+        self._scanned = 0  # of _buf: searched already for an end (a value's, a JSON call's)
         self.calls = 0
+        self.unfinished = False
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
 
@@ -212,45 +240,58 @@ class ToolCallSplitter:
             if not step(final):
                 return
 
-    def _emit_content(self, text: str) -> None:
-        if self._after_call:
-            text = text.lstrip(_WS)
-            self._after_call = not text
-        if text:
-            self._content.append(text)
-
     def _args(self, text: str) -> None:
         self._deltas.append(ToolCallDelta(self.calls - 1, text))
 
     def _step_out(self, final: bool) -> bool:
+        # _buf: at most a held beginning of "<tool_call>" plus the new text; the whitespace
+        # run before it waits in _ws: it is the format's if a call follows, else content
         buf = self._buf
         i = buf.find(TOOL_START)
         if i >= 0:
-            self._emit_content(buf[:i].rstrip(_WS))
-            self._buf, self._raw = buf[i + len(TOOL_START):], TOOL_START
-            self._state = "head"
+            before = buf[:i]
+            text = before.rstrip(_WS)
+            if text:
+                self._content.extend(self._ws)
+                self._content.append(text)
+                self._ws = []
+            self._ws.append(before[len(text):])
+            self._raw = "".join(self._ws) + TOOL_START  # given out again if no call follows
+            self._buf, self._ws, self._scanned, self._state = buf[i + len(TOOL_START):], [], 0, \
+                "head"
             return True
         if final:
-            # trailing whitespace is the format's once a call was made
-            self._emit_content(buf.rstrip(_WS) if self.calls else buf)
-            self._buf = ""
+            if buf or not self.calls:  # trailing whitespace is the format's after a call
+                self._content.extend(self._ws)
+            self._content.append(buf)
+            self._buf, self._ws = "", []
             return False
         keep = prefix_hold(buf, (TOOL_START,), len(TOOL_START) - 1)
-        cut = len(buf[:len(buf) - keep].rstrip(_WS))  # whitespace may precede a call
-        self._emit_content(buf[:cut])
-        self._buf = buf[cut:]
+        body = buf[:len(buf) - keep]
+        text = body.rstrip(_WS)
+        if text:
+            self._content.extend(self._ws)
+            self._content.append(text)
+            self._ws = []
+        if len(text) < len(body):
+            self._ws.append(body[len(text):])
+        self._buf = buf[len(body):]
         return False
 
     def _not_a_call(self) -> bool:
-        """The block so far is no call: its text as written goes out as content."""
-        self._emit_content(self._raw + self._buf)
-        self._buf, self._raw, self._state = "", "", "out"
-        return False
+        """The block so far is no call: its tag goes out as content as written (with the
+        whitespace before it), and the text after it is read again (a real call may follow)."""
+        self._content.append(self._raw)
+        self._raw, self._state = "", "out"
+        return True
 
     def _step_head(self, final: bool) -> bool:
-        s = self._buf.lstrip(_WS)
-        if s.startswith(FUNCTION_START):
-            name, rest = self._tag_name(s, FUNCTION_START)
+        buf = self._buf
+        gap = _WS_RUN.match(buf).end()  # (no copy of the text after it: a JSON call is long)
+        if gap > MAX_GAP_CHARS:
+            return self._not_a_call()
+        if buf.startswith(FUNCTION_START, gap):
+            name, rest = self._tag_name(buf[gap:], FUNCTION_START)
             if name is None:
                 return self._not_a_call() if final else False
             if not name:
@@ -259,25 +300,19 @@ class ToolCallSplitter:
             self._deltas.append(ToolCallDelta(self.calls - 1, "{", _new_id(), name))
             self._buf, self._state = rest, "params"
             return True
-        if s.startswith("{"):  # hermes form: a JSON object with name and arguments
-            end = s.find(TOOL_END)
+        if buf.startswith("{", gap):  # hermes form: a JSON object with name and arguments
+            end = buf.find(TOOL_END, max(gap, self._scanned - len(TOOL_END)))
+            self._scanned = len(buf)
             if end < 0:
                 return self._not_a_call() if final else False
-            try:
-                obj = json.loads(s[:end])
-            except (json.JSONDecodeError, RecursionError):
-                obj = None
-            args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) \
-                else None
-            if not (isinstance(obj.get("name") if obj else None, str) and obj["name"]
-                    and isinstance(args, dict)):
+            call = _json_call(buf[gap:end])
+            if call is None:
                 return self._not_a_call()
-            self._open_call(obj["name"])
-            self._deltas.append(ToolCallDelta(self.calls - 1, json.dumps(args, ensure_ascii=False),
-                                              _new_id(), obj["name"]))
-            self._close_call(s[end + len(TOOL_END):])
+            self._open_call(call[0])
+            self._deltas.append(ToolCallDelta(self.calls - 1, call[1], _new_id(), call[0]))
+            self._close_call(buf[end + len(TOOL_END):])
             return True
-        if FUNCTION_START.startswith(s) and not final:
+        if not final and FUNCTION_START.startswith(buf[gap:gap + len(FUNCTION_START) + 1]):
             return False  # may still become "<function="
         return self._not_a_call()
 
@@ -298,46 +333,45 @@ class ToolCallSplitter:
         self._first_param = True
 
     def _close_call(self, rest: str) -> None:
-        self._buf, self._raw, self._state, self._after_call = rest, "", "out", True
+        self._buf, self._raw, self._state = rest, "", "out"
 
     def _step_params(self, final: bool) -> bool:
-        s = self._buf.lstrip(_WS)
+        s = self._buf = self._buf.lstrip(_WS)  # whitespace between tags is the format's
         if s.startswith(PARAM_START):
             name, rest = self._tag_name(s, PARAM_START)
             if name is None or (name and not rest and not final):
-                self._buf = s
                 return False  # the name, or whether a newline follows it, is still coming
-            if not name:  # a bad parameter tag: skip it
-                self._buf = s[len(PARAM_START):]
-                return True
-            if rest.startswith("\n"):
-                rest = rest[1:]
-            self._param_types = self._fn_types.get(name, set())
-            self._param_is_string = _is_string(self._param_types)
-            sep = "" if self._first_param else ", "
-            self._first_param = False
-            key = json.dumps(name, ensure_ascii=False)
-            self._args(f'{sep}{key}: "' if self._param_is_string else f"{sep}{key}: ")
-            self._buf, self._scanned, self._state = rest, 0, "value"
-            return True
-        for tag, after in ((FUNCTION_END, "after"), (TOOL_END, None)):
-            if s.startswith(tag):
-                self._args("}")
-                if after is None:
-                    self._close_call(s[len(tag):])
-                else:
-                    self._buf, self._state = s[len(tag):], after
-                return True
-        if final:
-            self._args("}")  # every parameter ended: the model stopped where </function> was due
-            self._close_call(s)
-            return True
-        if any(t.startswith(s) for t in (PARAM_START, FUNCTION_END, TOOL_END)):
-            self._buf = s
-            return False
-        nxt = s.find("<", 1)  # text between parameters is no part of the call: dropped
-        self._buf = s[nxt:] if nxt >= 0 else ""
-        return nxt >= 0
+            if name:
+                return self._open_param(name, rest)
+        else:
+            for tag, after in ((FUNCTION_END, "after"), (TOOL_END, None)):
+                if s.startswith(tag):
+                    self._args("}")
+                    if after is None:
+                        self._close_call(s[len(tag):])
+                    else:
+                        self._buf, self._state = s[len(tag):], after
+                    return True
+            if not final and any(t.startswith(s) for t in (PARAM_START, FUNCTION_END, TOOL_END)):
+                return False
+        # every parameter ended and what follows is no tag (or nothing: the answer stopped
+        # where </function> was due): the call is closed, the text is content
+        self._args("}")
+        self._close_call(s)
+        return True
+
+    def _open_param(self, name: str, rest: str) -> bool:
+        if rest.startswith("\n"):
+            rest = rest[1:]
+        self._param_types = self._fn_types.get(name, set())
+        self._param_is_string = _is_string(self._param_types)
+        sep = "" if self._first_param else ", "
+        self._first_param = False
+        key = json.dumps(name, ensure_ascii=False)
+        self._args(f'{sep}{key}: "' if self._param_is_string else f"{sep}{key}: ")
+        self._buf, self._scanned, self._state = rest, 0, "value"
+        self.unfinished = True
+        return True
 
     def _step_value(self, final: bool) -> bool:
         buf = self._buf
@@ -372,24 +406,44 @@ class ToolCallSplitter:
         return False
 
     def _end_value(self, value: str) -> None:
+        self.unfinished = False
         if self._param_is_string:
             self._args(_escaped(value) + '"')
         else:
             self._args(json.dumps(convert_value(value, self._param_types), ensure_ascii=False))
 
     def _step_after(self, final: bool) -> bool:
-        s = self._buf.lstrip(_WS)
+        s = self._buf = self._buf.lstrip(_WS)
         if s.startswith(TOOL_END):
             self._close_call(s[len(TOOL_END):])
             return True
         if s.startswith(FUNCTION_START):  # a second function in one block: a call of its own
-            self._buf, self._raw, self._state = s, "", "head"
+            self._buf, self._raw, self._scanned, self._state = s, "", 0, "head"
             return True
         if not final and any(t.startswith(s) for t in (TOOL_END, FUNCTION_START)):
-            self._buf = s
             return False
         self._close_call(s)  # </tool_call> missing: what follows is content
         return True
+
+
+def _json_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a hermes-form call {"name", "arguments"}; None if the
+    text is no such object."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):  # ValueError: also an int of over 4300 digits
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    try:
+        if isinstance(args, str):  # the arguments as JSON text, OpenAI's own shape
+            args = json.loads(args) if args.strip() else {}
+        if not isinstance(args, dict):
+            return None
+        return obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):  # NaN / Infinity: no JSON a client can read
+        return None
 
 
 def merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
@@ -403,10 +457,11 @@ def merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
     return merged
 
 
-def split(text: str, tools: list[dict] | None) -> tuple[str, list[dict[str, Any]]]:
-    """(content, tool_calls) of a whole answer, as a non-streaming response gives them: the
-    calls in OpenAI's message shape [{"id", "type": "function", "function": {"name",
-    "arguments"}}], the same as joining the streamed deltas."""
+def split(text: str, tools: list[dict] | None) -> tuple[str, list[dict[str, Any]], bool]:
+    """(content, tool_calls, unfinished) of a whole answer, as a non-streaming response gives
+    them: the calls in OpenAI's message shape [{"id", "type": "function", "function": {"name",
+    "arguments"}}], the same as joining the streamed deltas; unfinished: the last call was cut
+    inside a value (its arguments are no complete JSON object)."""
     s = ToolCallSplitter(tools)
     c1, d1 = s.feed(text)
     c2, d2 = s.finish()
@@ -417,4 +472,4 @@ def split(text: str, tools: list[dict] | None) -> tuple[str, list[dict[str, Any]
                           "function": {"name": d.name, "arguments": d.arguments}})
         else:
             calls[d.index]["function"]["arguments"] += d.arguments
-    return c1 + c2, calls
+    return c1 + c2, calls, s.unfinished
