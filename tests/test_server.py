@@ -580,7 +580,9 @@ BAD_REQUESTS = [
     ("c", {"prompt": "x", "stop": [""]}, 400, ["stop"], "stop"),
     ("c", {"prompt": "x", "stop": 5}, 400, ["stop"], "stop"),
     ("c", {"prompt": "x", "stop_token_ids": [100000]}, 400, ["stop_token_ids"], "stop_token_ids"),
-    ("c", {"prompt": "x", "n": 2}, 400, ["'n'"], "n"),
+    ("c", {"prompt": "x", "n": 0}, 400, ["'n'"], "n"),
+    ("c", {"prompt": "x", "n": 129}, 400, ["'n'", "128"], "n"),  # MAX_CHOICES
+    ("c", {"prompt": "x", "best_of": 2}, 400, ["best_of"], "best_of"),
     ("c", {"prompt": "x", "best_of": 3}, 400, ["best_of"], "best_of"),
     ("c", {"prompt": "x", "logprobs": 5}, 400, ["logprobs"], "logprobs"),
     # 0 still asks for the sampled token's logprob (OpenAI, vLLM): not "off"
@@ -621,7 +623,7 @@ BAD_REQUESTS = [
         ["response_format"],
         "response_format",
     ),
-    ("m", {"messages": MSGS, "n": 3}, 400, ["'n'"], "n"),
+    ("m", {"messages": MSGS, "n": True}, 400, ["'n'"], "n"),
     (
         "m",
         {"messages": MSGS, "chat_template_kwargs": {"custom": 1}},

@@ -52,7 +52,11 @@ Input limits, checked before any tokenizer work (HF `encode` of a few MB takes s
   '=' map to tokens of up to 128 characters) could fit the context with more than 32.
 
 Usage counts what was returned: prompt_tokens = prompt length, completion_tokens = number of
-token ids in the deltas that were sent.
+token ids in the deltas that were sent (summed over the choices).
+
+`n` choices are n engine requests of the one prompt (`_Server.start`); a stream interleaves
+their chunks as they come, each naming its choice index; one choice failing (or the client
+leaving) ends them all. Metrics count each choice as a request.
 """
 
 from __future__ import annotations
@@ -367,32 +371,25 @@ class _Server:
                 self.check_token_ids(req.stop_token_ids, "stop_token_ids")
             prompt_param = "messages" if chat else "prompt"
             max_tokens = self.max_tokens(req, len(prompt_ids), prompt_param)
-            sampling = req.sampling_params(max_tokens, self.sampling_defaults)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            try:
-                stream = await self.engine.generate(request_id, prompt_ids, sampling)
-            except ValueError as e:  # the engine's verdict on the input (e.g. too long)
-                raise OpenAIError(str(e), param=prompt_param) from None
-            except EngineDeadError as e:
-                raise OpenAIError(
-                    f"engine unavailable: {e}", status=503, type="service_unavailable"
-                ) from None
+            streams = await self.start(req, request_id, prompt_ids, max_tokens, prompt_param)
             # the thinking split only where the output starts at the template's generation
             # prompt (which opens the think block); with add_generation_prompt false it does not
             thinking = (req.enable_thinking
                         if chat and self.reasoning_parser and req.add_generation_prompt else None)
-            fmt = _Formatter(request_id, self.model_name, chat, len(prompt_ids), req.include_usage,
-                             thinking, req.active_tools if chat else None)
-            tracker = self.metrics.request(arrival, len(prompt_ids))
+            fmts = [_Formatter(request_id, self.model_name, chat, len(prompt_ids),
+                               req.include_usage, thinking, req.active_tools if chat else None,
+                               index=i) for i in range(len(streams))]
+            trackers = [self.metrics.request(arrival, len(prompt_ids)) for _ in streams]
             if req.stream:
                 return StreamingResponse(
-                    self.stream_events(stream, fmt, tracker),
+                    self.stream_events(streams, fmts, trackers),
                     media_type="text/event-stream",
                     headers=SSE_HEADERS,
                     # Runs also when the client left before the body started: frees the engine.
-                    background=BackgroundTask(_end_stream, stream, tracker),
+                    background=BackgroundTask(_end_streams, streams, trackers),
                 )
-            return await self.complete(request, stream, fmt, tracker)
+            return await self.complete(request, streams, fmts, trackers)
         except OpenAIError as e:
             return error_response(e)
         except ClientDisconnect:  # left before its body was complete: nothing was started
@@ -402,48 +399,77 @@ class _Server:
             logger.exception("unexpected error while handling %s", request.url.path)
             return error_response(_internal_error(e))
 
-    async def complete(self, request: Request, stream: RequestStream, fmt: _Formatter,
-                       tracker: RequestMetrics):
-        """Non-streaming: aggregate all deltas; abort if the client disconnects meanwhile."""
-        watcher = asyncio.create_task(self._abort_on_disconnect(request, stream))
-        parts: list[str] = []
-        num_tokens, finish = 0, None
+    async def start(self, req, request_id: str, prompt_ids: list[int], max_tokens: int,
+                    prompt_param: str) -> list[RequestStream]:
+        """The request's `n` engine requests (one per choice; ids `<request_id>-<i>` when n >
+        1), each with its own SamplingParams; a seeded request's choice i draws with seed + i
+        (else the n choices would be the same text). If one cannot start, those started are
+        aborted."""
+        n = req.n or 1
+        streams: list[RequestStream] = []
         try:
-            async for out in stream:
-                tracker.output(out)
-                if out.error is not None:
-                    raise OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
-                parts.append(out.delta_text)
-                num_tokens += len(out.delta_token_ids)
-                if out.finished:
-                    finish = _finish_reason(out)
-        except Exception:
-            tracker.finish("error")  # as stream_events counts it
-            raise
+            for i in range(n):
+                sampling = req.sampling_params(max_tokens, self.sampling_defaults)
+                if i and sampling.seed is not None:  # wraps within int64, as a seed may be
+                    sampling.seed = (sampling.seed + i + 2**63) % 2**64 - 2**63
+                child_id = request_id if n == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.generate(child_id, prompt_ids, sampling))
+        except ValueError as e:  # the engine's verdict on the input (e.g. too long)
+            raise OpenAIError(str(e), param=prompt_param) from None
+        except EngineDeadError as e:
+            raise OpenAIError(
+                f"engine unavailable: {e}", status=503, type="service_unavailable"
+            ) from None
+        finally:
+            if len(streams) < n:
+                for s in streams:
+                    s.abort()
+        return streams
+
+    async def complete(self, request: Request, streams: list[RequestStream],
+                       fmts: list[_Formatter], trackers: list[RequestMetrics]):
+        """Non-streaming: aggregate every choice's deltas; abort all if the client disconnects
+        meanwhile or one choice fails."""
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, streams))
+        tasks = [asyncio.ensure_future(_collect(s, t)) for s, t in zip(streams, trackers)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in tasks if t in done and t.exception()), None)
+            if failed is not None:
+                raise failed
+            results = [t.result() for t in tasks]
         finally:
             watcher.cancel()
-            tracker.finish("abort")  # no-op when its last output was seen
-            stream.abort()  # no-op when finished
-        return JSONResponse(fmt.response("".join(parts), finish, num_tokens).model_dump())
+            for s, tracker in zip(streams, trackers):
+                tracker.finish("abort")  # no-op when its last output was seen
+                s.abort()  # no-op when finished
+            for t in tasks:  # the others end once aborted; their errors are not the answer
+                t.cancel()
+        choices = [fmt.choice(text, finish) for fmt, (text, finish, _) in zip(fmts, results)]
+        return JSONResponse(fmts[0].response(choices, sum(r[2] for r in results)).model_dump())
 
-    async def _abort_on_disconnect(self, request: Request, stream: RequestStream) -> None:
-        while not stream.finished:
+    async def _abort_on_disconnect(self, request: Request, streams: list[RequestStream]) -> None:
+        while not all(s.finished for s in streams):
             await asyncio.sleep(self.disconnect_poll_s)
             if await request.is_disconnected():
-                logger.info("client disconnected; aborting %s", stream.request_id)
-                stream.abort()
+                logger.info("client disconnected; aborting %s", streams[0].request_id)
+                for s in streams:
+                    s.abort()
                 return
 
-    async def stream_events(self, stream: RequestStream, fmt: _Formatter,
-                            tracker: RequestMetrics) -> AsyncIterator[str]:
-        """SSE body. Cancellation (client disconnect) lands in `finally` and aborts the request."""
+    async def stream_events(self, streams: list[RequestStream], fmts: list[_Formatter],
+                            trackers: list[RequestMetrics]) -> AsyncIterator[str]:
+        """SSE body: every choice's chunks as they come (each names its index). Cancellation
+        (client disconnect) lands in `finally` and aborts every choice."""
         num_tokens = 0
         try:
-            first = fmt.first_chunk()
-            if first is not None:
-                yield first
-            async for out in stream:
-                tracker.output(out)
+            for fmt in fmts:
+                first = fmt.first_chunk()
+                if first is not None:
+                    yield first
+            async for i, out in _outputs(streams):
+                fmt = fmts[i]
+                trackers[i].output(out)
                 if out.error is not None:
                     err = OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
                     yield _sse(err.to_dict())
@@ -455,26 +481,84 @@ class _Server:
                 finish = fmt.finish_reason(_finish_reason(out)) if out.finished else None
                 if text or reasoning or calls or finish is not None:
                     yield fmt.chunk(text, finish, reasoning, calls)
-                if out.finished:
-                    break
-            if fmt.include_usage:
-                yield fmt.usage_chunk(num_tokens)
+            if fmts[0].include_usage:
+                yield fmts[0].usage_chunk(num_tokens)
             yield "data: [DONE]\n\n"
         except Exception as e:  # headers are sent; report in-band
-            logger.exception("unexpected error while streaming %s", stream.request_id)
-            tracker.finish("error")
+            logger.exception("unexpected error while streaming %s", streams[0].request_id)
+            for tracker in trackers:
+                tracker.finish("error")
             yield _sse(_internal_error(e).to_dict())
             yield "data: [DONE]\n\n"
         finally:
-            tracker.finish("abort")  # no-op when its last output was seen
-            stream.abort()  # no-op when finished
+            for s, tracker in zip(streams, trackers):
+                tracker.finish("abort")  # no-op when its last output was seen
+                s.abort()  # no-op when finished
 
 
-async def _end_stream(stream: RequestStream, tracker: RequestMetrics) -> None:
+async def _collect(stream: RequestStream, tracker: RequestMetrics) -> tuple[str, str | None, int]:
+    """One choice's whole answer: (text, finish reason, completion tokens)."""
+    parts: list[str] = []
+    num_tokens, finish = 0, None
+    try:
+        async for out in stream:
+            tracker.output(out)
+            if out.error is not None:
+                raise OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
+            parts.append(out.delta_text)
+            num_tokens += len(out.delta_token_ids)
+            if out.finished:
+                finish = _finish_reason(out)
+    except Exception:
+        tracker.finish("error")  # as stream_events counts it
+        raise
+    return "".join(parts), finish, num_tokens
+
+
+async def _outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of every stream until each has finished, in arrival order. One
+    stream (n = 1, nearly every request) is read directly: no task or queue per token."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+            if out.finished:
+                return
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out, None))
+                if out.finished:
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, None, e))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                running -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _end_streams(streams: list[RequestStream], trackers: list[RequestMetrics]) -> None:
     """A stream response's background task: also runs when the client left before the body
     started (the generator never ran): the request counts as aborted and leaves the engine."""
-    tracker.finish("abort")  # no-op when the body's `finally` already counted it
-    stream.abort()
+    for stream, tracker in zip(streams, trackers):
+        tracker.finish("abort")  # no-op when the body's `finally` already counted it
+        stream.abort()
 
 
 def _internal_error(e: Exception) -> OpenAIError:
@@ -487,8 +571,10 @@ class _Formatter:
     """Builds the response objects of one request for either API."""
 
     def __init__(self, request_id, model, chat, prompt_tokens, include_usage,
-                 thinking: bool | None = None, tools: list[dict] | None = None) -> None:
+                 thinking: bool | None = None, tools: list[dict] | None = None,
+                 index: int = 0) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
+        self.index = index  # the choice this formatter renders (n > 1: one formatter each)
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         # chat answers' thinking split out (--reasoning-parser): whether the output starts
         # inside it (None: no split); streams feed `splitter` delta by delta
@@ -512,7 +598,8 @@ class _Formatter:
     def first_chunk(self) -> str | None:
         if not self.chat:
             return None
-        choice = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
+        choice = ChatChunkChoice(index=self.index,
+                                 delta=DeltaMessage(role="assistant", content=""))
         return _sse(self._envelope([choice]), self._exclude)
 
     def split(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
@@ -567,9 +654,9 @@ class _Formatter:
             delta = DeltaMessage(content=text or None, reasoning=reasoning or None,
                                  reasoning_content=reasoning or None,
                                  tool_calls=[c.to_openai() for c in calls] if calls else None)
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+            choice = ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish)
         else:
-            choice = CompletionChoice(text=text, finish_reason=finish)
+            choice = CompletionChoice(index=self.index, text=text, finish_reason=finish)
         return _sse(self._envelope([choice]), self._exclude)
 
     def usage_chunk(self, completion_tokens: int) -> str:
@@ -577,28 +664,29 @@ class _Formatter:
         env.usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
         return _sse(env)
 
-    def response(self, text: str, finish: str | None, completion_tokens: int) -> BaseModel:
+    def choice(self, text: str, finish: str | None) -> ChatChoice | CompletionChoice:
+        """This choice of a non-streaming response, from its whole text."""
+        if not self.chat:
+            return CompletionChoice(index=self.index, text=text, finish_reason=finish)
+        reasoning, calls = None, None
+        if self.thinking is not None:
+            reasoning, text = split_reasoning(text, self.thinking, tools=bool(self.tools))
+        if self.tools and text is not None:
+            text, calls, unfinished = split_tool_calls(text, self.tools)
+            if calls:  # OpenAI: content null beside calls when the model wrote none
+                text = text or None
+                if finish == FinishReason.STOP.value and not unfinished:
+                    finish = "tool_calls"
+        message = ChatResponseMessage(content=text, reasoning=reasoning,
+                                      reasoning_content=reasoning, tool_calls=calls or None)
+        return ChatChoice(index=self.index, message=message, finish_reason=finish)
+
+    def response(self, choices: list, completion_tokens: int) -> BaseModel:
+        """The non-streaming response of `choices` (`choice()` of each formatter);
+        completion_tokens: summed over them (the prompt counts once)."""
         usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
-        if self.chat:
-            reasoning, calls = None, None
-            if self.thinking is not None:
-                reasoning, text = split_reasoning(text, self.thinking, tools=bool(self.tools))
-            if self.tools and text is not None:
-                text, calls, unfinished = split_tool_calls(text, self.tools)
-                if calls:  # OpenAI: content null beside calls when the model wrote none
-                    text = text or None
-                    if finish == FinishReason.STOP.value and not unfinished:
-                        finish = "tool_calls"
-            message = ChatResponseMessage(content=text, reasoning=reasoning,
-                                          reasoning_content=reasoning, tool_calls=calls or None)
-            choice = ChatChoice(message=message, finish_reason=finish)
-            return ChatCompletionResponse(
-                id=self.request_id, model=self.model, choices=[choice], usage=usage
-            )
-        choice = CompletionChoice(text=text, finish_reason=finish)
-        return CompletionResponse(
-            id=self.request_id, model=self.model, choices=[choice], usage=usage
-        )
+        cls = ChatCompletionResponse if self.chat else CompletionResponse
+        return cls(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
 
 def build_app(

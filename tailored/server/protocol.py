@@ -7,7 +7,7 @@ Requests: `CompletionRequest`, `ChatCompletionRequest`. Validation happens in th
 1. `Model.model_validate(body)` checks types and ranges; `validation_error_to_openai` turns a
    pydantic ValidationError into one readable `OpenAIError` naming the field(s).
 2. `request.check_supported()` raises `OpenAIError` for parameters that would change the result
-   but are not implemented (n > 1, logprobs, tool_choice "required", ...). Other unknown fields
+   but are not implemented (logprobs, best_of > 1, tool_choice "required", ...). Other unknown fields
    are ignored.
 `request.sampling_params(max_tokens, defaults)` then builds the engine's `SamplingParams`.
 
@@ -46,6 +46,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024  # the engine checks each sampled token against them
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper -> 400
 MAX_ERROR_MESSAGE_CHARS = 2000
+MAX_CHOICES = 128  # `n`: pass@k evaluations ask for up to ~100 samples of one prompt
 MAX_TOOL_NAME_CHARS = 256  # = tool_calls.MAX_NAME_CHARS: a longer name is not parsed as a call
 # repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
@@ -297,14 +298,14 @@ class _BaseRequest(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None  # only with stream: true (as OpenAI and vLLM)
-    n: int | None = Field(None, ge=1)
+    # choices: n engine requests of the one prompt (each prefilled: no prefix sharing yet)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = None
 
     # Parameters that would change the result but are not implemented: name -> "is this value
     # harmless?". They are looked up among the declared fields and the extra fields; any other
     # unknown field is ignored silently (metadata, store, service_tier, parallel_tool_calls, ...).
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        "n": _one_or_unset,
         "best_of": _one_or_unset,
         # chat: a bool; completions: an int where 0 still asks for the sampled token's logprob
         "logprobs": lambda v: v is None or v is False,
