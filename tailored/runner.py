@@ -10,6 +10,7 @@ and proposes the next drafts: on the device right after a whole verify step from
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -395,6 +396,9 @@ class ModelRunner:
                 step.events[1].synchronize()  # done already (the sampler waited): no stall
                 timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
         bad = frozenset(step.sampled_seqs[i].request_id for i in step.sampled.bad_rows)
+        # requests that asked for logprobs never draft: one sampled row each, their token's
+        logprobs = {s.request_id: lp for s, lp in zip(step.sampled_seqs, step.sampled.logprobs())
+                    if lp is not None}
         if step.chain is not None or step.spec is not None:
             t0 = time.perf_counter()
             # after a whole verify step the device has accepted and drafted (`_chain`)
@@ -402,9 +406,9 @@ class ModelRunner:
                    else self._speculate(step, tokens, bad))
             if timer is not None:
                 timer.runner_phase("draft", t0)
-            return out
+            return dataclasses.replace(out, logprobs=logprobs) if logprobs else out
         return ModelOutput(token_ids={s.request_id: t for s, t in zip(step.sampled_seqs, tokens)},
-                           bad=bad)
+                           bad=bad, logprobs=logprobs)
 
     def _count_verify(self, num_draft: int, kept: int) -> None:
         """Add one verify chunk to spec_stats; log the totals every SPEC_LOG_EVERY_S."""

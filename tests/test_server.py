@@ -584,9 +584,10 @@ BAD_REQUESTS = [
     ("c", {"prompt": "x", "n": 129}, 400, ["'n'", "128"], "n"),  # MAX_CHOICES
     ("c", {"prompt": "x", "best_of": 2}, 400, ["best_of"], "best_of"),
     ("c", {"prompt": "x", "best_of": 3}, 400, ["best_of"], "best_of"),
-    ("c", {"prompt": "x", "logprobs": 5}, 400, ["logprobs"], "logprobs"),
+    ("c", {"prompt": "x", "logprobs": 21}, 400, ["logprobs", "20"], "logprobs"),
     # 0 still asks for the sampled token's logprob (OpenAI, vLLM): not "off"
-    ("c", {"prompt": "x", "logprobs": 0}, 400, ["logprobs"], "logprobs"),
+    ("c", {"prompt": "x", "logprobs": True}, 400, ["logprobs"], "logprobs"),
+    ("c", {"prompt": "x", "top_logprobs": 2}, 400, ["top_logprobs"], "top_logprobs"),
     # OpenAI and vLLM refuse stream_options without streaming
     ("c", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      ["only allowed when 'stream' is true"], "stream_options"),
@@ -594,8 +595,10 @@ BAD_REQUESTS = [
     ("c", {"prompt": "x", "suffix": "end"}, 400, ["suffix"], "suffix"),
     ("c", {"prompt": "x", "logit_bias": {"1": 5}}, 400, ["logit_bias"], "logit_bias"),
     ("c", {"prompt": "x", "min_tokens": 4}, 400, ["min_tokens"], "min_tokens"),
-    ("m", {"messages": MSGS, "logprobs": True}, 400, ["logprobs"], "logprobs"),
-    ("m", {"messages": MSGS, "top_logprobs": 3}, 400, ["top_logprobs"], "top_logprobs"),
+    ("m", {"messages": MSGS, "logprobs": 1}, 400, ["logprobs"], "logprobs"),
+    ("m", {"messages": MSGS, "top_logprobs": 3}, 400, ["needs 'logprobs'"], "top_logprobs"),
+    ("m", {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, 400, ["20"],
+     "top_logprobs"),
     # tools are a chat parameter (tests/test_tool_calls.py); completions refuse them
     ("c", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      ["tools"], "tools"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -26,6 +27,7 @@ WEATHER = {"type": "function", "function": {
         "flags": {"type": "array"}, "exact": {"type": "boolean"},
     }, "required": ["city"]}}}
 TOOLS = [WEATHER, {"type": "function", "function": {"name": "now"}}]
+NAMES = {"get_weather", "now"}
 
 
 def call_xml(name: str, **params) -> str:
@@ -220,22 +222,22 @@ def test_text_after_a_call_stays_content():
 
 def test_a_tool_call_ends_the_reasoning_only_with_tools():
     text = "I should look.<tool_call>\n<function=now>\n</function>\n</tool_call>"
-    assert split_reasoning(text, True, tools=True) == ("I should look.", text[14:])
+    assert split_reasoning(text, True, tools=NAMES) == ("I should look.", text[14:])
     assert split_reasoning(text, True) == (text, None)
     # a </think> first: the answer starts after it, as without tools
-    assert split_reasoning("r</think>\n\nok", True, tools=True) == ("r", "ok")
+    assert split_reasoning("r</think>\n\nok", True, tools=NAMES) == ("r", "ok")
     # the tag written in the thinking, no call after it: still reasoning
     text = "plan: <tool_call> later</think>\n\nanswer"
-    assert split_reasoning(text, True, tools=True) == ("plan: <tool_call> later", "answer")
+    assert split_reasoning(text, True, tools=NAMES) == ("plan: <tool_call> later", "answer")
     # streamed a character at a time: the same split
     from tailored.server.reasoning import ReasoningSplitter
 
     for t in (text, "I should look.<tool_call>\n<function=now>\n</function>\n</tool_call>",
               "cut <tool_call>\n<func"):
-        rs = ReasoningSplitter(True, tools=True)
+        rs = ReasoningSplitter(True, tools=NAMES)
         pieces = [rs.feed(c) for c in t] + [rs.finish()]
         r, c = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
-        want_r, want_c = split_reasoning(t, True, tools=True)
+        want_r, want_c = split_reasoning(t, True, tools=NAMES)
         assert (r or None, c or None) == (want_r, want_c), t
 
 
@@ -403,7 +405,7 @@ def test_parsed_calls_render_back_as_the_model_wrote_them():
     tok = load_tokenizer(None)
     written = "\n\n" + TWO_CALLS.split("\n\n", 1)[1]
     reasoning, answer = split_reasoning("I should check." + "</think>\n\nLet me check." + written,
-                                        True, tools=True)
+                                        True, tools=NAMES)
     content, calls, _ = split(answer, TOOLS)
     msgs = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": content, "reasoning_content": reasoning,
@@ -414,23 +416,120 @@ def test_parsed_calls_render_back_as_the_model_wrote_them():
             + written + "<|im_end|>\n") in prompt
 
 
-def test_parallel_tool_calls_false_ends_at_the_first_call(tool_srv):
-    client, engine, _ = tool_srv
-    for stream in (False, True):
-        r = ask(client, TWO_CALLS, parallel_tool_calls=False, stream=stream)
-        if stream:
-            chunks = [e["choices"][0] for e in sse_events(r.text)[:-1]]
-            finish = chunks[-1]["finish_reason"]
-            names = [d["function"]["name"] for c in chunks
-                     for d in c["delta"].get("tool_calls", []) if "id" in d]
-        else:
-            choice = r.json()["choices"][0]
-            finish, names = choice["finish_reason"], [
-                c["function"]["name"] for c in choice["message"]["tool_calls"]]
-        assert (finish, names) == ("tool_calls", ["get_weather"])
-    assert list(engine.added.values())[-1].stop == ["</tool_call>"]
-    # the client's own stop strings stay; without tools nothing is added
-    ask(client, "x", parallel_tool_calls=False, stop=["END"])
-    assert list(engine.added.values())[-1].stop == ["END", "</tool_call>"]
-    chat(client, "SAY:x", parallel_tool_calls=False)
-    assert list(engine.added.values())[-1].stop == []
+def outcome(r, stream: bool):
+    """(finish_reason, call names, content, reasoning) of a response, streamed or not."""
+    if not stream:
+        choice = r.json()["choices"][0]
+        msg = choice["message"]
+        return (choice["finish_reason"], [c["function"]["name"] for c in msg.get("tool_calls")
+                                          or []], msg["content"], msg.get("reasoning"))
+    chunks = [e["choices"][0] for e in sse_events(r.text)[:-1]]
+    names = [d["function"]["name"] for c in chunks for d in c["delta"].get("tool_calls", [])
+             if "id" in d]
+    content = "".join(c["delta"].get("content") or "" for c in chunks) or None
+    reasoning = "".join(c["delta"].get("reasoning") or "" for c in chunks) or None
+    return chunks[-1]["finish_reason"], names, content, reasoning
+
+
+HERMES = '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>'
+
+
+@pytest.fixture
+def slow_srv():
+    """tool_srv with an engine step of 2 ms: a request is still generating when it ends."""
+    engine, tok = FakeEngine(delay_s=0.002), FakeTokenizer()
+    app = build_app(AsyncEngine(engine), tok, MODEL, 4096, reasoning_parser="qwen3")
+    with TestClient(app) as client:
+        yield client, engine, tok
+
+
+def aborted_soon(engine, n: int) -> bool:
+    deadline = time.monotonic() + 5  # aborts reach the engine thread by its queue
+    while len(engine.aborted) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(engine.aborted) == n
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_ends_at_the_first_call(slow_srv, stream):
+    client, engine, _ = slow_srv
+    two_in_one = ("<tool_call>\n<function=now>\n</function>\n<function=get_weather>\n"
+                  "</function>\n</tool_call>")
+    for script, name in ((TWO_CALLS, "get_weather"), (two_in_one, "now"),
+                         (HERMES + HERMES, "now")):
+        before = len(engine.aborted)
+        r = ask(client, script + "x" * 300, parallel_tool_calls=False, stream=stream)
+        finish, names, content, _ = outcome(r, stream)
+        assert (finish, names) == ("tool_calls", [name]), script
+        assert content in (None, "Let me check.")
+        assert aborted_soon(engine, before + 1)  # the generation ended with the first call
+    assert all(sp.stop == [] for sp in engine.added.values())  # no stop string added
+    # a mention of the closing tag, in the thinking or the answer, ends nothing
+    script = "The format closes with </tool_call> tags.</think>\n\nUse </tool_call>."
+    r = ask(client, script, parallel_tool_calls=False, stream=stream,
+            chat_template_kwargs={"enable_thinking": True})
+    assert outcome(r, stream) == ("stop", [], "Use </tool_call>.",
+                                  "The format closes with </tool_call> tags.")
+
+
+def test_cut_inside_a_parameter_tag_is_unfinished():
+    for text in ("<tool_call>\n<function=now>\n<parameter=",
+                 "<tool_call>\n<function=get_weather>\n<parameter=city>\nhi\n</parameter>\n"
+                 "<parameter=da"):
+        _, calls, unfinished = split(text, TOOLS)
+        assert unfinished, text
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(calls[0]["function"]["arguments"])
+
+
+def test_a_call_only_mentioned_in_the_thinking_ends_nothing():
+    for text in ("Maybe <tool_call>{x} is wrong.</think>\n\nHello",
+                 "Use <tool_call><function=...> syntax.</think>\n\nHello",
+                 "Or <tool_call>\n<function=unknown_tool>\n</function></think>\n\nHello"):
+        reasoning, content = split_reasoning(text, True, tools=NAMES)
+        assert content == "Hello" and reasoning == text.split("</think>")[0], text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_without_the_reasoning_split_calls_are_read_after_the_thinking(stream):
+    """No --reasoning-parser, thinking on: content is the raw text, reasoning included, but a
+    call drafted while thinking is no call."""
+    engine, tok = FakeEngine(), FakeTokenizer()
+    app = build_app(AsyncEngine(engine), tok, MODEL, 4096)
+    drafted = call_xml("get_weather", city="Draft")
+    script = "I could " + drafted + " maybe.</think>\n\nOK.\n\n" + call_xml("now")
+    with TestClient(app) as client:
+        r = chat(client, "SAY:" + script, tools=TOOLS, stream=stream)
+        finish, names, content, _ = outcome(r, stream)
+    assert (finish, names) == ("tool_calls", ["now"])
+    assert content == "I could " + drafted + " maybe.</think>\n\nOK."
+
+
+def test_tool_and_parameter_names_must_fit_the_format(tool_srv):
+    client, _, _ = tool_srv
+    for name in ("f\u00a0", "\u3000f", "f\u2028g", "a\x1fb"):
+        r = chat(client, "SAY:x", tools=[{"type": "function", "function": {"name": name}}])
+        assert r.status_code == 400 and "without whitespace" in r.json()["error"]["message"]
+    for prop in ("x>y", "a\nb", ""):
+        tool = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {prop: {"type": "string"}}}}}
+        r = chat(client, "SAY:x", tools=[tool])
+        assert r.status_code == 400, prop
+        assert "<parameter=NAME>" in r.json()["error"]["message"]
+
+
+def test_a_huge_tools_list_is_refused_before_validation(tool_srv):
+    client, _, _ = tool_srv
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(3000)]
+    r = chat(client, "SAY:x", tools=many)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    big = [{"type": "function", "function": {"name": "f", "description": "d" * 200_000}}]
+    r = chat(client, "SAY:x", tools=big)
+    assert r.status_code == 400 and "tools hold" in r.json()["error"]["message"]
+
+
+def test_head_on_the_model_routes(tool_srv):
+    client, _, _ = tool_srv
+    assert client.head("/v1/models").status_code == 200
+    assert client.head(f"/v1/models/{MODEL}").status_code == 200

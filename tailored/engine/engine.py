@@ -27,6 +27,7 @@ from tailored.engine.detokenizer import IncrementalDetokenizer
 from tailored.engine.scheduler import PENDING_TOKEN, Scheduler
 from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
+    MAX_LOGPROBS,
     FinishReason,
     ModelOutput,
     Request,
@@ -237,6 +238,7 @@ class Engine:
         drafts and the target's next token) and build the request's output. A stop string
         ends the request at the token that completes it; later tokens of the step are dropped."""
         new = req.output_ids[len(req.output_ids) - req.num_new_tokens:]
+        lps, req.new_logprobs = req.new_logprobs, None  # one per id of `new` when asked for
         sp = req.sampling
         # finish_reason is STOP here only for an EOS / stop token id (scheduler.update): the
         # last of `new`
@@ -262,7 +264,9 @@ class Engine:
         if req.finish_reason is not None:
             del self._requests[req.request_id]
             del self._detoks[req.request_id]
-        return _output(req, text, new, req.finish_reason)
+        if lps is not None:
+            lps = lps[:len(new)]  # a stop string may have cut the step's tokens
+        return _output(req, text, new, req.finish_reason, logprobs=lps)
 
     def _fail_batch(self, sched_out: SchedulerOutput, message: str,
                     owners: dict | None = None) -> list[RequestOutput]:
@@ -296,7 +300,8 @@ class _InFlight:
 
 
 def _output(
-    req: Request, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None
+    req: Request, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None,
+    logprobs: list | None = None,
 ) -> RequestOutput:
     return RequestOutput(
         request_id=req.request_id,
@@ -307,6 +312,7 @@ def _output(
         num_prompt_tokens=len(req.prompt_ids),
         num_output_tokens=len(req.output_ids),
         error=error,
+        delta_logprobs=logprobs,
     )
 
 
@@ -322,3 +328,5 @@ def _check_sampling(sp: SamplingParams) -> None:
         raise ValueError(f"min_p must be in [0, 1], got {sp.min_p}")
     if sp.repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {sp.repetition_penalty}")
+    if sp.logprobs is not None and not 0 <= sp.logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {sp.logprobs}")

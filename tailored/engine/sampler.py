@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 
 import numpy as np
 import torch
 
-from tailored.engine.types import GREEDY_TEMPERATURE, ScheduledSeq
+from tailored.engine.types import GREEDY_TEMPERATURE, ScheduledSeq, TokenLogprob
 from tailored.model.batch import to_device
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,39 @@ class Sampled:
         self._raw = raw
         self.bad_rows: list[int] = []
         self._copy = HostCopy(self._both) if self._both is not None else None
+        self._lp_ks: list[int | None] | None = None  # add_logprobs: k of each row (None: none)
+        self._lp_copies: tuple[HostCopy, HostCopy | None] | None = None
+
+    def add_logprobs(self, raw: torch.Tensor, ks: list[int | None]) -> None:
+        """Compute, on the device, each row's sampled-token logprob under log_softmax(raw)
+        (fp32) and its max(k) most likely tokens; `logprobs()` reads them. raw: [B, V] logits
+        as the model gave them; ks: per row, None or k in 0..MAX_LOGPROBS."""
+        logp = raw.to(torch.float32).log_softmax(dim=-1)  # [B, V]
+        chosen = logp.gather(1, self.ids.unsqueeze(1))  # [B, 1]
+        k = max(k for k in ks if k is not None)
+        top = logp.topk(k, dim=-1) if k else None  # sorted, most likely first
+        values = torch.cat([chosen, top.values], dim=1) if top is not None else chosen
+        self._lp_ks = ks
+        self._lp_copies = (HostCopy(values), HostCopy(top.indices) if top is not None else None)
+
+    def logprobs(self) -> list[TokenLogprob | None]:
+        """Per row, its TokenLogprob (None for rows that asked for none); call after
+        `tolist()`. A NaN-fallback row (bad_rows) gets -9999.0: its logits gave no
+        distribution."""
+        if self._lp_copies is None:
+            return [None] * len(self.seqs)
+        values = self._lp_copies[0].tolist()
+        indices = self._lp_copies[1].tolist() if self._lp_copies[1] is not None else None
+        bad = set(self.bad_rows)
+        out: list[TokenLogprob | None] = []
+        for i, k in enumerate(self._lp_ks):
+            if k is None:
+                out.append(None)
+                continue
+            row = values[i]
+            top = tuple((indices[i][j], _finite(row[1 + j])) for j in range(k)) if k else ()
+            out.append(TokenLogprob(-9999.0 if i in bad else _finite(row[0]), top))
+        return out
 
     def tolist(self) -> list[int]:
         """The ids as Python ints (one device-to-host copy); rows whose processed logits held
@@ -122,7 +156,16 @@ class Sampled:
 
 
 def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
-    """`sample` without the device-to-host copy: the same choices, as a `Sampled`."""
+    """`sample` without the device-to-host copy: the same choices, as a `Sampled`; with the
+    logprobs some rows ask for (SamplingParams.logprobs) computed on the device too."""
+    sampled = _sample(logits, seqs)
+    ks = [s.sampling.logprobs for s in seqs]
+    if any(k is not None for k in ks):
+        sampled.add_logprobs(logits, ks)
+    return sampled
+
+
+def _sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
     B, V = logits.shape
     assert len(seqs) == B, f"{B} logits rows for {len(seqs)} sequences"
     device = logits.device
@@ -186,6 +229,11 @@ def sample_on_device(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
     is_greedy = to_device(torch.tensor(greedy_rows, dtype=torch.bool), device)
     ids = torch.where(is_greedy, greedy_ids, sampled_ids)
     return Sampled(ids, torch.where(is_greedy, greedy_nan, sampled_nan), raw, seqs)
+
+
+def _finite(x: float) -> float:
+    """x, or -9999.0 where it is no finite number (OpenAI's value for no probability)."""
+    return x if math.isfinite(x) else -9999.0
 
 
 def _row_seed(seed: int, num_generated: int) -> int:

@@ -255,6 +255,8 @@ class Scheduler:
             req.num_computed_tokens -= seq.num_draft - len(extra)
             req.output_ids[-1] = token
             req.num_new_tokens = 1
+            lp = model_out.logprobs.get(rid)  # (a request with logprobs has no drafts)
+            req.new_logprobs = [lp] if lp is not None else None
             applied.append(req)
             reason = self._stop_reason(req, token)
             for t in extra:  # further tokens of a verify chunk, each stop-checked in turn

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 
 GREEDY_TEMPERATURE = 1e-5  # the sampler picks greedily below this temperature (sampler.py)
+MAX_LOGPROBS = 20  # most likely alternatives a token's logprobs may list (OpenAI's limit)
 
 
 class FinishReason(str, enum.Enum):
@@ -57,6 +58,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # None: no logprobs; k in 0..MAX_LOGPROBS: each generated token's logprob and its k most
+    # likely alternatives (TokenLogprob)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -71,9 +75,23 @@ class SamplingParams:
     @property
     def can_draft(self) -> bool:
         """Whether speculative decoding may draft for this request (model/mtp.py): the sampler
-        picks greedily (temperature below GREEDY_TEMPERATURE) and no penalty reads the token
-        history, which drafts would extend before they are verified."""
-        return self.temperature < GREEDY_TEMPERATURE and not self.uses_penalties
+        picks greedily (temperature below GREEDY_TEMPERATURE), no penalty reads the token
+        history, which drafts would extend before they are verified, and no logprobs are asked
+        (the sampler gives them for one token a row; a request that drafts gets several)."""
+        return (self.temperature < GREEDY_TEMPERATURE and not self.uses_penalties
+                and self.logprobs is None)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability (natural log) under the model's distribution
+    (log_softmax of its raw logits: before penalties, temperature and top-k/p, as vLLM's
+    default `raw_logprobs`), and `top`: the k most likely tokens [(id, logprob)], most likely
+    first. A value that is not finite (NaN logits) is given as -9999.0, as OpenAI does for
+    tokens of no probability, so the JSON stays valid."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 _req_counter = itertools.count()
@@ -104,6 +122,7 @@ class Request:
     seq_no: int = field(default_factory=lambda: next(_req_counter))
     draft_ids: list[int] = field(default_factory=list)  # MTP drafts for the next step
     num_new_tokens: int = 0  # output ids the last Scheduler.resolve appended
+    new_logprobs: list[TokenLogprob] | None = None  # theirs, with SamplingParams.logprobs
 
     @property
     def all_ids(self) -> list[int]:
@@ -172,6 +191,8 @@ class ModelOutput:
     # drafts' successors), and the drafts proposed for each request's next step
     extra_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     draft_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # requests that asked for logprobs: those of token_ids[id] (they never draft)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,6 +202,7 @@ class RequestOutput:
     delta_text: text new since the last RequestOutput (never a broken UTF-8 sequence).
     delta_token_ids: ids new since the last RequestOutput.
     finished: True on the last output; finish_reason then says why.
+    delta_logprobs: with SamplingParams.logprobs, one TokenLogprob per delta_token_ids entry.
     """
 
     request_id: str
@@ -191,3 +213,4 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    delta_logprobs: list[TokenLogprob] | None = None

@@ -78,13 +78,11 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from tailored.engine.types import FinishReason, RequestOutput
+from tailored.engine.types import FinishReason, RequestOutput, TokenLogprob
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tailored.server.metrics import CONTENT_TYPE_LATEST, RequestMetrics, ServerMetrics
-from tailored.server.reasoning import REASONING_PARSERS, ReasoningSplitter
-from tailored.server.reasoning import split as split_reasoning
+from tailored.server.reasoning import REASONING_PARSERS, ReasoningSplitter, ThinkGate
 from tailored.server.tool_calls import ToolCallDelta, ToolCallSplitter, merge
-from tailored.server.tool_calls import split as split_tool_calls
 from tailored.server.protocol import (
     MAX_JSON_DEPTH,
     ChatChoice,
@@ -285,12 +283,27 @@ class _Server:
                              if isinstance(p, dict) and isinstance(p.get("text"), str))
         if chars > self.max_prompt_chars:
             raise self.too_many_chars(f"its messages hold {chars} characters", "messages")
+        tools = data.get("tools")
+        if isinstance(tools, list) and tools:
+            # rendered into the prompt as JSON: refused before validation and templating,
+            # which took ~0.5 s of the event loop for 10k tools (review of session 29)
+            if len(tools) * MIN_TOKENS_PER_MESSAGE > self.max_model_len:
+                raise OpenAIError(
+                    f"{len(tools)} tools cannot fit this model's maximum context length of "
+                    f"{self.max_model_len} tokens.", param="tools",
+                    code="context_length_exceeded")
+            size = len(json.dumps(tools, ensure_ascii=False))
+            if chars + size > self.max_prompt_chars:
+                raise self.too_many_chars(
+                    f"its messages and tools hold {chars + size} characters", "tools")
 
     async def _tokenize(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
 
-    async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest,
+                         tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids; tools: a chat request's active_tools, rendered."""
         if isinstance(req, ChatCompletionRequest):
             try:
                 text = await self._tokenize(
@@ -298,7 +311,7 @@ class _Server:
                     [m.to_template() for m in req.messages],
                     add_generation_prompt=req.add_generation_prompt,
                     enable_thinking=req.enable_thinking,
-                    tools=req.active_tools,
+                    tools=tools,
                 )
             except ValueError as e:
                 raise OpenAIError(f"invalid messages: {e}", param="messages") from None
@@ -366,7 +379,8 @@ class _Server:
     async def _handle(self, request: Request, chat: bool, arrival: float) -> Response:
         try:
             req = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
-            prompt_ids = await self.prompt_ids(req)
+            tools = req.active_tools if chat else None  # (dumped once: a list can be long)
+            prompt_ids = await self.prompt_ids(req, tools)
             if req.stop_token_ids:
                 self.check_token_ids(req.stop_token_ids, "stop_token_ids")
             prompt_param = "messages" if chat else "prompt"
@@ -375,11 +389,15 @@ class _Server:
             streams = await self.start(req, request_id, prompt_ids, max_tokens, prompt_param)
             # the thinking split only where the output starts at the template's generation
             # prompt (which opens the think block); with add_generation_prompt false it does not
+            opens_think = chat and req.add_generation_prompt and req.enable_thinking
             thinking = (req.enable_thinking
                         if chat and self.reasoning_parser and req.add_generation_prompt else None)
             fmts = [_Formatter(request_id, self.model_name, chat, len(prompt_ids),
-                               req.include_usage, thinking, req.active_tools if chat else None,
-                               index=i) for i in range(len(streams))]
+                               req.include_usage, thinking, tools, index=i,
+                               logprobs=req.logprobs_k, tokenizer=self.tokenizer,
+                               raw_thinking=opens_think and not self.reasoning_parser,
+                               max_calls=req.max_tool_calls if chat else None)
+                    for i in range(len(streams))]
             trackers = [self.metrics.request(arrival, len(prompt_ids)) for _ in streams]
             if req.stream:
                 return StreamingResponse(
@@ -431,7 +449,8 @@ class _Server:
         """Non-streaming: aggregate every choice's deltas; abort all if the client disconnects
         meanwhile or one choice fails."""
         watcher = asyncio.create_task(self._abort_on_disconnect(request, streams))
-        tasks = [asyncio.ensure_future(_collect(s, t)) for s, t in zip(streams, trackers)]
+        tasks = [asyncio.ensure_future(_collect(s, t, f))
+                 for s, t, f in zip(streams, trackers, fmts)]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((t.exception() for t in tasks if t in done and t.exception()), None)
@@ -445,8 +464,8 @@ class _Server:
                 s.abort()  # no-op when finished
             for t in tasks:  # the others end once aborted; their errors are not the answer
                 t.cancel()
-        choices = [fmt.choice(text, finish) for fmt, (text, finish, _) in zip(fmts, results)]
-        return JSONResponse(fmts[0].response(choices, sum(r[2] for r in results)).model_dump())
+        choices = [choice for choice, _ in results]
+        return JSONResponse(fmts[0].response(choices, sum(n for _, n in results)).model_dump())
 
     async def _abort_on_disconnect(self, request: Request, streams: list[RequestStream]) -> None:
         while not all(s.finished for s in streams):
@@ -462,6 +481,7 @@ class _Server:
         """SSE body: every choice's chunks as they come (each names its index). Cancellation
         (client disconnect) lands in `finally` and aborts every choice."""
         num_tokens = 0
+        ended: set[int] = set()
         try:
             for fmt in fmts:
                 first = fmt.first_chunk()
@@ -475,12 +495,23 @@ class _Server:
                     yield _sse(err.to_dict())
                     yield "data: [DONE]\n\n"
                     return
+                if i in ended:  # a choice ended by its first call (parallel_tool_calls false)
+                    continue
                 num_tokens += len(out.delta_token_ids)
                 text, reasoning, calls = fmt.split(out.delta_text, out.finished)
                 # (after the split: "tool_calls" once a call was seen, this delta's included)
                 finish = fmt.finish_reason(_finish_reason(out)) if out.finished else None
-                if text or reasoning or calls or finish is not None:
-                    yield fmt.chunk(text, finish, reasoning, calls)
+                if fmt.stopped:  # its one call ended: the rest of the answer is not wanted
+                    finish = "tool_calls"
+                    ended.add(i)
+                    trackers[i].finish("stop")
+                    streams[i].abort()
+                # a delta's logprobs go with it, also where its text is held back
+                lp = fmt.logprobs_payload(out.delta_token_ids, out.delta_logprobs)
+                if text or reasoning or calls or lp or finish is not None:
+                    yield fmt.chunk(text, finish, reasoning, calls, lp)
+                if len(ended) == len(streams):
+                    break
             if fmts[0].include_usage:
                 yield fmts[0].usage_chunk(num_tokens)
             yield "data: [DONE]\n\n"
@@ -496,23 +527,40 @@ class _Server:
                 s.abort()  # no-op when finished
 
 
-async def _collect(stream: RequestStream, tracker: RequestMetrics) -> tuple[str, str | None, int]:
-    """One choice's whole answer: (text, finish reason, completion tokens)."""
-    parts: list[str] = []
+async def _collect(stream: RequestStream, tracker: RequestMetrics, fmt: _Formatter):
+    """One choice's whole answer, through the splitters a stream uses (so both give the same
+    answer): (its choice object, completion tokens)."""
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCallDelta] = []
+    ids: list[int] = []
+    lps: list[TokenLogprob] = []
     num_tokens, finish = 0, None
     try:
         async for out in stream:
             tracker.output(out)
             if out.error is not None:
                 raise OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
-            parts.append(out.delta_text)
             num_tokens += len(out.delta_token_ids)
+            if out.delta_logprobs is not None:
+                ids += out.delta_token_ids
+                lps += out.delta_logprobs
+            t, r, c = fmt.split(out.delta_text, out.finished)
+            text.append(t)
+            reasoning.append(r)
+            calls += c
+            if fmt.stopped:  # its one call ended (parallel_tool_calls false)
+                finish = "tool_calls"
+                tracker.finish("stop")
+                break
             if out.finished:
-                finish = _finish_reason(out)
+                finish = fmt.finish_reason(_finish_reason(out))
     except Exception:
         tracker.finish("error")  # as stream_events counts it
         raise
-    return "".join(parts), finish, num_tokens
+    choice = fmt.choice("".join(text), "".join(reasoning), calls, finish,
+                        fmt.logprobs_payload(ids, lps))
+    return choice, num_tokens
 
 
 async def _outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -572,19 +620,26 @@ class _Formatter:
 
     def __init__(self, request_id, model, chat, prompt_tokens, include_usage,
                  thinking: bool | None = None, tools: list[dict] | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, logprobs: int | None = None, tokenizer=None,
+                 raw_thinking: bool = False, max_calls: int | None = None) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.index = index  # the choice this formatter renders (n > 1: one formatter each)
+        # SamplingParams.logprobs of the request (None: none); the tokenizer names the tokens
+        self.logprobs_k, self._tokenizer = logprobs, tokenizer
+        self._text_offset = 0  # completions' text_offset of the next token
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         # chat answers' thinking split out (--reasoning-parser): whether the output starts
         # inside it (None: no split); streams feed `splitter` delta by delta
         self.thinking = thinking
-        self.splitter = (ReasoningSplitter(thinking, tools=bool(tools))
+        names = {t["function"]["name"] for t in tools or ()}
+        self.splitter = (ReasoningSplitter(thinking, tools=names)
                          if thinking is not None else None)
         # the request's tools (None: no calls parsed); streams feed `tool_splitter` the answer
-        # text the reasoning split leaves
+        # text the reasoning split leaves. raw_thinking: thinking on with no reasoning split,
+        # so content is the raw text, reasoning included: calls are read only after </think>
         self.tools = tools
-        self.tool_splitter = ToolCallSplitter(tools) if tools else None
+        self.tool_splitter = ToolCallSplitter(tools, max_calls) if tools else None
+        self.gate = ThinkGate() if tools and raw_thinking else None
         self.created = unix_now()  # one timestamp for every chunk of a stream (OpenAI's rule)
         # OpenAI sends "usage": null on every chunk only when include_usage is set.
         self._exclude = None if include_usage else {"usage"}
@@ -612,11 +667,23 @@ class _Formatter:
                 r, c = self.splitter.finish()
                 reasoning, text = reasoning + r, text + c
         if self.tool_splitter is not None:
+            before = ""
+            if self.gate is not None:  # the thinking passes as content, unparsed
+                before, text = self.gate.feed(text)
+                if finished:
+                    before += self.gate.finish()
             text, calls = self.tool_splitter.feed(text)
             if finished:
                 c, more = self.tool_splitter.finish()
                 text, calls = text + c, merge(calls + more)
+            text = before + text
         return text, reasoning, calls
+
+    @property
+    def stopped(self) -> bool:
+        """The answer's calls reached max_calls (parallel_tool_calls false): the rest of the
+        generation is not wanted."""
+        return self.tool_splitter is not None and self.tool_splitter.stopped
 
     def finish_reason(self, finish: str) -> str:
         """OpenAI's "tool_calls" for an answer that called a tool and stopped by itself, every
@@ -625,16 +692,50 @@ class _Formatter:
         called = ts is not None and ts.calls > 0 and not ts.unfinished
         return "tool_calls" if finish == FinishReason.STOP.value and called else finish
 
+    def logprobs_payload(self, ids: list[int], lps: list[TokenLogprob] | None) -> dict | None:
+        """The `logprobs` object of a choice (or a chunk) for these tokens: chat's
+        {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}, or completions'
+        {"tokens", "token_logprobs", "top_logprobs" (each {token: logprob}, the sampled one
+        included, as vLLM), "text_offset"}; None when not asked for or no token."""
+        if self.logprobs_k is None or not lps:
+            return None
+        if self.chat:
+            return {"content": [
+                {**self._token(t, lp.logprob),
+                 "top_logprobs": [self._token(i, v) for i, v in lp.top]}
+                for t, lp in zip(ids, lps)]}
+        tokens = [self._token(t)["token"] for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{**{self._token(i)["token"]: v for i, v in lp.top},
+                              tok: lp.logprob} for tok, lp in zip(tokens, lps)],
+            "text_offset": offsets,
+        }
+
+    def _token(self, token_id: int, logprob: float | None = None) -> dict:
+        """{"token": its text (invalid UTF-8 of a partial character replaced), "bytes": its
+        bytes, "logprob"}."""
+        b = self._tokenizer.token_bytes(token_id)
+        d = {"token": b.decode("utf-8", errors="replace"), "bytes": list(b)}
+        if logprob is not None:
+            d["logprob"] = logprob
+        return d
+
     _TEXT = "@@tailored-text@@"  # placeholder: plain ASCII, survives JSON encoding unchanged
 
     def chunk(self, text: str, finish: str | None, reasoning: str = "",
-              calls: list[ToolCallDelta] | None = None) -> str:
+              calls: list[ToolCallDelta] | None = None, logprobs: dict | None = None) -> str:
         """One SSE event with a token's text (answer text, and chat reasoning text with
         --reasoning-parser). The common cases (answer text alone, or reasoning text alone, no
         finish) fill a template rendered once per request by the same pydantic models: the
         HTTP thread pays ~140 µs of CPU per streamed token and shares the GIL with the engine
         (kb/0011)."""
-        if finish is None and bool(text) != bool(reasoning) and not calls:
+        if finish is None and bool(text) != bool(reasoning) and not calls and not logprobs:
             kind = "content" if text else "reasoning"
             if kind not in self._templates:
                 args = (self._TEXT, "") if text else ("", self._TEXT)
@@ -646,17 +747,19 @@ class _Formatter:
             if self._templates[kind]:
                 return json.dumps(text or reasoning, ensure_ascii=False).join(
                     self._templates[kind])
-        return self._render(text, reasoning, finish, calls)
+        return self._render(text, reasoning, finish, calls, logprobs)
 
     def _render(self, text: str, reasoning: str, finish: str | None,
-                calls: list[ToolCallDelta] | None = None) -> str:
+                calls: list[ToolCallDelta] | None = None, logprobs: dict | None = None) -> str:
         if self.chat:
             delta = DeltaMessage(content=text or None, reasoning=reasoning or None,
                                  reasoning_content=reasoning or None,
                                  tool_calls=[c.to_openai() for c in calls] if calls else None)
-            choice = ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish)
+            choice = ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish,
+                                     logprobs=logprobs)
         else:
-            choice = CompletionChoice(index=self.index, text=text, finish_reason=finish)
+            choice = CompletionChoice(index=self.index, text=text, finish_reason=finish,
+                                      logprobs=logprobs)
         return _sse(self._envelope([choice]), self._exclude)
 
     def usage_chunk(self, completion_tokens: int) -> str:
@@ -664,22 +767,33 @@ class _Formatter:
         env.usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
         return _sse(env)
 
-    def choice(self, text: str, finish: str | None) -> ChatChoice | CompletionChoice:
-        """This choice of a non-streaming response, from its whole text."""
+    def choice(self, text: str, reasoning: str, calls: list[ToolCallDelta], finish: str | None,
+               logprobs: dict | None = None) -> ChatChoice | CompletionChoice:
+        """This choice of a non-streaming response, from the joined `split` pieces of all its
+        deltas (and the `logprobs_payload` of all its tokens). With the thinking split, an
+        empty reasoning is null, and so is the answer when the reasoning never ended or the
+        answer is empty; content is null beside calls when the model wrote none (OpenAI)."""
         if not self.chat:
-            return CompletionChoice(index=self.index, text=text, finish_reason=finish)
-        reasoning, calls = None, None
-        if self.thinking is not None:
-            reasoning, text = split_reasoning(text, self.thinking, tools=bool(self.tools))
-        if self.tools and text is not None:
-            text, calls, unfinished = split_tool_calls(text, self.tools)
-            if calls:  # OpenAI: content null beside calls when the model wrote none
-                text = text or None
-                if finish == FinishReason.STOP.value and not unfinished:
-                    finish = "tool_calls"
-        message = ChatResponseMessage(content=text, reasoning=reasoning,
-                                      reasoning_content=reasoning, tool_calls=calls or None)
-        return ChatChoice(index=self.index, message=message, finish_reason=finish)
+            return CompletionChoice(index=self.index, text=text, finish_reason=finish,
+                                    logprobs=logprobs)
+        content: str | None = text
+        if self.thinking:
+            content = text or None
+        tool_calls = None
+        if calls:
+            tool_calls = []
+            for d in calls:
+                if d.id is not None:
+                    tool_calls.append({"id": d.id, "type": "function",
+                                       "function": {"name": d.name, "arguments": d.arguments}})
+                else:
+                    tool_calls[d.index]["function"]["arguments"] += d.arguments
+            content = content or None
+        r = (reasoning or None) if self.thinking is not None else None
+        message = ChatResponseMessage(content=content, reasoning=r, reasoning_content=r,
+                                      tool_calls=tool_calls)
+        return ChatChoice(index=self.index, message=message, finish_reason=finish,
+                          logprobs=logprobs)
 
     def response(self, choices: list, completion_tokens: int) -> BaseModel:
         """The non-streaming response of `choices` (`choice()` of each formatter);
@@ -790,11 +904,11 @@ def build_app(
             f"engine unavailable: {async_engine.dead_reason or 'engine not running'}",
             status=503, type="service_unavailable"))
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models():
         return engine_gone() or ModelList(data=[model_card()]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def get_model(model_id: str):
         if (gone := engine_gone()) is not None:
             return gone

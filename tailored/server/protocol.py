@@ -7,7 +7,7 @@ Requests: `CompletionRequest`, `ChatCompletionRequest`. Validation happens in th
 1. `Model.model_validate(body)` checks types and ranges; `validation_error_to_openai` turns a
    pydantic ValidationError into one readable `OpenAIError` naming the field(s).
 2. `request.check_supported()` raises `OpenAIError` for parameters that would change the result
-   but are not implemented (logprobs, best_of > 1, tool_choice "required", ...). Other unknown fields
+   but are not implemented (prompt_logprobs, best_of > 1, tool_choice "required", ...). Other unknown fields
    are ignored.
 `request.sampling_params(max_tokens, defaults)` then builds the engine's `SamplingParams`.
 
@@ -34,8 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from tailored.engine.types import SamplingParams
-from tailored.server.tool_calls import TOOL_END
+from tailored.engine.types import MAX_LOGPROBS, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -307,9 +306,7 @@ class _BaseRequest(BaseModel):
     # unknown field is ignored silently (metadata, store, service_tier, parallel_tool_calls, ...).
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         "best_of": _one_or_unset,
-        # chat: a bool; completions: an int where 0 still asks for the sampled token's logprob
-        "logprobs": lambda v: v is None or v is False,
-        "top_logprobs": _unset,
+        "top_logprobs": _unset,  # chat requests take it (ChatCompletionRequest)
         "echo": _unset,
         "suffix": _unset,
         "logit_bias": _unset,
@@ -403,7 +400,13 @@ class _BaseRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.logprobs_k,
         )
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many alternatives each token lists."""
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -424,9 +427,16 @@ def _is_token_ids(x: Any) -> bool:
 
 
 class CompletionRequest(_BaseRequest):
-    """POST /v1/completions. `prompt` is normalised to a non-empty str or list[int]."""
+    """POST /v1/completions. `prompt` is normalised to a non-empty str or list[int].
+    logprobs: k in 0..MAX_LOGPROBS: each generated token's logprob and its k most likely
+    alternatives (0 still asks for the sampled token's)."""
 
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -447,7 +457,8 @@ class CompletionRequest(_BaseRequest):
 def tool_name_error(name: str) -> str | None:
     """Why a function name cannot be a tool's (None: it can). The model writes a call as
     <function=NAME> and the template renders history calls so: a name ends at the first '>'."""
-    if not name or len(name) > MAX_TOOL_NAME_CHARS or any(c in name for c in "<> \t\r\n"):
+    if (not name or len(name) > MAX_TOOL_NAME_CHARS
+            or any(c in "<>" or c.isspace() or not c.isprintable() for c in name)):
         return (f"must be 1 to {MAX_TOOL_NAME_CHARS} characters without whitespace, '<' or '>' "
                 f"(got {shown(name)})")
     return None
@@ -590,6 +601,19 @@ class FunctionDefinition(BaseModel):
             raise ValueError(bad)
         return v
 
+    @field_validator("parameters")
+    @classmethod
+    def _parameter_names_fit_the_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # the model writes each argument as <parameter=NAME>: a name ends at the first '>'
+        props = v.get("properties") if v else None
+        for name in props if isinstance(props, dict) else ():
+            if not name or any(c in "<>\r\n" for c in name) or len(name) > MAX_TOOL_NAME_CHARS:
+                raise ValueError(
+                    f"property {shown(name)} cannot be written as <parameter=NAME> (1 to "
+                    f"{MAX_TOOL_NAME_CHARS} characters without '<', '>' or a line break)"
+                )
+        return v
+
 
 class ChatTool(BaseModel):
     """One entry of `tools`: {"type": "function", "function": FunctionDefinition}."""
@@ -610,8 +634,7 @@ class ChatCompletionRequest(_BaseRequest):
 
     tools: OpenAI function tools, rendered by the chat template; the answer's calls come back
     as `tool_calls` (`tool_calls.py`) unless tool_choice is "none". parallel_tool_calls false
-    stops the generation at the first `</tool_call>` (one call at most; the parser closes a
-    call whose `</tool_call>` is missing)."""
+    ends the answer (and its generation) once its first call ended."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -620,12 +643,23 @@ class ChatCompletionRequest(_BaseRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: the answer ends with its first call
+    # each generated token's logprob, with its top_logprobs most likely alternatives
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        k: v for k, v in _BaseRequest.UNSUPPORTED.items() if k not in ("tools", "tool_choice")
+        k: v for k, v in _BaseRequest.UNSUPPORTED.items()
+        if k not in ("tools", "tool_choice", "top_logprobs")
     }
 
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
+            raise OpenAIError("parameter 'top_logprobs' needs 'logprobs' set to true",
+                              param="top_logprobs")
         if self.tool_choice not in TOOL_CHOICES:
             required = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
             raise OpenAIError(
@@ -637,11 +671,10 @@ class ChatCompletionRequest(_BaseRequest):
             )
         super().check_supported()
 
-    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
-        sp = super().sampling_params(max_tokens, defaults)
-        if self.active_tools and self.parallel_tool_calls is False:
-            sp.stop.append(TOOL_END)
-        return sp
+    @property
+    def max_tool_calls(self) -> int | None:
+        """parallel_tool_calls false: 1 (the answer ends once its first call ended)."""
+        return 1 if self.parallel_tool_calls is False else None
 
     @property
     def active_tools(self) -> list[dict[str, Any]] | None:
@@ -711,7 +744,8 @@ def unix_now() -> int:
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    # {"tokens", "token_logprobs", "top_logprobs", "text_offset"} (OpenAI's legacy shape)
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -759,7 +793,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [token entries]}
     finish_reason: str | None = None
 
 
@@ -789,7 +823,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [the delta's token entries]}
     finish_reason: str | None = None
 
 

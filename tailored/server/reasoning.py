@@ -15,7 +15,7 @@ the answer, as the chat template drops them from earlier assistant turns
 (`content.split('</think>')[-1].lstrip('\\n')`), also with thinking off; an empty reasoning is
 left out rather than sent as ""; only a `<think>` the model writes at the very start is dropped.
 Like vLLM: an empty answer after `</think>` is null. With tools in the request a `<tool_call>`
-that opens a call (`<function=` or a JSON object follows) also ends the reasoning (vLLM's
+that opens a call of one of them (`<function=NAME>` follows) also ends the reasoning (vLLM's
 `qwen3` parser does the same: the model at times opens its call without closing the think
 block); the call goes to the answer, where the tool-call parser finds it (`tool_calls.py`).
 A `<tool_call>` followed by other text stays reasoning, so a later `</think>` still splits.
@@ -38,15 +38,16 @@ class ReasoningSplitter:
     """Splits one answer's text, fed delta by delta, into (reasoning, content) pieces.
 
     thinking: whether the output starts inside the reasoning (the request's enable_thinking
-    with a generation prompt). tools: whether a `<tool_call>` also ends it (kept in the
-    answer). `feed(text)` returns the (reasoning, content) text of that delta
+    with a generation prompt). tools: the request's tool names; a `<tool_call>` opening a
+    call of one of them also ends the reasoning (kept in the answer). `feed(text)` returns the (reasoning, content) text of that delta
     (either may be ""); `finish()` returns what was held back, at the end. Joined over all
     deltas, reasoning + "</think>" + (dropped newlines) + content is the text fed, less a
     leading "<think>".
     """
 
-    def __init__(self, thinking: bool, tools: bool = False) -> None:
+    def __init__(self, thinking: bool, tools: set[str] | None = None) -> None:
         self.thinking = thinking  # still inside the reasoning
+        self._tools = tools or set()  # the request's tool names: a call of one ends it
         self._ends = (THINK_END, TOOL_START) if tools else (THINK_END,)
         self._held = ""  # the tail that may begin THINK_END (or, at the start, THINK_START)
         self._started = False  # past the start: a leading <think> was dropped or ruled out
@@ -68,7 +69,7 @@ class ReasoningSplitter:
         while found := [(i, t) for t in self._ends if (i := buf.find(t, pos)) >= 0]:
             end, tag = min(found)
             if tag == TOOL_START:
-                opens = opens_call(buf[end + len(TOOL_START):])
+                opens = opens_call(buf[end + len(TOOL_START):], self._tools)
                 if opens is None:  # the text after the tag does not tell yet: held
                     self._held = buf[end:]
                     return buf[:end], ""
@@ -97,7 +98,8 @@ class ReasoningSplitter:
         return text
 
 
-def split(text: str, thinking: bool, tools: bool = False) -> tuple[str | None, str | None]:
+def split(text: str, thinking: bool,
+          tools: set[str] | None = None) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole answer, as a non-streaming response gives them:
     reasoning None when thinking is off or empty; content None when the reasoning never ended
     (the answer was cut inside it, e.g. by max_tokens) or the answer after it is empty."""
@@ -107,3 +109,31 @@ def split(text: str, thinking: bool, tools: bool = False) -> tuple[str | None, s
     if not thinking:
         return None, c1 + c2
     return (r1 + r2) or None, (c1 + c2) or None
+
+
+class ThinkGate:
+    """With thinking on and no reasoning split, content is the raw text, the reasoning
+    included; tool calls are read only in the answer after `</think>` (a call the model drafts
+    or mentions while thinking is no call). `feed(text)` returns (before, after): the text up
+    to and with the first `</think>`, unchanged, and the text past it; a tail that may begin
+    `</think>` is held back (`finish()` gives it out)."""
+
+    def __init__(self) -> None:
+        self._open = True  # </think> not seen yet
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if not self._open:
+            return "", text
+        buf, self._held = self._held + text, ""
+        end = buf.find(THINK_END)
+        if end >= 0:
+            self._open = False
+            return buf[:end + len(THINK_END)], buf[end + len(THINK_END):]
+        keep = prefix_hold(buf, (THINK_END,), len(THINK_END) - 1)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], ""
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        return held

@@ -132,15 +132,32 @@ def _schema_types(schema: Any) -> set[str]:
     return types
 
 
-def opens_call(after_tag: str) -> bool | None:
-    """Whether the text after a `<tool_call>` opens a call (`<function=` or a JSON object after
-    at most MAX_GAP_CHARS of whitespace); None while it cannot tell (too little text)."""
+def opens_call(after_tag: str, names: set[str]) -> bool | None:
+    """Whether the text after a `<tool_call>` opens a call of one of `names` (the request's
+    tools): `<function=NAME>` after at most MAX_GAP_CHARS of whitespace; None while it cannot
+    tell (too little text). The reasoning split asks it: a tag the model only mentions in its
+    thinking (`<tool_call>{x}`, `<function=...>`) must not end the thinking."""
     s = after_tag.lstrip(_WS)
     if len(after_tag) - len(s) > MAX_GAP_CHARS:
         return False
-    if s.startswith((FUNCTION_START, "{")):
-        return True
-    return None if FUNCTION_START.startswith(s) else False
+    if not s.startswith(FUNCTION_START):
+        return None if FUNCTION_START.startswith(s) else False
+    name, _ = _tag_name(s, FUNCTION_START)
+    if name is None:
+        return None
+    return name in names
+
+
+def _tag_name(s: str, tag: str) -> tuple[str | None, str]:
+    """(name, text after the tag's '>') of a tag at the start of s; name None while the '>'
+    has not come yet, "" when this is no such tag (a bad or overlong name)."""
+    end = s.find(">", len(tag))
+    name = s[len(tag):end if end >= 0 else len(s)]
+    if any(c in name for c in "<\n") or len(name) > MAX_NAME_CHARS:
+        return "", s
+    if end < 0:
+        return None, s
+    return name.strip(_WS), s[end + 1:]
 
 
 def _is_string(types: set[str]) -> bool:
@@ -200,8 +217,12 @@ class ToolCallSplitter:
     so a long answer fed a token at a time costs linear time.
     """
 
-    def __init__(self, tools: list[dict] | None) -> None:
+    def __init__(self, tools: list[dict] | None, max_calls: int | None = None) -> None:
         self._types = param_types(tools)
+        # parallel_tool_calls false: 1; once that many calls ended, `stopped` is set and the
+        # rest of the answer is dropped (the caller ends the generation)
+        self.max_calls = max_calls
+        self.stopped = False
         self._buf = ""  # text not yet given out
         self._state = "out"  # out | head | params | value | after
         self._ws: list[str] = []  # out: a held run of whitespace, before _buf
@@ -291,7 +312,7 @@ class ToolCallSplitter:
         if gap > MAX_GAP_CHARS:
             return self._not_a_call()
         if buf.startswith(FUNCTION_START, gap):
-            name, rest = self._tag_name(buf[gap:], FUNCTION_START)
+            name, rest = _tag_name(buf[gap:], FUNCTION_START)
             if name is None:
                 return self._not_a_call() if final else False
             if not name:
@@ -310,22 +331,13 @@ class ToolCallSplitter:
                 return self._not_a_call()
             self._open_call(call[0])
             self._deltas.append(ToolCallDelta(self.calls - 1, call[1], _new_id(), call[0]))
+            if self._call_ended():
+                return False
             self._close_call(buf[end + len(TOOL_END):])
             return True
         if not final and FUNCTION_START.startswith(buf[gap:gap + len(FUNCTION_START) + 1]):
             return False  # may still become "<function="
         return self._not_a_call()
-
-    def _tag_name(self, s: str, tag: str) -> tuple[str | None, str]:
-        """(name, text after the tag's '>') of a tag at the start of s; name None while the '>'
-        has not come yet, "" when this is no such tag (a bad or overlong name)."""
-        end = s.find(">", len(tag))
-        name = s[len(tag):end if end >= 0 else len(s)]
-        if any(c in name for c in "<\n") or len(name) > MAX_NAME_CHARS:
-            return "", s
-        if end < 0:
-            return None, s
-        return name.strip(), s[end + 1:]
 
     def _open_call(self, name: str) -> None:
         self.calls += 1
@@ -338,7 +350,10 @@ class ToolCallSplitter:
     def _step_params(self, final: bool) -> bool:
         s = self._buf = self._buf.lstrip(_WS)  # whitespace between tags is the format's
         if s.startswith(PARAM_START):
-            name, rest = self._tag_name(s, PARAM_START)
+            name, rest = _tag_name(s, PARAM_START)
+            if name is None and final:  # cut inside the tag: the arguments stay unfinished
+                self.unfinished = True
+                return False
             if name is None or (name and not rest and not final):
                 return False  # the name, or whether a newline follows it, is still coming
             if name:
@@ -347,6 +362,8 @@ class ToolCallSplitter:
             for tag, after in ((FUNCTION_END, "after"), (TOOL_END, None)):
                 if s.startswith(tag):
                     self._args("}")
+                    if self._call_ended():
+                        return False
                     if after is None:
                         self._close_call(s[len(tag):])
                     else:
@@ -357,8 +374,23 @@ class ToolCallSplitter:
         # every parameter ended and what follows is no tag (or nothing: the answer stopped
         # where </function> was due): the call is closed, the text is content
         self._args("}")
+        if self._call_ended():
+            return False
         self._close_call(s)
         return True
+
+    def _call_ended(self) -> bool:
+        """After a call's arguments closed: whether max_calls are reached, and so the rest of
+        the answer is dropped (`stopped`)."""
+        if self.max_calls is None or self.calls < self.max_calls:
+            return False
+        self.stopped = True
+        self._state, self._buf, self._ws = "stopped", "", []
+        return True
+
+    def _step_stopped(self, final: bool) -> bool:
+        self._buf = ""
+        return False
 
     def _open_param(self, name: str, rest: str) -> bool:
         if rest.startswith("\n"):
@@ -457,12 +489,13 @@ def merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
     return merged
 
 
-def split(text: str, tools: list[dict] | None) -> tuple[str, list[dict[str, Any]], bool]:
+def split(text: str, tools: list[dict] | None,
+          max_calls: int | None = None) -> tuple[str, list[dict[str, Any]], bool]:
     """(content, tool_calls, unfinished) of a whole answer, as a non-streaming response gives
     them: the calls in OpenAI's message shape [{"id", "type": "function", "function": {"name",
     "arguments"}}], the same as joining the streamed deltas; unfinished: the last call was cut
     inside a value (its arguments are no complete JSON object)."""
-    s = ToolCallSplitter(tools)
+    s = ToolCallSplitter(tools, max_calls)
     c1, d1 = s.feed(text)
     c2, d2 = s.finish()
     calls: list[dict[str, Any]] = []
