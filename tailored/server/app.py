@@ -721,9 +721,10 @@ class _Formatter:
         """{"token": its text (invalid UTF-8 of a partial character replaced), "bytes": its
         bytes, "logprob"}."""
         b = self._tokenizer.token_bytes(token_id)
-        d = {"token": b.decode("utf-8", errors="replace"), "bytes": list(b)}
+        d = {"token": b.decode("utf-8", errors="replace")}
         if logprob is not None:
             d["logprob"] = logprob
+        d["bytes"] = list(b)  # (OpenAI's key order)
         return d
 
     _TEXT = "@@tailored-text@@"  # placeholder: plain ASCII, survives JSON encoding unchanged
