@@ -82,7 +82,7 @@ from tailored.engine.types import FinishReason, RequestOutput, TokenLogprob
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tailored.server.metrics import CONTENT_TYPE_LATEST, RequestMetrics, ServerMetrics
 from tailored.server.reasoning import REASONING_PARSERS, ReasoningSplitter, ThinkGate
-from tailored.server.tool_calls import ToolCallDelta, ToolCallSplitter, merge
+from tailored.server.tool_calls import ToolCallDelta, ToolCallSplitter, join_calls, merge
 from tailored.server.protocol import (
     MAX_JSON_DEPTH,
     ChatChoice,
@@ -453,9 +453,10 @@ class _Server:
                  for s, t, f in zip(streams, trackers, fmts)]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            failed = next((t.exception() for t in tasks if t in done and t.exception()), None)
-            if failed is not None:
-                raise failed
+            # every failed task's error read (an unread one is logged at garbage collection)
+            errors = [e for t in tasks if t in done and (e := t.exception()) is not None]
+            if errors:
+                raise errors[0]
             results = [t.result() for t in tasks]
         finally:
             watcher.cancel()
@@ -488,6 +489,8 @@ class _Server:
                 if first is not None:
                     yield first
             async for i, out in _outputs(streams):
+                if i in ended:  # a choice ended by its first call (parallel_tool_calls false)
+                    continue
                 fmt = fmts[i]
                 trackers[i].output(out)
                 if out.error is not None:
@@ -495,8 +498,6 @@ class _Server:
                     yield _sse(err.to_dict())
                     yield "data: [DONE]\n\n"
                     return
-                if i in ended:  # a choice ended by its first call (parallel_tool_calls false)
-                    continue
                 num_tokens += len(out.delta_token_ids)
                 text, reasoning, calls = fmt.split(out.delta_text, out.finished)
                 # (after the split: "tool_calls" once a call was seen, this delta's included)
@@ -580,7 +581,9 @@ async def _outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Req
                 await queue.put((i, out, None))
                 if out.finished:
                     break
-        except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
             await queue.put((i, None, e))
             return
         await queue.put((i, None, None))
@@ -780,15 +783,8 @@ class _Formatter:
         content: str | None = text
         if self.thinking:
             content = text or None
-        tool_calls = None
-        if calls:
-            tool_calls = []
-            for d in calls:
-                if d.id is not None:
-                    tool_calls.append({"id": d.id, "type": "function",
-                                       "function": {"name": d.name, "arguments": d.arguments}})
-                else:
-                    tool_calls[d.index]["function"]["arguments"] += d.arguments
+        tool_calls = join_calls(calls) or None
+        if tool_calls:
             content = content or None
         r = (reasoning or None) if self.thinking is not None else None
         message = ChatResponseMessage(content=content, reasoning=r, reasoning_content=r,

@@ -498,11 +498,17 @@ def split(text: str, tools: list[dict] | None,
     s = ToolCallSplitter(tools, max_calls)
     c1, d1 = s.feed(text)
     c2, d2 = s.finish()
+    return c1 + c2, join_calls(d1 + d2), s.unfinished
+
+
+def join_calls(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """The calls of an answer's deltas, in OpenAI's message shape [{"id", "type": "function",
+    "function": {"name", "arguments"}}]."""
     calls: list[dict[str, Any]] = []
-    for d in d1 + d2:
+    for d in deltas:
         if d.id is not None:
             calls.append({"id": d.id, "type": "function",
                           "function": {"name": d.name, "arguments": d.arguments}})
         else:
             calls[d.index]["function"]["arguments"] += d.arguments
-    return c1 + c2, calls, s.unfinished
+    return calls
