@@ -397,8 +397,9 @@ class ModelRunner:
                 timer.runner_ms["gpu"] = step.events[0].elapsed_time(step.events[1])
         bad = frozenset(step.sampled_seqs[i].request_id for i in step.sampled.bad_rows)
         # requests that asked for logprobs never draft: one sampled row each, their token's
-        logprobs = {s.request_id: lp for s, lp in zip(step.sampled_seqs, step.sampled.logprobs())
-                    if lp is not None}
+        rows = step.sampled.logprobs()
+        logprobs = {} if rows is None else {
+            s.request_id: lp for s, lp in zip(step.sampled_seqs, rows) if lp is not None}
         if step.chain is not None or step.spec is not None:
             t0 = time.perf_counter()
             # after a whole verify step the device has accepted and drafted (`_chain`)

@@ -115,12 +115,12 @@ class Sampled:
         self._lp_ks = ks
         self._lp_copies = (HostCopy(values), HostCopy(top.indices) if top is not None else None)
 
-    def logprobs(self) -> list[TokenLogprob | None]:
-        """Per row, its TokenLogprob (None for rows that asked for none); call after
-        `tolist()`. A NaN-fallback row (bad_rows) gets -9999.0: its logits gave no
-        distribution."""
+    def logprobs(self) -> list[TokenLogprob | None] | None:
+        """Per row, its TokenLogprob (None for rows that asked for none); None when no row
+        asked (the serving case: nothing to walk each step). Call after `tolist()`. A
+        NaN-fallback row (bad_rows) gets -9999.0: its logits gave no distribution."""
         if self._lp_copies is None:
-            return [None] * len(self.seqs)
+            return None
         values = self._lp_copies[0].tolist()
         indices = self._lp_copies[1].tolist() if self._lp_copies[1] is not None else None
         bad = set(self.bad_rows)
