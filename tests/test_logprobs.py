@@ -182,3 +182,24 @@ def test_completion_logprobs_legacy_shape(client):
     assert sum((p["tokens"] for p in pieces), []) == lp["tokens"]
     assert sum((p["text_offset"] for p in pieces), []) == lp["text_offset"]
     assert sum((p["token_logprobs"] for p in pieces), []) == lp["token_logprobs"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_logprobs_on_the_gpu_beside_graphs_and_drafts():
+    """The device path: pinned host copies behind the ids' event, async scheduling, the decode
+    and verify CUDA graphs replayed for the requests that draft beside those asking logprobs."""
+    eng = build_stack(NANO, device="cuda", dtype="bfloat16", progress=False,
+                      max_model_len=512, max_num_seqs=8, num_speculative_tokens=2).engine
+    p = eng.tokenizer.encode("def fibonacci(n):")
+    got = run(eng, {
+        "lp": (p, SamplingParams(temperature=0.0, max_tokens=32, logprobs=5)),
+        "plain": (p, SamplingParams(temperature=0.0, max_tokens=32)),
+        "hot": (p, SamplingParams(temperature=1.0, seed=1, max_tokens=32, logprobs=0)),
+    })
+    assert got["lp"]["ids"] == got["plain"]["ids"]
+    for name in ("lp", "hot"):
+        g = got[name]
+        assert g["none"] == 0 and len(g["lps"]) == len(g["ids"]) == 32
+    for t, x in zip(got["lp"]["ids"], got["lp"]["lps"]):
+        assert x.top[0][0] == t and x.top[0][1] == x.logprob and len(x.top) == 5
