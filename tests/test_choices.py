@@ -131,3 +131,52 @@ def test_n_over_the_engines_context_is_refused_before_any_choice_starts(srv):
     r = completion(client, prompt="SAY:x", n=2, max_tokens=10**6)
     assert_openai_error(r, 400, "max_tokens")
     assert len(engine.added) == before
+
+
+class RecordingEngine(FakeEngine):
+    """Records the engine step each request was added at and, at each abort, which requests
+    were still running; choice 1 (id ending in "-1") writes 300 more characters first."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__(delay_s)
+        self.num_steps = 0
+        self.added_at: dict[str, int] = {}
+        self.running_at_abort: dict[str, set] = {}
+
+    def step(self):
+        self.num_steps += 1
+        return super().step()
+
+    def add_request(self, request_id, prompt_ids, sampling) -> None:
+        super().add_request(request_id, prompt_ids, sampling)
+        self.added_at[request_id] = self.num_steps
+        if request_id.endswith("-1"):
+            r = self.reqs[request_id]
+            r.script = list(b"x" * 300) + r.script
+
+    def abort_request(self, request_id) -> None:
+        self.running_at_abort[request_id] = set(self.reqs)
+        super().abort_request(request_id)
+
+
+def test_every_choice_joins_the_engine_in_one_step():
+    """The n adds are submitted before any is awaited: the engine takes them between the same
+    two steps (one batched prefill), not one a step."""
+    client, engine = serve(RecordingEngine(delay_s=0.005))
+    with client:
+        completion(client, prompt="SAY:warm", max_tokens=3)
+        r = completion(client, prompt="SAY:abc", n=16)
+        ids = [f"{r.json()['id']}-{i}" for i in range(16)]
+        assert len({engine.added_at[i] for i in ids}) == 1
+
+
+def test_a_choice_whose_call_ended_stops_at_once_beside_longer_ones():
+    client, engine = serve(RecordingEngine(delay_s=0.003))
+    with client:
+        r = chat(client, "SAY:" + call_xml("now") + "y" * 200, n=2, tools=TOOLS,
+                 parallel_tool_calls=False, chat_template_kwargs={"enable_thinking": False})
+        body = r.json()
+        assert [c["finish_reason"] for c in body["choices"]] == ["tool_calls"] * 2
+        first = f"{body['id']}-0"
+        # choice 0 left the engine while choice 1 was still writing its 300 characters
+        assert f"{body['id']}-1" in engine.running_at_abort[first]

@@ -205,3 +205,28 @@ def test_engine_logprobs_on_the_gpu_beside_graphs_and_drafts():
         assert g["none"] == 0 and len(g["lps"]) == len(g["ids"]) == 32
     for t, x in zip(got["lp"]["ids"], got["lp"]["lps"]):
         assert x.top[0][0] == t and x.top[0][1] == x.logprob and len(x.top) == 5
+
+
+def test_partial_utf8_tokens_are_named_by_their_bytes_and_offsets_index_the_text():
+    from tailored.engine.types import TokenLogprob
+    from tailored.server.app import _Formatter
+
+    class Tok:
+        table = {1: b"\xf0\x9f", 2: b"\x98\x80", 3: b" KIND", 4: b"\xe4\xb8", 9: b"<|end|>"}
+
+        def token_bytes(self, i):
+            return self.table[i]
+
+        def is_special(self, i):
+            return i == 9
+
+    fmt = _Formatter("cmpl-x", "m", False, 3, False, logprobs=2, tokenizer=Tok())
+    lps = [TokenLogprob(-0.5, ((1, -0.5), (4, -1.5))), TokenLogprob(-0.1, ((2, -0.1), (3, -3.0))),
+           TokenLogprob(-0.2, ((3, -0.2), (1, -2.0)))]
+    first = fmt.logprobs_payload([1, 2], lps[:2])
+    second = fmt.logprobs_payload([3, 9], [lps[2], TokenLogprob(-0.3, ())])
+    assert first["tokens"] == ["bytes:\\xf0\\x9f", "bytes:\\x98\\x80"]
+    assert set(first["top_logprobs"][0]) == {"bytes:\\xf0\\x9f", "bytes:\\xe4\\xb8"}
+    # the text is "😀 KIND": the emoji's two tokens both start at 0, " KIND" at 1, and the
+    # special token (no text) after it at 6
+    assert first["text_offset"] + second["text_offset"] == [0, 0, 1, 6]
