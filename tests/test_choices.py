@@ -180,3 +180,37 @@ def test_a_choice_whose_call_ended_stops_at_once_beside_longer_ones():
         first = f"{body['id']}-0"
         # choice 0 left the engine while choice 1 was still writing its 300 characters
         assert f"{body['id']}-1" in engine.running_at_abort[first]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completions_batch_gives_n_choices_a_prompt(srv, stream):
+    client, engine = srv
+    prompts = ["SAY:ab", "SAY:cde", list(b"SAY:f")]
+    r = completion(client, prompt=prompts, n=2, stream=stream,
+                   **({"stream_options": {"include_usage": True}} if stream else {}))
+    assert r.status_code == 200, r.text
+    if stream:
+        events = sse_events(r.text)
+        usage = events[-2]["usage"]
+        texts: dict[int, str] = {}
+        for e in events[:-2]:
+            for c in e["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        texts = [texts[k] for k in range(6)]
+    else:
+        body = r.json()
+        usage = body["usage"]
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        texts = [c["text"] for c in body["choices"]]
+    # choice k answers prompt k // n; each prompt counts once in usage
+    assert texts == ["ab", "ab", "cde", "cde", "f", "f"]
+    assert usage["prompt_tokens"] == 6 + 7 + 5 and usage["completion_tokens"] == 2 * (3 + 4 + 2)
+    assert len({rid.rsplit("-", 1)[0] for rid in list(engine.added)[-6:]}) == 1
+
+
+def test_a_bad_prompt_of_a_batch_is_named(srv):
+    client, engine = srv
+    before = len(engine.added)
+    err = assert_openai_error(completion(client, prompt=[[1, 2], [3, 99999]]), 400,
+                              "outside the vocabulary")
+    assert err["param"] == "prompt[1]" and len(engine.added) == before

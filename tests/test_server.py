@@ -520,8 +520,11 @@ BAD_REQUESTS = [
     ("c", {"prompt": ""}, 400, ["prompt must not be empty"], "prompt"),
     ("c", {"prompt": []}, 400, ["prompt must not be empty"], "prompt"),
     ("c", {}, 400, ["missing required parameter 'prompt'"], "prompt"),
-    ("c", {"prompt": ["a", "b"]}, 400, ["only one prompt per request"], "prompt"),
-    ("c", {"prompt": [[1, 2], [3]]}, 400, ["only one prompt per request"], "prompt"),
+    # batches are served (tests/test_choices.py); their items are checked one by one
+    ("c", {"prompt": ["a", ""]}, 400, ["prompt 1 must not be empty"], "prompt"),
+    ("c", {"prompt": [[1, 2], [3, True]]}, 400, ["prompt 1 must be"], "prompt"),
+    ("c", {"prompt": ["a"] * 129}, 400, ["at most 128 prompts"], "prompt"),
+    ("c", {"prompt": ["a"] * 3, "n": 50}, 400, ["150 completions"], "n"),
     ("c", {"prompt": [1, "a"]}, 400, ["prompt"], "prompt"),
     ("c", {"prompt": [1, 9999]}, 400, ["outside the vocabulary"], "prompt"),
     ("c", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),

@@ -5,7 +5,7 @@
     GET  /v1/models             OpenAI model list with the one served model (+ max_model_len);
                                 503 once the engine loop is dead, as /health
     GET  /v1/models/{id}        that model, or 404 model_not_found (503 as above)
-    POST /v1/completions        text or token-id prompt (one per request)
+    POST /v1/completions        text or token-id prompt, or a batch of them
     POST /v1/chat/completions   messages -> tokenizer.apply_chat_template -> encode
     GET  /metrics               Prometheus text (HEAD too): vLLM's metric names with the prefix
                                 `tailored:` (tokens, finished requests by reason, TTFT /
@@ -303,8 +303,9 @@ class _Server:
         return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
 
     async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest,
-                         tools: list[dict] | None = None) -> list[int]:
-        """The prompt's token ids; tools: a chat request's active_tools, rendered."""
+                         tools: list[dict] | None = None) -> list[list[int]]:
+        """Each prompt's token ids (one but for a completions batch); tools: a chat request's
+        active_tools, rendered."""
         if isinstance(req, ChatCompletionRequest):
             try:
                 text = await self._tokenize(
@@ -316,11 +317,17 @@ class _Server:
                 )
             except ValueError as e:
                 raise OpenAIError(f"invalid messages: {e}", param="messages") from None
-            return await self.encode(text, "messages")
-        if isinstance(req.prompt, str):
-            return await self.encode(req.prompt, "prompt")
-        self.check_token_ids(req.prompt, "prompt")
-        return list(req.prompt)
+            return [await self.encode(text, "messages")]
+        prompts = req.prompts
+        out = []
+        for k, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            if isinstance(prompt, str):
+                out.append(await self.encode(prompt, param))
+            else:
+                self.check_token_ids(prompt, param)
+                out.append(list(prompt))
+        return out
 
     async def encode(self, text: str, param: str) -> list[int]:
         """Token ids of prompt text. Text that cannot fit the context whatever its tokens is
@@ -381,25 +388,28 @@ class _Server:
         try:
             req = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
             tools = req.active_tools if chat else None  # (dumped once: a list can be long)
-            prompt_ids = await self.prompt_ids(req, tools)
+            prompts = await self.prompt_ids(req, tools)
             if req.stop_token_ids:
                 self.check_token_ids(req.stop_token_ids, "stop_token_ids")
             prompt_param = "messages" if chat else "prompt"
-            max_tokens = self.max_tokens(req, len(prompt_ids), prompt_param)
+            max_tokens = [self.max_tokens(req, len(p), prompt_param) for p in prompts]
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            streams = await self.start(req, request_id, prompt_ids, max_tokens, prompt_param)
+            streams = await self.start(req, request_id, prompts, max_tokens, prompt_param)
+            n = req.n or 1
             # the thinking split only where the output starts at the template's generation
             # prompt (which opens the think block); with add_generation_prompt false it does not
             opens_think = chat and req.add_generation_prompt and req.enable_thinking
             thinking = (req.enable_thinking
                         if chat and self.reasoning_parser and req.add_generation_prompt else None)
-            fmts = [_Formatter(request_id, self.model_name, chat, len(prompt_ids),
+            num_prompt_tokens = sum(len(p) for p in prompts)  # usage counts each prompt once
+            fmts = [_Formatter(request_id, self.model_name, chat, num_prompt_tokens,
                                req.include_usage, thinking, tools, index=i,
                                logprobs=req.logprobs_k, tokenizer=self.tokenizer,
                                raw_thinking=opens_think and not self.reasoning_parser,
                                max_calls=req.max_tool_calls if chat else None)
                     for i in range(len(streams))]
-            trackers = [self.metrics.request(arrival, len(prompt_ids)) for _ in streams]
+            trackers = [self.metrics.request(arrival, len(prompts[k // n]))
+                        for k in range(len(streams))]
             if req.stream:
                 return StreamingResponse(
                     self.stream_events(streams, fmts, trackers),
@@ -418,20 +428,22 @@ class _Server:
             logger.exception("unexpected error while handling %s", request.url.path)
             return error_response(_internal_error(e))
 
-    async def start(self, req, request_id: str, prompt_ids: list[int], max_tokens: int,
+    async def start(self, req, request_id: str, prompts: list[list[int]], max_tokens: list[int],
                     prompt_param: str) -> list[RequestStream]:
-        """The request's `n` engine requests (one per choice; ids `<request_id>-<i>` when n >
-        1), each with its own SamplingParams; a seeded request's choice i draws with seed + i
-        (else the n choices would be the same text). If one cannot start, those started are
-        aborted."""
+        """The request's engine requests: `n` choices of each prompt, choice k = prompt * n +
+        i (ids `<request_id>-<k>` when there are several), each with its own SamplingParams; a
+        seeded request's choice i of a prompt draws with seed + i (else the n choices would be
+        the same text). If one cannot start, every one is aborted."""
         n = req.n or 1
+        total = len(prompts) * n
         streams: list[RequestStream] = []
-        for i in range(n):
-            sampling = req.sampling_params(max_tokens, self.sampling_defaults)
+        for k in range(total):
+            i = k % n
+            sampling = req.sampling_params(max_tokens[k // n], self.sampling_defaults)
             if i and sampling.seed is not None:  # wraps within int64, as a seed may be
                 sampling.seed = (sampling.seed + i + 2**63) % 2**64 - 2**63
-            child_id = request_id if n == 1 else f"{request_id}-{i}"
-            streams.append(self.engine.generate(child_id, prompt_ids, sampling))
+            child_id = request_id if total == 1 else f"{request_id}-{k}"
+            streams.append(self.engine.generate(child_id, prompts[k // n], sampling))
         # every add is submitted before any is awaited: the engine loop reads its commands
         # between steps, so awaiting each in turn let one choice in a step (n = 32 on the nano
         # model: 2.45 s against 0.10 s; review of session 29) instead of one batched prefill

@@ -46,6 +46,7 @@ MAX_STOP_TOKEN_IDS = 1024  # the engine checks each sampled token against them
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper -> 400
 MAX_ERROR_MESSAGE_CHARS = 2000
 MAX_CHOICES = 128  # `n`: pass@k evaluations ask for up to ~100 samples of one prompt
+MAX_PROMPTS = 128  # a completions batch; prompts x n is capped at MAX_CHOICES too
 MAX_TOOL_NAME_CHARS = 256  # = tool_calls.MAX_NAME_CHARS: a longer name is not parsed as a call
 # repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
@@ -427,31 +428,52 @@ def _is_token_ids(x: Any) -> bool:
 
 
 class CompletionRequest(_BaseRequest):
-    """POST /v1/completions. `prompt` is normalised to a non-empty str or list[int].
+    """POST /v1/completions. `prompt` is normalised to a non-empty str or list[int], or, for
+    a batch, a list of 2 to MAX_PROMPTS of those (`prompts` lists them either way; each prompt
+    gets `n` choices, numbered prompt * n + choice, as OpenAI and vLLM).
     logprobs: k in 0..MAX_LOGPROBS: each generated token's logprob and its k most likely
     alternatives (0 still asks for the sampled token's)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str | list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one for a single prompt."""
+        one = isinstance(self.prompt, str) or _is_token_ids(self.prompt)
+        return [self.prompt] if one else list(self.prompt)
+
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(x, (str, list)) for x in v):
-            raise ValueError(f"only one prompt per request (got a batch of {len(v)})")
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # ["text"] or [[ids]]
+    def _prompts(cls, v: Any) -> str | list[int] | list[str | list[int]]:
+        if isinstance(v, list) and v and all(isinstance(x, (str, list)) for x in v):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts a request (got {len(v)})")
+            for i, x in enumerate(v):
+                if not isinstance(x, str) and not _is_token_ids(x):
+                    raise ValueError(f"prompt {i} must be a string or a list of token ids")
+                if len(x) == 0:
+                    raise ValueError(f"prompt {i} must not be empty")
+            return v[0] if len(v) == 1 else v  # ["text"] or [[ids]]: one prompt
         if not isinstance(v, str) and not _is_token_ids(v):
             raise ValueError(
-                "must be a string, a list of token ids, or a list holding one of those"
+                "must be a string, a list of token ids, or a list of those (a batch)"
             )
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
         return v
+
+    def check_supported(self) -> None:
+        total = len(self.prompts) * (self.n or 1)
+        if total > MAX_CHOICES:
+            raise OpenAIError(
+                f"{len(self.prompts)} prompts x n={self.n or 1} make {total} completions; at "
+                f"most {MAX_CHOICES} a request", param="n")
+        super().check_supported()
 
 
 def tool_name_error(name: str) -> str | None:
