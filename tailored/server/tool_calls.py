@@ -33,8 +33,12 @@ Decisions:
 - A missing `</parameter>`, `</function>` or `</tool_call>` is forgiven where the next tag shows
   where it should have been; an answer cut inside a call (max_tokens) leaves that call's
   arguments unfinished (invalid JSON) rather than closing them into a call the model never
-  finished writing; finish_reason "length" says so. A call whose last parameter ended is
-  closed (`}`): the model stopped where `</function>` was due.
+  finished writing (`unfinished`; the finish_reason stays the engine's). A call whose last
+  parameter ended is closed (`}`): the model stopped where `</function>` was due.
+- `max_calls` (parallel_tool_calls false: 1): once that many calls ended the splitter is
+  `stopped`, drops the rest, and the server ends the generation.
+- Calls are read in the answer only: the server feeds this splitter the text after the
+  thinking (reasoning.py: the reasoning split, or ThinkGate without it).
 - Parameter values are not checked against the schema beyond the type conversion: the client
   validates, as with OpenAI. A converted value is strict JSON: NaN, Infinity or a number out of
   float range stays the text, as a JSON string.
