@@ -214,3 +214,10 @@ def test_a_bad_prompt_of_a_batch_is_named(srv):
     err = assert_openai_error(completion(client, prompt=[[1, 2], [3, 99999]]), 400,
                               "outside the vocabulary")
     assert err["param"] == "prompt[1]" and len(engine.added) == before
+
+
+def test_logit_bias_reaches_the_engine_as_ids(srv):
+    client, engine = srv
+    r = completion(client, prompt="SAY:x", logit_bias={"65": -100, "7": 2.5})
+    assert r.status_code == 200, r.text
+    assert list(engine.added.values())[-1].logit_bias == {65: -100.0, 7: 2.5}

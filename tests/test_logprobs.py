@@ -118,6 +118,21 @@ def test_stop_string_cuts_logprobs_with_the_ids(engine):
     assert cut["lps"] == full["lps"][:len(cut["ids"])]
 
 
+def test_engine_logit_bias_bans_a_token(engine):
+    """logit_bias through the engine (beside a request that drafts): a banned token never
+    comes, and its logprob (raw distribution) still reports what the model gave it."""
+    p = engine.tokenizer.encode("def fibonacci(n):")
+    plain = run(engine, {"p": (p, SamplingParams(temperature=0.0, max_tokens=12))})["p"]["ids"]
+    banned = plain[0]
+    got = run(engine, {
+        "b": (p, SamplingParams(temperature=0.0, max_tokens=12, logprobs=1,
+                                logit_bias={banned: -100.0})),
+        "d": (p, SamplingParams(temperature=0.0, max_tokens=12)),
+    })
+    assert banned not in got["b"]["ids"] and got["d"]["ids"] == plain
+    assert got["b"]["lps"][0].top[0][0] == banned  # the raw distribution's favourite
+
+
 def test_engine_refuses_too_many_logprobs(engine):
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request("x", [1, 2], SamplingParams(logprobs=MAX_LOGPROBS + 1))

@@ -229,3 +229,25 @@ def test_nan_row_falls_back_to_greedy_and_spares_the_others(temperature, caplog)
     inf_row[1] = float("-inf")
     inf_row[1, 42] = float("inf")
     assert sample(inf_row, seqs)[1] == 42
+
+
+def test_logit_bias_forces_bans_and_shifts():
+    logits = LOGITS.expand(3, -1).contiguous()
+    seqs = [seq("force", temperature=0.0, logit_bias={3: 100.0}),
+            seq("ban", temperature=0.0, logit_bias={0: -100.0, 99: 5.0}),  # 99: past V, ignored
+            seq("none", temperature=0.0)]
+    assert sample(logits, seqs) == [3, 1, 0]
+    assert logits.equal(LOGITS.expand(3, -1))  # the input is not modified
+
+
+def test_logit_bias_shifts_the_sampled_distribution():
+    n = 20000
+    bias = math.log(3.0)  # token 3's weight x3: probs 0.5, 0.3, 0.15, 0.15 → renormalised
+    counts = draws(LOGITS, n, temperature=1.0, logit_bias={3: bias})
+    want = PROBS.clone()
+    want[3] *= 3.0
+    assert chi2(counts, want / want.sum()) < 16.3  # 3 dof, p = 0.001
+
+
+def test_logit_bias_keeps_a_request_from_drafting():
+    assert not SamplingParams(temperature=0.0, logit_bias={1: 1.0}).can_draft

@@ -3,6 +3,8 @@
     python -m pytest -q tests/test_sampler.py
 
 Order of operations per row (each rule's source in brackets):
+  0. logit_bias: each listed token's bias added to its logit  [OpenAI API reference; vLLM
+     applies it before the penalties too]
   1. repetition penalty over prompt + generated ids: positive logits / r, negative logits * r
      [CTRL, Keskar et al. 2019; vLLM `apply_penalties`, HF RepetitionPenaltyLogitsProcessor]
   2. frequency and presence penalties over generated ids only:
@@ -175,13 +177,14 @@ def _sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
 
     raw = logits  # the input, for the NaN fallback
     params = [s.sampling for s in seqs]
-    if all(_is_greedy(p) and not p.uses_penalties for p in params):
+    if all(_is_greedy(p) and not p.uses_penalties and not p.logit_bias for p in params):
         # the common serving case: argmax of the logits as they are. A float32 copy would
         # change no order (every bf16 value is exact in fp32; ties go to the lowest id either
         # way) and costs a [B, V] kernel each step
         return Sampled(raw.argmax(dim=-1), raw.isnan().any(dim=-1), raw, seqs)
     logits = logits.to(torch.float32, copy=True)  # [B, V]
 
+    _apply_logit_bias(logits, params)
     _apply_penalties(logits, seqs)
 
     greedy_rows = [_is_greedy(p) for p in params]
@@ -242,6 +245,25 @@ def _row_seed(seed: int, num_generated: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _apply_logit_bias(logits: torch.Tensor, params) -> None:
+    """In place: each row's logit_bias added to its logits (one host-to-device copy for the
+    step). logits: [B, V] float32; ids outside [0, V) are ignored (the server refuses them)."""
+    rows, cols, vals = [], [], []
+    V = logits.shape[1]
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            if 0 <= t < V:
+                rows.append(i)
+                cols.append(t)
+                vals.append(b)
+    if not rows:
+        return
+    where = to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device)
+    logits.index_put_((where[0], where[1]),
+                      to_device(torch.tensor(vals, dtype=torch.float32), logits.device),
+                      accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:

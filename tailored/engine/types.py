@@ -61,6 +61,8 @@ class SamplingParams:
     # None: no logprobs; k in 0..MAX_LOGPROBS: each generated token's logprob and its k most
     # likely alternatives (TokenLogprob)
     logprobs: int | None = None
+    # OpenAI's logit_bias: token id -> a value added to its logit before anything else
+    logit_bias: dict[int, float] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -77,9 +79,10 @@ class SamplingParams:
         """Whether speculative decoding may draft for this request (model/mtp.py): the sampler
         picks greedily (temperature below GREEDY_TEMPERATURE), no penalty reads the token
         history, which drafts would extend before they are verified, and no logprobs are asked
-        (the sampler gives them for one token a row; a request that drafts gets several)."""
+        (the sampler gives them for one token a row; a request that drafts gets several), and
+        no logit_bias (the MTP head would draft unbiased tokens, mostly rejected)."""
         return (self.temperature < GREEDY_TEMPERATURE and not self.uses_penalties
-                and self.logprobs is None)
+                and self.logprobs is None and not self.logit_bias)
 
 
 @dataclass(frozen=True)

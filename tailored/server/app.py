@@ -391,6 +391,8 @@ class _Server:
             prompts = await self.prompt_ids(req, tools)
             if req.stop_token_ids:
                 self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+            if req.logit_bias:
+                self.check_token_ids([int(k) for k in req.logit_bias], "logit_bias")
             prompt_param = "messages" if chat else "prompt"
             max_tokens = [self.max_tokens(req, len(p), prompt_param) for p in prompts]
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -43,6 +43,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 # that much output first)
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024  # the engine checks each sampled token against them
+MAX_LOGIT_BIAS = 1024  # biased tokens a request (the sampler adds them in one indexed write)
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper -> 400
 MAX_ERROR_MESSAGE_CHARS = 2000
 MAX_CHOICES = 128  # `n`: pass@k evaluations ask for up to ~100 samples of one prompt
@@ -293,6 +294,8 @@ class _BaseRequest(BaseModel):
     )
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] | None = None
+    # {"token id": bias in [-100, 100]} (OpenAI); the server checks the ids against the vocab
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -310,7 +313,6 @@ class _BaseRequest(BaseModel):
         "top_logprobs": _unset,  # chat requests take it (ChatCompletionRequest)
         "echo": _unset,
         "suffix": _unset,
-        "logit_bias": _unset,
         "tools": _unset,  # chat requests take them (ChatCompletionRequest)
         "tool_choice": lambda v: v is None or v == "none",
         "functions": _unset,
@@ -331,6 +333,20 @@ class _BaseRequest(BaseModel):
         "logits_processors": _unset,
         "prompt_embeds": _unset,
     }
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(v)}")
+        for key, bias in v.items():
+            if not key.isdecimal() or not key.isascii() or len(key) > 12:
+                raise ValueError(f"keys must be token ids written as strings (got {shown(key)})")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100] (got {bias} for {key})")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -402,6 +418,8 @@ class _BaseRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprobs_k,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} or None
+            if self.logit_bias else None,
         )
 
     @property
