@@ -221,3 +221,11 @@ def test_logit_bias_reaches_the_engine_as_ids(srv):
     r = completion(client, prompt="SAY:x", logit_bias={"65": -100, "7": 2.5})
     assert r.status_code == 200, r.text
     assert list(engine.added.values())[-1].logit_bias == {65: -100.0, 7: 2.5}
+
+
+def test_a_batch_prompt_too_long_is_named(srv):
+    client, engine = srv
+    before = len(engine.added)
+    err = assert_openai_error(completion(client, prompt=["SAY:a", "x" * 5000], max_tokens=None),
+                              400, "maximum context length")
+    assert err["param"] == "prompt[1]" and len(engine.added) == before

@@ -133,9 +133,11 @@ def test_engine_logit_bias_bans_a_token(engine):
     assert got["b"]["lps"][0].top[0][0] == banned  # the raw distribution's favourite
 
 
-def test_engine_refuses_too_many_logprobs(engine):
+def test_engine_refuses_too_many_logprobs_and_non_finite_biases(engine):
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request("x", [1, 2], SamplingParams(logprobs=MAX_LOGPROBS + 1))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("y", [1, 2], SamplingParams(logit_bias={1: float("inf")}))
 
 
 # ---- the HTTP shapes (OpenAI's), through the nano engine ---------------------------------

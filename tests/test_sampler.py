@@ -251,3 +251,13 @@ def test_logit_bias_shifts_the_sampled_distribution():
 
 def test_logit_bias_keeps_a_request_from_drafting():
     assert not SamplingParams(temperature=0.0, logit_bias={1: 1.0}).can_draft
+
+
+def test_logit_bias_tensors_are_built_once_a_request():
+    sp = SamplingParams(temperature=0.0, logit_bias={2: 50.0, 3: 20.0})
+    s = ScheduledSeq(request_id="r", token_ids=(0,), start_pos=0, slot=1, reset_state=True,
+                     page_ids=(1,), sample=True, sampling=sp)
+    assert sample(LOGITS.unsqueeze(0), [s]) == [2]
+    cache = sp._bias_cache
+    assert cache is not None and cache[0].tolist() == [2, 3]
+    assert sample(LOGITS.unsqueeze(0), [s]) == [2] and sp._bias_cache is cache

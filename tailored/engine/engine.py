@@ -18,6 +18,7 @@ Finish reasons, first match wins (failure-cases §5: stop conditions before max_
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -330,3 +331,5 @@ def _check_sampling(sp: SamplingParams) -> None:
         raise ValueError(f"repetition_penalty must be > 0, got {sp.repetition_penalty}")
     if sp.logprobs is not None and not 0 <= sp.logprobs <= MAX_LOGPROBS:
         raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {sp.logprobs}")
+    if sp.logit_bias and not all(math.isfinite(b) for b in sp.logit_bias.values()):
+        raise ValueError("logit_bias values must be finite numbers")

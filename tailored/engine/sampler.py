@@ -248,22 +248,27 @@ def _row_seed(seed: int, num_generated: int) -> int:
 
 
 def _apply_logit_bias(logits: torch.Tensor, params) -> None:
-    """In place: each row's logit_bias added to its logits (one host-to-device copy for the
-    step). logits: [B, V] float32; ids outside [0, V) are ignored (the server refuses them)."""
+    """In place: each row's logit_bias added to its logits, in one indexed write and one
+    host-to-device copy for the step; each request's ids and biases become tensors once
+    (`SamplingParams._bias_cache`). logits: [B, V] float32; ids outside [0, V) are ignored
+    (the server refuses them)."""
     rows, cols, vals = [], [], []
-    V = logits.shape[1]
     for i, p in enumerate(params):
-        for t, b in (p.logit_bias or {}).items():
-            if 0 <= t < V:
-                rows.append(i)
-                cols.append(t)
-                vals.append(b)
+        if not p.logit_bias:
+            continue
+        if p._bias_cache is None:
+            p._bias_cache = (torch.tensor(list(p.logit_bias), dtype=torch.long),
+                             torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
+        c, v = p._bias_cache
+        rows.append(torch.full_like(c, i))
+        cols.append(c)
+        vals.append(v)
     if not rows:
         return
-    where = to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device)
-    logits.index_put_((where[0], where[1]),
-                      to_device(torch.tensor(vals, dtype=torch.float32), logits.device),
-                      accumulate=True)
+    r, c, v = torch.cat(rows), torch.cat(cols), torch.cat(vals)
+    keep = (c >= 0) & (c < logits.shape[1])
+    where = to_device(torch.stack([r[keep], c[keep]]), logits.device)
+    logits.index_put_((where[0], where[1]), to_device(v[keep], logits.device), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:

@@ -16,6 +16,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 GREEDY_TEMPERATURE = 1e-5  # the sampler picks greedily below this temperature (sampler.py)
@@ -63,6 +64,9 @@ class SamplingParams:
     logprobs: int | None = None
     # OpenAI's logit_bias: token id -> a value added to its logit before anything else
     logit_bias: dict[int, float] | None = None
+    # the sampler's (ids, biases) of logit_bias, built at the request's first step (it would
+    # otherwise rebuild up to 1024 entries a row every step: 36 ms at 128 rows)
+    _bias_cache: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def greedy(self) -> bool:

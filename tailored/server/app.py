@@ -394,9 +394,12 @@ class _Server:
             if req.logit_bias:
                 self.check_token_ids([int(k) for k in req.logit_bias], "logit_bias")
             prompt_param = "messages" if chat else "prompt"
-            max_tokens = [self.max_tokens(req, len(p), prompt_param) for p in prompts]
+            # a batch's errors name their prompt, as its vocabulary and size checks do
+            params = ([prompt_param] if len(prompts) == 1
+                      else [f"{prompt_param}[{k}]" for k in range(len(prompts))])
+            max_tokens = [self.max_tokens(req, len(p), q) for p, q in zip(prompts, params)]
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            streams = await self.start(req, request_id, prompts, max_tokens, prompt_param)
+            streams = await self.start(req, request_id, prompts, max_tokens, params)
             n = req.n or 1
             # the thinking split only where the output starts at the template's generation
             # prompt (which opens the think block); with add_generation_prompt false it does not
@@ -431,11 +434,12 @@ class _Server:
             return error_response(_internal_error(e))
 
     async def start(self, req, request_id: str, prompts: list[list[int]], max_tokens: list[int],
-                    prompt_param: str) -> list[RequestStream]:
+                    params: list[str]) -> list[RequestStream]:
         """The request's engine requests: `n` choices of each prompt, choice k = prompt * n +
         i (ids `<request_id>-<k>` when there are several), each with its own SamplingParams; a
         seeded request's choice i of a prompt draws with seed + i (else the n choices would be
-        the same text). If one cannot start, every one is aborted."""
+        the same text). If one cannot start, every one is aborted; params: each prompt's name
+        in errors (`prompt[k]` in a batch)."""
         n = req.n or 1
         total = len(prompts) * n
         streams: list[RequestStream] = []
@@ -450,13 +454,13 @@ class _Server:
         # between steps, so awaiting each in turn let one choice in a step (n = 32 on the nano
         # model: 2.45 s against 0.10 s; review of session 29) instead of one batched prefill
         results = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        errors = [(k, r) for k, r in enumerate(results) if isinstance(r, BaseException)]
         if errors:
             for s in streams:
                 s.abort()
-            e = errors[0]
+            k, e = errors[0]
             if isinstance(e, ValueError):  # the engine's verdict on the input (e.g. too long)
-                raise OpenAIError(str(e), param=prompt_param) from None
+                raise OpenAIError(str(e), param=params[k // n]) from None
             if isinstance(e, EngineDeadError):
                 raise OpenAIError(
                     f"engine unavailable: {e}", status=503, type="service_unavailable"
