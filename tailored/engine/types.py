@@ -6,8 +6,9 @@
                     Scheduler.update(SchedulerOutput, ModelOutput) -> finished/stopped requests
                     Detokenizer -> RequestOutput (delta text) --> server
 
-None of these records hold tensors except `ScheduledSeq.sampling` references (plain Python) and
-`ModelOutput.token_ids` (a Python list, copied from the device once per step).
+None of these records hold tensors (`ModelOutput.token_ids` is a Python dict, copied from the
+device once per step), but for the sampler's cache of a request's logit_bias as two small CPU
+tensors (`SamplingParams._bias_cache`, built at its first step, never sent between processes).
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ from tailored.engine.types import FinishReason, RequestOutput, TokenLogprob
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tailored.server.metrics import CONTENT_TYPE_LATEST, RequestMetrics, ServerMetrics
 from tailored.server.reasoning import REASONING_PARSERS, ReasoningSplitter, ThinkGate
+from tailored.server.reasoning import fields as reasoning_fields
 from tailored.server.tool_calls import ToolCallDelta, ToolCallSplitter, join_calls, merge
 from tailored.server.protocol import (
     MAX_JSON_DEPTH,
@@ -523,11 +524,8 @@ class _Server:
                     yield "data: [DONE]\n\n"
                     return
                 num_tokens += len(out.delta_token_ids)
-                text, reasoning, calls = fmt.split(out.delta_text, out.finished)
-                # (after the split: "tool_calls" once a call was seen, this delta's included)
-                finish = fmt.finish_reason(_finish_reason(out)) if out.finished else None
+                text, reasoning, calls, finish = fmt.delta(out)
                 if fmt.stopped:  # its one call ended: the rest of the answer is not wanted
-                    finish = "tool_calls"
                     ended.add(i)
                     trackers[i].finish("stop")
                     streams[i].abort()
@@ -570,17 +568,14 @@ async def _collect(stream: RequestStream, tracker: RequestMetrics, fmt: _Formatt
             if out.delta_logprobs is not None:
                 ids += out.delta_token_ids
                 lps += out.delta_logprobs
-            t, r, c = fmt.split(out.delta_text, out.finished)
+            t, r, c, finish = fmt.delta(out)
             text.append(t)
             reasoning.append(r)
             calls += c
             if fmt.stopped:  # its one call ended (parallel_tool_calls false)
-                finish = "tool_calls"
                 tracker.finish("stop")
                 stream.abort()  # now, not once the other choices are done
                 break
-            if out.finished:
-                finish = fmt.finish_reason(_finish_reason(out))
     except Exception:
         tracker.finish("error")  # as stream_events counts it
         raise
@@ -668,7 +663,6 @@ class _Formatter:
         # the request's tools (None: no calls parsed); streams feed `tool_splitter` the answer
         # text the reasoning split leaves. raw_thinking: thinking on with no reasoning split,
         # so content is the raw text, reasoning included: calls are read only after </think>
-        self.tools = tools
         self.tool_splitter = ToolCallSplitter(tools, max_calls) if tools else None
         self.gate = ThinkGate() if tools and raw_thinking else None
         self.created = unix_now()  # one timestamp for every chunk of a stream (OpenAI's rule)
@@ -709,6 +703,17 @@ class _Formatter:
                 text, calls = text + c, merge(calls + more)
             text = before + text
         return text, reasoning, calls
+
+    def delta(self, out: RequestOutput) -> tuple[str, str, list[ToolCallDelta], str | None]:
+        """One output's (answer text, reasoning text, tool-call pieces, finish reason or None):
+        the finish is "tool_calls" once a call ended and the engine stopped, or once the calls
+        reached max_calls (`stopped`: the caller then ends the generation)."""
+        text, reasoning, calls = self.split(out.delta_text, out.finished)
+        # (after the split: "tool_calls" once a call was seen, this delta's included)
+        if self.stopped:
+            return text, reasoning, calls, "tool_calls"
+        finish = self.finish_reason(_finish_reason(out)) if out.finished else None
+        return text, reasoning, calls, finish
 
     @property
     def stopped(self) -> bool:
@@ -815,13 +820,10 @@ class _Formatter:
         if not self.chat:
             return CompletionChoice(index=self.index, text=text, finish_reason=finish,
                                     logprobs=logprobs)
-        content: str | None = text
-        if self.thinking:
-            content = text or None
+        r, content = reasoning_fields(reasoning, text, self.thinking)
         tool_calls = join_calls(calls) or None
         if tool_calls:
             content = content or None
-        r = (reasoning or None) if self.thinking is not None else None
         message = ChatResponseMessage(content=content, reasoning=r, reasoning_content=r,
                                       tool_calls=tool_calls)
         return ChatChoice(index=self.index, message=message, finish_reason=finish,

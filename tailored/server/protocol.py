@@ -35,6 +35,8 @@ from pydantic import (
 )
 
 from tailored.engine.types import MAX_LOGPROBS, SamplingParams
+# a longer function or parameter name is not parsed as a call (tool_calls._tag_name)
+from tailored.server.tool_calls import MAX_NAME_CHARS as MAX_TOOL_NAME_CHARS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -48,7 +50,6 @@ MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper
 MAX_ERROR_MESSAGE_CHARS = 2000
 MAX_CHOICES = 128  # `n`: pass@k evaluations ask for up to ~100 samples of one prompt
 MAX_PROMPTS = 128  # a completions batch; prompts x n is capped at MAX_CHOICES too
-MAX_TOOL_NAME_CHARS = 256  # = tool_calls.MAX_NAME_CHARS: a longer name is not parsed as a call
 # repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -100,15 +100,22 @@ class ReasoningSplitter:
 
 def split(text: str, thinking: bool,
           tools: set[str] | None = None) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole answer, as a non-streaming response gives them:
-    reasoning None when thinking is off or empty; content None when the reasoning never ended
-    (the answer was cut inside it, e.g. by max_tokens) or the answer after it is empty."""
+    """(reasoning, content) of a whole answer fed at once, as `fields` gives them (the
+    reference the tests hold a stream's pieces to)."""
     s = ReasoningSplitter(thinking, tools)
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
+    return fields(r1 + r2, c1 + c2, thinking)
+
+
+def fields(reasoning: str, content: str, thinking: bool | None) -> tuple[str | None, str | None]:
+    """A whole answer's (reasoning, content) response fields from its joined split pieces:
+    without the split (thinking None) or with thinking off, reasoning None and content as it
+    is; with thinking on, an empty reasoning is None, and so is the content when the reasoning
+    never ended (the answer was cut inside it, e.g. by max_tokens) or the answer is empty."""
     if not thinking:
-        return None, c1 + c2
-    return (r1 + r2) or None, (c1 + c2) or None
+        return None, content
+    return reasoning or None, content or None
 
 
 class ThinkGate:

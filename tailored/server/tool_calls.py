@@ -495,10 +495,10 @@ def merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 def split(text: str, tools: list[dict] | None,
           max_calls: int | None = None) -> tuple[str, list[dict[str, Any]], bool]:
-    """(content, tool_calls, unfinished) of a whole answer, as a non-streaming response gives
-    them: the calls in OpenAI's message shape [{"id", "type": "function", "function": {"name",
-    "arguments"}}], the same as joining the streamed deltas; unfinished: the last call was cut
-    inside a value (its arguments are no complete JSON object)."""
+    """(content, tool_calls, unfinished) of a whole answer fed at once (the reference the tests
+    hold a stream's pieces to): the calls in OpenAI's message shape (`join_calls`);
+    unfinished: the last call was cut inside a value (its arguments are no complete JSON
+    object)."""
     s = ToolCallSplitter(tools, max_calls)
     c1, d1 = s.feed(text)
     c2, d2 = s.finish()
