@@ -116,6 +116,8 @@ VARIANTS = {
     # FP8 dense projections of 3-64 rows through the split-K W8A16 GEMM over their FP8 weights
     # instead of cuBLAS over the bf16 copy (kb/0045 §4; its configs: fp8_splitk.CFGS)
     "dense_splitk": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 64),
+    # the same up to 8 rows only: where session 30's shape sweep found it faster (kb/0047 §2)
+    "dense_splitk8": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 8),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),

@@ -228,6 +228,23 @@ def test_fp8_linear_writes_every_element(M):
         assert ((a - ref8).norm() / ref8.norm()).item() < 1e-2, scale
 
 
+def test_splitk_configs_are_valid_and_only_at_the_rows_they_won():
+    """fp8_splitk.CFGS (kb/0047 §2) holds the H200 sweep's 8-row winners: each a k_split the
+    launcher accepts (a positive multiple of 128, at most K), a power-of-2 N tile in 16-256, and
+    keyed only by the 4- and 8-row buckets (at 32 rows split-K tied or lost: the guess CFG
+    stays there, and the switch's A/B is owed)."""
+    from tailored.kernels import fp8_splitk as mod
+
+    assert mod.CFGS and {rows for (_, _, rows) in mod.CFGS} == {4, 8}
+    for (n, k, rows), (k_split, block_n, warps, stages, f16) in mod.CFGS.items():
+        assert k_split % 128 == 0 and 0 < k_split <= k, (n, k, rows)
+        assert block_n in (16, 32, 64, 128, 256) and warps in (4, 8) and stages in (3, 4)
+        assert isinstance(f16, bool)
+    assert mod.config(12352, 2048, 5) == mod.CFGS[(12352, 2048, 8)]
+    assert mod.config(12352, 2048, 3) == mod.CFGS[(12352, 2048, 4)]
+    assert mod.config(12352, 2048, 32) == mod.CFG
+
+
 @pytest.mark.parametrize("M", [1, 5, 33, 70])
 @pytest.mark.parametrize("k_split,block_n", [(128, 32), (256, 64), (1024, 32)])
 @pytest.mark.parametrize("K", [640, 600])

@@ -137,7 +137,8 @@ def test_shipped_table_configs_are_offered(monkeypatch):
     """Every entry of tailored/kernels/tuned.json names a config its launcher still offers
     (with the default switches): `register` drops any other, and the key then re-tunes at
     server start (minutes on the H200). Session 28 (kb/0045) put DOT_F16 into the FP8 decode
-    down configs, so those entries carry it, and the two float16 picks are 128-wide."""
+    down configs, so those entries carry it; session 30's re-tune (kb/0047) picked float16
+    dots for most buckets, among them the two the A/B measured (B=8 and B=32)."""
     table = _shipped_table_and_launchers(monkeypatch)
     for name, rows in table.items():
         offered = {tuning._config_id(c.kwargs, c.num_warps, c.num_stages)
@@ -148,4 +149,4 @@ def test_shipped_table_configs_are_offered(monkeypatch):
     down = table["moe/down/decode/fp8"]
     assert all("DOT_F16" in r["kwargs"] for r in down)
     f16 = {(r["key"][3], r["key"][4]) for r in down if r["kwargs"]["DOT_F16"]}
-    assert f16 == {(64, True), (256, False)}  # B=8 and B=32, as measured (kb/0044 §4)
+    assert {(64, True), (256, False)} <= f16  # B=8 and B=32, as measured (kb/0044 §4, 0047)
