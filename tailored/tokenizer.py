@@ -448,6 +448,11 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def is_added(self, token_id: int) -> bool:
+        """Whether the id is an added token (§10.2: `<|im_end|>`, `<think>`, `<tool_call>`, ...,
+        special or not), not a BPE piece."""
+        return token_id in self._added_by_id
+
     # -- chat template --------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -11,6 +11,8 @@ Finish reasons, first match wins (failure-cases §5: stop conditions before max_
   2. a stop string completes in the text of this token                     -> STOP
      (even when the token also reached max_tokens; text is cut by the detokenizer)
   3. max_tokens reached, or prompt + output reached max_model_len           -> LENGTH
+  A structured-output request (SamplingParams.structured, engine/grammar.py) also stops (STOP)
+  when its grammar is complete: that takes a stop token (EOS), so rule 1's text rule applies.
   abort_request -> ABORT (final output on the next step); runner exception -> ERROR for the
   requests of that batch only.
 """
@@ -20,11 +22,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
+from tailored.engine.grammar import Grammars, Guide
 from tailored.engine.scheduler import PENDING_TOKEN, Scheduler
 from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
@@ -63,6 +66,8 @@ class Engine:
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # aborts, emitted on the next step()
+        self._grammars: Grammars | None = None  # built at the first structured request
+        self._guides: dict[str, Guide] = {}  # structured requests' grammar states, by id
         self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
         # async scheduling needs a runner that can launch a step and collect it later
         self._async = engine_config.async_scheduling and hasattr(runner, "launch")
@@ -93,9 +98,17 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total}"
                 f" exceeds max_model_len {limit}"
             )
+        guide = None
+        if sampling.structured is not None:  # ValueError: a schema xgrammar refuses
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                          self.eos_token_ids)
+            guide = self._grammars.guide(sampling.structured, prompt_ids)
         req = Request(request_id, prompt_ids, sampling, eos_token_ids=self.eos_token_ids)
         self.scheduler.add(req)  # ValueError if it can never fit in the KV pool
         self._requests[request_id] = req
+        if guide is not None:
+            self._guides[request_id] = guide
         self._detoks[request_id] = IncrementalDetokenizer(
             self.tokenizer,
             sampling.skip_special_tokens,
@@ -111,6 +124,7 @@ class Engine:
             return
         self.scheduler.abort(request_id)
         self._detoks.pop(request_id, None)
+        self._guides.pop(request_id, None)
         self._pending.append(_output(req, "", [], FinishReason.ABORT))
 
     def step(self) -> list[RequestOutput]:
@@ -120,7 +134,8 @@ class Engine:
         `collect`) a pure decode step is launched before the previous step's tokens are read:
         the device runs step N+1 while the host detokenizes and streams step N (kb/0015). The
         outputs returned are then those of step N; step N+1 stays in flight until the next
-        call. Any other step (prefill, admission, penalties, a request at its length limit)
+        call. Any other step (prefill, admission, penalties, structured output, a request at its
+        length limit)
         first waits for the step in flight, so it sees every token."""
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
@@ -182,6 +197,8 @@ class Engine:
         step in flight whose sampled ids this one's pending tokens take (async scheduling)."""
         # the Request objects this step runs for (ids can be reused once a request ended)
         owners = {s.request_id: self._requests.get(s.request_id) for s in sched_out.seqs}
+        if self._guides:
+            sched_out = self._with_masks(sched_out)
         try:
             if self._async:
                 return _InFlight(sched_out, owners, launched=self.runner.launch(
@@ -207,6 +224,18 @@ class Engine:
             return model_out
         except Exception as e:
             return self._runner_failed(e, launched.sched)
+
+    def _with_masks(self, sched_out: SchedulerOutput) -> SchedulerOutput:
+        """sched_out with each structured request's sampled row carrying the tokens its
+        grammar allows next (ScheduledSeq.allowed). Such requests are never scheduled ahead
+        (Scheduler.can_schedule_ahead) nor draft, so every token before the row is accepted."""
+        seqs = []
+        for seq in sched_out.seqs:
+            guide = self._guides.get(seq.request_id)
+            if guide is not None and seq.sample:
+                seq = replace(seq, allowed=guide.mask())
+            seqs.append(seq)
+        return replace(sched_out, seqs=tuple(seqs))
 
     def _runner_failed(self, e: Exception, sched_out: SchedulerOutput) -> None:
         """Log a runner error and keep its message for the batch's ERROR outputs."""
@@ -241,6 +270,15 @@ class Engine:
         new = req.output_ids[len(req.output_ids) - req.num_new_tokens:]
         lps, req.new_logprobs = req.new_logprobs, None  # one per id of `new` when asked for
         sp = req.sampling
+        guide = self._guides.get(req.request_id)
+        if guide is not None:
+            for t in new:
+                guide.accept(t)
+            if guide.done and req.finish_reason is None:
+                # complete (the grammar took a stop token: ignore_eos let it through) or
+                # refused a token (a NaN fallback past the mask): that token is not text
+                self.scheduler.finish(req.request_id, FinishReason.STOP)
+                req.finish_reason = FinishReason.STOP
         # finish_reason is STOP here only for an EOS / stop token id (scheduler.update): the
         # last of `new`
         stop_token = req.finish_reason is FinishReason.STOP
@@ -265,6 +303,7 @@ class Engine:
         if req.finish_reason is not None:
             del self._requests[req.request_id]
             del self._detoks[req.request_id]
+            self._guides.pop(req.request_id, None)
         if lps is not None:
             lps = lps[:len(new)]  # a stop string may have cut the step's tokens
         return _output(req, text, new, req.finish_reason, logprobs=lps)
@@ -284,6 +323,7 @@ class Engine:
                 req.output_ids.pop()  # advanced, never sampled: not a delivered token
             self.scheduler.finish(seq.request_id, FinishReason.ERROR)
             self._detoks.pop(seq.request_id, None)
+            self._guides.pop(seq.request_id, None)
             outputs.append(_output(req, "", [], FinishReason.ERROR, message))
         return outputs
 

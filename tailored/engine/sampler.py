@@ -4,7 +4,8 @@
 
 Order of operations per row (each rule's source in brackets):
   0. logit_bias: each listed token's bias added to its logit  [OpenAI API reference; vLLM
-     applies it before the penalties too]
+     applies it before the penalties too]; then a structured-output row's grammar mask: the
+     tokens it does not allow get -inf  [engine/grammar.py; xgrammar's apply_token_bitmask]
   1. repetition penalty over prompt + generated ids: positive logits / r, negative logits * r
      [CTRL, Keskar et al. 2019; vLLM `apply_penalties`, HF RepetitionPenaltyLogitsProcessor]
   2. frequency and presence penalties over generated ids only:
@@ -177,7 +178,9 @@ def _sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
 
     raw = logits  # the input, for the NaN fallback
     params = [s.sampling for s in seqs]
-    if all(_is_greedy(p) and not p.uses_penalties and not p.logit_bias for p in params):
+    masked = any(s.allowed is not None for s in seqs)
+    if not masked and all(_is_greedy(p) and not p.uses_penalties and not p.logit_bias
+                          for p in params):
         # the common serving case: argmax of the logits as they are. A float32 copy would
         # change no order (every bf16 value is exact in fp32; ties go to the lowest id either
         # way) and costs a [B, V] kernel each step
@@ -185,6 +188,8 @@ def _sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
     logits = logits.to(torch.float32, copy=True)  # [B, V]
 
     _apply_logit_bias(logits, params)
+    if masked:
+        _apply_allowed(logits, seqs)
     _apply_penalties(logits, seqs)
 
     greedy_rows = [_is_greedy(p) for p in params]
@@ -269,6 +274,28 @@ def _apply_logit_bias(logits: torch.Tensor, params) -> None:
     keep = (c >= 0) & (c < logits.shape[1])
     where = to_device(torch.stack([r[keep], c[keep]]), logits.device)
     logits.index_put_((where[0], where[1]), to_device(v[keep], logits.device), accumulate=True)
+
+
+def _apply_allowed(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+    """In place: in each row with a structured-output bitmask (ScheduledSeq.allowed, packed
+    int32 words [ceil(V' / 32)], engine/grammar.py), every token whose bit is 0 gets -inf; ids
+    past the mask's words too. One host-to-device copy of the rows' masks a step.
+    logits: [B, V] float32."""
+    rows = [i for i, s in enumerate(seqs) if s.allowed is not None]
+    V = logits.shape[1]
+    masks = [seqs[i].allowed for i in rows]
+    words = torch.zeros(len(rows), max(m.shape[0] for m in masks), dtype=torch.int32)  # [R, W]
+    for r, m in enumerate(masks):  # a shorter mask allows none of the ids past its words
+        words[r, :m.shape[0]] = m
+    bits = to_device(words, logits.device)
+    ids = torch.arange(V, device=logits.device)
+    word = ids // 32
+    inside = word < bits.shape[1]
+    picked = bits[:, word.clamp_max(bits.shape[1] - 1)]  # [R, V]
+    ok = ((picked >> (ids % 32)) & 1).bool() & inside
+    index = to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+    sub = logits.index_select(0, index).masked_fill_(~ok, _MASK)
+    logits.index_copy_(0, index, sub)
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:

@@ -277,7 +277,7 @@ class Scheduler:
         """Whether the step after `sched_out` can be scheduled before `sched_out`'s tokens are
         known: it must be the same requests' decodes and nothing else (kb/0015). True when the
         step is all decode rows of every running request, none uses penalties (they read the
-        host's token history), none can finish by length at this step, nothing waits for
+        host's token history) or structured output (its mask needs the previous token), none can finish by length at this step, nothing waits for
         admission that the next schedule could grant, and the free pages cover every request's
         next token (no preemption)."""
         seqs = sched_out.seqs
@@ -294,7 +294,8 @@ class Scheduler:
                     or seq.request_id in self.no_ahead or seq.mtp):
                 return False
             sp = req.sampling
-            if sp.uses_penalties:
+            # penalties read the host's token history; a grammar masks from the tokens before
+            if sp.uses_penalties or sp.structured is not None:
                 return False
             # after this step: len(output) + 1 tokens; the next one must not be past a limit
             if (len(req.output_ids) + 2 > sp.max_tokens

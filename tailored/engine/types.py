@@ -68,6 +68,8 @@ class SamplingParams:
     # the sampler's (ids, biases) of logit_bias, built at the request's first step (it would
     # otherwise rebuild up to 1024 entries a row every step: 36 ms at 128 rows)
     _bias_cache: Any = field(default=None, init=False, repr=False, compare=False)
+    # structured output (OpenAI response_format): the tokens are held to a JSON grammar
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -85,9 +87,22 @@ class SamplingParams:
         picks greedily (temperature below GREEDY_TEMPERATURE), no penalty reads the token
         history, which drafts would extend before they are verified, and no logprobs are asked
         (the sampler gives them for one token a row; a request that drafts gets several), and
-        no logit_bias (the MTP head would draft unbiased tokens, mostly rejected)."""
+        no logit_bias (the MTP head would draft unbiased tokens, mostly rejected), and no
+        structured output (its grammar masks one token a row, from the tokens before it)."""
         return (self.temperature < GREEDY_TEMPERATURE and not self.uses_penalties
-                and self.logprobs is None and not self.logit_bias)
+                and self.logprobs is None and not self.logit_bias and self.structured is None)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the generated text must follow (engine/grammar.py; OpenAI `response_format`).
+
+    kind: "json_object" (any JSON object) or "json_schema" (`schema`: the JSON Schema as JSON
+    text). Picklable: it travels to the engine process with SamplingParams; the grammar is
+    compiled there."""
+
+    kind: str
+    schema: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +189,9 @@ class ScheduledSeq:
     mtp: bool = False  # run the MTP head over this chunk (its KV cache) after the target
     num_propose: int = 0  # drafts to propose for the next step (when sample)
     next_token: int = -1  # the known token after a chunk that does not sample (the MTP's input)
+    # structured output: the tokens its grammar allows next, a packed bitmask (int32 CPU tensor
+    # [ceil(vocab / 32)], bit j of word i = token 32 i + j; engine/grammar.py); None: any
+    allowed: Any = None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from tailored.engine.types import MAX_LOGPROBS, SamplingParams
+from tailored.engine.types import MAX_LOGPROBS, SamplingParams, StructuredOutput
 # a longer function or parameter name is not parsed as a call (tool_calls._tag_name)
 from tailored.server.tool_calls import MAX_NAME_CHARS as MAX_TOOL_NAME_CHARS
 
@@ -50,6 +50,9 @@ MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper
 MAX_ERROR_MESSAGE_CHARS = 2000
 MAX_CHOICES = 128  # `n`: pass@k evaluations ask for up to ~100 samples of one prompt
 MAX_PROMPTS = 128  # a completions batch; prompts x n is capped at MAX_CHOICES too
+# response_format's JSON Schema, as compact JSON text: compiled in the engine's thread, so
+# its size is bounded (xgrammar compiles a 64 KB schema in well under a second)
+MAX_SCHEMA_CHARS = 65536
 # repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -276,6 +279,45 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema` (OpenAI): the schema the answer must follow. `name`,
+    `description` and `strict` are accepted and change nothing: the schema is always enforced
+    (xgrammar's strict mode: no properties beyond the schema's)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (JSON that follows `json_schema.schema`); engine/grammar.py enforces it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'json_schema' is required with type 'json_schema' and only then")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        """The engine's record; raises OpenAIError for a schema over MAX_SCHEMA_CHARS."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        text = json.dumps(self.json_schema.json_schema, separators=(",", ":"))
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise OpenAIError(f"response_format's schema may have at most {MAX_SCHEMA_CHARS} "
+                              f"characters as JSON, got {len(text)}", param="response_format")
+        return StructuredOutput("json_schema", text)
+
+
 class _BaseRequest(BaseModel):
     """Parameters shared by both APIs. Ranges follow OpenAI (and vLLM for the extensions)."""
 
@@ -304,6 +346,7 @@ class _BaseRequest(BaseModel):
     stream_options: StreamOptions | None = None  # only with stream: true (as OpenAI and vLLM)
     # choices: n engine requests of the one prompt (each prefilled: no prefix sharing yet)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     # Parameters that would change the result but are not implemented: name -> "is this value
@@ -318,7 +361,6 @@ class _BaseRequest(BaseModel):
         "tool_choice": lambda v: v is None or v == "none",
         "functions": _unset,
         "function_call": lambda v: v is None or v == "none",
-        "response_format": lambda v: v is None or v == {"type": "text"},
         "continue_final_message": _unset,
         "guided_json": _unset,
         "guided_regex": _unset,
@@ -421,6 +463,7 @@ class _BaseRequest(BaseModel):
             logprobs=self.logprobs_k,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} or None
             if self.logit_bias else None,
+            structured=self.response_format.structured() if self.response_format else None,
         )
 
     @property
@@ -701,6 +744,12 @@ class ChatCompletionRequest(_BaseRequest):
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule
             raise OpenAIError("parameter 'top_logprobs' needs 'logprobs' set to true",
                               param="top_logprobs")
+        if (self.active_tools and self.response_format is not None
+                and self.response_format.type != "text"):
+            # the grammar admits no added token, so `<tool_call>` could never be written
+            raise OpenAIError("response_format json_object / json_schema cannot be combined "
+                              "with tools (set tool_choice to 'none' or leave the tools out)",
+                              param="response_format")
         if self.tool_choice not in TOOL_CHOICES:
             required = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
             raise OpenAIError(

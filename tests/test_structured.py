@@ -1,0 +1,267 @@
+"""Structured output (`response_format`, engine/grammar.py): the sampler's bitmask against a
+plain boolean mask on fresh logits; xgrammar's guide on the nano tokenizer (a valid answer ends
+it, thinking defers it, bad schemas are ValueErrors); the engine (nano model, CPU, sync and
+async scheduling, speculative decoding on) returns JSON that follows the schema; the HTTP API
+maps response_format and refuses bad ones with OpenAI errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from test_sampler import seq
+from test_server import MODEL, assert_openai_error, chat, completion, srv  # noqa: F401
+
+import tailored
+from tailored.engine import grammar as grammar_mod
+from tailored.engine.sampler import sample_on_device
+from tailored.engine.types import FinishReason, SamplingParams, StructuredOutput
+
+xgr = pytest.importorskip("xgrammar")
+
+NANO = Path(tailored.__file__).parent / "data" / "nano"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+CHOICE = {"type": "object", "properties": {"pick": {"enum": ["red", "green"]}},
+          "required": ["pick"]}
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """[V] bool -> packed int32 words, xgrammar's layout (bit j of word i = token 32 i + j)."""
+    V = allowed.shape[0]
+    words = torch.zeros((V + 31) // 32, dtype=torch.int64)
+    for t in allowed.nonzero().flatten().tolist():
+        words[t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("V", [37, 64, 100])
+def test_sampler_mask_against_a_boolean_mask(V):
+    """Rows with `allowed` only ever sample allowed tokens (greedy: the best allowed one; bit 31
+    of a word, a negative int32, included); rows without keep the plain result; ids past the
+    mask's words are masked."""
+    torch.manual_seed(V)
+    logits = torch.randn(4, V) * 3
+    allowed = torch.rand(4, V) < 0.3
+    allowed[:, 31] = True  # the sign bit of word 0
+    allowed[:, 0] = False
+    masks = [_pack(allowed[i]) for i in range(4)]
+    short = masks[3][:-1]  # the last word missing: its ids are not allowed
+    seqs = [seq("g", temperature=0.0), seq("s", temperature=1.0, seed=5),
+            seq("plain", temperature=0.0),
+            seq("short", temperature=0.0)]
+    from dataclasses import replace
+    seqs = [replace(seqs[0], allowed=masks[0]), replace(seqs[1], allowed=masks[1]), seqs[2],
+            replace(seqs[3], allowed=short)]
+    for _ in range(20):
+        ids = sample_on_device(logits, seqs).tolist()
+        assert allowed[0, ids[0]] and allowed[1, ids[1]]
+        assert ids[0] == logits[0].masked_fill(~allowed[0], -float("inf")).argmax().item()
+        want3 = allowed[3].clone()
+        want3[32 * short.shape[0]:] = False
+        assert ids[3] == logits[3].masked_fill(~want3, -float("inf")).argmax().item()
+        assert ids[2] == logits[2].argmax().item()  # the row without a mask: untouched
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from tailored.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(NANO)
+    return grammar_mod.Grammars(tok, 4160, tok.eos_token_ids), tok
+
+
+def _feed(guide, tok, text):
+    for t in tok.encode(text, allow_special=False):
+        assert guide.mask() is not None
+        guide.accept(t)
+
+
+def test_guide_ends_after_the_json_and_a_stop_token(grammars):
+    g, tok = grammars
+    guide = g.guide(StructuredOutput("json_schema", json.dumps(PERSON)), tok.encode("hi"))
+    _feed(guide, tok, '{"name": "Bo", "age": 7}')
+    assert not guide.done
+    mask = guide.mask()
+    allowed = [t for t in range(4160) if (int(mask[t // 32]) >> (t % 32)) & 1]
+    assert set(allowed) == set(tok.eos_token_ids)  # only a stop token may follow
+    guide.accept(tok.eos_token_ids[0])
+    assert guide.done and not guide.failed
+
+
+def test_guide_masks_added_tokens_and_refuses_off_grammar_tokens(grammars):
+    g, tok = grammars
+    guide = g.guide(StructuredOutput("json_object"), tok.encode("hi"))
+    mask = guide.mask()
+    bit = lambda t: (int(mask[t // 32]) >> (t % 32)) & 1  # noqa: E731
+    assert all(not bit(t) for t in range(tok.vocab_size) if tok.is_added(t))
+    assert all(not bit(t) for t in range(tok.vocab_size, 4160))  # the model's padded rows
+    assert bit(tok.encode("{")[0])
+    guide.accept(tok.encode("hello")[0])  # not an object's start (a NaN fallback's token)
+    assert guide.failed and guide.done
+
+
+def test_guide_waits_for_the_end_of_thinking(grammars):
+    g, tok = grammars
+    think, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    closed = g.guide(StructuredOutput("json_object"), tok.encode("a") + [think, 5, end])
+    assert closed.active
+    open_ = g.guide(StructuredOutput("json_object"), tok.encode("a") + [think])
+    assert not open_.active and open_.mask() is None
+    open_.accept(tok.encode("hello")[0])  # free text while thinking
+    assert not open_.done and open_.mask() is None
+    open_.accept(end)
+    assert open_.active and open_.mask() is not None
+
+
+@pytest.mark.parametrize("schema", ['{"type": 5}', '{"type": "object", "properties": 3}'])
+def test_bad_schema_is_a_one_line_value_error(grammars, schema):
+    g, tok = grammars
+    with pytest.raises(ValueError, match="schema cannot be used") as e:
+        g.guide(StructuredOutput("json_schema", schema), [1])
+    assert "\n" not in str(e.value) and "/project/" not in str(e.value)
+
+
+def test_without_xgrammar_a_structured_request_is_a_value_error(monkeypatch):
+    import builtins
+
+    from tailored.tokenizer import load_tokenizer
+
+    real = builtins.__import__
+
+    def no_xgrammar(name, *a, **kw):
+        if name == "xgrammar":
+            raise ImportError("no xgrammar")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    tok = load_tokenizer(NANO)
+    g = grammar_mod.Grammars(tok, 4160, tok.eos_token_ids)
+    with pytest.raises(ValueError, match="pip install xgrammar"):
+        g.guide(StructuredOutput("json_object"), [1])
+
+
+def test_structured_requests_never_draft():
+    assert not SamplingParams(temperature=0.0, structured=StructuredOutput("json_object")).can_draft
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(request):
+    from tailored.stack import build_stack
+
+    # speculative decoding and async scheduling on: structured requests run beside plain ones
+    # that draft and are launched ahead
+    return build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="off",
+                       max_model_len=768, max_num_seqs=8, num_speculative_tokens=2,
+                       async_scheduling=request.param).engine
+
+
+def _run(engine, reqs):
+    for rid, (ids, sp) in reqs.items():
+        engine.add_request(rid, ids, sp)
+    got = {rid: {"text": "", "ids": [], "reason": None} for rid in reqs}
+    while engine.has_unfinished():
+        for o in engine.step():
+            g = got[o.request_id]
+            g["text"] += o.delta_text
+            g["ids"] += o.delta_token_ids
+            g["reason"] = o.finish_reason
+    return got
+
+
+def test_engine_answers_follow_the_schema(engine):
+    tok = engine.tokenizer
+    p = tok.encode("def fibonacci(n):")
+    spec = StructuredOutput("json_schema", json.dumps(CHOICE))
+    got = _run(engine, {
+        "greedy": (p, SamplingParams(temperature=0.0, max_tokens=400, structured=spec)),
+        "sampled": (p, SamplingParams(temperature=1.0, seed=2, max_tokens=400, structured=spec)),
+        "free": (p, SamplingParams(temperature=0.0, max_tokens=24)),
+        "ignore_eos": (p, SamplingParams(temperature=0.0, max_tokens=400, structured=spec,
+                                         ignore_eos=True)),
+    })
+    for rid in ("greedy", "sampled", "ignore_eos"):
+        g = got[rid]
+        assert g["reason"] is FinishReason.STOP, (rid, g)
+        assert json.loads(g["text"])["pick"] in ("red", "green"), (rid, g["text"])
+    assert got["ignore_eos"]["text"] == got["greedy"]["text"]
+    # the plain request beside them is what it is alone
+    alone = _run(engine, {"free2": (p, SamplingParams(temperature=0.0, max_tokens=24))})
+    assert got["free"]["ids"] == alone["free2"]["ids"]
+
+
+def test_engine_refuses_a_bad_schema_and_keeps_serving(engine):
+    with pytest.raises(ValueError, match="schema cannot be used"):
+        engine.add_request("bad", [1, 2], SamplingParams(
+            structured=StructuredOutput("json_schema", '{"type": 5}')))
+    assert not engine.has_unfinished()
+    got = _run(engine, {"ok": ([1, 2, 3], SamplingParams(
+        temperature=0.0, max_tokens=300, structured=StructuredOutput("json_object")))})
+    assert got["ok"]["reason"] in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+# ---- HTTP API (FakeEngine: what reaches the engine, and the 400s) ------------------------------
+
+def test_response_format_reaches_the_engine(srv):  # noqa: F811
+    client, engine, _ = srv
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {
+        "name": "person", "schema": PERSON, "strict": True}})
+    assert r.status_code == 200, r.text
+    sp = next(iter(engine.added.values()))
+    assert sp.structured.kind == "json_schema" and json.loads(sp.structured.schema) == PERSON
+    engine.added.clear()
+    assert completion(client, prompt="x", response_format={"type": "json_object"}).status_code \
+        == 200
+    assert next(iter(engine.added.values())).structured == StructuredOutput("json_object")
+    engine.added.clear()
+    assert chat(client, response_format={"type": "text"}).status_code == 200
+    assert next(iter(engine.added.values())).structured is None
+
+
+@pytest.mark.parametrize("fmt,needle", [
+    ({"type": "json_schema"}, "json_schema"),
+    ({"type": "json_object", "json_schema": {"schema": {}}}, "json_schema"),
+    ({"type": "xml"}, "type"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+    ({"type": "json_schema", "json_schema": {"schema": "not an object"}}, "schema"),
+    ("json", "response_format"),
+    ({"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 70000]}}}, "at most"),
+])
+def test_bad_response_format_is_a_400(srv, fmt, needle):  # noqa: F811
+    client, engine, _ = srv
+    assert_openai_error(chat(client, response_format=fmt), 400, needle)
+    assert not engine.added
+
+
+def test_response_format_with_tools_is_a_400(srv):  # noqa: F811
+    client, engine, _ = srv
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = chat(client, tools=tools, response_format={"type": "json_object"})
+    assert_openai_error(r, 400, "cannot be combined with tools")
+    assert chat(client, tools=tools, tool_choice="none",
+                response_format={"type": "json_object"}).status_code == 200
+
+
+def test_nano_server_answers_json(engine):
+    """The real stack behind the HTTP API: the chat answer's content parses and follows the
+    schema; a schema xgrammar refuses is a 400 and the server keeps serving."""
+    from tailored.server.app import build_app
+    from tailored.server.async_engine import AsyncEngine
+
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, engine.tokenizer, MODEL, 768)
+    with TestClient(app) as client:
+        fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": CHOICE}}
+        r = chat(client, content="Pick a colour.", response_format=fmt, max_tokens=400,
+                 temperature=0, chat_template_kwargs={"enable_thinking": False})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert json.loads(choice["message"]["content"])["pick"] in ("red", "green")
+        bad = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": 5}}}
+        assert_openai_error(chat(client, response_format=bad), 400, "schema cannot be used")
+        assert chat(client, content="hi", max_tokens=4).status_code == 200
