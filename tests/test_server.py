@@ -631,9 +631,9 @@ BAD_REQUESTS = [
     ("m", {"messages": MSGS, "functions": [{"name": "f"}]}, 400, ["functions"], "functions"),
     (
         "m",
-        {"messages": MSGS, "response_format": {"type": "json_object"}},
+        {"messages": MSGS, "response_format": {"type": "json_schema"}},
         400,
-        ["response_format"],
+        ["json_schema"],
         "response_format",
     ),
     ("m", {"messages": MSGS, "n": True}, 400, ["'n'"], "n"),
