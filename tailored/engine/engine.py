@@ -66,7 +66,10 @@ class Engine:
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # aborts, emitted on the next step()
-        self._grammars: Grammars | None = None  # built at the first structured request
+        self._grammars: Grammars | None = None  # structured output's compiler
+        if hasattr(tokenizer, "is_added"):  # a real tokenizer (tests pass fakes)
+            self._grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_token_ids)
+            self._grammars.warm_in_background()
         self._guides: dict[str, Guide] = {}  # structured requests' grammar states, by id
         self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
         # async scheduling needs a runner that can launch a step and collect it later
