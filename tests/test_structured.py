@@ -269,3 +269,72 @@ def test_nano_server_answers_json(engine):
         bad = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": 5}}}
         assert_openai_error(chat(client, response_format=bad), 400, "schema cannot be used")
         assert chat(client, content="hi", max_tokens=4).status_code == 200
+
+
+# ---- vLLM's structured_outputs -----------------------------------------------------------------
+
+def test_choice_regex_and_grammar_in_the_engine(engine):
+    tok = engine.tokenizer
+    p = tok.encode("def fibonacci(n):")
+    choices = ["yes", "no way", 'a "quoted" \\ one', "ünï\n"]
+    got = _run(engine, {
+        "choice": (p, SamplingParams(temperature=1.0, seed=4, max_tokens=50,
+                                     structured=StructuredOutput("choice", json.dumps(choices)))),
+        "regex": (p, SamplingParams(temperature=0.0, max_tokens=50,
+                                    structured=StructuredOutput("regex", r"\d{3}-[a-z]{2,4}"))),
+        "grammar": (p, SamplingParams(temperature=0.0, max_tokens=50, structured=StructuredOutput(
+            "grammar", 'root ::= "(" [0-9]+ ")"'))),
+    })
+    assert got["choice"]["text"] in choices and got["choice"]["reason"] is FinishReason.STOP
+    import re
+    assert re.fullmatch(r"\d{3}-[a-z]{2,4}", got["regex"]["text"]), got["regex"]
+    assert re.fullmatch(r"\(\d+\)", got["grammar"]["text"]) or \
+        got["grammar"]["reason"] is FinishReason.LENGTH, got["grammar"]
+
+
+@pytest.mark.parametrize("kind,text,needle", [
+    ("regex", "(", "regex cannot be used: Regex parsing error"),
+    ("grammar", "root ::= ", "grammar cannot be used: EBNF parser error"),
+    ("json_schema", '{"type": 5}', "schema cannot be used"),
+])
+def test_bad_structured_outputs_are_value_errors(grammars, kind, text, needle):
+    g, _ = grammars
+    with pytest.raises(ValueError, match=needle) as e:
+        g.guide(StructuredOutput(kind, text), [1])
+    assert "/project/" not in str(e.value)
+
+
+def test_structured_outputs_reach_the_engine(srv):  # noqa: F811
+    client, engine, _ = srv
+    cases = [({"choice": ["a", "b"]}, StructuredOutput("choice", '["a", "b"]')),
+             ({"regex": "x+"}, StructuredOutput("regex", "x+")),
+             ({"grammar": 'root ::= "x"'}, StructuredOutput("grammar", 'root ::= "x"')),
+             ({"json": PERSON}, StructuredOutput("json_schema",
+                                                 json.dumps(PERSON, separators=(",", ":")))),
+             ({"json": '{"type": "object"}'}, StructuredOutput("json_schema",
+                                                               '{"type": "object"}')),
+             ({"json_object": True, "disable_any_whitespace": True},
+              StructuredOutput("json_object"))]
+    for body, want in cases:
+        engine.added.clear()
+        r = completion(client, prompt="x", structured_outputs=body)
+        assert r.status_code == 200, (body, r.text)
+        assert next(iter(engine.added.values())).structured == want, body
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"regex": "a", "choice": ["a"]}, {"json_object": False}, {"choice": []},
+    {"structural_tag": "{}"}, {"choice": "a"}, {"regex": 5},
+])
+def test_bad_structured_outputs_are_400s(srv, body):  # noqa: F811
+    client, engine, _ = srv
+    assert_openai_error(chat(client, structured_outputs=body), 400, "structured_outputs")
+    assert not engine.added
+
+
+def test_structured_outputs_with_response_format_is_a_400(srv):  # noqa: F811
+    client, engine, _ = srv
+    r = chat(client, structured_outputs={"regex": "a"}, response_format={"type": "json_object"})
+    assert_openai_error(r, 400, "not both")
+    assert chat(client, structured_outputs={"regex": "a"},
+                response_format={"type": "text"}).status_code == 200

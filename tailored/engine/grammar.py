@@ -26,7 +26,9 @@ xgrammar is optional: without it, a structured request is refused (ValueError ->
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import re
 import threading
 
 import torch
@@ -131,12 +133,28 @@ def _compile_cached(grammars: Grammars, kind: str, schema: str | None):
             return compiler.compile_json_schema(schema, any_whitespace=True,
                                                 max_whitespace_cnt=MAX_WHITESPACE,
                                                 strict_mode=True)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad schemas
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        # "[time] /path/file.cc:line: message" -> message
-        raise ValueError(f"response_format: the JSON schema cannot be used: "
-                         f"{first.rsplit(': ', 1)[-1][:300]}") from None
-    raise ValueError(f"response_format: unknown kind {kind!r}")
+        if kind == "regex":
+            return compiler.compile_regex(schema)
+        if kind == "choice":  # one of the strings, exactly (JSON string escapes are EBNF's)
+            options = json.loads(schema)
+            return compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+        if kind == "grammar":
+            return compiler.compile_grammar(schema)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad input
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else type(e).__name__
+        # "[13:22:29] /project/cpp/regex_converter.cc:94: Regex parsing error at ..." -> the message
+        first = _XGR_PREFIX.sub("", first)
+        raise ValueError(f"{_WHAT[kind]} cannot be used: {first[:300]}") from None
+    raise ValueError(f"structured output: unknown kind {kind!r}")
+
+
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_WHAT = {"json_object": "response_format: the JSON schema",
+         "json_schema": "response_format: the JSON schema",
+         "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
+         "grammar": "structured_outputs.grammar"}
 
 
 def _compile(grammars: Grammars, spec: StructuredOutput):

@@ -97,9 +97,11 @@ class SamplingParams:
 class StructuredOutput:
     """A grammar the generated text must follow (engine/grammar.py; OpenAI `response_format`).
 
-    kind: "json_object" (any JSON object) or "json_schema" (`schema`: the JSON Schema as JSON
-    text). Picklable: it travels to the engine process with SamplingParams; the grammar is
-    compiled there."""
+    kind: "json_object" (any JSON object), "json_schema" (`schema`: the JSON Schema as JSON
+    text), or vLLM's `structured_outputs` kinds: "regex" (`schema`: the pattern), "choice"
+    (`schema`: a JSON list of the allowed strings), "grammar" (`schema`: xgrammar EBNF).
+    Picklable: it travels to the engine process with SamplingParams; the grammar is compiled
+    there."""
 
     kind: str
     schema: str | None = None

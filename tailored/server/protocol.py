@@ -318,6 +318,53 @@ class ResponseFormat(BaseModel):
         return StructuredOutput("json_schema", text)
 
 
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs` request field (its `StructuredOutputsParams`): exactly one of
+    `json` (a JSON Schema, object or JSON text), `json_object` (true), `regex`, `choice` (a
+    list of strings), `grammar` (EBNF, xgrammar's dialect). vLLM's other fields
+    (`disable_any_whitespace`, `whitespace_pattern`, ...) are accepted and change nothing;
+    `structural_tag` is refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(None, max_length=MAX_SCHEMA_CHARS)
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    grammar: str | None = Field(None, max_length=MAX_SCHEMA_CHARS)
+    structural_tag: Any = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputsParams":
+        if self.structural_tag is not None:
+            raise ValueError("'structural_tag' is not supported by this server")
+        kinds = [k for k in ("json_", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("exactly one of 'json', 'json_object', 'regex', 'choice', "
+                             "'grammar' must be set")
+        return self
+
+    def structured(self) -> StructuredOutput:
+        """The engine's record; raises OpenAIError for a schema over MAX_SCHEMA_CHARS."""
+        if self.json_object:
+            return StructuredOutput("json_object")
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        if self.grammar is not None:
+            return StructuredOutput("grammar", self.grammar)
+        if self.choice is not None:
+            text = json.dumps(self.choice)
+            kind = "choice"
+        else:
+            text = (self.json_ if isinstance(self.json_, str)
+                    else json.dumps(self.json_, separators=(",", ":")))
+            kind = "json_schema"
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise OpenAIError(f"structured_outputs may have at most {MAX_SCHEMA_CHARS} "
+                              f"characters as JSON, got {len(text)}", param="structured_outputs")
+        return StructuredOutput(kind, text)
+
+
 class _BaseRequest(BaseModel):
     """Parameters shared by both APIs. Ranges follow OpenAI (and vLLM for the extensions)."""
 
@@ -347,6 +394,7 @@ class _BaseRequest(BaseModel):
     # choices: n engine requests of the one prompt (each prefilled: no prefix sharing yet)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
     user: str | None = None
 
     # Parameters that would change the result but are not implemented: name -> "is this value
@@ -366,7 +414,6 @@ class _BaseRequest(BaseModel):
         "guided_regex": _unset,
         "guided_choice": _unset,
         "guided_grammar": _unset,
-        "structured_outputs": _unset,
         "prompt_logprobs": _unset,
         "min_tokens": _unset,
         "use_beam_search": _unset,
@@ -422,6 +469,10 @@ class _BaseRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise OpenAIError(400) naming the first parameter we cannot honour."""
+        if (self.structured_outputs is not None and self.response_format is not None
+                and self.response_format.type != "text"):
+            raise OpenAIError("set 'response_format' or 'structured_outputs', not both",
+                              param="structured_outputs")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("parameter 'stream_options' is only allowed when 'stream' is true",
                               param="stream_options")
@@ -463,8 +514,14 @@ class _BaseRequest(BaseModel):
             logprobs=self.logprobs_k,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} or None
             if self.logit_bias else None,
-            structured=self.response_format.structured() if self.response_format else None,
+            structured=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar of `response_format` or `structured_outputs` (one of them: `check`)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured()
+        return self.response_format.structured() if self.response_format else None
 
     @property
     def logprobs_k(self) -> int | None:
@@ -744,11 +801,11 @@ class ChatCompletionRequest(_BaseRequest):
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule
             raise OpenAIError("parameter 'top_logprobs' needs 'logprobs' set to true",
                               param="top_logprobs")
-        if (self.active_tools and self.response_format is not None
-                and self.response_format.type != "text"):
+        if self.active_tools and self.structured_output() is not None:
             # the grammar admits no added token, so `<tool_call>` could never be written
-            raise OpenAIError("response_format json_object / json_schema cannot be combined "
-                              "with tools (set tool_choice to 'none' or leave the tools out)",
+            raise OpenAIError("response_format json_object / json_schema (or "
+                              "structured_outputs) cannot be combined with tools (set "
+                              "tool_choice to 'none' or leave the tools out)",
                               param="response_format")
         if self.tool_choice not in TOOL_CHOICES:
             required = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
