@@ -338,3 +338,167 @@ def test_structured_outputs_with_response_format_is_a_400(srv):  # noqa: F811
     assert_openai_error(r, 400, "not both")
     assert chat(client, structured_outputs={"regex": "a"},
                 response_format={"type": "text"}).status_code == 200
+
+
+# ---- review fixes: compiles off the engine loop, unenforceable schemas, thinking, NaN ----------
+
+def _slow_compile(monkeypatch, delay_s, fail=None):
+    import time as _time
+
+    real = grammar_mod._compile
+
+    def slow(grammars, spec):
+        _time.sleep(delay_s)
+        if fail:
+            raise ValueError(fail)
+        return real(grammars, spec)
+
+    monkeypatch.setattr(grammar_mod, "_compile", slow)
+
+
+def test_a_slow_compile_does_not_hold_other_requests(engine, monkeypatch):
+    """A grammar that compiles slowly (a pathological pattern took minutes in review) is
+    compiled on a worker thread: the request is admitted when it is ready, and the plain
+    request beside it finishes meanwhile."""
+    _slow_compile(monkeypatch, 1.5)
+    tok = engine.tokenizer
+    p = tok.encode("def fibonacci(n):")
+    engine.add_request("slow", p, SamplingParams(
+        temperature=0.0, max_tokens=300, structured=StructuredOutput("json_schema",
+                                                                     json.dumps(CHOICE))))
+    engine.add_request("plain", p, SamplingParams(temperature=0.0, max_tokens=4,
+                                                  ignore_eos=True))
+    order, text = [], ""
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.delta_token_ids or o.finished:
+                order.append((o.request_id, o.finished))
+            if o.request_id == "slow":
+                text += o.delta_text
+                assert o.error is None, o.error
+    firsts = [rid for rid, _ in order]
+    assert ("plain", True) in order
+    assert order.index(("plain", True)) < firsts.index("slow")
+    assert json.loads(text)["pick"] in ("red", "green")
+
+
+def test_a_compile_that_fails_or_runs_too_long_fails_only_its_request(engine, monkeypatch):
+    from tailored.engine import engine as engine_mod
+
+    spec = StructuredOutput("regex", "a+")
+    _slow_compile(monkeypatch, 0.3, fail="structured_outputs.regex cannot be used: no")
+    engine.add_request("late_bad", [1, 2], SamplingParams(max_tokens=5, structured=spec))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert len(outs) == 1 and outs[0].finish_reason is FinishReason.ERROR
+    assert outs[0].bad_request and outs[0].error.startswith("structured_outputs.regex")
+
+    monkeypatch.setattr(engine_mod, "COMPILE_TIMEOUT_S", 0.2)
+    _slow_compile(monkeypatch, 1.0)
+    engine.add_request("too_slow", [1, 2], SamplingParams(max_tokens=5, structured=spec))
+    engine.add_request("fine", [1, 2], SamplingParams(max_tokens=3, temperature=0.0))
+    got = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o
+    assert got["too_slow"].bad_request and "did not compile within" in got["too_slow"].error
+    assert got["fine"].finish_reason is FinishReason.LENGTH
+
+
+def test_abort_while_compiling(engine, monkeypatch):
+    _slow_compile(monkeypatch, 0.5)
+    engine.add_request("gone", [1, 2], SamplingParams(
+        max_tokens=5, structured=StructuredOutput("json_object")))
+    engine.abort_request("gone")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"$ref": "http://example.com/s.json"}, "$ref"),
+    ({"$defs": {"a b": {"type": "integer"}}, "$ref": "#/$defs/a%20b"}, "$ref"),
+    ({"type": "string", "pattern": "^(?=a)b$"}, "lookaround"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, "'b'"),
+    ({"not": {"type": "string"}}, "'not'"),
+    ({"type": "object", "properties": {"x": {"if": {}, "then": {}}}}, "schema.properties.x"),
+    ({"type": "object", "patternProperties": {"x": {"type": "integer"}}}, "patternProperties"),
+    ({"type": []}, "empty list"),
+])
+def test_unenforceable_schemas_are_refused(grammars, schema, needle):
+    assert needle in grammar_mod.unsupported_schema(schema)
+    g, _ = grammars
+    with pytest.raises(ValueError, match="schema cannot be used"):
+        g.compile(StructuredOutput("json_schema", json.dumps(schema)))
+
+
+@pytest.mark.parametrize("schema", [
+    PERSON, CHOICE, {"allOf": [{"type": "object"}]},
+    {"$defs": {"n": {"type": "integer"}}, "type": "object",
+     "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]},
+    {"type": "object", "properties": {}, "required": ["b"], "additionalProperties": True},
+    {"type": "string", "enum": ["not", "if"]},
+])
+def test_enforceable_schemas_pass_the_check(schema):
+    assert grammar_mod.unsupported_schema(schema) is None
+
+
+def test_json_may_start_after_a_little_whitespace(grammars):
+    g, tok = grammars
+    guide = g.guide(StructuredOutput("json_schema", json.dumps(PERSON)), [1])
+    _feed(guide, tok, '\n\n{"name": "Bo", "age": 7}')
+    guide.accept(tok.eos_token_ids[0])
+    assert guide.done and not guide.failed
+    long_ws = g.guide(StructuredOutput("json_object"), [1])
+    for t in tok.encode(" " * 20, allow_special=False):
+        long_ws.accept(t)
+    assert long_ws.failed  # more than LEADING_WHITESPACE characters before the object
+
+
+def test_a_think_tag_early_in_a_prompt_does_not_defer_the_grammar(grammars):
+    g, tok = grammars
+    think = tok.token_to_id("<think>")
+    text = tok.encode("Explain the ") + [think] + tok.encode(" tag in a sentence. JSON:")
+    assert g.guide(StructuredOutput("json_object"), text).active
+    nl = tok.encode("\n")
+    assert not g.guide(StructuredOutput("json_object"), tok.encode("a") + [think] + nl).active
+
+
+def test_a_token_the_grammar_refuses_fails_the_request(engine, monkeypatch):
+    """The sampler's NaN fallback can give a token past the mask: the request ends with an
+    error, not a `stop` with broken JSON."""
+    real = grammar_mod.Guide.accept
+
+    def refuse(self, token):
+        real(self, token)
+        self.failed = True
+
+    monkeypatch.setattr(grammar_mod.Guide, "accept", refuse)
+    got = _run(engine, {"nan": ([1, 2, 3], SamplingParams(
+        temperature=0.0, max_tokens=20, structured=StructuredOutput("json_object")))})
+    assert got["nan"]["reason"] is FinishReason.ERROR
+
+
+def test_http_errors_name_the_structured_field(engine, monkeypatch):
+    """A schema refused at once and one that fails after admission are both 400s naming
+    response_format / structured_outputs."""
+    from tailored.server.app import build_app
+    from tailored.server.async_engine import AsyncEngine
+
+    app = build_app(AsyncEngine(engine), engine.tokenizer, MODEL, 768)
+    with TestClient(app) as client:
+        bad = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "foo"}}}
+        err = assert_openai_error(chat(client, response_format=bad), 400, "schema cannot be used")
+        assert err["param"] == "response_format"
+        err = assert_openai_error(completion(client, prompt="x", structured_outputs={
+            "regex": "("}), 400, "Regex parsing error")
+        assert err["param"] == "structured_outputs"
+        _slow_compile(monkeypatch, 0.3, fail="structured_outputs.grammar cannot be used: late")
+        err = assert_openai_error(completion(client, prompt="x", max_tokens=5, structured_outputs={
+            "grammar": 'root ::= "x"'}), 400, "late")
+        assert err["param"] == "structured_outputs"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,13 @@ if TYPE_CHECKING:
     from tailored.runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
+
+# structured output: how long add_request waits for a grammar to compile before it admits the
+# request later (a small schema compiles in ~15 ms; errors are then a 400 at once), and how
+# long a compile may take before the request fails (a pathological regex can take minutes;
+# xgrammar's compile cannot be cancelled, so its worker thread finishes it in the background)
+COMPILE_WAIT_S = 0.05
+COMPILE_TIMEOUT_S = 30.0
 
 
 class Engine:
@@ -71,6 +79,8 @@ class Engine:
             self._grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_token_ids)
             self._grammars.warm_in_background()
         self._guides: dict[str, Guide] = {}  # structured requests' grammar states, by id
+        # structured requests whose grammar still compiles: (request, future, deadline)
+        self._compiling: dict[str, tuple[Request, Future, float]] = {}
         self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
         # async scheduling needs a runner that can launch a step and collect it later
         self._async = engine_config.async_scheduling and hasattr(runner, "launch")
@@ -101,17 +111,24 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total}"
                 f" exceeds max_model_len {limit}"
             )
-        guide = None
-        if sampling.structured is not None:  # ValueError: a schema xgrammar refuses
+        req = Request(request_id, prompt_ids, sampling, eos_token_ids=self.eos_token_ids)
+        compiled = future = None
+        if sampling.structured is not None:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
                                           self.eos_token_ids)
-            guide = self._grammars.guide(sampling.structured, prompt_ids)
-        req = Request(request_id, prompt_ids, sampling, eos_token_ids=self.eos_token_ids)
-        self.scheduler.add(req)  # ValueError if it can never fit in the KV pool
+            future = self._grammars.submit(sampling.structured)  # ValueError: no xgrammar
+            if wait([future], timeout=COMPILE_WAIT_S).done:
+                compiled = future.result()  # ValueError: a grammar xgrammar refuses -> 400
+        if future is not None and compiled is None:  # admitted once its grammar compiled
+            self.scheduler.check_fits(req)
+            self._compiling[request_id] = (req, future, time.monotonic() + COMPILE_TIMEOUT_S)
+        else:
+            self.scheduler.add(req)  # ValueError if it can never fit in the KV pool
+            if future is not None:
+                self._guides[request_id] = self._grammars.guide(sampling.structured,
+                                                                prompt_ids, compiled)
         self._requests[request_id] = req
-        if guide is not None:
-            self._guides[request_id] = guide
         self._detoks[request_id] = IncrementalDetokenizer(
             self.tokenizer,
             sampling.skip_special_tokens,
@@ -128,6 +145,7 @@ class Engine:
         self.scheduler.abort(request_id)
         self._detoks.pop(request_id, None)
         self._guides.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         self._pending.append(_output(req, "", [], FinishReason.ABORT))
 
     def step(self) -> list[RequestOutput]:
@@ -140,12 +158,17 @@ class Engine:
         call. Any other step (prefill, admission, penalties, structured output, a request at its
         length limit)
         first waits for the step in flight, so it sees every token."""
+        if self._compiling:
+            self._admit_compiled()
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
         t_sched = t_start  # a step already in flight was scheduled by the previous call
         if self._inflight is None:
             sched_out = self.scheduler.schedule()
             if sched_out.empty:
+                if self._compiling and not outputs:  # nothing to run: wait a little, no spin
+                    wait([f for _, f, _ in self._compiling.values()], timeout=0.01,
+                         return_when=FIRST_COMPLETED)
                 return outputs
             t_sched = time.perf_counter()  # the launch below is the runner's build/launch
             launched = self._launch(sched_out)
@@ -192,6 +215,38 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._pending or self._inflight is not None)
+
+    def _admit_compiled(self) -> None:
+        """Queue the structured requests whose grammar compiled; fail (as bad requests) those
+        whose grammar failed or ran past COMPILE_TIMEOUT_S."""
+        now = time.monotonic()
+        for rid, (req, future, deadline) in list(self._compiling.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self._compiling[rid]
+            error = None
+            if not future.done():
+                field = ("structured_outputs" if req.sampling.structured.kind
+                         in ("regex", "choice", "grammar") else "response_format")
+                error = (f"{field}: the grammar did not compile within "
+                         f"{COMPILE_TIMEOUT_S:.0f} s (too complex: simplify the schema or "
+                         "pattern)")
+            elif future.exception() is not None:
+                error = str(future.exception())
+            if error is None:
+                try:
+                    self._guides[rid] = self._grammars.guide(req.sampling.structured,
+                                                             req.prompt_ids, future.result())
+                    self.scheduler.add(req)
+                    continue
+                except Exception as e:  # noqa: BLE001 - fail this request only
+                    self._guides.pop(rid, None)
+                    error = str(e)
+            self._requests.pop(rid, None)
+            self._detoks.pop(rid, None)
+            out = _output(req, "", [], FinishReason.ERROR, error)
+            out.bad_request = True
+            self._pending.append(out)
 
     # ---- step stages ---------------------------------------------------------------------------
     def _launch(self, sched_out: SchedulerOutput, feed: "_InFlight | None" = None):
@@ -277,9 +332,19 @@ class Engine:
         if guide is not None:
             for t in new:
                 guide.accept(t)
+            if guide.failed and req.finish_reason is None:
+                # a token the grammar refused: the sampler fell back past the mask on NaN
+                # logits; the answer could not follow the grammar
+                self.scheduler.finish(req.request_id, FinishReason.ERROR)
+                del self._requests[req.request_id]
+                del self._detoks[req.request_id]
+                del self._guides[req.request_id]
+                return _output(req, "", [], FinishReason.ERROR,
+                               "structured output: the model's logits held NaN; the answer "
+                               "could not follow the grammar")
             if guide.done and req.finish_reason is None:
-                # complete (the grammar took a stop token: ignore_eos let it through) or
-                # refused a token (a NaN fallback past the mask): that token is not text
+                # complete: the grammar took a stop token (ignore_eos let it through), which
+                # is not text
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
                 req.finish_reason = FinishReason.STOP
         # finish_reason is STOP here only for an EOS / stop token id (scheduler.update): the

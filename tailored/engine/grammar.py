@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +45,12 @@ _CACHE_SIZE = 256
 # indentation) fits, and a model that would pad with whitespace forever cannot (a small model
 # did, up to max_tokens, with no bound)
 MAX_WHITESPACE = 64
+LEADING_WHITESPACE = 8  # whitespace characters allowed before a JSON answer
+COMPILE_WORKERS = 2  # grammars compiled at once (each on its own thread)
+# a prompt leaves thinking open when its last `<think>` is among its last tokens (the chat
+# template ends the generation prompt with "<think>\n"); a `<think>` earlier in a completions
+# prompt is text about the tag, not an open block
+THINK_TAIL_TOKENS = 3
 _ANY_OBJECT = '{"type": "object"}'
 
 
@@ -63,6 +70,7 @@ class Grammars:
         self.think_start = tokenizer.token_to_id("<think>")
         self.think_end = tokenizer.token_to_id("</think>")
         self._compiler = None
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def warm_in_background(self) -> threading.Thread | None:
@@ -109,13 +117,27 @@ class Grammars:
         cannot compile, or without xgrammar."""
         return _compile(self, spec)
 
-    def guide(self, spec: StructuredOutput, prompt_ids: list[int]) -> "Guide":
-        """A new request's matcher; it waits for `</think>` when the prompt ends in an open
-        think block. Raises ValueError as `compile`."""
-        compiled = self.compile(spec)
+    def submit(self, spec: StructuredOutput) -> Future:
+        """`compile` on a worker thread (xgrammar releases the GIL while it compiles: the
+        engine loop keeps stepping; a pathological regex can take minutes). Raises ValueError
+        at once without xgrammar."""
+        self.compiler()
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
+        return self._pool.submit(_compile, self, spec)
+
+    def guide(self, spec: StructuredOutput, prompt_ids: list[int], compiled=None) -> "Guide":
+        """A new request's matcher (`compiled`: its grammar if compiled already); it waits for
+        `</think>` when the prompt ends in an open think block (the chat template's generation
+        prompt with thinking on: `<think>` then at most a newline). Raises ValueError as
+        `compile`."""
+        if compiled is None:
+            compiled = self.compile(spec)
         xgr = self._xgr()
-        waiting = (self.think_start is not None and self.think_end is not None
-                   and _last(prompt_ids, self.think_start) > _last(prompt_ids, self.think_end))
+        start = _last(prompt_ids, self.think_start) if self.think_start is not None else -1
+        waiting = (start >= 0 and start >= len(prompt_ids) - THINK_TAIL_TOKENS
+                   and _last(prompt_ids, self.think_end) < start)
         return Guide(xgr, xgr.GrammarMatcher(compiled), self.vocab_size,
                      self.think_end if waiting else None)
 
@@ -123,16 +145,21 @@ class Grammars:
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _compile_cached(grammars: Grammars, kind: str, schema: str | None):
     compiler = grammars.compiler()
+    xgr = grammars._xgr()
     try:
-        if kind == "json_object":  # OpenAI's JSON mode: an object (not any JSON value)
-            return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=True,
-                                                max_whitespace_cnt=MAX_WHITESPACE,
-                                                strict_mode=False)
-        if kind == "json_schema":
-            # strict: no properties beyond the schema's (OpenAI's strict structured outputs)
-            return compiler.compile_json_schema(schema, any_whitespace=True,
-                                                max_whitespace_cnt=MAX_WHITESPACE,
-                                                strict_mode=True)
+        if kind in ("json_object", "json_schema"):
+            if kind == "json_schema":
+                problem = unsupported_schema(json.loads(schema))
+                if problem:
+                    raise ValueError(problem)
+            # json_object: OpenAI's JSON mode is an object (not any JSON value); json_schema
+            # strict: no properties beyond the schema's unless it allows them
+            body = xgr.Grammar.from_json_schema(
+                _ANY_OBJECT if kind == "json_object" else schema, any_whitespace=True,
+                max_whitespace_cnt=MAX_WHITESPACE, strict_mode=kind == "json_schema")
+            # a few whitespace characters may come first: Qwen writes "</think>\n\n" before
+            # its answer, and a grammar that forbids them forces an unlikely first token
+            return compiler.compile_grammar(xgr.Grammar.concat(_leading_space(xgr), body))
         if kind == "regex":
             return compiler.compile_regex(schema)
         if kind == "choice":  # one of the strings, exactly (JSON string escapes are EBNF's)
@@ -150,6 +177,11 @@ def _compile_cached(grammars: Grammars, kind: str, schema: str | None):
     raise ValueError(f"structured output: unknown kind {kind!r}")
 
 
+@functools.lru_cache(maxsize=1)
+def _leading_space(xgr):
+    return xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n]{{0,{LEADING_WHITESPACE}}}")
+
+
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 _WHAT = {"json_object": "response_format: the JSON schema",
          "json_schema": "response_format: the JSON schema",
@@ -160,6 +192,70 @@ _WHAT = {"json_object": "response_format: the JSON schema",
 def _compile(grammars: Grammars, spec: StructuredOutput):
     grammars.compiler()  # ValueError without xgrammar, before the cache sees the call
     return _compile_cached(grammars, spec.kind, spec.schema)
+
+
+# JSON Schema keywords xgrammar 0.2 does not enforce (it compiles the schema without them, so
+# the answer would ignore them): refused, as vLLM refuses them for xgrammar
+_UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                         "patternProperties", "unevaluatedItems", "contains", "$anchor",
+                         "$dynamicRef", "propertyNames")
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
+def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | None:
+    """Why xgrammar would not enforce `schema` (a JSON Schema as Python values): a keyword it
+    ignores, `allOf` of several schemas, `uniqueItems`, a `$ref` other than "#..." JSON
+    pointers, a `pattern` with lookaround, a `required` property a strict schema forbids, an
+    empty `type` list. None when it can be enforced (as far as these checks see)."""
+    if depth > 64:
+        return f"{path}: nested too deeply"
+    if isinstance(schema, list):
+        for i, v in enumerate(schema):
+            why = unsupported_schema(v, f"{path}[{i}]", depth + 1)
+            if why:
+                return why
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNSUPPORTED_KEYWORDS:
+        if key in schema:
+            return f"{path}: the keyword '{key}' is not supported"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{path}: 'allOf' of more than one schema is not supported"
+    if schema.get("uniqueItems") is True:
+        return f"{path}: 'uniqueItems' is not supported"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f"{path}: only local '$ref's (\"#/...\") are supported, got {ref[:80]!r}"
+    if isinstance(ref, str) and "%" in ref:
+        return f"{path}: escaped '$ref' pointers are not supported, got {ref[:80]!r}"
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and _LOOKAROUND.search(pattern):
+        return f"{path}: lookaround in 'pattern' is not supported"
+    if schema.get("type") == []:
+        return f"{path}: 'type' must not be an empty list"
+    props = schema.get("properties")
+    required = schema.get("required")
+    if (isinstance(required, list) and schema.get("additionalProperties", False) is False
+            and not schema.get("patternProperties")):
+        names = props if isinstance(props, dict) else {}
+        missing = [r for r in required if isinstance(r, str) and r not in names]
+        if missing:
+            return (f"{path}: required property {missing[0]!r} is not in 'properties' (no "
+                    "other property is allowed)")
+    for key, value in schema.items():
+        if key in ("enum", "const", "default", "examples", "description", "title"):
+            continue  # values, not schemas
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            for name, sub in value.items():
+                why = unsupported_schema(sub, f"{path}.{key}.{name}", depth + 1)
+                if why:
+                    return why
+        elif isinstance(value, (dict, list)):
+            why = unsupported_schema(value, f"{path}.{key}", depth + 1)
+            if why:
+                return why
+    return None
 
 
 def _last(ids: list[int], token: int) -> int:

@@ -105,15 +105,19 @@ class Scheduler:
         """
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
         assert req.status is RequestStatus.WAITING and not req.pages and req.slot == 0
+        self.check_fits(req)
+        self.requests[req.request_id] = req
+        self.stop_ids[req.request_id] = _stop_id_set(req)
+        self.waiting.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """Raise ValueError if `req` could never fit in the page pool, even running alone."""
         need = self.max_pages_needed(len(req.prompt_ids), req.sampling.max_tokens)
         if need > self.pages.capacity:
             raise ValueError(
                 f"request {req.request_id!r} needs up to {need} KV pages of {self.page_size} tokens"
                 f" but the pool has {self.pages.capacity}; lower max_tokens or the prompt length"
             )
-        self.requests[req.request_id] = req
-        self.stop_ids[req.request_id] = _stop_id_set(req)
-        self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request now and free its pages and slot; None if it is not (or no more) here."""

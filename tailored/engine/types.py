@@ -242,3 +242,6 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     delta_logprobs: list[TokenLogprob] | None = None
+    # the error is the request's fault (a grammar that failed to compile after the request was
+    # admitted): the server answers 400 instead of 500
+    bad_request: bool = False

@@ -461,7 +461,8 @@ class _Server:
                 s.abort()
             k, e = errors[0]
             if isinstance(e, ValueError):  # the engine's verdict on the input (e.g. too long)
-                raise OpenAIError(str(e), param=params[k // n]) from None
+                raise OpenAIError(str(e), param=_grammar_param(str(e)) or params[k // n]) \
+                    from None
             if isinstance(e, EngineDeadError):
                 raise OpenAIError(
                     f"engine unavailable: {e}", status=503, type="service_unavailable"
@@ -519,7 +520,7 @@ class _Server:
                 fmt = fmts[i]
                 trackers[i].output(out)
                 if out.error is not None:
-                    err = OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
+                    err = _engine_error(out)
                     yield _sse(err.to_dict())
                     yield "data: [DONE]\n\n"
                     return
@@ -563,7 +564,7 @@ async def _collect(stream: RequestStream, tracker: RequestMetrics, fmt: _Formatt
         async for out in stream:
             tracker.output(out)
             if out.error is not None:
-                raise OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
+                raise _engine_error(out)
             num_tokens += len(out.delta_token_ids)
             if out.delta_logprobs is not None:
                 ids += out.delta_token_ids
@@ -630,6 +631,23 @@ async def _end_streams(streams: list[RequestStream], trackers: list[RequestMetri
     for stream, tracker in zip(streams, trackers):
         tracker.finish("abort")  # no-op when the body's `finally` already counted it
         stream.abort()
+
+
+def _grammar_param(message: str) -> str | None:
+    """The request field a structured-output error is about (the engine's messages start with
+    it: engine/grammar.py), else None."""
+    for field in ("response_format", "structured_outputs"):
+        if message.startswith(field):
+            return field
+    return None
+
+
+def _engine_error(out: RequestOutput) -> OpenAIError:
+    """The error of a request the engine failed: a 400 when it was the request's fault (a
+    grammar that failed to compile after admission), else a 500."""
+    if out.bad_request:
+        return OpenAIError(out.error, param=_grammar_param(out.error))
+    return OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
 
 
 def _internal_error(e: Exception) -> OpenAIError:
