@@ -30,7 +30,7 @@ import json
 import logging
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -70,7 +70,7 @@ class Grammars:
         self.think_start = tokenizer.token_to_id("<think>")
         self.think_end = tokenizer.token_to_id("</think>")
         self._compiler = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._slots = threading.BoundedSemaphore(COMPILE_WORKERS)
         self._lock = threading.Lock()
 
     def warm_in_background(self) -> threading.Thread | None:
@@ -122,10 +122,21 @@ class Grammars:
         engine loop keeps stepping; a pathological regex can take minutes). Raises ValueError
         at once without xgrammar."""
         self.compiler()
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
-        return self._pool.submit(_compile, self, spec)
+        future: Future = Future()
+
+        def run():
+            with self._slots:  # at most COMPILE_WORKERS compile at once
+                if not future.set_running_or_notify_cancel():
+                    return
+                try:
+                    future.set_result(_compile(self, spec))
+                except BaseException as e:  # noqa: BLE001 - the engine reads it from the future
+                    future.set_exception(e)
+
+        # a daemon thread, not a ThreadPoolExecutor's: those are joined at interpreter exit,
+        # so a compile running for minutes would hold the server's shutdown
+        threading.Thread(target=run, name="grammar", daemon=True).start()
+        return future
 
     def guide(self, spec: StructuredOutput, prompt_ids: list[int], compiled=None) -> "Guide":
         """A new request's matcher (`compiled`: its grammar if compiled already); it waits for
