@@ -211,6 +211,7 @@ def cmd_serve(args) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         spec_synthetic_acceptance=args.spec_synthetic_acceptance,
         spec_max_running=8 if args.spec_max_running is None else args.spec_max_running,
+        grammar_warmup=True,
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

@@ -75,7 +75,7 @@ class Engine:
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # aborts, emitted on the next step()
         self._grammars: Grammars | None = None  # structured output's compiler
-        if hasattr(tokenizer, "is_added"):  # a real tokenizer (tests pass fakes)
+        if engine_config.grammar_warmup and hasattr(tokenizer, "is_added"):
             self._grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_token_ids)
             self._grammars.warm_in_background()
         self._guides: dict[str, Guide] = {}  # structured requests' grammar states, by id

@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 
 import torch
@@ -55,8 +56,9 @@ _ANY_OBJECT = '{"type": "object"}'
 
 
 class Grammars:
-    """The engine's grammar compiler: built once (`warm_in_background` at engine start, else at
-    the first structured request): xgrammar's tokenizer info and compiler preprocess the whole
+    """The engine's grammar compiler: built once (`warm_in_background` at engine start when
+    EngineConfig.grammar_warmup, as `tailored serve` sets it; else at the first structured
+    request): xgrammar's tokenizer info and compiler preprocess the whole
     vocabulary, ~2.5 s for Qwen's 248k tokens on one CPU core.
 
     tokenizer: tailored.tokenizer.Tokenizer (token_bytes, vocab_size, eos_token_ids,
@@ -71,6 +73,7 @@ class Grammars:
         self.think_end = tokenizer.token_to_id("</think>")
         self._compiler = None
         self._slots = threading.BoundedSemaphore(COMPILE_WORKERS)
+        self._cache: OrderedDict = OrderedDict()  # (kind, schema) -> compiled grammar, LRU
         self._lock = threading.Lock()
 
     def warm_in_background(self) -> threading.Thread | None:
@@ -153,8 +156,7 @@ class Grammars:
                      self.think_end if waiting else None)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _compile_cached(grammars: Grammars, kind: str, schema: str | None):
+def _compile_uncached(grammars: Grammars, kind: str, schema: str | None):
     compiler = grammars.compiler()
     xgr = grammars._xgr()
     try:
@@ -201,8 +203,20 @@ _WHAT = {"json_object": "response_format: the JSON schema",
 
 
 def _compile(grammars: Grammars, spec: StructuredOutput):
-    grammars.compiler()  # ValueError without xgrammar, before the cache sees the call
-    return _compile_cached(grammars, spec.kind, spec.schema)
+    """`spec`'s grammar from the instance's LRU cache (per instance: a module-level cache would
+    keep every engine's compiler alive, ~GBs over a test session), else compiled now."""
+    key = (spec.kind, spec.schema)
+    with grammars._lock:
+        compiled = grammars._cache.get(key)
+        if compiled is not None:
+            grammars._cache.move_to_end(key)
+            return compiled
+    compiled = _compile_uncached(grammars, spec.kind, spec.schema)  # ValueError: not cached
+    with grammars._lock:
+        grammars._cache[key] = compiled
+        while len(grammars._cache) > _CACHE_SIZE:
+            grammars._cache.popitem(last=False)
+    return compiled
 
 
 # JSON Schema keywords xgrammar 0.2 does not enforce (it compiles the schema without them, so
