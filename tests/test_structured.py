@@ -345,15 +345,27 @@ def test_structured_outputs_with_response_format_is_a_400(srv):  # noqa: F811
 def _slow_compile(monkeypatch, delay_s, fail=None):
     import time as _time
 
-    real = grammar_mod._compile
+    real = grammar_mod.Grammars._compile
 
-    def slow(grammars, spec):
+    def slow(grammars, spec, grammar):
         _time.sleep(delay_s)
         if fail:
             raise ValueError(fail)
-        return real(grammars, spec)
+        return real(grammars, spec, grammar)
 
-    monkeypatch.setattr(grammar_mod, "_compile", slow)
+    monkeypatch.setattr(grammar_mod.Grammars, "_compile", slow)
+
+
+def _fresh(kind="regex"):
+    """A spec no earlier test compiled (the engine fixture's cache would answer at once)."""
+    import uuid
+
+    word = uuid.uuid4().hex[:8]
+    if kind == "regex":
+        return StructuredOutput("regex", f"(a|{word})+")
+    return StructuredOutput("json_schema", json.dumps(
+        {"type": "object", "properties": {"pick": {"enum": ["red", "green"]}},
+         "required": ["pick"], "title": word}))
 
 
 def test_a_slow_compile_does_not_hold_other_requests(engine, monkeypatch):
@@ -364,8 +376,7 @@ def test_a_slow_compile_does_not_hold_other_requests(engine, monkeypatch):
     tok = engine.tokenizer
     p = tok.encode("def fibonacci(n):")
     engine.add_request("slow", p, SamplingParams(
-        temperature=0.0, max_tokens=300, structured=StructuredOutput("json_schema",
-                                                                     json.dumps(CHOICE))))
+        temperature=0.0, max_tokens=300, structured=_fresh("json")))
     engine.add_request("plain", p, SamplingParams(temperature=0.0, max_tokens=4,
                                                   ignore_eos=True))
     plain_while_compiling, text = 0, ""
@@ -383,9 +394,8 @@ def test_a_slow_compile_does_not_hold_other_requests(engine, monkeypatch):
 def test_a_compile_that_fails_or_runs_too_long_fails_only_its_request(engine, monkeypatch):
     from tailored.engine import engine as engine_mod
 
-    spec = StructuredOutput("regex", "a+")
     _slow_compile(monkeypatch, 0.3, fail="structured_outputs.regex cannot be used: no")
-    engine.add_request("late_bad", [1, 2], SamplingParams(max_tokens=5, structured=spec))
+    engine.add_request("late_bad", [1, 2], SamplingParams(max_tokens=5, structured=_fresh()))
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
@@ -396,7 +406,7 @@ def test_a_compile_that_fails_or_runs_too_long_fails_only_its_request(engine, mo
     monkeypatch.undo()
     monkeypatch.setattr(engine_mod, "COMPILE_TIMEOUT_S", 0.2)
     _slow_compile(monkeypatch, 5.0)  # far past the timeout, whatever a step takes
-    engine.add_request("too_slow", [1, 2], SamplingParams(max_tokens=5, structured=spec))
+    engine.add_request("too_slow", [1, 2], SamplingParams(max_tokens=5, structured=_fresh()))
     engine.add_request("fine", [1, 2], SamplingParams(max_tokens=3, temperature=0.0))
     got = {}
     while engine.has_unfinished():
@@ -409,8 +419,7 @@ def test_a_compile_that_fails_or_runs_too_long_fails_only_its_request(engine, mo
 
 def test_abort_while_compiling(engine, monkeypatch):
     _slow_compile(monkeypatch, 0.5)
-    engine.add_request("gone", [1, 2], SamplingParams(
-        max_tokens=5, structured=StructuredOutput("json_object")))
+    engine.add_request("gone", [1, 2], SamplingParams(max_tokens=5, structured=_fresh()))
     engine.abort_request("gone")
     outs = []
     while engine.has_unfinished():
@@ -429,6 +438,13 @@ def test_abort_while_compiling(engine, monkeypatch):
     ({"type": "object", "properties": {"x": {"if": {}, "then": {}}}}, "schema.properties.x"),
     ({"type": "object", "patternProperties": {"x": {"type": "integer"}}}, "patternProperties"),
     ({"type": []}, "empty list"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "pattern"),
+    ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5}, "beside"),
+    ({"allOf": [{"type": "integer"}], "minimum": 5}, "beside"),
+    ({"type": "string", "enum": [1, 2]}, "not of its 'type'"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"not": {}}}}},
+     "schema.properties.a.items"),
 ])
 def test_unenforceable_schemas_are_refused(grammars, schema, needle):
     assert needle in grammar_mod.unsupported_schema(schema)
@@ -443,6 +459,16 @@ def test_unenforceable_schemas_are_refused(grammars, schema, needle):
      "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]},
     {"type": "object", "properties": {}, "required": ["b"], "additionalProperties": True},
     {"type": "string", "enum": ["not", "if"]},
+    # review 2's false positives: "at least one of", allOf of a $ref, vendor extensions
+    {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+     "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+    {"$defs": {"B": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+     "allOf": [{"$ref": "#/$defs/B"}], "description": "d"},
+    {"type": "object", "properties": {"a": {"type": "integer", "x-note": {"if": {}}}}},
+    {"type": ["integer", "null"], "enum": [1, None]},
+    {"type": "integer", "multipleOf": 3},
+    {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+               {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
 ])
 def test_enforceable_schemas_pass_the_check(schema):
     assert grammar_mod.unsupported_schema(schema) is None
@@ -500,7 +526,7 @@ def test_http_errors_name_the_structured_field(engine, monkeypatch):
         assert err["param"] == "structured_outputs"
         _slow_compile(monkeypatch, 0.3, fail="structured_outputs.grammar cannot be used: late")
         err = assert_openai_error(completion(client, prompt="x", max_tokens=5, structured_outputs={
-            "grammar": 'root ::= "x"'}), 400, "late")
+            "grammar": 'root ::= "late"'}), 400, "late")
         assert err["param"] == "structured_outputs"
 
 
@@ -531,3 +557,54 @@ def test_warmup_builds_the_compiler_on_a_thread():
     t = g.warm_in_background()
     t.join(60)
     assert g._compiler is not None and ("json_object", None) in g._cache
+
+
+def test_a_mask_over_the_time_limit_fails_its_request(engine, monkeypatch):
+    """A grammar that compiles fast but masks slowly (review 2: a nested-repeat pattern took
+    1.8 s a token by its 40th) must not stall every stream: past MASK_LIMIT_S the request
+    fails as a bad request; the plain one beside it finishes."""
+    from tailored.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MASK_LIMIT_S", 0.0)
+    got = _run(engine, {
+        "slow_mask": ([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20,
+                                                structured=StructuredOutput("json_object"))),
+        "plain": ([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)),
+    })
+    assert got["slow_mask"]["reason"] is FinishReason.ERROR
+    assert got["plain"]["reason"] is FinishReason.LENGTH and len(got["plain"]["ids"]) == 5
+
+
+def test_busy_compile_threads_neither_delay_bad_grammars_nor_cached_ones(engine, monkeypatch):
+    """With every compile thread busy: a grammar that does not parse is still a ValueError at
+    once, a cached one is admitted at once, and a new one fails after the queue timeout
+    (its queued compile is dropped)."""
+    import threading as _threading
+
+    from tailored.engine import engine as engine_mod
+
+    engine.add_request("warm", [1, 2], SamplingParams(
+        max_tokens=2, structured=StructuredOutput("json_object")))
+    while engine.has_unfinished():
+        engine.step()
+    busy = _threading.BoundedSemaphore(1)
+    busy.acquire()
+    monkeypatch.setattr(engine._grammars, "_slots", busy)
+    monkeypatch.setattr(engine_mod, "COMPILE_QUEUE_TIMEOUT_S", 0.3)
+    with pytest.raises(ValueError, match="Regex parsing error"):
+        engine.add_request("bad", [1, 2], SamplingParams(
+            max_tokens=2, structured=StructuredOutput("regex", "(")))
+    engine.add_request("cached", [1, 2], SamplingParams(
+        max_tokens=2, structured=StructuredOutput("json_object")))
+    assert "cached" not in engine._compiling
+    engine.add_request("queued", [1, 2], SamplingParams(max_tokens=2, structured=_fresh()))
+    future = engine._compiling["queued"][1]
+    got = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o
+    busy.release()
+    assert got["cached"].error is None
+    assert got["queued"].bad_request and "stayed busy" in got["queued"].error
+    assert future.cancelled()

@@ -46,12 +46,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# structured output: how long add_request waits for a grammar to compile before it admits the
-# request later (a small schema compiles in ~15 ms; errors are then a 400 at once), and how
-# long a compile may take before the request fails (a pathological regex can take minutes;
-# xgrammar's compile cannot be cancelled, so its worker thread finishes it in the background)
-COMPILE_WAIT_S = 0.05
+# structured output: how long a grammar may compile before its request fails (a pathological
+# pattern compiles for minutes; xgrammar's compile cannot be cancelled, so its thread finishes
+# it in the background), how long a request may wait for a free compile thread, and how long
+# one token's mask may take (a pattern can compile fast and then take seconds a token: every
+# stream of the engine thread would wait)
 COMPILE_TIMEOUT_S = 30.0
+COMPILE_QUEUE_TIMEOUT_S = 60.0
+MASK_LIMIT_S = 0.05
 
 
 class Engine:
@@ -113,21 +115,23 @@ class Engine:
             )
         req = Request(request_id, prompt_ids, sampling, eos_token_ids=self.eos_token_ids)
         compiled = future = None
-        if sampling.structured is not None:
+        spec = sampling.structured
+        if spec is not None:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
                                           self.eos_token_ids)
-            future = self._grammars.submit(sampling.structured)  # ValueError: no xgrammar
-            if wait([future], timeout=COMPILE_WAIT_S).done:
-                compiled = future.result()  # ValueError: a grammar xgrammar refuses -> 400
-        if future is not None and compiled is None:  # admitted once its grammar compiled
-            self.scheduler.check_fits(req)
-            self._compiling[request_id] = (req, future, time.monotonic() + COMPILE_TIMEOUT_S)
+            compiled = self._grammars.cached(spec)
+            if compiled is None:
+                # parsed here (a bad grammar is a 400 now), compiled on a thread
+                grammar = self._grammars.parse(spec)  # ValueError (or no xgrammar)
+                self.scheduler.check_fits(req)
+                future = self._grammars.submit(spec, grammar)
+        if future is not None:  # admitted once its grammar compiled (`_admit_compiled`)
+            self._compiling[request_id] = (req, future, time.monotonic())
         else:
             self.scheduler.add(req)  # ValueError if it can never fit in the KV pool
-            if future is not None:
-                self._guides[request_id] = self._grammars.guide(sampling.structured,
-                                                                prompt_ids, compiled)
+            if compiled is not None:
+                self._guides[request_id] = self._grammars.guide(spec, prompt_ids, compiled)
         self._requests[request_id] = req
         self._detoks[request_id] = IncrementalDetokenizer(
             self.tokenizer,
@@ -145,7 +149,9 @@ class Engine:
         self.scheduler.abort(request_id)
         self._detoks.pop(request_id, None)
         self._guides.pop(request_id, None)
-        self._compiling.pop(request_id, None)
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling[1].cancel()  # drops it if it still waits for a thread
         self._pending.append(_output(req, "", [], FinishReason.ABORT))
 
     def step(self) -> list[RequestOutput]:
@@ -218,25 +224,33 @@ class Engine:
 
     def _admit_compiled(self) -> None:
         """Queue the structured requests whose grammar compiled; fail (as bad requests) those
-        whose grammar failed or ran past COMPILE_TIMEOUT_S."""
+        whose grammar failed, compiled past COMPILE_TIMEOUT_S, or waited for a compile thread
+        past COMPILE_QUEUE_TIMEOUT_S."""
         now = time.monotonic()
-        for rid, (req, future, deadline) in list(self._compiling.items()):
-            if not future.done() and now < deadline:
-                continue
-            del self._compiling[rid]
+        for rid, (req, future, submitted) in list(self._compiling.items()):
+            spec = req.sampling.structured
+            field = ("structured_outputs" if spec.kind in ("regex", "choice", "grammar")
+                     else "response_format")
             error = None
             if not future.done():
-                field = ("structured_outputs" if req.sampling.structured.kind
-                         in ("regex", "choice", "grammar") else "response_format")
-                error = (f"{field}: the grammar did not compile within "
-                         f"{COMPILE_TIMEOUT_S:.0f} s (too complex: simplify the schema or "
-                         "pattern)")
+                started = future.started_at
+                if started is None and now - submitted > COMPILE_QUEUE_TIMEOUT_S:
+                    future.cancel()
+                    error = (f"{field}: every grammar compile thread stayed busy for "
+                             f"{COMPILE_QUEUE_TIMEOUT_S:.0f} s; try again later")
+                elif started is not None and now - started > COMPILE_TIMEOUT_S:
+                    error = (f"{field}: the grammar did not compile within "
+                             f"{COMPILE_TIMEOUT_S:.0f} s (too complex: simplify the schema or "
+                             "pattern)")
+                else:
+                    continue
             elif future.exception() is not None:
                 error = str(future.exception())
+            del self._compiling[rid]
             if error is None:
                 try:
-                    self._guides[rid] = self._grammars.guide(req.sampling.structured,
-                                                             req.prompt_ids, future.result())
+                    self._guides[rid] = self._grammars.guide(spec, req.prompt_ids,
+                                                             future.result())
                     self.scheduler.add(req)
                     continue
                 except Exception as e:  # noqa: BLE001 - fail this request only
@@ -291,7 +305,11 @@ class Engine:
         for seq in sched_out.seqs:
             guide = self._guides.get(seq.request_id)
             if guide is not None and seq.sample:
+                t = time.perf_counter()
                 seq = replace(seq, allowed=guide.mask())
+                took = time.perf_counter() - t
+                if took > MASK_LIMIT_S:  # the request fails after this step (`_emit`)
+                    guide.too_slow = took
             seqs.append(seq)
         return replace(sched_out, seqs=tuple(seqs))
 
@@ -332,16 +350,26 @@ class Engine:
         if guide is not None:
             for t in new:
                 guide.accept(t)
-            if guide.failed and req.finish_reason is None:
+            error = None
+            if guide.failed:
                 # a token the grammar refused: the sampler fell back past the mask on NaN
                 # logits; the answer could not follow the grammar
+                error = ("structured output: the model's logits held NaN; the answer could "
+                         "not follow the grammar")
+            elif guide.too_slow:
+                field = ("structured_outputs" if sp.structured.kind in
+                         ("regex", "choice", "grammar") else "response_format")
+                error = (f"{field}: the grammar took {guide.too_slow * 1e3:.0f} ms to mask one "
+                         f"token (limit {MASK_LIMIT_S * 1e3:.0f} ms: it would stall every "
+                         "stream); simplify the schema or pattern")
+            if error is not None and req.finish_reason is None:
                 self.scheduler.finish(req.request_id, FinishReason.ERROR)
                 del self._requests[req.request_id]
                 del self._detoks[req.request_id]
                 del self._guides[req.request_id]
-                return _output(req, "", [], FinishReason.ERROR,
-                               "structured output: the model's logits held NaN; the answer "
-                               "could not follow the grammar")
+                out = _output(req, "", [], FinishReason.ERROR, error)
+                out.bad_request = guide.too_slow is not None and not guide.failed
+                return out
             if guide.done and req.finish_reason is None:
                 # complete: the grammar took a stop token (ignore_eos let it through), which
                 # is not text

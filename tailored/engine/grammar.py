@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 
@@ -47,7 +48,7 @@ _CACHE_SIZE = 256
 # did, up to max_tokens, with no bound)
 MAX_WHITESPACE = 64
 LEADING_WHITESPACE = 8  # whitespace characters allowed before a JSON answer
-COMPILE_WORKERS = 2  # grammars compiled at once (each on its own thread)
+COMPILE_WORKERS = 4  # grammars compiled at once (each on its own thread)
 # a prompt leaves thinking open when its last `<think>` is among its last tokens (the chat
 # template ends the generation prompt with "<think>\n"); a `<think>` earlier in a completions
 # prompt is text about the tag, not an open block
@@ -116,23 +117,82 @@ class Grammars:
             return self._compiler
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar of `spec`. Raises ValueError (one line) for a schema xgrammar
-        cannot compile, or without xgrammar."""
-        return _compile(self, spec)
+        """The compiled grammar of `spec`, now, on this thread. Raises ValueError (one line)
+        for a grammar xgrammar cannot parse or compile, or without xgrammar."""
+        compiled = self.cached(spec)
+        return compiled if compiled is not None else self._compile(spec, self.parse(spec))
 
-    def submit(self, spec: StructuredOutput) -> Future:
-        """`compile` on a worker thread (xgrammar releases the GIL while it compiles: the
-        engine loop keeps stepping; a pathological regex can take minutes). Raises ValueError
-        at once without xgrammar."""
+    def cached(self, spec: StructuredOutput):
+        """`spec`'s compiled grammar if compiled before (LRU), else None."""
+        key = (spec.kind, spec.schema)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
+
+    def parse(self, spec: StructuredOutput):
+        """`spec` as an xgrammar Grammar, not yet compiled against the vocabulary: fast (a
+        JSON schema with a long pattern ~70 ms; a regex ~0.2 ms), so the engine thread does it
+        and a bad grammar is a 400 at once. Raises ValueError (one line)."""
+        xgr = self._xgr()
+        kind, text = spec.kind, spec.schema
+        try:
+            if kind in ("json_object", "json_schema"):
+                if kind == "json_schema":
+                    problem = unsupported_schema(json.loads(text))
+                    if problem:
+                        raise ValueError(problem)
+                # json_object: OpenAI's JSON mode is an object (not any JSON value);
+                # json_schema strict: no properties beyond the schema's unless it allows them
+                body = xgr.Grammar.from_json_schema(
+                    _ANY_OBJECT if kind == "json_object" else text, any_whitespace=True,
+                    max_whitespace_cnt=MAX_WHITESPACE, strict_mode=kind == "json_schema")
+                # a few whitespace characters may come first: Qwen writes "</think>\n\n"
+                # before its answer, and a grammar that forbids them forces an unlikely token
+                return xgr.Grammar.concat(_leading_space(xgr), body)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(text)
+            if kind == "choice":  # one of the strings, exactly (JSON string escapes are EBNF's)
+                options = json.loads(text)
+                return xgr.Grammar.from_ebnf(
+                    "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(text)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad input
+            raise _one_line(kind, e) from None
+        raise ValueError(f"structured output: unknown kind {kind!r}")
+
+    def _compile(self, spec: StructuredOutput, grammar):
+        """Compile a parsed grammar against the vocabulary and cache it."""
+        compiler = self.compiler()
+        try:
+            compiled = compiler.compile_grammar(grammar)
+        except Exception as e:  # noqa: BLE001
+            raise _one_line(spec.kind, e) from None
+        with self._lock:
+            self._cache[(spec.kind, spec.schema)] = compiled
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def submit(self, spec: StructuredOutput, grammar) -> Future:
+        """Compile a parsed grammar (`parse`) on a daemon thread, at most COMPILE_WORKERS at
+        once: xgrammar releases the GIL while it compiles, so the engine loop keeps stepping
+        (a pathological pattern compiles for minutes). The future's `started_at` is the
+        monotonic time its compile began (None while it queues); `cancel()` drops a queued
+        one."""
         self.compiler()
         future: Future = Future()
+        future.started_at = None
 
         def run():
-            with self._slots:  # at most COMPILE_WORKERS compile at once
+            with self._slots:
                 if not future.set_running_or_notify_cancel():
                     return
+                future.started_at = time.monotonic()
                 try:
-                    future.set_result(_compile(self, spec))
+                    future.set_result(self._compile(spec, grammar))
                 except BaseException as e:  # noqa: BLE001 - the engine reads it from the future
                     future.set_exception(e)
 
@@ -156,40 +216,6 @@ class Grammars:
                      self.think_end if waiting else None)
 
 
-def _compile_uncached(grammars: Grammars, kind: str, schema: str | None):
-    compiler = grammars.compiler()
-    xgr = grammars._xgr()
-    try:
-        if kind in ("json_object", "json_schema"):
-            if kind == "json_schema":
-                problem = unsupported_schema(json.loads(schema))
-                if problem:
-                    raise ValueError(problem)
-            # json_object: OpenAI's JSON mode is an object (not any JSON value); json_schema
-            # strict: no properties beyond the schema's unless it allows them
-            body = xgr.Grammar.from_json_schema(
-                _ANY_OBJECT if kind == "json_object" else schema, any_whitespace=True,
-                max_whitespace_cnt=MAX_WHITESPACE, strict_mode=kind == "json_schema")
-            # a few whitespace characters may come first: Qwen writes "</think>\n\n" before
-            # its answer, and a grammar that forbids them forces an unlikely first token
-            return compiler.compile_grammar(xgr.Grammar.concat(_leading_space(xgr), body))
-        if kind == "regex":
-            return compiler.compile_regex(schema)
-        if kind == "choice":  # one of the strings, exactly (JSON string escapes are EBNF's)
-            options = json.loads(schema)
-            return compiler.compile_grammar(
-                "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
-        if kind == "grammar":
-            return compiler.compile_grammar(schema)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad input
-        text = str(e).strip()
-        first = text.splitlines()[0] if text else type(e).__name__
-        # "[13:22:29] /project/cpp/regex_converter.cc:94: Regex parsing error at ..." -> the message
-        first = _XGR_PREFIX.sub("", first)
-        raise ValueError(f"{_WHAT[kind]} cannot be used: {first[:300]}") from None
-    raise ValueError(f"structured output: unknown kind {kind!r}")
-
-
 @functools.lru_cache(maxsize=1)
 def _leading_space(xgr):
     return xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n]{{0,{LEADING_WHITESPACE}}}")
@@ -202,21 +228,13 @@ _WHAT = {"json_object": "response_format: the JSON schema",
          "grammar": "structured_outputs.grammar"}
 
 
-def _compile(grammars: Grammars, spec: StructuredOutput):
-    """`spec`'s grammar from the instance's LRU cache (per instance: a module-level cache would
-    keep every engine's compiler alive, ~GBs over a test session), else compiled now."""
-    key = (spec.kind, spec.schema)
-    with grammars._lock:
-        compiled = grammars._cache.get(key)
-        if compiled is not None:
-            grammars._cache.move_to_end(key)
-            return compiled
-    compiled = _compile_uncached(grammars, spec.kind, spec.schema)  # ValueError: not cached
-    with grammars._lock:
-        grammars._cache[key] = compiled
-        while len(grammars._cache) > _CACHE_SIZE:
-            grammars._cache.popitem(last=False)
-    return compiled
+def _one_line(kind: str, e: Exception) -> ValueError:
+    """xgrammar's error as a one-line ValueError naming the request field."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    # "[13:22:29] /project/cpp/regex_converter.cc:94: Regex parsing error at ..." -> the message
+    first = _XGR_PREFIX.sub("", first)
+    return ValueError(f"{_WHAT.get(kind, 'structured output')} cannot be used: {first[:300]}")
 
 
 # JSON Schema keywords xgrammar 0.2 does not enforce (it compiles the schema without them, so
@@ -227,25 +245,43 @@ _UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "depe
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 
 
+# keywords that hold subschemas (walked); anything else is a value (enum, const, examples,
+# vendor extensions such as pydantic's json_schema_extra): not a schema to check
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties")
+# keywords that only annotate: they may stand beside `$ref` / a one-schema `allOf`
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "$schema", "$id",
+                "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
+               "object": dict, "array": list, "null": type(None)}
+
+
+def _is_type(value, name: str) -> bool:
+    if name in ("integer", "number") and isinstance(value, bool):
+        return False
+    if name == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES.get(name, object))
+
+
 def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | None:
-    """Why xgrammar would not enforce `schema` (a JSON Schema as Python values): a keyword it
-    ignores, `allOf` of several schemas, `uniqueItems`, a `$ref` other than "#..." JSON
-    pointers, a `pattern` with lookaround, a `required` property a strict schema forbids, an
-    empty `type` list. None when it can be enforced (as far as these checks see)."""
+    """Why xgrammar would not enforce `schema` (a JSON Schema as Python values), or None when
+    these checks see nothing it would ignore: keywords it ignores (`not`, `if`, ...), `allOf`
+    of several schemas, `uniqueItems`, non-local or escaped `$ref`, constraints beside a `$ref`
+    or a one-schema `allOf`, lookaround in `pattern`, `pattern` with a length bound,
+    `multipleOf` on non-integers, enum / const values of another `type`, a `required` property
+    the schema's own `properties` forbid, an empty `type` list. `oneOf` is enforced as
+    `anyOf` (exact for discriminated unions, as pydantic writes them)."""
     if depth > 64:
         return f"{path}: nested too deeply"
-    if isinstance(schema, list):
-        for i, v in enumerate(schema):
-            why = unsupported_schema(v, f"{path}[{i}]", depth + 1)
-            if why:
-                return why
-        return None
     if not isinstance(schema, dict):
         return None
     for key in _UNSUPPORTED_KEYWORDS:
         if key in schema:
             return f"{path}: the keyword '{key}' is not supported"
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
         return f"{path}: 'allOf' of more than one schema is not supported"
     if schema.get("uniqueItems") is True:
         return f"{path}: 'uniqueItems' is not supported"
@@ -254,32 +290,54 @@ def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | No
         return f"{path}: only local '$ref's (\"#/...\") are supported, got {ref[:80]!r}"
     if isinstance(ref, str) and "%" in ref:
         return f"{path}: escaped '$ref' pointers are not supported, got {ref[:80]!r}"
+    if "$ref" in schema or isinstance(all_of, list):
+        extra = sorted(set(schema) - _ANNOTATIONS - {"$ref", "allOf"})
+        if extra:
+            return (f"{path}: constraints beside '$ref' / 'allOf' are not supported "
+                    f"({', '.join(extra[:4])}): move them into the referenced schema")
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and _LOOKAROUND.search(pattern):
-        return f"{path}: lookaround in 'pattern' is not supported"
-    if schema.get("type") == []:
+    if isinstance(pattern, str):
+        if _LOOKAROUND.search(pattern):
+            return f"{path}: lookaround in 'pattern' is not supported"
+        if "minLength" in schema or "maxLength" in schema:
+            return f"{path}: 'pattern' together with 'minLength' / 'maxLength' is not supported"
+    types = schema.get("type")
+    if types == []:
         return f"{path}: 'type' must not be an empty list"
+    type_list = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    if "multipleOf" in schema and type_list != ["integer"]:
+        return f"{path}: 'multipleOf' is only supported with type 'integer'"
+    values = list(schema.get("enum", [])) if isinstance(schema.get("enum"), list) else []
+    if "const" in schema:
+        values.append(schema["const"])
+    if type_list and values:
+        bad = [v for v in values if not any(_is_type(v, t) for t in type_list)]
+        if bad:
+            return f"{path}: the value {json.dumps(bad[0])[:40]} is not of its 'type' {types}"
     props = schema.get("properties")
     required = schema.get("required")
-    if (isinstance(required, list) and schema.get("additionalProperties", False) is False
-            and not schema.get("patternProperties")):
-        names = props if isinstance(props, dict) else {}
-        missing = [r for r in required if isinstance(r, str) and r not in names]
+    if (isinstance(props, dict) and isinstance(required, list)
+            and schema.get("additionalProperties", False) is False):
+        missing = [r for r in required if isinstance(r, str) and r not in props]
         if missing:
             return (f"{path}: required property {missing[0]!r} is not in 'properties' (no "
                     "other property is allowed)")
-    for key, value in schema.items():
-        if key in ("enum", "const", "default", "examples", "description", "title"):
-            continue  # values, not schemas
-        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            for name, sub in value.items():
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
                 why = unsupported_schema(sub, f"{path}.{key}.{name}", depth + 1)
                 if why:
                     return why
-        elif isinstance(value, (dict, list)):
-            why = unsupported_schema(value, f"{path}.{key}", depth + 1)
-            if why:
-                return why
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                why = unsupported_schema(sub, f"{path}.{key}[{i}]", depth + 1)
+                if why:
+                    return why
+    for key in _SCHEMA_ONE:
+        why = unsupported_schema(schema.get(key), f"{path}.{key}", depth + 1)
+        if why:
+            return why
     return None
 
 
@@ -301,6 +359,7 @@ class Guide:
         self._wait_for = wait_for  # a token before which the grammar is not applied
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
         self.failed = False  # a token the grammar refused (only if the mask was bypassed)
+        self.too_slow: float | None = None  # seconds of a mask over the engine's limit
 
     @property
     def active(self) -> bool:
