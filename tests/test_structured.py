@@ -608,3 +608,28 @@ def test_busy_compile_threads_neither_delay_bad_grammars_nor_cached_ones(engine,
     assert got["cached"].error is None
     assert got["queued"].bad_request and "stayed busy" in got["queued"].error
     assert future.cancelled()
+
+
+def test_add_request_does_not_wait_for_the_compiler_build(engine):
+    """While a thread builds the compiler (seconds at Qwen's vocabulary, holding its lock),
+    a new structured request is parsed and queued without waiting for it."""
+    import time as _time
+
+    engine.add_request("prime", [1, 2], SamplingParams(
+        max_tokens=2, structured=StructuredOutput("json_object")))
+    while engine.has_unfinished():
+        engine.step()
+    lock = engine._grammars._lock
+    lock.acquire()  # as the warm-up thread does while it builds
+    try:
+        t = _time.monotonic()
+        engine.add_request("during_build", [1, 2], SamplingParams(max_tokens=2,
+                                                                  structured=_fresh()))
+        engine.add_request("cached", [1, 2], SamplingParams(
+            max_tokens=2, structured=StructuredOutput("json_object")))
+        assert _time.monotonic() - t < 0.5
+        assert "during_build" in engine._compiling and "cached" not in engine._compiling
+    finally:
+        lock.release()
+    while engine.has_unfinished():
+        engine.step()

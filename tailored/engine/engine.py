@@ -81,7 +81,7 @@ class Engine:
             self._grammars = Grammars(tokenizer, model_config.vocab_size, self.eos_token_ids)
             self._grammars.warm_in_background()
         self._guides: dict[str, Guide] = {}  # structured requests' grammar states, by id
-        # structured requests whose grammar still compiles: (request, future, deadline)
+        # structured requests whose grammar still compiles: (request, future, submitted at)
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
         self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
         # async scheduling needs a runner that can launch a step and collect it later

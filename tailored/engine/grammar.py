@@ -75,7 +75,10 @@ class Grammars:
         self._compiler = None
         self._slots = threading.BoundedSemaphore(COMPILE_WORKERS)
         self._cache: OrderedDict = OrderedDict()  # (kind, schema) -> compiled grammar, LRU
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the compiler's build (seconds)
+        # the cache's own lock: the engine thread reads the cache while a worker may hold
+        # `_lock` for the compiler's build
+        self._cache_lock = threading.Lock()
 
     def warm_in_background(self) -> threading.Thread | None:
         """Build the compiler, and JSON mode's grammar, on a daemon thread (~2.5 s for Qwen's
@@ -125,7 +128,7 @@ class Grammars:
     def cached(self, spec: StructuredOutput):
         """`spec`'s compiled grammar if compiled before (LRU), else None."""
         key = (spec.kind, spec.schema)
-        with self._lock:
+        with self._cache_lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
@@ -170,7 +173,7 @@ class Grammars:
             compiled = compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
             raise _one_line(spec.kind, e) from None
-        with self._lock:
+        with self._cache_lock:
             self._cache[(spec.kind, spec.schema)] = compiled
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -181,8 +184,8 @@ class Grammars:
         once: xgrammar releases the GIL while it compiles, so the engine loop keeps stepping
         (a pathological pattern compiles for minutes). The future's `started_at` is the
         monotonic time its compile began (None while it queues); `cancel()` drops a queued
-        one."""
-        self.compiler()
+        one. The compiler itself is built on that thread if it is not yet (never here: the
+        engine thread must not wait for it)."""
         future: Future = Future()
         future.started_at = None
 
