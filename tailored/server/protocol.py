@@ -50,8 +50,9 @@ MAX_JSON_DEPTH = 64  # nesting levels of a request body (arrays/objects); deeper
 MAX_ERROR_MESSAGE_CHARS = 2000
 MAX_CHOICES = 128  # `n`: pass@k evaluations ask for up to ~100 samples of one prompt
 MAX_PROMPTS = 128  # a completions batch; prompts x n is capped at MAX_CHOICES too
-# response_format's JSON Schema, as compact JSON text: compiled in the engine's thread, so
-# its size is bounded (xgrammar compiles a 64 KB schema in well under a second)
+# response_format's JSON Schema (compact JSON text), a regex or a grammar: parsed on the
+# engine's thread (~0.1 s at most for a schema this size), so its size is bounded; the time a
+# grammar takes to compile or mask is bounded by the engine (COMPILE_TIMEOUT_S, MASK_LIMIT_S)
 MAX_SCHEMA_CHARS = 65536
 # repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
