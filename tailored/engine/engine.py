@@ -229,8 +229,7 @@ class Engine:
         now = time.monotonic()
         for rid, (req, future, submitted) in list(self._compiling.items()):
             spec = req.sampling.structured
-            field = ("structured_outputs" if spec.kind in ("regex", "choice", "grammar")
-                     else "response_format")
+            field = spec.field
             error = None
             if not future.done():
                 started = future.started_at
@@ -357,9 +356,7 @@ class Engine:
                 error = ("structured output: the model's logits held NaN; the answer could "
                          "not follow the grammar")
             elif guide.too_slow:
-                field = ("structured_outputs" if sp.structured.kind in
-                         ("regex", "choice", "grammar") else "response_format")
-                error = (f"{field}: the grammar took {guide.too_slow * 1e3:.0f} ms to mask one "
+                error = (f"{sp.structured.field}: the grammar took {guide.too_slow * 1e3:.0f} ms to mask one "
                          f"token (limit {MASK_LIMIT_S * 1e3:.0f} ms: it would stall every "
                          "stream); simplify the schema or pattern")
             if error is not None and req.finish_reason is None:

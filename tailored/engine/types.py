@@ -106,6 +106,13 @@ class StructuredOutput:
     kind: str
     schema: str | None = None
 
+    @property
+    def field(self) -> str:
+        """The request field it came from, for error messages (a json_schema from
+        `structured_outputs.json` is named response_format)."""
+        return "structured_outputs" if self.kind in ("regex", "choice", "grammar") \
+            else "response_format"
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
