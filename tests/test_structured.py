@@ -314,7 +314,9 @@ def test_structured_outputs_reach_the_engine(srv):  # noqa: F811
              ({"json": '{"type": "object"}'}, StructuredOutput("json_schema",
                                                                '{"type": "object"}')),
              ({"json_object": True, "disable_any_whitespace": True},
-              StructuredOutput("json_object"))]
+              StructuredOutput("json_object", compact=True)),
+             ({"json_object": True, "whitespace_pattern": " "}, StructuredOutput("json_object")),
+             ({"regex": "x+", "disable_any_whitespace": True}, StructuredOutput("regex", "x+"))]
     for body, want in cases:
         engine.added.clear()
         r = completion(client, prompt="x", structured_outputs=body)
@@ -556,7 +558,7 @@ def test_warmup_builds_the_compiler_on_a_thread():
     g = grammar_mod.Grammars(tok, 4160, tok.eos_token_ids)
     t = g.warm_in_background()
     t.join(60)
-    assert g._compiler is not None and ("json_object", None) in g._cache
+    assert g._compiler is not None and g.cached(StructuredOutput("json_object")) is not None
 
 
 def test_a_mask_over_the_time_limit_fails_its_request(engine, monkeypatch):
@@ -633,3 +635,18 @@ def test_add_request_does_not_wait_for_the_compiler_build(engine):
         lock.release()
     while engine.has_unfinished():
         engine.step()
+
+
+def test_compact_json_has_no_free_whitespace(grammars):
+    """structured_outputs.disable_any_whitespace (vLLM): only xgrammar's compact separators;
+    a weak model cannot spend its tokens on whitespace (a new user's parse() ran out of
+    max_tokens on the nano model without it)."""
+    g, tok = grammars
+    compact = StructuredOutput("json_schema", json.dumps(PERSON), compact=True)
+    guide = g.guide(compact, [1])
+    _feed(guide, tok, '{"name":"Bo","age":7}')
+    guide.accept(tok.eos_token_ids[0])
+    assert guide.done and not guide.failed
+    spaced = g.guide(compact, [1])
+    spaced.accept(tok.encode(" ", allow_special=False)[0])
+    assert spaced.failed

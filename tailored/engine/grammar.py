@@ -127,7 +127,7 @@ class Grammars:
 
     def cached(self, spec: StructuredOutput):
         """`spec`'s compiled grammar if compiled before (LRU), else None."""
-        key = (spec.kind, spec.schema)
+        key = (spec.kind, spec.schema, spec.compact)
         with self._cache_lock:
             compiled = self._cache.get(key)
             if compiled is not None:
@@ -148,9 +148,14 @@ class Grammars:
                         raise ValueError(problem)
                 # json_object: OpenAI's JSON mode is an object (not any JSON value);
                 # json_schema strict: no properties beyond the schema's unless it allows them
+                source = _ANY_OBJECT if kind == "json_object" else text
+                if spec.compact:  # xgrammar's compact separators, no free whitespace
+                    return xgr.Grammar.from_json_schema(
+                        source, any_whitespace=False, separators=(",", ":"),
+                        strict_mode=kind == "json_schema")
                 body = xgr.Grammar.from_json_schema(
-                    _ANY_OBJECT if kind == "json_object" else text, any_whitespace=True,
-                    max_whitespace_cnt=MAX_WHITESPACE, strict_mode=kind == "json_schema")
+                    source, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE,
+                    strict_mode=kind == "json_schema")
                 # a few whitespace characters may come first: Qwen writes "</think>\n\n"
                 # before its answer, and a grammar that forbids them forces an unlikely token
                 return xgr.Grammar.concat(_leading_space(xgr), body)
@@ -174,7 +179,7 @@ class Grammars:
         except Exception as e:  # noqa: BLE001
             raise _one_line(spec.kind, e) from None
         with self._cache_lock:
-            self._cache[(spec.kind, spec.schema)] = compiled
+            self._cache[(spec.kind, spec.schema, spec.compact)] = compiled
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled

@@ -105,6 +105,9 @@ class StructuredOutput:
 
     kind: str
     schema: str | None = None
+    # JSON kinds: no free whitespace (vLLM's disable_any_whitespace; xgrammar's compact
+    # separators), for models that would spend tokens on it
+    compact: bool = False
 
     @property
     def field(self) -> str:

@@ -32,7 +32,8 @@ Tools: a chat request's `tools` are rendered by the chat template (unless tool_c
 "none"); the calls the model writes (`<tool_call>` XML) leave the answer's `content` and come
 back as `message.tool_calls`, or streamed as `delta.tool_calls` pieces with the arguments as
 they are written, and finish_reason "tool_calls" (`tool_calls.py`). tool_choice "required" or
-a named function is refused (400): forcing a call needs constrained decoding.
+a named function is refused (400): forcing a call needs constrained decoding of the tool-call
+format (not built yet).
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
 unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,

@@ -288,7 +288,7 @@ class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
     name: str | None = Field(None, max_length=64)
     description: str | None = None
-    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    json_schema: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
@@ -322,9 +322,10 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsParams(BaseModel):
     """vLLM's `structured_outputs` request field (its `StructuredOutputsParams`): exactly one of
     `json` (a JSON Schema, object or JSON text), `json_object` (true), `regex`, `choice` (a
-    list of strings), `grammar` (EBNF, xgrammar's dialect). vLLM's other fields
-    (`disable_any_whitespace`, `whitespace_pattern`, ...) are accepted and change nothing;
-    `structural_tag` is refused."""
+    list of strings), `grammar` (EBNF, xgrammar's dialect). `disable_any_whitespace`: JSON
+    without free whitespace (xgrammar's compact separators); vLLM's other fields
+    (`whitespace_pattern`, ...) are accepted and change nothing; `structural_tag` is
+    refused."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -333,6 +334,7 @@ class StructuredOutputsParams(BaseModel):
     choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     grammar: str | None = Field(None, max_length=MAX_SCHEMA_CHARS)
     structural_tag: Any = None
+    disable_any_whitespace: bool = False
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputsParams":
@@ -347,8 +349,9 @@ class StructuredOutputsParams(BaseModel):
 
     def structured(self) -> StructuredOutput:
         """The engine's record; raises OpenAIError for a schema over MAX_SCHEMA_CHARS."""
+        compact = self.disable_any_whitespace
         if self.json_object:
-            return StructuredOutput("json_object")
+            return StructuredOutput("json_object", compact=compact)
         if self.regex is not None:
             return StructuredOutput("regex", self.regex)
         if self.grammar is not None:
@@ -363,7 +366,7 @@ class StructuredOutputsParams(BaseModel):
         if len(text) > MAX_SCHEMA_CHARS:
             raise OpenAIError(f"structured_outputs may have at most {MAX_SCHEMA_CHARS} "
                               f"characters as JSON, got {len(text)}", param="structured_outputs")
-        return StructuredOutput(kind, text)
+        return StructuredOutput(kind, text, compact=compact and kind == "json_schema")
 
 
 class _BaseRequest(BaseModel):
@@ -767,7 +770,8 @@ class ChatTool(BaseModel):
 
 
 # tool_choice values served: "auto" (the model decides) and "none" (no tools in the prompt,
-# nothing parsed, as vLLM's default); "required" and a named function need constrained decoding
+# nothing parsed, as vLLM's default); "required" and a named function need a grammar over the
+# tool-call XML (a structural tag: not built yet)
 TOOL_CHOICES = (None, "auto", "none")
 
 
@@ -812,7 +816,8 @@ class ChatCompletionRequest(_BaseRequest):
             required = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
             raise OpenAIError(
                 f"tool_choice {shown(self.tool_choice)} is not supported by this server: "
-                "'auto' or 'none'" + (" (forcing a call needs constrained decoding)"
+                "'auto' or 'none'" + (" (forcing a call needs constrained decoding of the "
+                                      "tool-call format: not built yet)"
                                       if required else ""),
                 param="tool_choice",
                 code="unsupported_parameter" if required else None,
