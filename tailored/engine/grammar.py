@@ -220,7 +220,7 @@ class Grammars:
         start = _last(prompt_ids, self.think_start) if self.think_start is not None else -1
         waiting = (start >= 0 and start >= len(prompt_ids) - THINK_TAIL_TOKENS
                    and _last(prompt_ids, self.think_end) < start)
-        return Guide(xgr, xgr.GrammarMatcher(compiled), self.vocab_size,
+        return Guide(xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, self.vocab_size),
                      self.think_end if waiting else None)
 
 
@@ -361,11 +361,10 @@ class Guide:
     """One request's grammar state. `mask()` before a step that samples it, `accept(token)`
     with each token it got, `done` once the grammar ended (stop the request)."""
 
-    def __init__(self, xgr, matcher, vocab_size: int, wait_for: int | None):
-        self._xgr = xgr
+    def __init__(self, matcher, bitmask: torch.Tensor, wait_for: int | None):
         self._matcher = matcher
         self._wait_for = wait_for  # a token before which the grammar is not applied
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+        self._bitmask = bitmask  # [1, ceil(V / 32)] int32, xgrammar's allocate_token_bitmask
         self.failed = False  # a token the grammar refused (only if the mask was bypassed)
         self.too_slow: float | None = None  # seconds of a mask over the engine's limit
 

@@ -280,6 +280,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _check_schema_size(text: str, what: str, param: str) -> None:
+    """OpenAIError (400) for a schema over MAX_SCHEMA_CHARS characters of JSON text."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise OpenAIError(f"{what} may have at most {MAX_SCHEMA_CHARS} characters as JSON, "
+                          f"got {len(text)}", param=param)
+
+
 class JsonSchemaFormat(BaseModel):
     """`response_format.json_schema` (OpenAI): the schema the answer must follow. `name`,
     `description` and `strict` are accepted and change nothing: the schema is always enforced
@@ -313,9 +320,7 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return StructuredOutput("json_object")
         text = json.dumps(self.json_schema.json_schema, separators=(",", ":"))
-        if len(text) > MAX_SCHEMA_CHARS:
-            raise OpenAIError(f"response_format's schema may have at most {MAX_SCHEMA_CHARS} "
-                              f"characters as JSON, got {len(text)}", param="response_format")
+        _check_schema_size(text, "response_format's schema", "response_format")
         return StructuredOutput("json_schema", text)
 
 
@@ -363,9 +368,7 @@ class StructuredOutputsParams(BaseModel):
             text = (self.json_ if isinstance(self.json_, str)
                     else json.dumps(self.json_, separators=(",", ":")))
             kind = "json_schema"
-        if len(text) > MAX_SCHEMA_CHARS:
-            raise OpenAIError(f"structured_outputs may have at most {MAX_SCHEMA_CHARS} "
-                              f"characters as JSON, got {len(text)}", param="structured_outputs")
+        _check_schema_size(text, "structured_outputs", "structured_outputs")
         return StructuredOutput(kind, text, compact=compact and kind == "json_schema")
 
 
