@@ -308,7 +308,8 @@ def test_eager_prefill_forward_barely_syncs(precision):
             model(b, cache)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [x for x in w if "synchroniz" in str(x.message).lower()]
+    # torch's own "sync debug mode is a prototype" notice is no sync
+    syncs = [x for x in w if "called a synchronizing" in str(x.message)]
     print(f"{precision}: {len(syncs)} synchronizing calls in a 4-layer prefill forward")
     assert len(syncs) <= 6, [str(x.message)[:120] for x in syncs]
 
