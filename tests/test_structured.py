@@ -650,3 +650,168 @@ def test_compact_json_has_no_free_whitespace(grammars):
     spaced = g.guide(compact, [1])
     spaced.accept(tok.encode(" ", allow_special=False)[0])
     assert spaced.failed
+
+
+# ---- forced tool calls (tool_choice "required" / a named function) ----------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}}
+NOOP = {"type": "function", "function": {"name": "noop",
+                                         "parameters": {"type": "object", "properties": {}}}}
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+def _tool_spec(choice, tools=(WEATHER, NOOP), parallel=True):
+    return StructuredOutput("tool_calls", json.dumps(
+        {"tools": list(tools), "tool_choice": choice, "parallel_tool_calls": parallel}))
+
+
+def _takes(g, tok, spec, text):
+    """Whether the grammar of `spec` takes `text` (tokenized with the markers as their tokens)
+    whole, and then a stop token."""
+    guide = g.guide(spec, tok.encode("hi"))
+    for t in tok.encode(text, allow_special=True):
+        mask = guide.mask()
+        if not (int(mask[t // 32]) >> (t % 32)) & 1:
+            return False
+        guide.accept(t)
+    mask = guide.mask()
+    eos = tok.eos_token_ids[0]
+    return bool((int(mask[eos // 32]) >> (eos % 32)) & 1)
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice,parallel,text,ok", [
+    ("required", True, CALL, True),
+    ("required", True, "\n\n" + CALL, True),  # Qwen's "</think>\n\n" before the answer
+    ("required", True, CALL + "\n" + CALL.replace("Paris", "Rome"), True),
+    ("required", False, CALL + "\n" + CALL, False),  # parallel_tool_calls false: one call
+    ("required", True, "Sure.\n" + CALL, False),  # no free text: a call is forced
+    ("required", True, "", False),
+    ("required", True, CALL.replace("get_weather", "get_time"), False),  # not a tool
+    ("required", True, CALL.replace("\n3\n", "\nthree\n"), False),  # days is an integer
+    ("required", True, CALL.replace("<parameter=city>\nParis\n</parameter>\n", ""), False),
+    ("required", True, "<tool_call>\n<function=noop>\n\n</function>\n</tool_call>", True),
+    ("required", True, CALL.replace("\nParis\n", "\n   Paris\n"), True),  # a string's text
+    ("required", True, CALL.replace("\n3\n", "\n   3\n"), False),  # padding beside a number
+    ("required", True, CALL.replace("</function>", "\n\n</function>"), False),
+    # a string value cannot hold what would end it for the parser (tool_calls.py)
+    ("required", True, CALL.replace("Paris", "Paris<parameter=x>"), False),
+    ("required", True, CALL.replace("Paris", "Paris</function>"), False),
+    ("required", True, CALL.replace("Paris", "Paris</parameter"), True),
+    (NAMED, True, CALL, True),
+    # a length bound is kept, and then such a text may stand in a string value
+    ("bounded", True, CALL.replace("Paris", "Paris<parameter=x>"), True),
+    ("bounded", True, CALL.replace("Paris", "P" * 31), False),  # maxLength 30 holds
+    (NAMED, True, CALL + "\n" + CALL, False),  # a named function: exactly one call
+    (NAMED, True, "<tool_call>\n<function=noop>\n\n</function>\n</tool_call>", False),
+])
+def test_forced_tool_call_grammar(grammars, choice, parallel, text, ok):
+    g, tok = grammars
+    tools = (WEATHER, NOOP)
+    if choice == "bounded":
+        w = json.loads(json.dumps(WEATHER))
+        w["function"]["parameters"]["properties"]["city"]["maxLength"] = 30
+        choice, tools = "required", (w, NOOP)
+    assert _takes(g, tok, _tool_spec(choice, tools=tools, parallel=parallel), text) is ok
+
+
+def test_forced_tool_call_grammar_checks_the_parameters(grammars):
+    g, tok = grammars
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}
+    with pytest.raises(ValueError, match=r"tool_choice cannot be used: "
+                                         r"tools\[1\]\.function\.parameters.*'not'"):
+        g.parse(_tool_spec("required", tools=(WEATHER, bad)))
+    # "strict": false leaves a function's arguments free: nothing to refuse
+    free = {"type": "function", "function": {**bad["function"], "strict": False}}
+    g.parse(_tool_spec("required", tools=(WEATHER, free)))
+
+
+def test_the_tool_call_markers_are_the_only_added_tokens_a_grammar_may_allow(grammars):
+    g, tok = grammars
+    guide = g.guide(_tool_spec("required"), tok.encode("hi"))
+    mask = guide.mask()
+    allowed = {t for t in range(tok.vocab_size)
+               if tok.is_added(t) and (int(mask[t // 32]) >> (t % 32)) & 1}
+    assert allowed == {tok.token_to_id("<tool_call>")}
+
+
+def test_forced_tool_choice_reaches_the_engine(srv):  # noqa: F811
+    client, engine, _ = srv
+    tools = [WEATHER, NOOP]
+    for choice, parallel in (("required", None), (NAMED, False)):
+        engine.added.clear()
+        body = {"tools": tools, "tool_choice": choice}
+        if parallel is not None:
+            body["parallel_tool_calls"] = parallel
+        r = chat(client, **body)
+        assert r.status_code == 200, r.text
+        spec = next(iter(engine.added.values())).structured
+        assert spec.kind == "tool_calls" and spec.field == "tool_choice"
+        got = json.loads(spec.schema)
+        assert got["tool_choice"] == choice and got["parallel_tool_calls"] is (parallel is None)
+        assert [t["function"]["name"] for t in got["tools"]] == ["get_weather", "noop"]
+    r = chat(client, tools=tools, tool_choice="required", response_format={"type": "json_object"})
+    assert_openai_error(r, 400, "cannot be combined with tools")
+
+
+def test_nano_server_forced_tool_calls(engine):
+    """The real stack: a random-weight model that never calls a tool by itself answers
+    tool_choice "required" and a named function with complete calls (finish_reason
+    "tool_calls", arguments that parse and follow the schema), streamed too; a tool whose
+    parameters the grammar cannot enforce is a 400 and the server keeps serving."""
+    from tailored.server.app import build_app
+    from tailored.server.async_engine import AsyncEngine
+
+    # bounded values: a random-weight model would write an unbounded string forever
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city"]}}}
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, engine.tokenizer, MODEL, 768)
+    kw = dict(content="What is the weather in Paris?", max_tokens=300, temperature=0,
+              chat_template_kwargs={"enable_thinking": False})
+    with TestClient(app) as client:
+        for choice in ("required", NAMED):
+            r = chat(client, tools=[weather, NOOP], tool_choice=choice,
+                     parallel_tool_calls=False, **kw)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert c["finish_reason"] == "tool_calls", c
+            calls = c["message"]["tool_calls"]
+            assert len(calls) == 1
+            fn = calls[0]["function"]
+            args = json.loads(fn["arguments"])
+            assert isinstance(args, dict)
+            if fn["name"] == "get_weather":
+                assert args["city"] in ("Paris", "Rome")
+                assert 1 <= args.get("days", 1) <= 7
+            else:
+                assert fn["name"] == "noop" and choice == "required" and args == {}
+        with client.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": kw["content"]}],
+                "tools": [weather], "tool_choice": NAMED, "stream": True,
+                "max_tokens": 300, "temperature": 0,
+                "chat_template_kwargs": {"enable_thinking": False}}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        pieces = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls") or []]
+        assert pieces[0]["function"]["name"] == "get_weather"
+        assert isinstance(json.loads("".join(p["function"].get("arguments") or ""
+                                             for p in pieces))["city"], str)
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        bad = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"not": {}}}}}}
+        r = chat(client, tools=[bad], tool_choice="required", **kw)
+        assert_openai_error(r, 400, "tools[0].function.parameters")
+        assert r.json()["error"]["param"] == "tool_choice"
+        assert chat(client, content="hi", max_tokens=4).status_code == 200

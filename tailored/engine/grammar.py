@@ -15,10 +15,19 @@ inside `<think>` (its last `<think>` after its last `</think>`), the grammar sta
 model writes `</think>`: the reasoning is free text, the answer is the JSON (vLLM's
 "structured outputs after reasoning" in its reasoning parsers does the same).
 
+Forced tool calls (chat `tool_choice` "required" or a named function): the answer is held to
+Qwen3.6's tool-call XML (tool_calls.py) by xgrammar's own structural tag for this model family
+(`get_model_structural_tag("qwen_3_5", ...)`): `<tool_call>` / `</tool_call>` as their tokens,
+the function names of `tools`, each one's arguments as `<parameter=NAME>` blocks per its JSON
+Schema; "required" allows one or more calls (one with parallel_tool_calls false), a named
+function exactly one call of it.
+
 The vocabulary given to xgrammar is the tokenizer's token bytes, with every added token
-(`<|im_end|>`, `<think>`, `<tool_call>`, ...; `Tokenizer.is_added`) given as empty bytes so no
-grammar can allow it, bar the stop tokens (EOS ids) xgrammar allows at the end. Bits past
-the tokenizer's vocabulary, up to the model's (padded) vocab size, are 0.
+(`<|im_end|>`, `<think>`, ...; `Tokenizer.is_added`) given as empty bytes so no grammar can
+allow it, bar the stop tokens (EOS ids) xgrammar allows at the end, and `<tool_call>` /
+`</tool_call>` (TOOL_CALL_TOKENS), which keep their text: the tool-call grammar names them (a
+JSON string may then hold them too: plain text there). Bits past the tokenizer's vocabulary, up
+to the model's (padded) vocab size, are 0.
 
 xgrammar is optional: without it, a structured request is refused (ValueError -> HTTP 400).
 """
@@ -54,6 +63,15 @@ COMPILE_WORKERS = 4  # grammars compiled at once (each on its own thread)
 # prompt is text about the tag, not an open block
 THINK_TAIL_TOKENS = 3
 _ANY_OBJECT = '{"type": "object"}'
+# whitespace characters allowed in a row around the tool-call format's parts and non-string
+# values: the chat template writes single newlines; more would end up inside the arguments
+# (tool_calls.py drops one newline each side of a value, as vLLM's parser), e.g. an enum value
+# padded with spaces, which a random-weight model wrote (free string values are not capped)
+TOOL_CALL_WHITESPACE = 1
+# added tokens a grammar may produce: the tool-call markers the forced tool-call grammar names
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+# xgrammar's structural-tag template of the Qwen3.5/3.6 tool-call format
+_TOOL_CALL_FORMAT = "qwen_3_5"
 
 
 class Grammars:
@@ -99,11 +117,11 @@ class Grammars:
         t.start()
         return t
 
-    def _xgr(self):
+    def _xgr(self, field: str = "response_format"):
         try:
             import xgrammar
         except ImportError as e:  # optional dependency
-            raise ValueError("response_format needs the xgrammar package on the server "
+            raise ValueError(f"{field} needs the xgrammar package on the server "
                              "(pip install xgrammar)") from e
         return xgrammar
 
@@ -112,7 +130,8 @@ class Grammars:
             if self._compiler is None:
                 xgr = self._xgr()
                 tok = self.tokenizer
-                vocab = [b"" if tok.is_added(i) else tok.token_bytes(i)
+                markers = {tok.token_to_id(t) for t in TOOL_CALL_TOKENS}
+                vocab = [b"" if tok.is_added(i) and i not in markers else tok.token_bytes(i)
                          for i in range(tok.vocab_size)]
                 info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=list(self.eos_token_ids))
@@ -138,9 +157,11 @@ class Grammars:
         """`spec` as an xgrammar Grammar, not yet compiled against the vocabulary: fast (a
         JSON schema with a long pattern ~70 ms; a regex ~0.2 ms), so the engine thread does it
         and a bad grammar is a 400 at once. Raises ValueError (one line)."""
-        xgr = self._xgr()
+        xgr = self._xgr(spec.field)
         kind, text = spec.kind, spec.schema
         try:
+            if kind == "tool_calls":
+                return xgr.Grammar.concat(_leading_space(xgr), self._tool_calls(xgr, text))
             if kind in ("json_object", "json_schema"):
                 if kind == "json_schema":
                     problem = unsupported_schema(json.loads(text))
@@ -170,6 +191,27 @@ class Grammars:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad input
             raise _one_line(kind, e) from None
         raise ValueError(f"structured output: unknown kind {kind!r}")
+
+    def _tool_calls(self, xgr, text: str):
+        """The forced tool-call grammar of a "tool_calls" spec (types.StructuredOutput):
+        xgrammar's structural tag for the Qwen3.5/3.6 format, its marker tokens given as ids
+        (a structural tag names them as text, which only a compiler could resolve; the engine
+        thread parses before the compiler exists)."""
+        spec = json.loads(text)
+        for i, tool in enumerate(spec["tools"]):
+            if tool["function"].get("strict") is False:
+                continue  # xgrammar leaves its arguments free (any JSON object)
+            problem = unsupported_schema(tool["function"].get("parameters"),
+                                         f"tools[{i}].function.parameters")
+            if problem:
+                raise ValueError(problem)
+        tag = xgr.get_model_structural_tag(
+            _TOOL_CALL_FORMAT, tools=spec["tools"], tool_choice=spec["tool_choice"],
+            reasoning="disabled",  # the grammar starts after </think> (Guide)
+            parallel_tool_calls=spec["parallel_tool_calls"], token_markers=True,
+            max_whitespace_cnt=TOOL_CALL_WHITESPACE)
+        tag = _exclude_value_ends(tag.model_dump(mode="json"))
+        return xgr.Grammar.from_structural_tag(json.dumps(_token_ids(tag, self.tokenizer)))
 
     def _compile(self, spec: StructuredOutput, grammar):
         """Compile a parsed grammar against the vocabulary and cache it."""
@@ -216,12 +258,73 @@ class Grammars:
         `compile`."""
         if compiled is None:
             compiled = self.compile(spec)
-        xgr = self._xgr()
+        xgr = self._xgr(spec.field)
         start = _last(prompt_ids, self.think_start) if self.think_start is not None else -1
         waiting = (start >= 0 and start >= len(prompt_ids) - THINK_TAIL_TOKENS
                    and _last(prompt_ids, self.think_end) < start)
         return Guide(xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, self.vocab_size),
                      self.think_end if waiting else None)
+
+
+# texts that end an argument value for tool_calls.py's parser (and vLLM's): a string value that
+# held one would be read as ending there, so the grammar keeps them out of string values
+VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
+
+
+def _has_length_bound(schema) -> bool:
+    """Whether a JSON Schema (as Python values) bounds a string's length anywhere."""
+    if isinstance(schema, list):
+        return any(_has_length_bound(x) for x in schema)
+    if not isinstance(schema, dict):
+        return False
+    return "minLength" in schema or "maxLength" in schema or \
+        any(_has_length_bound(v) for v in schema.values())
+
+
+def _exclude_value_ends(node):
+    """A structural tag (as JSON values) whose Qwen-XML argument schemas keep VALUE_ENDS out
+    of their string values (xgrammar's `excludes`). Not for a schema that bounds a string's
+    length: xgrammar drops minLength / maxLength from strings it filters, and the bound is
+    the user's; there a value may hold a VALUE_ENDS text (the parser then ends it early)."""
+    if isinstance(node, list):
+        return [_exclude_value_ends(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _exclude_value_ends(v) for k, v in node.items()}
+    if (out.get("type") == "json_schema" and out.get("style") == "qwen_xml"
+            and not _has_length_bound(out.get("json_schema"))):
+        out["excludes"] = sorted(set(out.get("excludes") or ()) | set(VALUE_ENDS))
+    return out
+
+
+# structural-tag fields that name tokens (by text or id)
+_TOKEN_LISTS = ("trigger_tokens", "exclude_tokens")
+
+
+def _token_ids(node, tokenizer):
+    """A structural tag (as JSON values) with every token it names by text given by id.
+    Raises ValueError for a text that is no single token of the vocabulary."""
+    def tid(t):
+        if isinstance(t, int):
+            return t
+        i = tokenizer.token_to_id(t)
+        if i is None:
+            raise ValueError(f"the tokenizer has no token {t!r}")
+        return i
+
+    if isinstance(node, list):
+        return [_token_ids(x, tokenizer) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k == "token" and node.get("type") == "token":
+            out[k] = tid(v)
+        elif k in _TOKEN_LISTS and isinstance(v, list):
+            out[k] = [tid(t) for t in v]
+        else:
+            out[k] = _token_ids(v, tokenizer)
+    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -233,7 +336,7 @@ _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 _WHAT = {"json_object": "response_format: the JSON schema",
          "json_schema": "response_format: the JSON schema",
          "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
-         "grammar": "structured_outputs.grammar"}
+         "grammar": "structured_outputs.grammar", "tool_calls": "tool_choice"}
 
 
 def _one_line(kind: str, e: Exception) -> ValueError:

@@ -99,8 +99,10 @@ class StructuredOutput:
 
     kind: "json_object" (any JSON object), "json_schema" (`schema`: the JSON Schema as JSON
     text), or vLLM's `structured_outputs` kinds: "regex" (`schema`: the pattern), "choice"
-    (`schema`: a JSON list of the allowed strings), "grammar" (`schema`: xgrammar EBNF).
-    Picklable: it travels to the engine process with SamplingParams; the grammar is compiled
+    (`schema`: a JSON list of the allowed strings), "grammar" (`schema`: xgrammar EBNF), or
+    "tool_calls" (a chat request's forced tool calls, `schema`: JSON {"tools": the OpenAI
+    tools, "tool_choice": "required" or {"type": "function", "function": {"name": ...}},
+    "parallel_tool_calls": bool}). Picklable: it travels to the engine process with SamplingParams; the grammar is compiled
     there."""
 
     kind: str
@@ -113,6 +115,8 @@ class StructuredOutput:
     def field(self) -> str:
         """The request field it came from, for error messages (a json_schema from
         `structured_outputs.json` is named response_format)."""
+        if self.kind == "tool_calls":
+            return "tool_choice"
         return "structured_outputs" if self.kind in ("regex", "choice", "grammar") \
             else "response_format"
 

@@ -31,9 +31,9 @@ to `reasoning` and `reasoning_content` (the same text under both names) and the 
 Tools: a chat request's `tools` are rendered by the chat template (unless tool_choice is
 "none"); the calls the model writes (`<tool_call>` XML) leave the answer's `content` and come
 back as `message.tool_calls`, or streamed as `delta.tool_calls` pieces with the arguments as
-they are written, and finish_reason "tool_calls" (`tool_calls.py`). tool_choice "required" or
-a named function is refused (400): forcing a call needs constrained decoding of the tool-call
-format (not built yet).
+they are written, and finish_reason "tool_calls" (`tool_calls.py`). tool_choice "required" (one
+or more calls) or a named function (one call of it) holds the answer after the thinking to the
+tool-call format by a grammar (engine/grammar.py; needs xgrammar, as response_format).
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
 unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
@@ -637,7 +637,7 @@ async def _end_streams(streams: list[RequestStream], trackers: list[RequestMetri
 def _grammar_param(message: str) -> str | None:
     """The request field a structured-output error is about (the engine's messages start with
     it: engine/grammar.py), else None."""
-    for field in ("response_format", "structured_outputs"):
+    for field in ("response_format", "structured_outputs", "tool_choice"):
         if message.startswith(field):
             return field
     return None

@@ -772,9 +772,10 @@ class ChatTool(BaseModel):
     function: FunctionDefinition
 
 
-# tool_choice values served: "auto" (the model decides) and "none" (no tools in the prompt,
-# nothing parsed, as vLLM's default); "required" and a named function need a grammar over the
-# tool-call XML (a structural tag: not built yet)
+# tool_choice values served: "auto" (the model decides), "none" (no tools in the prompt,
+# nothing parsed, as vLLM's default), and the forced ones, held to the tool-call XML by a
+# grammar (engine/grammar.py, StructuredOutput "tool_calls"): "required" (one or more calls)
+# and {"type": "function", "function": {"name": NAME}} (one call of NAME)
 TOOL_CHOICES = (None, "auto", "none")
 
 
@@ -809,23 +810,46 @@ class ChatCompletionRequest(_BaseRequest):
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule
             raise OpenAIError("parameter 'top_logprobs' needs 'logprobs' set to true",
                               param="top_logprobs")
-        if self.active_tools and self.structured_output() is not None:
+        if self.active_tools and super().structured_output() is not None:
             # the grammar admits no added token, so `<tool_call>` could never be written
             raise OpenAIError("response_format json_object / json_schema (or "
                               "structured_outputs) cannot be combined with tools (set "
                               "tool_choice to 'none' or leave the tools out)",
                               param="response_format")
         if self.tool_choice not in TOOL_CHOICES:
-            required = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
-            raise OpenAIError(
-                f"tool_choice {shown(self.tool_choice)} is not supported by this server: "
-                "'auto' or 'none'" + (" (forcing a call needs constrained decoding of the "
-                                      "tool-call format: not built yet)"
-                                      if required else ""),
-                param="tool_choice",
-                code="unsupported_parameter" if required else None,
-            )
+            self._check_forced_tool_choice()
         super().check_supported()
+
+    def _check_forced_tool_choice(self) -> None:
+        """tool_choice "required" or a named function: valid only with tools, the name one of
+        theirs (OpenAI's rules)."""
+        choice = self.tool_choice
+        if choice == "required":
+            name = None
+        elif (isinstance(choice, dict) and choice.get("type") == "function"
+              and isinstance(choice.get("function"), dict)
+              and isinstance(choice["function"].get("name"), str) and len(choice) == 2
+              and len(choice["function"]) == 1):
+            name = choice["function"]["name"]
+        else:
+            raise OpenAIError(
+                f"tool_choice {shown(choice)} is not valid: 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        if not self.tools:
+            raise OpenAIError(f"tool_choice {shown(choice)} needs tools", param="tool_choice")
+        if name is not None and name not in {t.function.name for t in self.tools}:
+            raise OpenAIError(f"tool_choice names the function {shown(name)}, which is not "
+                              "among tools", param="tool_choice")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar of `response_format` / `structured_outputs`, or of a forced
+        tool_choice (StructuredOutput "tool_calls": the tools as rendered; a named function's
+        tool_choice in xgrammar's (OpenAI's) shape). Tools with response_format: `check`."""
+        if self.tools and self.tool_choice not in TOOL_CHOICES:
+            return StructuredOutput("tool_calls", json.dumps({
+                "tools": self.active_tools, "tool_choice": self.tool_choice,
+                "parallel_tool_calls": self.parallel_tool_calls is not False}))
+        return super().structured_output()
 
     @property
     def max_tool_calls(self) -> int | None:
