@@ -1,8 +1,8 @@
 """W8A16 GEMM for block-FP8 dense weights at decode rows, wide N tiles and split K (kb/0045 §4):
 y = x · (W_fp8 ⊙ s)ᵀ. FastPath takes it for the FP8 dense projections of
-(FP8_GEMV_UP_TO, FP8_DENSE_SPLITK_UP_TO] rows (off by default: measured by shape, kb/0047 §2,
-not yet in the model; bench: `scripts/bench_fp8_gemv.py --splitk`, in the model: bench_decode's
-`dense_splitk`).
+(FP8_GEMV_UP_TO, FP8_DENSE_SPLITK_UP_TO] rows (default 3-8: measured by shape, kb/0047 §2, in
+the model kb/0049; bench: `scripts/bench_fp8_gemv.py --splitk`, in the model: bench_decode's
+`dense_splitk8` / `dense_splitk`).
 
 Why: at 3–64 rows FP8 serving runs its dense projections through cuBLAS over a dequantized bf16
 copy (`FastPath`, `FP8_DENSE_DEQUANT`, kb/0026): ~1.4 ms of the 10.4 ms FP8 B=32 step reads
@@ -147,8 +147,7 @@ CFG = (512, 128, 4, 3, False)
 # logs/gpu/2026-12-05-s30/run3): at 8 rows the best split-K beat cuBLAS over the FP8 rows'
 # bf16 copy by 1.09-1.27x (attention qkv: a tie), with two K splits, 64-wide N tiles and
 # float16 dots; at 32 rows it tied or lost (0.82-1.04x), so only the 3-8 row buckets have
-# entries. The float16 dots' summation order has not been through the FP8 gate yet: the switch
-# stays off until the in-model A/B and the gate (logs/gpu/next/README.md).
+# entries. The FP8 gate passed with them at 3-8 rows (kb/0049), the switch's default.
 _ROWS8 = {
     (12352, 2048): (1024, 64, 4, 3, True),  # GDN in: 15.52 -> 12.75 us
     (2048, 4096): (1024, 64, 4, 3, True),   # GDN out 9.50 -> 7.68, attention o 9.51 -> 8.01

@@ -137,9 +137,10 @@ BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
 # another try after the tiled GEMM lost (kb/0043 §0): the hypothesis that it re-read the
 # activations for every 64-wide N tile; here wider tiles (64-256), K split over programs.
 # Numerics: (x·q)·s in fp32 per 128-block, summed by split, where cuBLAS reads bf16(q·s): the
-# FP8 gate decides. 0 = off, the default until the H200 bench, the A/B and the gate. Read at
-# call time (A/B).
-FP8_DENSE_SPLITK_UP_TO = env_int("TAILORED_FP8_DENSE_SPLITK_UP_TO", 0, 0, 64)
+# FP8 gate decides. Default 8 (kb/0049): the bench won 1.09-1.27x over cuBLAS at 8 rows and
+# tied or lost at 32 (kb/0047 §2); in the model B=8 -2.2 % median / -3.2 % min, B=4 -1.5 % /
+# -1.8 %, and the FP8 gate passed with it. 0 = off. Read at call time (A/B).
+FP8_DENSE_SPLITK_UP_TO = env_int("TAILORED_FP8_DENSE_SPLITK_UP_TO", 8, 0, 64)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
