@@ -692,6 +692,9 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     ("required", True, CALL + "\n" + CALL.replace("Paris", "Rome"), True),
     ("required", False, CALL + "\n" + CALL, False),  # parallel_tool_calls false: one call
     ("required", True, "Sure.\n" + CALL, False),  # no free text: a call is forced
+    ("required", True, CALL + "\nDone.", False),  # ... nor after the calls
+    ("required", True, "\n\n\n" + CALL, False),  # at most Qwen's two newlines first
+    ("required", True, " " + CALL, False),
     ("required", True, "", False),
     ("required", True, CALL.replace("get_weather", "get_time"), False),  # not a tool
     ("required", True, CALL.replace("\n3\n", "\nthree\n"), False),  # days is an integer
@@ -719,6 +722,40 @@ def test_forced_tool_call_grammar(grammars, choice, parallel, text, ok):
         w["function"]["parameters"]["properties"]["city"]["maxLength"] = 30
         choice, tools = "required", (w, NOOP)
     assert _takes(g, tok, _tool_spec(choice, tools=tools, parallel=parallel), text) is ok
+
+
+def test_forced_tool_calls_cannot_spell_the_markers(grammars):
+    """After a call only a newline and the `<tool_call>` token may follow: text spelling
+    `<tool_call>` (which the parser would read as a call of any name) is refused."""
+    g, tok = grammars
+    guide = g.guide(_tool_spec("required"), tok.encode("hi"))
+    for t in tok.encode(CALL + "\n", allow_special=True):
+        guide.accept(t)
+    mask = guide.mask()
+    bit = lambda t: (int(mask[t // 32]) >> (t % 32)) & 1  # noqa: E731
+    assert bit(tok.token_to_id("<tool_call>"))
+    assert not any(bit(t) for t in tok.encode("<tool", allow_special=False)[:1])
+    assert sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in mask) == 1
+
+
+@pytest.mark.parametrize("tools,choice,needle", [
+    ([WEATHER, WEATHER], "required", "given twice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "required", "type 'object'"),
+])
+def test_forced_tool_call_refusals(grammars, tools, choice, needle):
+    g, _ = grammars
+    with pytest.raises(ValueError, match=needle):
+        g.parse(_tool_spec(choice, tools=tools))
+
+
+def test_a_named_function_needs_only_its_own_schema_enforceable(grammars):
+    g, _ = grammars
+    other = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {}}}}}}
+    g.parse(_tool_spec(NAMED, tools=(WEATHER, other)))
+    with pytest.raises(ValueError, match="'not'"):
+        g.parse(_tool_spec("required", tools=(WEATHER, other)))
 
 
 def test_forced_tool_call_grammar_checks_the_parameters(grammars):
@@ -781,22 +818,25 @@ def test_nano_server_forced_tool_calls(engine):
     kw = dict(content="What is the weather in Paris?", max_tokens=300, temperature=0,
               chat_template_kwargs={"enable_thinking": False})
     with TestClient(app) as client:
-        for choice in ("required", NAMED):
+        for choice, parallel in (("required", False), ("required", True), (NAMED, False)):
             r = chat(client, tools=[weather, NOOP], tool_choice=choice,
-                     parallel_tool_calls=False, **kw)
+                     parallel_tool_calls=parallel, temperature=0.8, seed=2,
+                     **{k: v for k, v in kw.items() if k != "temperature"})
             assert r.status_code == 200, r.text
             c = r.json()["choices"][0]
             assert c["finish_reason"] == "tool_calls", c
+            assert not c["message"]["content"], c  # calls only: no text beside them
             calls = c["message"]["tool_calls"]
-            assert len(calls) == 1
-            fn = calls[0]["function"]
-            args = json.loads(fn["arguments"])
-            assert isinstance(args, dict)
-            if fn["name"] == "get_weather":
-                assert args["city"] in ("Paris", "Rome")
-                assert 1 <= args.get("days", 1) <= 7
-            else:
-                assert fn["name"] == "noop" and choice == "required" and args == {}
+            assert len(calls) == 1 or (parallel and calls)
+            for call in calls:
+                fn = call["function"]
+                args = json.loads(fn["arguments"])
+                assert isinstance(args, dict)
+                if fn["name"] == "get_weather":
+                    assert args["city"] in ("Paris", "Rome")  # no padding kept
+                    assert 1 <= args.get("days", 1) <= 7
+                else:
+                    assert fn["name"] == "noop" and choice == "required" and args == {}
         with client.stream("POST", "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": kw["content"]}],
                 "tools": [weather], "tool_choice": NAMED, "stream": True,

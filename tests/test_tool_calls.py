@@ -16,7 +16,8 @@ from test_server import MODEL, FakeEngine, FakeTokenizer, chat, sse_events
 from tailored.server.app import build_app
 from tailored.server.async_engine import AsyncEngine
 from tailored.server.reasoning import split as split_reasoning
-from tailored.server.tool_calls import ToolCallSplitter, convert_value, param_types, split
+from tailored.server.tool_calls import (FIXED, OTHER, ToolCallSplitter, convert_value, param_types,
+                                       split)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -148,13 +149,57 @@ def test_convert_value(text, types, want):
 def test_param_types_from_the_schema():
     types = param_types(TOOLS + [{"type": "function", "function": {"name": "x",
                                                                     "parameters": "bad"}}, 5])
-    assert types["get_weather"]["units"] == {"string"}  # an enum of strings
+    assert types["get_weather"]["units"] == {"string", FIXED}  # an enum of strings
     assert types["get_weather"]["ratio"] == {"number", "null"}
     assert types["now"] == {} and types["x"] == {}
     # unknown parameters and functions stream as strings
     content, calls, _ = split(call_xml("nope", n="3") + call_xml("get_weather", extra="4"), TOOLS)
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"n": "3"},
                                                                       {"extra": "4"}]
+
+
+REFS = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object",
+    "$defs": {"N": {"type": "integer"}, "Loc": {"type": "object", "properties": {
+        "city": {"type": "string"}}}, "Tree": {"anyOf": [{"$ref": "#/$defs/Tree"},
+                                                         {"type": "array"}]}},
+    "properties": {
+        "n": {"$ref": "#/$defs/N"}, "loc": {"$ref": "#/$defs/Loc"},
+        "m": {"allOf": [{"$ref": "#/$defs/N"}]}, "pick": {"enum": [1, 2, 3]},
+        "five": {"const": 5}, "tz": {"type": "string", "enum": ["UTC", "CET"]},
+        "mixed": {"anyOf": [{"type": "integer"}, {"enum": ["auto"]}]},
+        "tree": {"$ref": "#/$defs/Tree"}, "lost": {"$ref": "#/$defs/Nope"},
+        "text": {"type": "string"}},
+    "additionalProperties": {"type": "integer"}}}}
+
+
+def test_param_types_follow_refs_allof_enums_and_additional_properties():
+    """Found by a review of forced tool calls (kb/0050): values whose type only a $ref, a
+    one-schema allOf, enum / const values or additionalProperties gave came back as strings
+    ('"0 "'), and an enum value kept the whitespace the grammar lets stand beside it."""
+    types = param_types([REFS])["f"]
+    assert types["n"] == types["m"] == {"integer"} and types["loc"] == {"object"}
+    assert types["pick"] == {"integer"} and types["five"] == {"integer"}
+    assert types["tree"] == {"array"} and types["lost"] == set()  # a cycle, a missing target
+    assert types[OTHER] == {"integer"}
+    xml = call_xml("f", n=" 4 ", loc='{"city": "Rome"}', m="0 ", pick="2", five="5",
+                   tz=" UTC", mixed=" auto ", text=" as written ", extra="7")
+    _, calls, _ = split(xml, [REFS])
+    assert json.loads(calls[0]["function"]["arguments"]) == {
+        "n": 4, "loc": {"city": "Rome"}, "m": 0, "pick": 2, "five": 5, "tz": "UTC",
+        "mixed": "auto", "text": " as written ", "extra": 7}
+    # a number where an enum of strings or a number may stand stays a number
+    _, calls, _ = split(call_xml("f", mixed="3"), [REFS])
+    assert json.loads(calls[0]["function"]["arguments"]) == {"mixed": 3}
+
+
+def test_a_self_referencing_schema_is_read_in_linear_time():
+    defs = {f"D{i}": {"anyOf": [{"$ref": f"#/$defs/D{i + 1}"}, {"$ref": f"#/$defs/D{i + 1}"}]}
+            for i in range(40)}
+    defs["D40"] = {"type": "integer"}
+    tool = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "$defs": defs, "properties": {"x": {"$ref": "#/$defs/D0"}}}}}
+    assert param_types([tool])["g"]["x"] == {"integer"}  # 2^40 paths without the memo
 
 
 def test_not_a_call_passes_through():

@@ -19,8 +19,8 @@ Forced tool calls (chat `tool_choice` "required" or a named function): the answe
 Qwen3.6's tool-call XML (tool_calls.py) by xgrammar's own structural tag for this model family
 (`get_model_structural_tag("qwen_3_5", ...)`): `<tool_call>` / `</tool_call>` as their tokens,
 the function names of `tools`, each one's arguments as `<parameter=NAME>` blocks per its JSON
-Schema; "required" allows one or more calls (one with parallel_tool_calls false), a named
-function exactly one call of it.
+Schema; "required" allows one or more calls and nothing else (one with parallel_tool_calls
+false; `_calls_only`), a named function exactly one call of it.
 
 The vocabulary given to xgrammar is the tokenizer's token bytes, with every added token
 (`<|im_end|>`, `<think>`, ...; `Tokenizer.is_added`) given as empty bytes so no grammar can
@@ -161,7 +161,7 @@ class Grammars:
         kind, text = spec.kind, spec.schema
         try:
             if kind == "tool_calls":
-                return xgr.Grammar.concat(_leading_space(xgr), self._tool_calls(xgr, text))
+                return xgr.Grammar.concat(_leading_newlines(xgr), self._tool_calls(xgr, text))
             if kind in ("json_object", "json_schema"):
                 if kind == "json_schema":
                     problem = unsupported_schema(json.loads(text))
@@ -198,19 +198,32 @@ class Grammars:
         (a structural tag names them as text, which only a compiler could resolve; the engine
         thread parses before the compiler exists)."""
         spec = json.loads(text)
+        choice = spec["tool_choice"]
+        named = choice["function"]["name"] if isinstance(choice, dict) else None
+        seen = set()
         for i, tool in enumerate(spec["tools"]):
-            if tool["function"].get("strict") is False:
+            fn = tool["function"]
+            if fn["name"] in seen:
+                raise ValueError(f"tools[{i}].function.name: {fn['name']!r} is given twice")
+            seen.add(fn["name"])
+            if named is not None and fn["name"] != named:
+                continue  # the grammar holds only the named function
+            params = fn.get("parameters")
+            where = f"tools[{i}].function.parameters"
+            if isinstance(params, dict) and params.get("type", "object") != "object":
+                raise ValueError(f"{where}: a function's parameters must be a schema of type "
+                                 "'object' (its arguments are named)")
+            if fn.get("strict") is False:
                 continue  # xgrammar leaves its arguments free (any JSON object)
-            problem = unsupported_schema(tool["function"].get("parameters"),
-                                         f"tools[{i}].function.parameters")
+            problem = unsupported_schema(params, where)
             if problem:
                 raise ValueError(problem)
         tag = xgr.get_model_structural_tag(
-            _TOOL_CALL_FORMAT, tools=spec["tools"], tool_choice=spec["tool_choice"],
+            _TOOL_CALL_FORMAT, tools=spec["tools"], tool_choice=choice,
             reasoning="disabled",  # the grammar starts after </think> (Guide)
             parallel_tool_calls=spec["parallel_tool_calls"], token_markers=True,
             max_whitespace_cnt=TOOL_CALL_WHITESPACE)
-        tag = _exclude_value_ends(tag.model_dump(mode="json"))
+        tag = _calls_only(_exclude_value_ends(tag.model_dump(mode="json")))
         return xgr.Grammar.from_structural_tag(json.dumps(_token_ids(tag, self.tokenizer)))
 
     def _compile(self, spec: StructuredOutput, grammar):
@@ -271,6 +284,20 @@ class Grammars:
 VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
 
 
+def _calls_only(tag: dict) -> dict:
+    """xgrammar's "required" tag (free text with calls triggered by `<tool_call>`, at least
+    one) as calls only: one or more, separated by a newline (as the chat template joins them),
+    no text before, between or after them. Free text let a random-weight model write on after
+    its call to max_tokens, and spell `<tool_call>` out of ordinary tokens, which the parser
+    reads as a call of any name (a function that is not among the tools)."""
+    fmt = tag["format"]
+    if fmt.get("type") != "token_triggered_tags":
+        return tag  # a named function: exactly one call already
+    return {**tag, "format": {"type": "tags_with_separator", "tags": fmt["tags"],
+                              "separator": "\n", "at_least_one": True,
+                              "stop_after_first": fmt.get("stop_after_first", False)}}
+
+
 def _has_length_bound(schema) -> bool:
     """Whether a JSON Schema (as Python values) bounds a string's length anywhere."""
     if isinstance(schema, list):
@@ -325,6 +352,13 @@ def _token_ids(node, tokenizer):
         else:
             out[k] = _token_ids(v, tokenizer)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _leading_newlines(xgr):
+    """Before forced tool calls: the newlines Qwen writes after `</think>` (at most 2; more
+    whitespace ends up in the answer's content when a call is cut)."""
+    return xgr.Grammar.from_ebnf('root ::= "" | "\\n" | "\\n\\n"')
 
 
 @functools.lru_cache(maxsize=1)
