@@ -740,13 +740,41 @@ def test_forced_tool_calls_cannot_spell_the_markers(grammars):
 
 @pytest.mark.parametrize("tools,choice,needle", [
     ([WEATHER, WEATHER], "required", "given twice"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
-     "required", "type 'object'"),
 ])
 def test_forced_tool_call_refusals(grammars, tools, choice, needle):
     g, _ = grammars
     with pytest.raises(ValueError, match=needle):
         g.parse(_tool_spec(choice, tools=tools))
+
+
+@pytest.mark.parametrize("params", [
+    {"type": "string"}, {"type": ["object", "null"]}, {"enum": ["a"]},
+    {"anyOf": [{"type": "string", "enum": ["hello"]}]},
+    {"$ref": "#/$defs/S", "$defs": {"S": {"type": "string"}}},
+    {"allOf": [{"type": "object"}, {"const": {}}]},
+])
+def test_forced_tool_calls_need_object_parameters(srv, params):  # noqa: F811
+    client, engine, _ = srv
+    bad = {"type": "function", "function": {"name": "f", "parameters": params}}
+    r = chat(client, tools=[WEATHER, bad], tool_choice="required")
+    assert_openai_error(r, 400, "describe an object")
+    assert r.json()["error"]["param"] == "tools[1].function.parameters"
+    assert not engine.added
+    # a named choice looks at its own function only; auto mode does not refuse them
+    for choice in (NAMED, "auto"):
+        assert chat(client, tools=[WEATHER, bad], tool_choice=choice).status_code == 200
+
+
+@pytest.mark.parametrize("params", [
+    None, {}, {"type": "object"}, {"$ref": "#/$defs/O", "$defs": {"O": {
+        "type": "object", "properties": {"n": {"type": "integer"}}}}},
+    {"allOf": [{"properties": {"a": {"type": "string"}}}, {"type": "object"}]},
+    {"$ref": "#"},  # a cycle: reads as what the rest says
+])
+def test_object_parameters_pass(params):
+    from tailored.server.arg_types import describes_object
+
+    assert describes_object(params)
 
 
 def test_a_named_function_needs_only_its_own_schema_enforceable(grammars):

@@ -16,8 +16,8 @@ from test_server import MODEL, FakeEngine, FakeTokenizer, chat, sse_events
 from tailored.server.app import build_app
 from tailored.server.async_engine import AsyncEngine
 from tailored.server.reasoning import split as split_reasoning
-from tailored.server.tool_calls import (FIXED, OTHER, ToolCallSplitter, convert_value, param_types,
-                                       split)
+from tailored.server.arg_types import FIXED, OTHER, param_types
+from tailored.server.tool_calls import ToolCallSplitter, convert_value, split
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -200,6 +200,49 @@ def test_a_self_referencing_schema_is_read_in_linear_time():
     tool = {"type": "function", "function": {"name": "g", "parameters": {
         "type": "object", "$defs": defs, "properties": {"x": {"$ref": "#/$defs/D0"}}}}}
     assert param_types([tool])["g"]["x"] == {"integer"}  # 2^40 paths without the memo
+
+
+def _fn(name, params):
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+def test_param_types_through_a_root_ref_and_root_branches():
+    """A second review (kb/0050): pydantic writes a root `$ref` for a self-referencing model;
+    its properties were not read (arguments came back as strings)."""
+    root_ref = _fn("r", {"$ref": "#/$defs/O", "$defs": {"O": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "b": {"type": "boolean"}}}}})
+    branches = _fn("a", {"allOf": [{"properties": {"n": {"type": "integer"}}},
+                                   {"anyOf": [{"properties": {"s": {"type": "string"}}}]}]})
+    types = param_types([root_ref, branches])
+    assert types["r"] == {"n": {"integer"}, "b": {"boolean"}}
+    assert types["a"] == {"n": {"integer"}, "s": {"string"}}
+    _, calls, _ = split(call_xml("r", n="0", b="true "), [root_ref])
+    assert json.loads(calls[0]["function"]["arguments"]) == {"n": 0, "b": True}
+
+
+def test_enums_with_other_values_than_strings():
+    """An optional enum (OpenAI strict mode's `"type": ["string", "null"]`) or one of mixed
+    values: its non-string values convert, its strings are read whole and stripped."""
+    tool = _fn("e", {"type": "object", "properties": {
+        "u": {"type": ["string", "null"], "enum": ["C", "F", None]},
+        "k": {"enum": ["x", 1, 2, None]}}})
+    types = param_types([tool])["e"]
+    assert types["u"] == {"string", "null", FIXED}
+    assert types["k"] == {"string", "integer", "null", FIXED}
+    for u, k, want in (("null ", " 1", {"u": None, "k": 1}), (" C", "x ", {"u": "C", "k": "x"})):
+        _, calls, _ = split(call_xml("e", u=u, k=k), [tool])
+        assert json.loads(calls[0]["function"]["arguments"]) == want
+
+
+def test_mutual_ref_cycles_give_the_same_types_in_any_order():
+    defs = {"A": {"anyOf": [{"$ref": "#/$defs/B"}, {"type": "integer"}]},
+            "B": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "string"}]}}
+    for order in (("p", "q"), ("q", "p")):
+        props = {"p": {"$ref": "#/$defs/A"}, "q": {"$ref": "#/$defs/B"}}
+        tool = _fn("c", {"type": "object", "$defs": defs,
+                         "properties": {k: props[k] for k in order}})
+        types = param_types([tool])["c"]
+        assert types["p"] == types["q"] == {"integer", "string"}, order
 
 
 def test_not_a_call_passes_through():

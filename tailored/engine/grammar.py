@@ -208,14 +208,10 @@ class Grammars:
             seen.add(fn["name"])
             if named is not None and fn["name"] != named:
                 continue  # the grammar holds only the named function
-            params = fn.get("parameters")
-            where = f"tools[{i}].function.parameters"
-            if isinstance(params, dict) and params.get("type", "object") != "object":
-                raise ValueError(f"{where}: a function's parameters must be a schema of type "
-                                 "'object' (its arguments are named)")
             if fn.get("strict") is False:
                 continue  # xgrammar leaves its arguments free (any JSON object)
-            problem = unsupported_schema(params, where)
+            # (that parameters describe an object is the server's check: protocol.py)
+            problem = unsupported_schema(fn.get("parameters"), f"tools[{i}].function.parameters")
             if problem:
                 raise ValueError(problem)
         tag = xgr.get_model_structural_tag(

@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from tailored.engine.types import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from tailored.server.arg_types import describes_object
 # a longer function or parameter name is not parsed as a call (tool_calls._tag_name)
 from tailored.server.tool_calls import MAX_NAME_CHARS as MAX_TOOL_NAME_CHARS
 
@@ -840,6 +841,12 @@ class ChatCompletionRequest(_BaseRequest):
         if name is not None and name not in {t.function.name for t in self.tools}:
             raise OpenAIError(f"tool_choice names the function {shown(name)}, which is not "
                               "among tools", param="tool_choice")
+        for i, tool in enumerate(self.tools):
+            if (name is None or tool.function.name == name) and \
+                    not describes_object(tool.function.parameters):
+                raise OpenAIError(
+                    "a forced tool call needs each function's parameters to describe an object "
+                    "(type 'object': named arguments)", param=f"tools[{i}].function.parameters")
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar of `response_format` / `structured_outputs`, or of a forced

@@ -20,9 +20,8 @@ parameter ended, failure-cases §8): a string parameter's value goes out JSON-es
 piece, held back only where a piece could begin its closing tag; a parameter whose schema type
 is not string (integer, number, boolean, null, object, array) is sent whole once it ends,
 converted by that type, or as a JSON string where the text does not convert; an enum / const
-string is sent whole too, without the whitespace beside it. Types come from the schema's
-`type`, anyOf / oneOf / allOf branches, local `$ref`s, enum / const values and
-additionalProperties (`param_types`).
+string is sent whole too, without the whitespace beside it. Types: arg_types.py (`type`,
+anyOf / oneOf / allOf, local `$ref`s, enum / const values, additionalProperties).
 
 Decisions:
 - The one newline after `<parameter=ARG>` and the one before `</parameter>` are the format's,
@@ -63,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailored.engine.detokenizer import prefix_hold
+from tailored.server.arg_types import FIXED, OTHER, param_types
 
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
@@ -101,91 +101,6 @@ class ToolCallDelta:
         fn["arguments"] = self.arguments
         d["function"] = fn
         return d
-
-
-# the pseudo-type of a value from a fixed set of strings (enum / const): read whole and
-# stripped, not streamed, since the grammar of forced calls (engine/grammar.py) lets whitespace
-# stand beside such a value where a free string's whitespace is its text
-FIXED = "fixed"
-# param_types' key for the parameters a schema's additionalProperties describes
-OTHER = ""  # never a parameter name (FunctionDefinition refuses empty names)
-_MAX_DEPTH = 200  # nested schemas deeper than this read as no type
-
-
-def param_types(tools: list[dict] | None) -> dict[str, dict[str, set[str]]]:
-    """{function name: {parameter name: its JSON-schema types}} from OpenAI `tools`
-    ([{"type": "function", "function": {"name", "parameters": {"properties": ...}}}]); types
-    come from "type" (a name or a list), the branches of anyOf / oneOf / allOf, local `$ref`s
-    ("#/$defs/X", resolved in the parameters schema) and enum / const values (their JSON
-    types, plus FIXED when all are strings); none found = {}. Key OTHER: the types of
-    additionalProperties, for parameters not in `properties`."""
-    out: dict[str, dict[str, set[str]]] = {}
-    for tool in tools or []:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            continue
-        params = fn.get("parameters")
-        props = params.get("properties") if isinstance(params, dict) else None
-        refs: dict[str, set[str]] = {}  # each $ref resolved once (a cycle reads as no type)
-        types = {k: _schema_types(v, params, refs)
-                 for k, v in (props if isinstance(props, dict) else {}).items()}
-        extra = params.get("additionalProperties") if isinstance(params, dict) else None
-        if isinstance(extra, dict):
-            types[OTHER] = _schema_types(extra, params, refs)
-        out[fn["name"]] = types
-    return out
-
-
-_VALUE_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
-                (dict, "object"), (list, "array"), (type(None), "null"))
-
-
-def _schema_types(schema: Any, root: Any, refs: dict[str, set[str]],
-                  depth: int = 0) -> set[str]:
-    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
-        return set()
-    t = schema.get("type")
-    if isinstance(t, str):
-        types = {t}
-    elif isinstance(t, list):
-        types = {x for x in t if isinstance(x, str)}
-    else:
-        types = set()
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        if ref not in refs:
-            refs[ref] = set()  # while it resolves: a cycle back to it adds nothing
-            refs[ref] = _schema_types(_resolve(ref, root), root, refs, depth + 1)
-        types |= refs[ref]
-    for key in ("anyOf", "oneOf", "allOf"):
-        subs = schema.get(key)
-        for sub in subs if isinstance(subs, list) else ():
-            types |= _schema_types(sub, root, refs, depth + 1)
-    values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
-    if "const" in schema:
-        values.append(schema["const"])
-    if values:
-        if not types:
-            types = {next(n for k, n in _VALUE_TYPES if isinstance(v, k)) for v in values}
-        if all(isinstance(v, str) for v in values):
-            types |= {"string", FIXED}
-    return types
-
-
-def _resolve(ref: str, root: Any) -> Any:
-    """The schema a local JSON pointer ("#", "#/$defs/X") names in `root`, else None."""
-    if ref != "#" and not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/") if ref != "#" else ():
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def opens_call(after_tag: str, names: set[str]) -> bool | None:
