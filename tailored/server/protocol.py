@@ -812,7 +812,7 @@ class ChatCompletionRequest(_BaseRequest):
             raise OpenAIError("parameter 'top_logprobs' needs 'logprobs' set to true",
                               param="top_logprobs")
         if self.active_tools and super().structured_output() is not None:
-            # the grammar admits no added token, so `<tool_call>` could never be written
+            # the JSON grammar leaves no room for a `<tool_call>` block
             raise OpenAIError("response_format json_object / json_schema (or "
                               "structured_outputs) cannot be combined with tools (set "
                               "tool_choice to 'none' or leave the tools out)",
