@@ -386,6 +386,8 @@ def test_a_slow_compile_does_not_hold_other_requests(engine, monkeypatch):
         for o in engine.step():
             if o.request_id == "plain" and o.delta_token_ids and "slow" in engine._compiling:
                 plain_while_compiling += 1
+                # /metrics' num_requests_waiting counts it while it compiles
+                assert engine.stats()["waiting"] >= 1
             if o.request_id == "slow":
                 text += o.delta_text
                 assert o.error is None, o.error

@@ -327,7 +327,8 @@ class Engine:
         verify, drafts, kept = getattr(self.runner, "spec_stats", None) or (0, 0, 0)
         return {
             "running": len(s.running),
-            "waiting": len(s.waiting),
+            # a structured request whose grammar still compiles waits too (not yet queued)
+            "waiting": len(s.waiting) + len(self._compiling),
             "free_pages": s.pages.num_free,
             "free_slots": s.slots.num_free,
             "num_preemptions": s.num_preemptions,
