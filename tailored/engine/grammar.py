@@ -25,7 +25,7 @@ false; `_calls_only`), a named function exactly one call of it.
 The vocabulary given to xgrammar is the tokenizer's token bytes, with every added token
 (`<|im_end|>`, `<think>`, ...; `Tokenizer.is_added`) given as empty bytes so no grammar can
 allow it, bar the stop tokens (EOS ids) xgrammar allows at the end, and `<tool_call>` /
-`</tool_call>` (TOOL_CALL_TOKENS), which keep their text: the tool-call grammar names them (a
+`</tool_call>` (tool_calls.TOOL_START / TOOL_END), which keep their text: the tool-call grammar names them (a
 JSON string may then hold them too: plain text there). Bits past the tokenizer's vocabulary, up
 to the model's (padded) vocab size, are 0.
 
@@ -46,6 +46,8 @@ from concurrent.futures import Future
 import torch
 
 from tailored.engine.types import StructuredOutput
+# the tool-call format as its parser reads it: the grammar must agree with it
+from tailored.server.tool_calls import TOOL_END, TOOL_START, VALUE_ENDS
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +70,6 @@ _ANY_OBJECT = '{"type": "object"}'
 # (tool_calls.py drops one newline each side of a value, as vLLM's parser), e.g. an enum value
 # padded with spaces, which a random-weight model wrote (free string values are not capped)
 TOOL_CALL_WHITESPACE = 1
-# added tokens a grammar may produce: the tool-call markers the forced tool-call grammar names
-TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
 # xgrammar's structural-tag template of the Qwen3.5/3.6 tool-call format
 _TOOL_CALL_FORMAT = "qwen_3_5"
 
@@ -130,7 +130,8 @@ class Grammars:
             if self._compiler is None:
                 xgr = self._xgr()
                 tok = self.tokenizer
-                markers = {tok.token_to_id(t) for t in TOOL_CALL_TOKENS}
+                # the added tokens a grammar may produce: the markers the tool-call grammar names
+                markers = {tok.token_to_id(t) for t in (TOOL_START, TOOL_END)}
                 vocab = [b"" if tok.is_added(i) and i not in markers else tok.token_bytes(i)
                          for i in range(tok.vocab_size)]
                 info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
@@ -275,11 +276,6 @@ class Grammars:
                      self.think_end if waiting else None)
 
 
-# texts that end an argument value for tool_calls.py's parser (and vLLM's): a string value that
-# held one would be read as ending there, so the grammar keeps them out of string values
-VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
-
-
 def _calls_only(tag: dict) -> dict:
     """xgrammar's "required" tag (free text with calls triggered by `<tool_call>`, at least
     one) as calls only: one or more, separated by a newline (as the chat template joins them),
@@ -305,8 +301,9 @@ def _has_length_bound(schema) -> bool:
 
 
 def _exclude_value_ends(node):
-    """A structural tag (as JSON values) whose Qwen-XML argument schemas keep VALUE_ENDS out
-    of their string values (xgrammar's `excludes`). Not for a schema that bounds a string's
+    """A structural tag (as JSON values) whose Qwen-XML argument schemas keep VALUE_ENDS (the
+    texts that end a value for tool_calls.py's parser, and vLLM's: a string value holding one
+    would be read as ending there) out of their string values (xgrammar's `excludes`). Not for a schema that bounds a string's
     length: xgrammar drops minLength / maxLength from strings it filters, and the bound is
     the user's; there a value may hold a VALUE_ENDS text (the parser then ends it early)."""
     if isinstance(node, list):

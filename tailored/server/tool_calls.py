@@ -76,7 +76,8 @@ MAX_NAME_CHARS = 256
 # whitespace after <tool_call> longer than this means the text is no call (and bounds the
 # whitespace the head re-reads while it waits for <function=)
 MAX_GAP_CHARS = 256
-_VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, TOOL_END)
+# texts that end a parameter value (engine/grammar.py keeps them out of forced calls' strings)
+VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, TOOL_END)
 _WS = " \t\r\n"
 _WS_RUN = re.compile(r"[ \t\r\n]*")
 
@@ -382,9 +383,9 @@ class ToolCallSplitter:
         buf = self._buf
         # a long non-string value (an object) stays in _buf until it ends: search only the new
         # text (and a tag's length before it) or each token would rescan the whole value
-        start = max(0, self._scanned - max(map(len, _VALUE_ENDS)))
+        start = max(0, self._scanned - max(map(len, VALUE_ENDS)))
         self._scanned = len(buf)
-        ends = [(buf.find(t, start), t) for t in _VALUE_ENDS]
+        ends = [(buf.find(t, start), t) for t in VALUE_ENDS]
         found = [(i, t) for i, t in ends if i >= 0]
         if found:
             i, tag = min(found)
@@ -401,7 +402,7 @@ class ToolCallSplitter:
             return False
         if not self._param_is_string:
             return False
-        keep = prefix_hold(buf, _VALUE_ENDS, max(map(len, _VALUE_ENDS)) - 1)
+        keep = prefix_hold(buf, VALUE_ENDS, max(map(len, VALUE_ENDS)) - 1)
         cut = len(buf) - keep
         if cut > 0 and buf[cut - 1] == "\n":  # the format's newline before a closing tag
             cut -= 1
