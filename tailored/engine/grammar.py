@@ -92,7 +92,8 @@ class Grammars:
         self.think_end = tokenizer.token_to_id("</think>")
         self._compiler = None
         self._slots = threading.BoundedSemaphore(COMPILE_WORKERS)
-        self._cache: OrderedDict = OrderedDict()  # (kind, schema) -> compiled grammar, LRU
+        # StructuredOutput (frozen: kind, schema, compact) -> compiled grammar, LRU
+        self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # the compiler's build (seconds)
         # the cache's own lock: the engine thread reads the cache while a worker may hold
         # `_lock` for the compiler's build
@@ -147,11 +148,10 @@ class Grammars:
 
     def cached(self, spec: StructuredOutput):
         """`spec`'s compiled grammar if compiled before (LRU), else None."""
-        key = (spec.kind, spec.schema, spec.compact)
         with self._cache_lock:
-            compiled = self._cache.get(key)
+            compiled = self._cache.get(spec)
             if compiled is not None:
-                self._cache.move_to_end(key)
+                self._cache.move_to_end(spec)
             return compiled
 
     def parse(self, spec: StructuredOutput):
@@ -231,7 +231,7 @@ class Grammars:
         except Exception as e:  # noqa: BLE001
             raise _one_line(spec.kind, e) from None
         with self._cache_lock:
-            self._cache[(spec.kind, spec.schema, spec.compact)] = compiled
+            self._cache[spec] = compiled
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled

@@ -102,8 +102,8 @@ class StructuredOutput:
     (`schema`: a JSON list of the allowed strings), "grammar" (`schema`: xgrammar EBNF), or
     "tool_calls" (a chat request's forced tool calls, `schema`: JSON {"tools": the OpenAI
     tools, "tool_choice": "required" or {"type": "function", "function": {"name": ...}},
-    "parallel_tool_calls": bool}). Picklable: it travels to the engine process with SamplingParams; the grammar is compiled
-    there."""
+    "parallel_tool_calls": bool}). Picklable: it travels to the engine process with
+    SamplingParams; the grammar is compiled there. Frozen: the grammar cache's key."""
 
     kind: str
     schema: str | None = None
