@@ -143,12 +143,11 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Cancel a request now (pages and slot freed at once); its final output (ABORT) comes
         from the next step(). Unknown or already finished ids are ignored."""
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None:
             return
         self.scheduler.abort(request_id)
-        self._detoks.pop(request_id, None)
-        self._guides.pop(request_id, None)
+        self._forget(request_id)
         compiling = self._compiling.pop(request_id, None)
         if compiling is not None:
             compiling[1].cancel()  # drops it if it still waits for a thread
@@ -253,13 +252,18 @@ class Engine:
                     self.scheduler.add(req)
                     continue
                 except Exception as e:  # noqa: BLE001 - fail this request only
-                    self._guides.pop(rid, None)
                     error = str(e)
-            self._requests.pop(rid, None)
-            self._detoks.pop(rid, None)
+            self._forget(rid)
             out = _output(req, "", [], FinishReason.ERROR, error)
             out.bad_request = True
             self._pending.append(out)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a request that left the engine from the engine's own per-request state (the
+        scheduler's is its own: finish / abort)."""
+        self._requests.pop(request_id, None)
+        self._detoks.pop(request_id, None)
+        self._guides.pop(request_id, None)
 
     # ---- step stages ---------------------------------------------------------------------------
     def _launch(self, sched_out: SchedulerOutput, feed: "_InFlight | None" = None):
@@ -362,9 +366,7 @@ class Engine:
                          "stream); simplify the schema or pattern")
             if error is not None and req.finish_reason is None:
                 self.scheduler.finish(req.request_id, FinishReason.ERROR)
-                del self._requests[req.request_id]
-                del self._detoks[req.request_id]
-                del self._guides[req.request_id]
+                self._forget(req.request_id)
                 out = _output(req, "", [], FinishReason.ERROR, error)
                 out.bad_request = guide.too_slow is not None and not guide.failed
                 return out
@@ -395,9 +397,7 @@ class Engine:
         elif req.finish_reason is not None:
             text += detok.flush()  # held-back text (partial stop string / UTF-8) is final now
         if req.finish_reason is not None:
-            del self._requests[req.request_id]
-            del self._detoks[req.request_id]
-            self._guides.pop(req.request_id, None)
+            self._forget(req.request_id)
         if lps is not None:
             lps = lps[:len(new)]  # a stop string may have cut the step's tokens
         return _output(req, text, new, req.finish_reason, logprobs=lps)
@@ -412,12 +412,10 @@ class Engine:
             req = self._requests.get(seq.request_id)
             if req is None or (owners is not None and owners.get(seq.request_id) is not req):
                 continue
-            del self._requests[seq.request_id]
             if req.output_ids and req.output_ids[-1] == PENDING_TOKEN:
                 req.output_ids.pop()  # advanced, never sampled: not a delivered token
             self.scheduler.finish(seq.request_id, FinishReason.ERROR)
-            self._detoks.pop(seq.request_id, None)
-            self._guides.pop(seq.request_id, None)
+            self._forget(seq.request_id)
             outputs.append(_output(req, "", [], FinishReason.ERROR, message))
         return outputs
 
