@@ -740,13 +740,13 @@ def test_forced_tool_calls_cannot_spell_the_markers(grammars):
     assert sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in mask) == 1
 
 
-@pytest.mark.parametrize("tools,choice,needle", [
-    ([WEATHER, WEATHER], "required", "given twice"),
-])
-def test_forced_tool_call_refusals(grammars, tools, choice, needle):
-    g, _ = grammars
-    with pytest.raises(ValueError, match=needle):
-        g.parse(_tool_spec(choice, tools=tools))
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_forced_tool_calls_refuse_duplicate_names(srv, choice):  # noqa: F811
+    client, engine, _ = srv
+    r = chat(client, tools=[WEATHER, NOOP, WEATHER], tool_choice=choice)
+    assert_openai_error(r, 400, "given twice")
+    assert r.json()["error"]["param"] == "tools[2].function.name"
+    assert not engine.added
 
 
 @pytest.mark.parametrize("params", [

@@ -201,17 +201,14 @@ class Grammars:
         spec = json.loads(text)
         choice = spec["tool_choice"]
         named = choice["function"]["name"] if isinstance(choice, dict) else None
-        seen = set()
         for i, tool in enumerate(spec["tools"]):
             fn = tool["function"]
-            if fn["name"] in seen:
-                raise ValueError(f"tools[{i}].function.name: {fn['name']!r} is given twice")
-            seen.add(fn["name"])
             if named is not None and fn["name"] != named:
                 continue  # the grammar holds only the named function
             if fn.get("strict") is False:
                 continue  # xgrammar leaves its arguments free (any JSON object)
-            # (that parameters describe an object is the server's check: protocol.py)
+            # (unique names and parameters that describe an object: the server's checks,
+            # protocol.py)
             problem = unsupported_schema(fn.get("parameters"), f"tools[{i}].function.parameters")
             if problem:
                 raise ValueError(problem)

@@ -822,8 +822,9 @@ class ChatCompletionRequest(_BaseRequest):
         super().check_supported()
 
     def _check_forced_tool_choice(self) -> None:
-        """tool_choice "required" or a named function: valid only with tools, the name one of
-        theirs (OpenAI's rules)."""
+        """tool_choice "required" or a named function: valid only with tools (OpenAI's rules),
+        the name one of theirs, each name once, and each callable function's parameters an
+        object."""
         choice = self.tool_choice
         if choice == "required":
             name = None
@@ -838,7 +839,12 @@ class ChatCompletionRequest(_BaseRequest):
                 '{"type": "function", "function": {"name": ...}}', param="tool_choice")
         if not self.tools:
             raise OpenAIError(f"tool_choice {shown(choice)} needs tools", param="tool_choice")
-        if name is not None and name not in {t.function.name for t in self.tools}:
+        names = [t.function.name for t in self.tools]
+        for i, n in enumerate(names):
+            if n in names[:i]:  # the grammar names each function once
+                raise OpenAIError(f"tools[{i}].function.name {shown(n)} is given twice",
+                                  param=f"tools[{i}].function.name")
+        if name is not None and name not in names:
             raise OpenAIError(f"tool_choice names the function {shown(name)}, which is not "
                               "among tools", param="tool_choice")
         for i, tool in enumerate(self.tools):
