@@ -10,11 +10,7 @@ token. The GEMV sweep: gate_up's config with down fixed, then down's with the be
 Prints each row as it completes and a table last; rel = relative difference to the tiled
 pair terms (different fp32 summation order).
 
---sweep fused (kb/0051): instead of the GEMV sweep, the GEMVs at their CFG and gate_up + down
-in one launch (`moe_gemv_fused.route_gemv_moe_fused`) over (BN, KC, HC, num_warps).
-
-Usage (GPU): python3 scripts/bench_moe_gemv.py [--precisions bf16,fp8] [--batches 1,2]
-             [--sweep gemv|fused] [--json F]
+Usage (GPU): python3 scripts/bench_moe_gemv.py [--precisions bf16,fp8] [--batches 1,2] [--json F]
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import argparse
 import torch
 from kernel_bench import manifest, row_log, time_graph
 
-from tailored.kernels import moe, moe_gemv, moe_gemv_fused
+from tailored.kernels import moe, moe_gemv
 
 E, K, H, I, LAYERS = 256, 8, 2048, 512, 8
 
@@ -53,10 +49,6 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--sweep", choices=("gemv", "fused"), default="gemv")
-    ap.add_argument("--best", default=None,
-                    help="--sweep fused: write the fastest fused config by precision and T "
-                         "here (JSON; the model reads it through TAILORED_MOE_FUSED_CFG)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -88,21 +80,6 @@ def main() -> None:
 
             us, ref = time_graph(run(moe.route_fused_moe), LAYERS, a.reps, a.rounds)
             row("tiled", us, ref, ref)
-            if a.sweep == "fused":
-                us, ys = time_graph(run(moe_gemv.route_gemv_moe), LAYERS, a.reps, a.rounds)
-                row("gemv CFG", us, ys, ref)
-                for cfg in ((16, 512, 256, 4), (16, 1024, 256, 4), (32, 512, 256, 4),
-                            (32, 512, 256, 8), (32, 1024, 256, 8), (32, 1024, 512, 8),
-                            (32, 2048, 256, 8), (64, 512, 256, 8), (64, 256, 256, 4),
-                            (64, 1024, 512, 8), (128, 256, 256, 8), (16, 2048, 512, 8)):
-                    try:
-                        us, ys = time_graph(run(moe_gemv_fused.route_gemv_moe_fused, cfg=cfg),
-                                            LAYERS, a.reps, a.rounds)
-                    except Exception as e:  # a config that does not compile: say so, go on
-                        print(f"fused {cfg}: {type(e).__name__}: {str(e)[:200]}")
-                        continue
-                    row("fused {}x{}x{}x{}".format(*cfg), us, ys, ref)
-                continue
             best_gu, best_us = None, float("inf")
             dn_fixed = moe_gemv.CFG[prec, min(T, 2)][1]
             for r in (2, 4, 8, 16):
@@ -129,30 +106,16 @@ def main() -> None:
                     row(f"gemv gu {best_gu[0]}x{best_gu[1]} dn {r}x{w}", us, ys, ref)
         del layers
         torch.cuda.empty_cache()
-    if a.best:
-        import json
-
-        best = {}
-        for r in rows:
-            if r["variant"].startswith("fused "):
-                cur = best.setdefault(r["precision"], {}).get(str(r["T"]))
-                if cur is None or r["us"] < cur[1]:
-                    cfg = [int(v) for v in r["variant"].split()[1].split("x")]
-                    best[r["precision"]][str(r["T"])] = (cfg, r["us"])
-        out = {p: {t: c for t, (c, _) in by_t.items()} for p, by_t in best.items()}
-        open(a.best, "w").write(json.dumps(out) + "\n")
-        print(f"best fused configs: {out}")
     print("\n| precision | T | variant | µs/layer | TB/s | rel |\n|---|---|---|---|---|---|")
     for p in a.precisions.split(","):
         for T in sorted({r["T"] for r in rows}):
             sel = [r for r in rows if r["precision"] == p and r["T"] == T]
             if not sel:
                 continue
-            fixed = [r for r in sel if r["variant"] in ("tiled", "gemv CFG")]
-            best = [min((r for r in sel if r["variant"].startswith(kind)), key=lambda r: r["us"])
-                    for kind in ("gemv gu", "fused ")
-                    if any(r["variant"].startswith(kind) for r in sel)]
-            for r in fixed + best:
+            tiled = [r for r in sel if r["variant"] == "tiled"]
+            best = min((r for r in sel if r["variant"] != "tiled"), key=lambda r: r["us"],
+                       default=None)
+            for r in tiled + ([best] if best else []):
                 print(f"| {p} | {T} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | "
                       f"{r['rel']:.1e} |")
 

@@ -160,7 +160,6 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
         monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
         monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
         monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039
-        monkeypatch.setattr(fastmod, "MOE_FUSED_GEMV_UP_TO", 4)  # kb/0051 (before the GEMVs)
         monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)
         monkeypatch.setattr(fastmod, "FP8_DENSE_SPLITK_UP_TO", 64)  # kb/0045 §4
 

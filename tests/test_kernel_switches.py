@@ -133,20 +133,3 @@ def test_shared_in_moe_up_to_is_a_strict_integer_switch():
             assert r.returncode == 0 and r.stdout.split()[-1] == (raw or "1"), r.stderr[-300:]
         else:
             assert r.returncode != 0 and "TAILORED_SHARED_IN_MOE_UP_TO" in r.stderr
-
-
-def test_moe_fused_cfg_file(tmp_path):
-    """TAILORED_MOE_FUSED_CFG's file (kb/0051): the fused MoE's configs by precision and rows,
-    as `bench_moe_gemv.py --sweep fused --best` writes them; unknown precisions and short
-    entries are left out, no file named changes nothing, a broken file is a clear ValueError."""
-    from tailored.kernels import moe_gemv_fused
-
-    f = tmp_path / "best.json"
-    f.write_text('{"bf16": {"1": [64, 512, 256, 8], "2": [1, 2]}, "fp16": {"1": [1, 1, 1, 1]}}')
-    assert moe_gemv_fused._cfg_file(str(f)) == {("bf16", 1): (64, 512, 256, 8)}
-    assert moe_gemv_fused._cfg_file(None) == {} and moe_gemv_fused._cfg_file("") == {}
-    f.write_text("{not json")
-    with pytest.raises(ValueError, match="TAILORED_MOE_FUSED_CFG"):
-        moe_gemv_fused._cfg_file(str(f))
-    with pytest.raises(ValueError, match="TAILORED_MOE_FUSED_CFG"):
-        moe_gemv_fused._cfg_file(str(tmp_path / "missing.json"))

@@ -400,55 +400,6 @@ def test_route_gemv_moe_matches_route_fused_moe(dtype, T, E, k, shared, fp8, row
                                 *scales)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,E,k,shared,fp8,cfg", [(1, 16, 4, True, False, (16, 32, 16, 4)),
-                                                  (2, 8, 2, False, False, (8, 64, 32, 4)),
-                                                  (1, 16, 4, True, True, (32, 128, 64, 4)),
-                                                  (2, 16, 4, True, True, (16, 64, 128, 2)),
-                                                  (1, 8, 2, False, True, (128, 256, 256, 4)),
-                                                  (4, 16, 2, True, False, (32, 64, 64, 4)),
-                                                  (1, 256, 8, True, False, None),
-                                                  (1, 256, 8, True, True, None),
-                                                  (2, 256, 8, True, True, None)])
-def test_route_gemv_moe_fused_matches_route_fused_moe(dtype, T, E, k, shared, fp8, cfg):
-    """gate_up + down in one launch with the deterministic last-arrival reduction (kb/0051)
-    gives route_fused_moe's routing and pair terms up to the summation order, for any block
-    sizes (odd H/I: masked rows, K chunks and down rows; FP8 partial scale blocks); NaN-poisoned
-    outputs are all overwritten; a second launch is bitwise the first and leaves the pair
-    counters at zero; bad configs and other T are refused."""
-    from tailored.kernels import moe, moe_gemv_fused
-
-    if DEV == "cpu" and E == 256:
-        pytest.skip("full-size case: GPU only (minutes in the interpreter)")
-    H, I = (2048, 512) if E == 256 else (200, 160) if fp8 else (72, 40)
-    x, logits, seg, gate_up, down, scales = _routed_call_inputs(
-        dtype, T, E, H, I, shared, fp8, torch.Generator().manual_seed(T * 5 + E + fp8))
-    want, w0, ids0 = moe.route_fused_moe(x, logits, k, gate_up, down, seg, *scales)
-    with nan_empty():  # NaN-poisoned partials / pair rows: every element must be written
-        pairs, w, ids = moe_gemv_fused.route_gemv_moe_fused(x, logits, k, gate_up, down, seg,
-                                                            *scales, cfg=cfg)
-    assert torch.isfinite(pairs).all()
-    warps = (cfg or moe_gemv_fused.CFG["fp8" if fp8 else "bf16", min(T, 2)])[3]
-    assert torch.equal(ids, ids0)
-    assert torch.equal(w, w0) if warps == 4 else rel_err(w, w0) < TOL[dtype]
-    assert rel_err(pairs, want) < TOL[dtype]
-    again, _, _ = moe_gemv_fused.route_gemv_moe_fused(x, logits, k, gate_up, down, seg,
-                                                      *scales, cfg=cfg)
-    assert torch.equal(again, pairs)
-    assert not moe_gemv_fused.counters(x.device).any()
-    with pytest.raises(ValueError):  # more columns a program than one block of scales
-        moe_gemv_fused.route_gemv_moe_fused(x, logits, k, gate_up, down, seg, *scales,
-                                            cfg=(256, 64, 64, 4))
-    with pytest.raises(ValueError):
-        moe_gemv_fused.route_gemv_moe_fused(x, logits, k, gate_up, down, seg, *scales,
-                                            cfg=(16, 48, 64, 4))
-    with pytest.raises(ValueError):
-        moe_gemv_fused.route_gemv_moe_fused(
-            torch.zeros(5, H, dtype=dtype, device=DEV), torch.zeros(5, E, dtype=dtype, device=DEV),
-            k, gate_up, down, None if not shared else torch.zeros(5, 1, dtype=dtype, device=DEV),
-            *scales)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_routing_of_a_nan_row_picks_distinct_experts(fused):
     """A row of NaN / inf router logits (a poisoned token) still routes to k distinct experts

@@ -130,7 +130,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.moe_gemv import route_gemv_moe
-    from tailored.kernels.moe_gemv_fused import route_gemv_moe_fused
     from tailored.kernels.norm import add_rms_norm_1p
     from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
     from tailored.ops import reference as ref
@@ -190,13 +189,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             if T == 1:  # routing inside the gate_up programs, shared expert stacked (kb/0036)
                 for wdt in (dt, f8):
                     calls.append(lambda x=x, wdt=wdt, dt=dt: route_fused_moe(
-                        x, torch.randn(1, E, dtype=dt), K,
-                        torch.empty(E + 1, 2 * I, H, dtype=wdt),
-                        torch.empty(E + 1, H, I, dtype=wdt), torch.randn(1, 1, dtype=dt),
-                        *((torch.ones(E + 1, 2 * I // 128, H // 128),
-                           torch.ones(E + 1, H // 128, I // 128)) if wdt == f8 else ())))
-                    # gate_up + down in one launch (kb/0051)
-                    calls.append(lambda x=x, wdt=wdt, dt=dt: route_gemv_moe_fused(
                         x, torch.randn(1, E, dtype=dt), K,
                         torch.empty(E + 1, 2 * I, H, dtype=wdt),
                         torch.empty(E + 1, H, I, dtype=wdt), torch.randn(1, 1, dtype=dt),

@@ -425,8 +425,7 @@ def _kernel_switches() -> dict:
     """Module switches that change the kernel path's numerics or launch shapes (recorded so a
     report says which variant it gated: kb/0016, kb/0017, kb/0019–0023, kb/0026)."""
     try:
-        from tailored.kernels import (attention_decode, fp8_gemv, gdn_decode, moe, moe_gemv_fused,
-                                      pdl)
+        from tailored.kernels import attention_decode, fp8_gemv, gdn_decode, moe, pdl
         from tailored.model import fast
     except ImportError:  # no triton: the plain path ran
         return {}
@@ -445,9 +444,6 @@ def _kernel_switches() -> dict:
             "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
             "moe_fp8_dot_f16": moe.FP8_DOT_F16, "proj_row_align": fast.PROJ_ROW_ALIGN,
             "pdl": pdl.PDL, "moe_gemv_up_to": fast.MOE_GEMV_UP_TO,
-            "moe_fused_gemv_up_to": fast.MOE_FUSED_GEMV_UP_TO,
-            "moe_fused_gemv_cfg": {f"{p}/{t}": list(c) for (p, t), c in
-                                   moe_gemv_fused.CFG.items()},
             "fp8_gemv_up_to": fast.FP8_GEMV_UP_TO,
             "bf16_gemv_up_to": fast.BF16_GEMV_UP_TO,
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),

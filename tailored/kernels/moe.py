@@ -330,8 +330,7 @@ def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, store_ok, stride_l,
     repeated max (largest first, ties to the lowest id), renormalised over the k, stored as
     w/ids [T, S] (S = k, or k+1 with the shared expert as expert E in slot k, weight
     sigmoid(shared gate)), in the rows where store_ok. Returns (sel [rows, E]: slot+1 of each
-    chosen expert, 0 elsewhere; the expert ids by slot [rows, BLOCK_S] int64; the weights by
-    slot [rows, BLOCK_S] fp32, before their rounding to the stored dtype)."""
+    chosen expert, 0 elsewhere; the expert ids by slot [rows, BLOCK_S] int64)."""
     e = tl.arange(0, E)
     S: tl.constexpr = K + 1 if SHARED else K  # pair slots per token
     x = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=t_ok[:, None],
@@ -363,7 +362,7 @@ def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, store_ok, stride_l,
     out_ok = store_ok[:, None] & (c[None, :] < S)
     tl.store(w_ptr + t[:, None] * S + c[None, :], wt.to(w_ptr.dtype.element_ty), mask=out_ok)
     tl.store(ids_ptr + t[:, None] * S + c[None, :], it, mask=out_ok)
-    return sel, it, wt
+    return sel, it
 
 
 @triton.jit
@@ -401,7 +400,7 @@ def _route_align_kernel(logits_ptr, seg_ptr, w_ptr, ids_ptr, order_ptr, offsets_
         pdl_enter()
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
-    sel, _, _ = _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, t_ok, stride_l, stride_s,
+    sel, _ = _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, t_ok, stride_l, stride_s,
                         E, K, BLOCK_S, SHARED)
     _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E, K, SHARED)
 
@@ -442,7 +441,7 @@ def _route_gate_up_kernel(x_ptr, w_ptr, act_ptr, ws_ptr, logits_ptr, seg_ptr, rw
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     store = t_ok & ((t * 0 + p + tl.program_id(1)) == 0)  # program (0, 0)'s rows
-    sel, it, _ = _topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store,
+    sel, it = _topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store,
                          stride_l, stride_s, E, K, BLOCK_S, SHARED)
     if first:
         _align_tile(sel, t, t_ok, T, order_ptr, offsets_ptr, experts_ptr, E, K, SHARED)

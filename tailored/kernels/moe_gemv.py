@@ -65,7 +65,7 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, logits_ptr, seg_ptr, rw_
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     store = t_ok & ((t * 0 + p + tl.program_id(1)) == 0)  # program (0, 0) stores the routing
-    _, it, _ = moe._topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store, stride_l,
+    _, it = moe._topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store, stride_l,
                            stride_s, E, K, BLOCK_S, SHARED)
     c = tl.arange(0, BLOCK_S)
     e = tl.sum(tl.where((t[:, None] == p // S) & (c[None, :] == p % S), it, 0))

@@ -40,8 +40,6 @@ from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
 from tailored.kernels.moe_gemv import route_gemv_moe
-from tailored.kernels.moe_gemv_fused import counters as moe_fused_counters
-from tailored.kernels.moe_gemv_fused import route_gemv_moe_fused
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
@@ -101,15 +99,6 @@ ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 2, 0,
 # 24.2 → 23.0 µs at T=1 but the step +0.9 % min / +3.2 % median, kb/0039; with PDL, session 26,
 # +5.6 % median / −1.5 % min, kb/0043); their switch was deleted in session 27.
 MOE_GEMV_UP_TO = env_int("TAILORED_MOE_GEMV_UP_TO", 2, 0, moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
-# MoE inputs of up to this many rows that route inside the gate_up programs run gate_up and down
-# in ONE launch, a program per (pair, intermediate block) with a deterministic last-arrival
-# sum of the blocks' partial down outputs (`moe_gemv_fused.route_gemv_moe_fused`, kb/0051),
-# both weight kinds, before MOE_GEMV_UP_TO's two GEMV launches. Why: the two launches are each
-# a ~10 µs weight stream with its own ramp and tail (bf16 gate_up 1.95 TB/s, down 2.1 at B=1,
-# kb/0049 §2). Another fp32 summation order. 0 = off (not yet measured on the H200). Read at
-# call time (A/B).
-MOE_FUSED_GEMV_UP_TO = env_int("TAILORED_MOE_FUSED_GEMV_UP_TO", 0, 0,
-                               moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step above FP8_GEMV_UP_TO rows (at 1-2 rows the FP8
 # GEMV reads the FP8 weights, kb/0039); the routed experts stay FP8 (kb/0026). The
@@ -526,8 +515,6 @@ class FastPath:
         self.cache = cache
         self.device = cache.k.device
         self.dtype = model.lm_head.weight.dtype
-        if self.device.type == "cuda":  # the fused MoE's pair counters, before any capture
-            moe_fused_counters(self.device)
         # FLA only in bf16/fp16: its chunk kernel uses TF32 dots, so fp32 (the exactness mode)
         # keeps the reference recurrence
         self.fla = (_fla_chunk() if (use_fla and self.device.type == "cuda"
@@ -604,11 +591,9 @@ class FastPath:
     # -------------------------------------------------------------------------------------------
     @staticmethod
     def _route_experts(T: int, experts: torch.Tensor):
-        """The kernels for a T-row MoE input that routes inside the gate_up launch: gate_up and
-        down in one launch up to MOE_FUSED_GEMV_UP_TO rows; else by the experts' weight dtype,
-        FP8 experts as GEMVs up to MOE_GEMV_UP_TO rows, else the tiled GEMMs (same contract)."""
-        if T <= MOE_FUSED_GEMV_UP_TO:
-            return route_gemv_moe_fused
+        """The kernels for a T-row MoE input that routes inside the gate_up launch, by the
+        experts' weight dtype: FP8 experts as GEMVs up to MOE_GEMV_UP_TO rows, else the tiled
+        GEMMs (same contract)."""
         gemv = experts.dtype == torch.float8_e4m3fn
         return route_gemv_moe if gemv and T <= MOE_GEMV_UP_TO else route_fused_moe
 
