@@ -879,6 +879,23 @@ def test_nano_server_forced_tool_calls(engine):
         assert isinstance(json.loads("".join(p["function"].get("arguments") or ""
                                              for p in pieces))["city"], str)
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # cut by max_tokens before the function's name is whole: no call, and the partial
+        # markup is not given out as content (a forced answer has none), streamed or not
+        for stream in (False, True):
+            r = chat(client, tools=[weather], tool_choice=NAMED, stream=stream,
+                     **{**kw, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            if stream:
+                chunks = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                text = "".join(c["delta"].get("content") or "" for c in chunks)
+                assert chunks[-1]["finish_reason"] == "length"
+                assert not any(c["delta"].get("tool_calls") for c in chunks)
+            else:
+                c = r.json()["choices"][0]
+                text = c["message"]["content"]
+                assert c["finish_reason"] == "length" and not c["message"].get("tool_calls")
+            assert not text, text
         bad = {"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"not": {}}}}}}
         r = chat(client, tools=[bad], tool_choice="required", **kw)

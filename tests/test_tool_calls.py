@@ -63,9 +63,9 @@ ANSWERS = [
 ]
 
 
-def run_stream(text: str, pieces: list[int], tools=TOOLS):
+def run_stream(text: str, pieces: list[int], tools=TOOLS, forced: bool = False):
     """Feed text cut at `pieces` (lengths); (content, {index: (id, name, arguments)}, deltas)."""
-    s = ToolCallSplitter(tools)
+    s = ToolCallSplitter(tools, forced=forced)
     content, calls, deltas, at = "", {}, [], 0
     outs = []
     for n in pieces:
@@ -558,6 +558,37 @@ def test_parallel_tool_calls_false_ends_at_the_first_call(slow_srv, stream):
             chat_template_kwargs={"enable_thinking": True})
     assert outcome(r, stream) == ("stop", [], "Use </tool_call>.",
                                   "The format closes with </tool_call> tags.")
+
+
+def test_forced_calls_cut_short_leave_no_content():
+    """tool_choice "required" / named (`forced`: a grammar makes the answer calls only): an
+    answer cut before a call's name was whole (max_tokens, a stop string) gives no content —
+    the partial markup is a call cut short, not text — where the same cut without forcing
+    gives the text out as written; complete calls before the cut are kept, a cut inside a
+    value stays an unfinished call; streamed pieces join to the whole at any cut."""
+    one = call_xml("get_weather", city="Paris")
+    cases = [
+        ("<tool_call>\n<function=get_wea", 0, False),
+        ("\n\n<tool_call>\n<func", 0, False),
+        ("\n<tool_c", 0, False),
+        (one + "\n<tool_call>\n<function=no", 1, False),
+        (one + "\n<tool", 1, False),
+        (one[:one.index("Par") + 3], 1, True),
+    ]
+    for text, n_calls, unfinished in cases:
+        content, calls, cut = split(text, TOOLS, forced=True)
+        assert (content, len(calls), cut) == ("", n_calls, unfinished), text
+        if n_calls and not unfinished:
+            assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        free, _, _ = split(text, TOOLS)
+        assert free.strip() or n_calls, text  # unforced: the cut markup is content
+        rng = random.Random(len(text))
+        for pieces in ([1] * len(text), [rng.randint(1, 5) for _ in range(len(text))]):
+            c, streamed, _ = run_stream(text, pieces, forced=True)
+            assert c == "" and len(streamed) == n_calls, (text, pieces)
+    forced, free = split(one, TOOLS, forced=True), split(one, TOOLS)  # a whole call: the same
+    assert forced[0] == free[0] == "" and [c["function"] for c in forced[1]] == [
+        c["function"] for c in free[1]]
 
 
 def test_cut_inside_a_parameter_tag_is_unfinished():

@@ -413,7 +413,8 @@ class _Server:
                                req.include_usage, thinking, tools, index=i,
                                logprobs=req.logprobs_k, tokenizer=self.tokenizer,
                                raw_thinking=opens_think and not self.reasoning_parser,
-                               max_calls=req.max_tool_calls if chat else None)
+                               max_calls=req.max_tool_calls if chat else None,
+                               forced=chat and req.forced_tool_calls)
                     for i in range(len(streams))]
             trackers = [self.metrics.request(arrival, len(prompts[k // n]))
                         for k in range(len(streams))]
@@ -663,7 +664,8 @@ class _Formatter:
     def __init__(self, request_id, model, chat, prompt_tokens, include_usage,
                  thinking: bool | None = None, tools: list[dict] | None = None,
                  index: int = 0, logprobs: int | None = None, tokenizer=None,
-                 raw_thinking: bool = False, max_calls: int | None = None) -> None:
+                 raw_thinking: bool = False, max_calls: int | None = None,
+                 forced: bool = False) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.index = index  # the choice this formatter renders (n > 1: one formatter each)
         # SamplingParams.logprobs of the request (None: none); the tokenizer names the tokens
@@ -682,7 +684,8 @@ class _Formatter:
         # the request's tools (None: no calls parsed); streams feed `tool_splitter` the answer
         # text the reasoning split leaves. raw_thinking: thinking on with no reasoning split,
         # so content is the raw text, reasoning included: calls are read only after </think>
-        self.tool_splitter = ToolCallSplitter(tools, max_calls) if tools else None
+        # forced: tool_choice "required" / named, the answer is calls only (a grammar)
+        self.tool_splitter = ToolCallSplitter(tools, max_calls, forced) if tools else None
         self.gate = ThinkGate() if tools and raw_thinking else None
         self.created = unix_now()  # one timestamp for every chunk of a stream (OpenAI's rule)
         # OpenAI sends "usage": null on every chunk only when include_usage is set.

@@ -858,11 +858,17 @@ class ChatCompletionRequest(_BaseRequest):
         """The grammar of `response_format` / `structured_outputs`, or of a forced
         tool_choice (StructuredOutput "tool_calls": the tools as rendered; a named function's
         tool_choice in xgrammar's (OpenAI's) shape). Tools with response_format: `check`."""
-        if self.tools and self.tool_choice not in TOOL_CHOICES:
+        if self.forced_tool_calls:
             return StructuredOutput("tool_calls", json.dumps({
                 "tools": self.active_tools, "tool_choice": self.tool_choice,
                 "parallel_tool_calls": self.parallel_tool_calls is not False}))
         return super().structured_output()
+
+    @property
+    def forced_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function (with tools): the answer is calls only,
+        by a grammar (`structured_output`)."""
+        return bool(self.tools) and self.tool_choice not in TOOL_CHOICES
 
     @property
     def max_tool_calls(self) -> int | None:

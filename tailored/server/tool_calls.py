@@ -39,6 +39,10 @@ Decisions:
   parameter ended is closed (`}`): the model stopped where `</function>` was due.
 - `max_calls` (parallel_tool_calls false: 1): once that many calls ended the splitter is
   `stopped`, drops the rest, and the server ends the generation.
+- `forced` (tool_choice "required" or a named function: a grammar makes the answer calls
+  only): text outside a complete call at the end — a call cut before its `<function=NAME>`
+  was whole, by max_tokens or a stop string — is a call cut short, not content: it is dropped
+  (content stays empty; the finish_reason is the engine's, "length" for max_tokens).
 - Calls are read in the answer only: the server feeds this splitter the text after the
   thinking (reasoning.py: the reasoning split, or ThinkGate without it).
 - Parameter values are not checked against the schema beyond the type conversion: the client
@@ -191,8 +195,12 @@ class ToolCallSplitter:
     so a long answer fed a token at a time costs linear time.
     """
 
-    def __init__(self, tools: list[dict] | None, max_calls: int | None = None) -> None:
+    def __init__(self, tools: list[dict] | None, max_calls: int | None = None,
+                 forced: bool = False) -> None:
         self._types = param_types(tools)
+        # the answer is calls only (a forced tool_choice's grammar): text outside a complete
+        # call can only be one cut short, and is dropped at the end instead of given out
+        self.forced = forced
         # parallel_tool_calls false: 1; once that many calls ended, `stopped` is set and the
         # rest of the answer is dropped (the caller ends the generation)
         self.max_calls = max_calls
@@ -256,6 +264,8 @@ class ToolCallSplitter:
                 "head"
             return True
         if final:
+            if self.forced:  # a call's tag cut short (forced calls: no content)
+                buf, self._ws = "", []
             if buf or not self.calls:  # trailing whitespace is the format's after a call
                 self._content.extend(self._ws)
             self._content.append(buf)
@@ -275,8 +285,10 @@ class ToolCallSplitter:
 
     def _not_a_call(self) -> bool:
         """The block so far is no call: its tag goes out as content as written (with the
-        whitespace before it), and the text after it is read again (a real call may follow)."""
-        self._content.append(self._raw)
+        whitespace before it), and the text after it is read again (a real call may follow).
+        Forced calls: a block is a call, only cut short before its name was whole: dropped."""
+        if not self.forced:
+            self._content.append(self._raw)
         self._raw, self._state = "", "out"
         return True
 
@@ -463,13 +475,13 @@ def merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
     return merged
 
 
-def split(text: str, tools: list[dict] | None,
-          max_calls: int | None = None) -> tuple[str, list[dict[str, Any]], bool]:
+def split(text: str, tools: list[dict] | None, max_calls: int | None = None,
+          forced: bool = False) -> tuple[str, list[dict[str, Any]], bool]:
     """(content, tool_calls, unfinished) of a whole answer fed at once (the reference the tests
     hold a stream's pieces to): the calls in OpenAI's message shape (`join_calls`);
     unfinished: the last call was cut inside a value (its arguments are no complete JSON
     object)."""
-    s = ToolCallSplitter(tools, max_calls)
+    s = ToolCallSplitter(tools, max_calls, forced)
     c1, d1 = s.feed(text)
     c2, d2 = s.finish()
     return c1 + c2, join_calls(d1 + d2), s.unfinished
