@@ -591,6 +591,27 @@ def test_forced_calls_cut_short_leave_no_content():
         c["function"] for c in free[1]]
 
 
+def test_cuts_inside_the_tags_around_a_value():
+    """A cut inside the tag that begins the next parameter leaves the call unfinished (it was
+    closed as complete before session 32); a cut inside a value's closing tag leaves that
+    tag's beginning, and the format's newline before it, out of the unfinished value."""
+    one = call_xml("get_weather", city="Paris", days=2)
+    for cut in ("<parameter", "<param"):
+        text = one[:one.index("<parameter=days") + len(cut)]
+        _, calls, unfinished = split(text, TOOLS)
+        assert unfinished and calls[0]["function"]["arguments"] == '{"city": "Paris"', text
+    for cut in ("\n</param", "\n<", "\n"):
+        text = one[:one.index("Paris") + 5] + cut
+        _, calls, unfinished = split(text, TOOLS)
+        assert unfinished and calls[0]["function"]["arguments"] == '{"city": "Paris', text
+    # forced calls: a block that is no call in the middle of an answer (the grammar writes
+    # none) goes out as without forcing; only what is held at the end is dropped
+    text = "<tool_call>\n<fx>hello " + one
+    (content, calls, _), free = split(text, TOOLS, forced=True), split(text, TOOLS)
+    assert content == free[0] == "<tool_call>\n<fx>hello"
+    assert [c["function"] for c in calls] == [c["function"] for c in free[1]]
+
+
 def test_cut_inside_a_parameter_tag_is_unfinished():
     for text in ("<tool_call>\n<function=now>\n<parameter=",
                  "<tool_call>\n<function=get_weather>\n<parameter=city>\nhi\n</parameter>\n"

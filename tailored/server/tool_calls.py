@@ -40,9 +40,12 @@ Decisions:
 - `max_calls` (parallel_tool_calls false: 1): once that many calls ended the splitter is
   `stopped`, drops the rest, and the server ends the generation.
 - `forced` (tool_choice "required" or a named function: a grammar makes the answer calls
-  only): text outside a complete call at the end — a call cut before its `<function=NAME>`
-  was whole, by max_tokens or a stop string — is a call cut short, not content: it is dropped
-  (content stays empty; the finish_reason is the engine's, "length" for max_tokens).
+  only): the text still held at the end outside a complete call — a call cut before its
+  `<function=NAME>` was whole, by max_tokens or a stop string — is a call cut short, not
+  content: it is dropped (no content; the finish_reason is the engine's, "length" for
+  max_tokens).
+- An answer cut inside a tag that begins a parameter (`<param`) leaves the call unfinished; a
+  cut inside a value's closing tag (`</param`) leaves that tag's beginning out of the value.
 - Calls are read in the answer only: the server feeds this splitter the text after the
   thinking (reasoning.py: the reasoning split, or ThinkGate without it).
 - Parameter values are not checked against the schema beyond the type conversion: the client
@@ -283,11 +286,12 @@ class ToolCallSplitter:
         self._buf = buf[len(body):]
         return False
 
-    def _not_a_call(self) -> bool:
+    def _not_a_call(self, final: bool = False) -> bool:
         """The block so far is no call: its tag goes out as content as written (with the
         whitespace before it), and the text after it is read again (a real call may follow).
-        Forced calls: a block is a call, only cut short before its name was whole: dropped."""
-        if not self.forced:
+        Forced calls at the end: the block is a call cut short before its name was whole (the
+        grammar writes nothing else): its tag is dropped, and so is the rest (`_step_out`)."""
+        if not (self.forced and final):
             self._content.append(self._raw)
         self._raw, self._state = "", "out"
         return True
@@ -296,13 +300,13 @@ class ToolCallSplitter:
         buf = self._buf
         gap = _WS_RUN.match(buf).end()  # (no copy of the text after it: a JSON call is long)
         if gap > MAX_GAP_CHARS:
-            return self._not_a_call()
+            return self._not_a_call(final)
         if buf.startswith(FUNCTION_START, gap):
             name, rest = _tag_name(buf[gap:], FUNCTION_START)
             if name is None:
-                return self._not_a_call() if final else False
+                return self._not_a_call(final) if final else False
             if not name:
-                return self._not_a_call()
+                return self._not_a_call(final)
             self._open_call(name)
             self._deltas.append(ToolCallDelta(self.calls - 1, "{", _new_id(), name))
             self._buf, self._state = rest, "params"
@@ -311,10 +315,10 @@ class ToolCallSplitter:
             end = buf.find(TOOL_END, max(gap, self._scanned - len(TOOL_END)))
             self._scanned = len(buf)
             if end < 0:
-                return self._not_a_call() if final else False
+                return self._not_a_call(final) if final else False
             call = _json_call(buf[gap:end])
             if call is None:
-                return self._not_a_call()
+                return self._not_a_call(final)
             self._open_call(call[0])
             self._deltas.append(ToolCallDelta(self.calls - 1, call[1], _new_id(), call[0]))
             if self._call_ended():
@@ -323,7 +327,7 @@ class ToolCallSplitter:
             return True
         if not final and FUNCTION_START.startswith(buf[gap:gap + len(FUNCTION_START) + 1]):
             return False  # may still become "<function="
-        return self._not_a_call()
+        return self._not_a_call(final)
 
     def _open_call(self, name: str) -> None:
         self.calls += 1
@@ -356,6 +360,9 @@ class ToolCallSplitter:
                         self._buf, self._state = s[len(tag):], after
                     return True
             if not final and any(t.startswith(s) for t in (PARAM_START, FUNCTION_END, TOOL_END)):
+                return False
+            if final and s and PARAM_START.startswith(s):  # cut inside the next "<parameter="
+                self.unfinished = True
                 return False
         # every parameter ended and what follows is no tag (or nothing: the answer stopped
         # where </function> was due): the call is closed, the text is content
@@ -409,6 +416,10 @@ class ToolCallSplitter:
             self._state = "params"
             return True
         if final:  # cut inside the value: arguments left unfinished (see the module docstring)
+            # a beginning of a closing tag at the cut, and the newline before it, are the
+            # format's, not the value's (as a whole value's last newline is, `_step_value`)
+            buf = buf[:len(buf) - prefix_hold(buf, VALUE_ENDS, max(map(len, VALUE_ENDS)) - 1)]
+            buf = buf[:-1] if buf.endswith("\n") else buf
             self._args(_escaped(buf) if self._param_is_string else buf)
             self._buf = ""
             return False
