@@ -23,7 +23,7 @@ from tailored.chain_drafts import ChainDrafts, DraftSources, feed_drafts, pendin
 from tailored.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ModelConfig
 from tailored.engine.sampler import HostCopy, Sampled, sample_on_device
 from tailored.engine.scheduler import PENDING_TOKEN
-from tailored.engine.types import ModelOutput, SchedulerOutput
+from tailored.engine.types import ModelOutput, ScheduledSeq, SchedulerOutput
 from tailored.kernels import env_flag
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, index_on
 from tailored.model.mtp import DraftRow, MTPDrafter, accept, emitted
@@ -360,6 +360,25 @@ class ModelRunner:
         # the MTP reads this step's hidden states after its tokens are known (collect)
         spec = (batch, hidden) if chain is None and any(s.mtp for s in sched.seqs) else None
         return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain, syn, drafts_in)
+
+    @torch.inference_mode()
+    def resample(self, step: "LaunchedStep", fixes: list[tuple[int, ScheduledSeq]]) -> None:
+        """Sample rows of a launched step again from its logits, in place (before `collect`
+        and before a step fed from it is launched): fixes = [(row, seq)], seq carrying what
+        the row's first sampling could not know yet — a structured request's grammar mask
+        (`ScheduledSeq.allowed`) when its step was launched ahead of the previous step's
+        tokens (the engine's deferred masks). The same sampler as `launch`, so a row comes out
+        as it would have with the mask at launch (its seeded draw depends on the seq's
+        num_generated only). Raises ValueError for a step with nothing sampled or with
+        logprobs."""
+        if step.sampled is None or not fixes:
+            if fixes:
+                raise ValueError("resample: the step sampled nothing")
+            return
+        rows = [r for r, _ in fixes]
+        index = index_on(rows, self.device)
+        again = sample_on_device(step.sampled.raw_rows(index), [seq for _, seq in fixes])
+        step.sampled.patch(index, again)
 
     def _chain(self, sched: SchedulerOutput, batch: ForwardBatch, sampled, n_rows: int):
         """`SpecGraphs.chain` after a whole verify step: (its result as a ChainDrafts, the

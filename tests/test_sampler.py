@@ -261,3 +261,29 @@ def test_logit_bias_tensors_are_built_once_a_request():
     cache = sp._bias_cache
     assert cache is not None and cache[0].tolist() == [2, 3]
     assert sample(LOGITS.unsqueeze(0), [s]) == [2] and sp._bias_cache is cache
+
+
+def test_patch_replaces_rows_and_their_host_copy():
+    """Sampled.patch (runner.resample, a structured row launched ahead): the patched rows'
+    ids and NaN flags replace the first draw's on the device and in what tolist() reads;
+    raw_rows gives the step's logits; a step with logprobs or mismatched rows is refused."""
+    from tailored.engine.sampler import sample_on_device
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 40, generator=g)
+    seqs = [seq(f"r{i}", temperature=0.0) for i in range(3)]
+    first = sample_on_device(logits, seqs)
+    want = logits.argmax(dim=-1).tolist()
+    masked = seq("r1", temperature=0.0)
+    allowed = torch.zeros(2, dtype=torch.int32)
+    allowed[0] = 1 << 5  # only id 5
+    masked = ScheduledSeq(**{**masked.__dict__, "allowed": allowed})
+    rows = torch.tensor([1])
+    assert torch.equal(first.raw_rows(rows), logits[1:2])
+    first.patch(rows, sample_on_device(first.raw_rows(rows), [masked]))
+    assert first.tolist() == [want[0], 5, want[2]] and first.ids.tolist()[1] == 5
+    with pytest.raises(ValueError):
+        first.patch(torch.tensor([0, 1]), sample_on_device(logits[:1], seqs[:1]))
+    lp = sample_on_device(logits, [seq(f"r{i}", temperature=0.0, logprobs=1) for i in range(3)])
+    with pytest.raises(ValueError):
+        lp.patch(rows, sample_on_device(logits[:1], seqs[:1]))

@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tailored.config import EngineConfig, ModelConfig
@@ -86,6 +86,10 @@ class Engine:
         self.timer = StepTimer()  # host phases per step (the server logs them, kb/0011)
         # async scheduling needs a runner that can launch a step and collect it later
         self._async = engine_config.async_scheduling and hasattr(runner, "launch")
+        # a structured request's row launched ahead samples unmasked, and is sampled again
+        # from the same logits once the previous step's token gave its grammar's mask
+        # (`_resample_deferred`): its batch keeps running ahead
+        self.scheduler.structured_ahead = self._async and hasattr(runner, "resample")
         logger.info("async scheduling %s", "on (decode steps launched ahead, kb/0025)"
                     if self._async else "off")
         self._inflight = None  # the launched step whose tokens are not read yet
@@ -160,9 +164,10 @@ class Engine:
         `collect`) a pure decode step is launched before the previous step's tokens are read:
         the device runs step N+1 while the host detokenizes and streams step N (kb/0015). The
         outputs returned are then those of step N; step N+1 stays in flight until the next
-        call. Any other step (prefill, admission, penalties, structured output, a request at its
-        length limit)
-        first waits for the step in flight, so it sees every token."""
+        call. Any other step (prefill, admission, penalties, structured output with logprobs,
+        a request at its length limit) first waits for the step in flight, so it sees every
+        token. A structured request's row in a step launched ahead is sampled again, masked,
+        once this call has read the previous step's tokens (`_resample_deferred`)."""
         if self._compiling:
             self._admit_compiled()
         outputs, self._pending = self._pending, []
@@ -208,6 +213,8 @@ class Engine:
         t_exec = time.perf_counter()
         self._inflight = nxt
         outputs += self._emit_step(applied)
+        if nxt is not None and nxt.deferred:  # the grammars took this step's tokens just now
+            outputs += self._resample_deferred(nxt)
         seqs = sched_out.seqs
         # a decode row: its last token and its drafts (a verify chunk of speculative decoding)
         decode_rows = sum(1 for s in seqs
@@ -272,12 +279,14 @@ class Engine:
         step in flight whose sampled ids this one's pending tokens take (async scheduling)."""
         # the Request objects this step runs for (ids can be reused once a request ended)
         owners = {s.request_id: self._requests.get(s.request_id) for s in sched_out.seqs}
+        deferred = []
         if self._guides:
-            sched_out = self._with_masks(sched_out)
+            sched_out, deferred = self._with_masks(sched_out, ahead=feed is not None)
         try:
             if self._async:
                 return _InFlight(sched_out, owners, launched=self.runner.launch(
-                    sched_out, feed=None if feed is None else feed.launched))
+                    sched_out, feed=None if feed is None else feed.launched),
+                    deferred=deferred)
             return _InFlight(sched_out, owners, model_out=self.runner.execute(sched_out))
         except Exception as e:
             return self._runner_failed(e, sched_out)
@@ -300,21 +309,62 @@ class Engine:
         except Exception as e:
             return self._runner_failed(e, launched.sched)
 
-    def _with_masks(self, sched_out: SchedulerOutput) -> SchedulerOutput:
-        """sched_out with each structured request's sampled row carrying the tokens its
-        grammar allows next (ScheduledSeq.allowed). Such requests are never scheduled ahead
-        (Scheduler.can_schedule_ahead) nor draft, so every token before the row is accepted."""
-        seqs = []
-        for seq in sched_out.seqs:
+    def _with_masks(self, sched_out: SchedulerOutput,
+                    ahead: bool = False) -> tuple[SchedulerOutput, list[int]]:
+        """(sched_out with each structured request's sampled row carrying the tokens its
+        grammar allows next (ScheduledSeq.allowed), the indices in sched_out.seqs of the rows
+        left unmasked). Structured requests never draft. ahead: the step is launched before
+        the previous step's tokens are read (async scheduling), so a grammar has not taken
+        its request's last token yet: the row is launched unmasked and sampled again once it
+        has (`_resample_deferred`)."""
+        seqs, deferred = [], []
+        for i, seq in enumerate(sched_out.seqs):
             guide = self._guides.get(seq.request_id)
             if guide is not None and seq.sample:
-                t = time.perf_counter()
-                seq = replace(seq, allowed=guide.mask())
-                took = time.perf_counter() - t
-                if took > MASK_LIMIT_S:  # the request fails after this step (`_emit`)
-                    guide.too_slow = took
+                if ahead:
+                    deferred.append(i)
+                else:
+                    seq = replace(seq, allowed=self._mask(guide))
             seqs.append(seq)
-        return replace(sched_out, seqs=tuple(seqs))
+        return replace(sched_out, seqs=tuple(seqs)), deferred
+
+    @staticmethod
+    def _mask(guide: Guide):
+        """The guide's next-token mask; a mask slower than MASK_LIMIT_S marks the request,
+        which fails after this step (`_emit`)."""
+        t = time.perf_counter()
+        mask = guide.mask()
+        took = time.perf_counter() - t
+        if took > MASK_LIMIT_S:
+            guide.too_slow = took
+        return mask
+
+    def _resample_deferred(self, step: "_InFlight") -> list[RequestOutput]:
+        """Sample a launched-ahead step's structured rows again, masked: their grammars have
+        taken the previous step's tokens now (`_emit`). Runs before the next step is launched
+        from this one and before its tokens are read, so both see the masked ids. Rows of
+        requests that ended meanwhile stay as they are (their tokens are dropped). A runner
+        error fails the step's batch (ERROR outputs); the engine goes on."""
+        fixes = []
+        for i in step.deferred:
+            seq = step.sched.seqs[i]
+            guide = self._guides.get(seq.request_id)
+            req = self._requests.get(seq.request_id)
+            if guide is None or req is None or step.owners.get(seq.request_id) is not req:
+                continue
+            row = next(r for r, s in enumerate(step.launched.sampled_seqs)
+                       if s.request_id == seq.request_id)  # decode rows: one sampled row each
+            fixes.append((row, replace(seq, allowed=self._mask(guide))))
+        step.deferred = []
+        if not fixes:
+            return []
+        try:
+            self.runner.resample(step.launched, fixes)
+        except Exception as e:
+            self._runner_failed(e, step.sched)
+            self._inflight = None
+            return self._fail_batch(step.sched, self._runner_error, step.owners)
+        return []
 
     def _runner_failed(self, e: Exception, sched_out: SchedulerOutput) -> None:
         """Log a runner error and keep its message for the batch's ERROR outputs."""
@@ -430,6 +480,8 @@ class _InFlight:
     owners: dict
     launched: LaunchedStep | None = None
     model_out: ModelOutput | None = None
+    # indices in sched.seqs of structured rows launched unmasked (`_resample_deferred`)
+    deferred: list = field(default_factory=list)
 
 
 def _output(

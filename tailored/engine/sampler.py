@@ -106,6 +106,25 @@ class Sampled:
         self._lp_ks: list[int | None] | None = None  # add_logprobs: k of each row (None: none)
         self._lp_copies: tuple[HostCopy, HostCopy | None] | None = None
 
+    def raw_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The step's logits (as the model gave them) at rows ([R] int64 on the device)."""
+        return self._raw.index_select(0, rows)
+
+    def patch(self, rows: torch.Tensor, other: "Sampled") -> None:
+        """Replace rows (a [R] int64 index on the device) by `other`'s R rows, sampled again
+        from this step's logits (`ModelRunner.resample`: a structured row launched ahead, its
+        mask known only now). The host copy is made again, after the patch; a next step fed
+        from `ids` reads the patched ids (stream order). Rows that asked for logprobs are never
+        patched (their chosen-token logprob is computed at launch). Raises ValueError if the
+        step has logprobs or the shapes differ."""
+        if self._lp_copies is not None or rows.shape != other.ids.shape:
+            raise ValueError("Sampled.patch: a step with logprobs, or "
+                             f"{tuple(rows.shape)} rows for {tuple(other.ids.shape)} ids")
+        self.ids.index_copy_(0, rows, other.ids)
+        self.bad.index_copy_(0, rows, other.bad)
+        self._both = torch.stack([self.ids, self.bad.to(self.ids.dtype)])
+        self._copy = HostCopy(self._both)
+
     def add_logprobs(self, raw: torch.Tensor, ks: list[int | None]) -> None:
         """Compute, on the device, each row's sampled-token logprob under log_softmax(raw)
         (fp32) and its max(k) most likely tokens; `logprobs()` reads them. raw: [B, V] logits

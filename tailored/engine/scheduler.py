@@ -91,6 +91,10 @@ class Scheduler:
         # logits keep NaN falls back each step as in the synchronous engine instead of being
         # recomputed every other token
         self.no_ahead: set[str] = set()
+        # structured requests may be launched ahead: the engine samples their rows again once
+        # the previous step's token set the grammar's mask (runner.resample); the Engine sets
+        # it where its runner can. Off: a structured request keeps its batch synchronous
+        self.structured_ahead = False
 
     # ---- requests in / out -------------------------------------------------------------------
     def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -283,7 +287,9 @@ class Scheduler:
         step is all decode rows of every running request, none uses penalties (they read the
         host's token history) or structured output (its mask needs the previous token), none
         can finish by length at this step, nothing waits for admission that the next schedule
-        could grant, and the free pages cover every request's next token (no preemption)."""
+        could grant, and the free pages cover every request's next token (no preemption).
+        Structured output (its mask needs the previous token) only with `structured_ahead`
+        (the mask is applied after launch) and without logprobs."""
         seqs = sched_out.seqs
         if not seqs or len(seqs) != len(self.running):
             return False
@@ -299,7 +305,9 @@ class Scheduler:
                 return False
             sp = req.sampling
             # penalties read the host's token history; a grammar masks from the tokens before
-            if sp.uses_penalties or sp.structured is not None:
+            # (applied after launch where structured_ahead: logprobs would be of the first draw)
+            if sp.uses_penalties or (sp.structured is not None and (
+                    not self.structured_ahead or sp.logprobs is not None)):
                 return False
             # after this step: len(output) + 1 tokens; the next one must not be past a limit
             if (len(req.output_ids) + 2 > sp.max_tokens
