@@ -378,7 +378,7 @@ class ModelRunner:
         rows = [r for r, _ in fixes]
         index = index_on(rows, self.device)
         again = sample_on_device(step.sampled.raw_rows(index), [seq for _, seq in fixes])
-        step.sampled.patch(index, again)
+        step.sampled.patch(rows, index, again)
 
     def _chain(self, sched: SchedulerOutput, batch: ForwardBatch, sampled, n_rows: int):
         """`SpecGraphs.chain` after a whole verify step: (its result as a ChainDrafts, the

@@ -280,10 +280,13 @@ def test_patch_replaces_rows_and_their_host_copy():
     masked = ScheduledSeq(**{**masked.__dict__, "allowed": allowed})
     rows = torch.tensor([1])
     assert torch.equal(first.raw_rows(rows), logits[1:2])
-    first.patch(rows, sample_on_device(first.raw_rows(rows), [masked]))
+    first.patch([1], rows, sample_on_device(first.raw_rows(rows), [masked]))
     assert first.tolist() == [want[0], 5, want[2]] and first.ids.tolist()[1] == 5
     with pytest.raises(ValueError):
-        first.patch(torch.tensor([0, 1]), sample_on_device(logits[:1], seqs[:1]))
-    lp = sample_on_device(logits, [seq(f"r{i}", temperature=0.0, logprobs=1) for i in range(3)])
+        first.patch([0, 1], torch.tensor([0, 1]), sample_on_device(logits[:1], seqs[:1]))
+    # a row that asked for logprobs cannot be patched; the rows beside it can
+    lp = sample_on_device(logits, [seq("r0", temperature=0.0, logprobs=1), seqs[1], seqs[2]])
     with pytest.raises(ValueError):
-        lp.patch(rows, sample_on_device(logits[:1], seqs[:1]))
+        lp.patch([0], torch.tensor([0]), sample_on_device(logits[:1], seqs[:1]))
+    lp.patch([1], rows, sample_on_device(lp.raw_rows(rows), [masked]))
+    assert lp.tolist()[1] == 5 and lp.logprobs()[0] is not None

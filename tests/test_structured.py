@@ -182,8 +182,9 @@ def test_async_launches_structured_requests_ahead_with_the_sync_answers():
     32 one kept its whole batch synchronous, ~11-20 % of every stream's speed): their rows
     launch unmasked and are sampled again from the same logits once the previous step's
     token gave the grammar's mask (`Engine._resample_deferred`). Every answer — greedy and
-    seeded sampling under a schema and a regex, a plain request beside them — is the
-    synchronous engine's; a request with logprobs keeps its steps synchronous."""
+    seeded sampling under a schema and a regex, plain requests beside them (one with
+    logprobs) — is the synchronous engine's; a structured request with logprobs keeps its
+    steps synchronous."""
     from tailored.stack import build_stack
 
     tok = None
@@ -208,6 +209,9 @@ def test_async_launches_structured_requests_ahead_with_the_sync_answers():
             "digits": (p, SamplingParams(temperature=0.9, seed=3, max_tokens=40,
                                          structured=digits)),
             "free": (p, SamplingParams(temperature=0.0, max_tokens=30)),
+            # logprobs of a plain request beside them (found in review: its step's logprobs
+            # made the structured rows' resample fail the batch)
+            "free_lp": (p, SamplingParams(temperature=0.0, max_tokens=30, logprobs=2)),
         }
         n_ahead = 0
         for rid, (ids, sp) in reqs.items():

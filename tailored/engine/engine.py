@@ -352,9 +352,12 @@ class Engine:
             req = self._requests.get(seq.request_id)
             if guide is None or req is None or step.owners.get(seq.request_id) is not req:
                 continue
+            mask = self._mask(guide)
+            if mask is None:  # not constrained yet (the thinking): the first draw is the one
+                continue
             row = next(r for r, s in enumerate(step.launched.sampled_seqs)
                        if s.request_id == seq.request_id)  # decode rows: one sampled row each
-            fixes.append((row, replace(seq, allowed=self._mask(guide))))
+            fixes.append((row, replace(seq, allowed=mask)))
         step.deferred = []
         if not fixes:
             return []

@@ -110,18 +110,20 @@ class Sampled:
         """The step's logits (as the model gave them) at rows ([R] int64 on the device)."""
         return self._raw.index_select(0, rows)
 
-    def patch(self, rows: torch.Tensor, other: "Sampled") -> None:
-        """Replace rows (a [R] int64 index on the device) by `other`'s R rows, sampled again
-        from this step's logits (`ModelRunner.resample`: a structured row launched ahead, its
-        mask known only now). The host copy is made again, after the patch; a next step fed
-        from `ids` reads the patched ids (stream order). Rows that asked for logprobs are never
-        patched (their chosen-token logprob is computed at launch). Raises ValueError if the
-        step has logprobs or the shapes differ."""
-        if self._lp_copies is not None or rows.shape != other.ids.shape:
-            raise ValueError("Sampled.patch: a step with logprobs, or "
-                             f"{tuple(rows.shape)} rows for {tuple(other.ids.shape)} ids")
-        self.ids.index_copy_(0, rows, other.ids)
-        self.bad.index_copy_(0, rows, other.bad)
+    def patch(self, rows: list[int], index: torch.Tensor, other: "Sampled") -> None:
+        """Replace rows (host ints, and `index`, the same as an int64 tensor on the device)
+        by `other`'s rows, sampled again from this step's logits (`ModelRunner.resample`: a
+        structured row launched ahead, its mask known only now). The host copy is made again,
+        after the patch; a next step fed from `ids` reads the patched ids (stream order). A
+        row that asked for logprobs cannot be patched (its chosen-token logprob was computed
+        at launch); the other rows' logprobs stay valid. Raises ValueError for such a row or
+        mismatched shapes."""
+        asked = self._lp_ks is not None and any(self._lp_ks[r] is not None for r in rows)
+        if asked or index.shape != other.ids.shape or len(rows) != index.shape[0]:
+            raise ValueError(f"Sampled.patch: rows {rows} (logprobs asked: {asked}) for "
+                             f"{tuple(other.ids.shape)} ids")
+        self.ids.index_copy_(0, index, other.ids)
+        self.bad.index_copy_(0, index, other.bad)
         self._both = torch.stack([self.ids, self.bad.to(self.ids.dtype)])
         self._copy = HostCopy(self._both)
 
