@@ -176,3 +176,65 @@ def test_async_scheduling_same_tokens_and_no_sync_in_launched_ahead_steps(model,
     assert all(len(sync_out[n]) <= 5 for n in stops)
     assert ahead > 10, "no step was launched ahead"
     assert not syncs, syncs[:5]
+
+
+def test_async_structured_rows_resampled_with_the_sync_tokens_and_no_sync(model, tok):
+    """Structured requests launched ahead (kb/0052) on the kernel path with graphs: their
+    rows are sampled unmasked at launch and again, masked, once the previous token reached
+    the grammar (`runner.resample`); the tokens of every request — greedy and seeded under a
+    regex, plain ones beside them — are the synchronous engine's, steps run ahead, and
+    neither a launch ahead nor a resample synchronizes with the device."""
+    import warnings
+
+    from tailored.engine.types import StructuredOutput
+
+    pytest.importorskip("xgrammar")
+    digits = StructuredOutput("regex", "[0-9]{4,16}")
+    reqs = {
+        "g": (C.ids(30, 501), SamplingParams(max_tokens=20, temperature=0.0, structured=digits)),
+        "s": (C.ids(44, 502), SamplingParams(max_tokens=20, temperature=0.9, seed=11,
+                                             structured=digits)),
+        "p": (C.ids(25, 503), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)),
+        "q": (C.ids(37, 504), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+    }
+
+    def run(on: bool):
+        e = engine(model, tok, max_model_len=512)
+        e._async = on and e._async
+        e.scheduler.structured_ahead = on and e.scheduler.structured_ahead
+        syncs, counts = [], {"ahead": 0, "resample": 0}
+
+        def watched(fn, key):
+            def call(*a, **kw):
+                if key == "ahead" and kw.get("feed") is None:
+                    return fn(*a, **kw)
+                counts[key] += 1
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        return fn(*a, **kw)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                        syncs.extend(str(x.message)[:160] for x in w
+                                     if "called a synchronizing" in str(x.message))
+            return call
+
+        e.runner.launch = watched(e.runner.launch, "ahead")
+        e.runner.resample = watched(e.runner.resample, "resample")
+        out = {rid: [] for rid in reqs}
+        for rid, (ids, sp) in reqs.items():
+            e.add_request(rid, ids, sp)
+        while e.has_unfinished():
+            for o in e.step():
+                assert o.error is None, o.error
+                out[o.request_id] += o.delta_token_ids
+        return out, syncs, counts
+
+    sync_out, _, _ = run(False)
+    async_out, syncs, counts = run(True)
+    assert async_out == sync_out
+    for rid in ("g", "s"):
+        assert tok.decode(async_out[rid]).isdigit(), tok.decode(async_out[rid])
+    assert counts["ahead"] > 5 and counts["resample"] > 5, counts
+    assert not syncs, syncs[:5]
