@@ -369,8 +369,8 @@ class ModelRunner:
         (`ScheduledSeq.allowed`) when its step was launched ahead of the previous step's
         tokens (the engine's deferred masks). The same sampler as `launch`, so a row comes out
         as it would have with the mask at launch (its seeded draw depends on the seq's
-        num_generated only). Raises ValueError for a step with nothing sampled or with
-        logprobs."""
+        num_generated only). Raises ValueError for a step with nothing sampled or a row that
+        asked for logprobs (`Sampled.patch`)."""
         if step.sampled is None or not fixes:
             if fixes:
                 raise ValueError("resample: the step sampled nothing")

@@ -285,11 +285,11 @@ class Scheduler:
         """Whether the step after `sched_out` can be scheduled before `sched_out`'s tokens are
         known: it must be the same requests' decodes and nothing else (kb/0015). True when the
         step is all decode rows of every running request, none uses penalties (they read the
-        host's token history) or structured output (its mask needs the previous token), none
-        can finish by length at this step, nothing waits for admission that the next schedule
-        could grant, and the free pages cover every request's next token (no preemption).
-        Structured output (its mask needs the previous token) only with `structured_ahead`
-        (the mask is applied after launch) and without logprobs."""
+        host's token history), none can finish by length at this step, nothing waits for
+        admission that the next schedule could grant, and the free pages cover every
+        request's next token (no preemption). Structured output (its mask needs the previous
+        token) only with `structured_ahead` (the engine masks its row after launch) and
+        without logprobs."""
         seqs = sched_out.seqs
         if not seqs or len(seqs) != len(self.running):
             return False
