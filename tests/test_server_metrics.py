@@ -29,6 +29,11 @@ parser = pytest.importorskip("prometheus_client.parser")
 REASONS = ("stop", "length", "abort", "error")
 
 
+# the Prometheus text format: version 0.0.4, which prometheus-client >= 0.26 labels 1.0.0
+# (its CONTENT_TYPE_LATEST; the same text for our ASCII metric names)
+TEXT_FORMAT = ("text/plain; version=0.0.4", "text/plain; version=1.0.0")
+
+
 @pytest.fixture
 def client():
     """A TestClient of test_server's app over a FakeEngine (the lifespan runs the engine)."""
@@ -41,7 +46,7 @@ def scrape(client) -> dict:
     """{(sample name, frozenset of labels other than model_name): value} of GET /metrics."""
     r = client.get("/metrics")
     assert r.status_code == 200
-    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert r.headers["content-type"].startswith(TEXT_FORMAT)
     samples = {}
     for family in parser.text_string_to_metric_families(r.text):
         for s in family.samples:
@@ -106,7 +111,7 @@ def test_counts_after_a_completion_a_streamed_chat_and_a_bad_request(client):
 
     r = client.head("/metrics")
     assert r.status_code == 200 and not r.content
-    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert r.headers["content-type"].startswith(TEXT_FORMAT)
 
 
 def test_engine_errors_count_as_error(client):
