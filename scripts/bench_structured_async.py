@@ -99,11 +99,8 @@ def main() -> None:
                 engine._async = on
                 engine.scheduler.structured_ahead = structured_ahead
                 out, secs, steps, ahead = _run(engine, reqs)
-                key = case
-                if key in want:
-                    assert out == want[key], f"{case} / {name}: tokens differ from the first run"
-                else:
-                    want[key] = out
+                first = want.setdefault(case, out)
+                assert out == first, f"{case} / {name}: tokens differ from the first run"
                 n_plain = sum(len(out[k]) for k in plain) - len(plain)  # decode-phase tokens
                 rows.append({"round": r, "case": case, "setting": name, "steps": steps,
                              "ahead": ahead, "decode_s": secs,

@@ -371,10 +371,10 @@ class ModelRunner:
         as it would have with the mask at launch (its seeded draw depends on the seq's
         num_generated only). Raises ValueError for a step with nothing sampled or a row that
         asked for logprobs (`Sampled.patch`)."""
-        if step.sampled is None or not fixes:
-            if fixes:
-                raise ValueError("resample: the step sampled nothing")
+        if not fixes:
             return
+        if step.sampled is None:
+            raise ValueError("resample: the step sampled nothing")
         rows = [r for r, _ in fixes]
         index = index_on(rows, self.device)
         again = sample_on_device(step.sampled.raw_rows(index), [seq for _, seq in fixes])

@@ -99,10 +99,9 @@ class Sampled:
     def __init__(self, ids: torch.Tensor, bad: torch.Tensor, raw: torch.Tensor, seqs):
         self.ids, self.seqs = ids, seqs
         self.bad = bad  # [B] bool on the device: rows whose processed logits held NaN
-        self._both = torch.stack([ids, bad.to(ids.dtype)]) if ids.numel() else None
         self._raw = raw
         self.bad_rows: list[int] = []
-        self._copy = HostCopy(self._both) if self._both is not None else None
+        self._copy_to_host()
         self._lp_ks: list[int | None] | None = None  # add_logprobs: k of each row (None: none)
         self._lp_copies: tuple[HostCopy, HostCopy | None] | None = None
 
@@ -124,8 +123,13 @@ class Sampled:
                              f"{tuple(other.ids.shape)} ids")
         self.ids.index_copy_(0, index, other.ids)
         self.bad.index_copy_(0, index, other.bad)
-        self._both = torch.stack([self.ids, self.bad.to(self.ids.dtype)])
-        self._copy = HostCopy(self._both)
+        self._copy_to_host()
+
+    def _copy_to_host(self) -> None:
+        """Start the one device-to-host copy of ids and bad flags that `tolist()` reads."""
+        ids = self.ids
+        self._both = torch.stack([ids, self.bad.to(ids.dtype)]) if ids.numel() else None
+        self._copy = HostCopy(self._both) if self._both is not None else None
 
     def add_logprobs(self, raw: torch.Tensor, ks: list[int | None]) -> None:
         """Compute, on the device, each row's sampled-token logprob under log_softmax(raw)

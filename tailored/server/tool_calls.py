@@ -286,7 +286,7 @@ class ToolCallSplitter:
         self._buf = buf[len(body):]
         return False
 
-    def _not_a_call(self, final: bool = False) -> bool:
+    def _not_a_call(self, final: bool) -> bool:
         """The block so far is no call: its tag goes out as content as written (with the
         whitespace before it), and the text after it is read again (a real call may follow).
         Forced calls at the end: the block is a call cut short before its name was whole (the
@@ -415,20 +415,17 @@ class ToolCallSplitter:
             self._buf = buf[i + len(tag):] if tag == PARAM_END else buf[i:]
             self._state = "params"
             return True
+        if not final and not self._param_is_string:
+            return False  # sent whole once it ends
+        # the value's text so far: less a held beginning of a closing tag and the format's
+        # newline before it (at the end too: a cut inside `</param` is the markup's)
+        cut = len(buf) - prefix_hold(buf, VALUE_ENDS, max(map(len, VALUE_ENDS)) - 1)
+        if cut > 0 and buf[cut - 1] == "\n":
+            cut -= 1
         if final:  # cut inside the value: arguments left unfinished (see the module docstring)
-            # a beginning of a closing tag at the cut, and the newline before it, are the
-            # format's, not the value's (as a whole value's last newline is, `_step_value`)
-            buf = buf[:len(buf) - prefix_hold(buf, VALUE_ENDS, max(map(len, VALUE_ENDS)) - 1)]
-            buf = buf[:-1] if buf.endswith("\n") else buf
-            self._args(_escaped(buf) if self._param_is_string else buf)
+            self._args(_escaped(buf[:cut]) if self._param_is_string else buf[:cut])
             self._buf = ""
             return False
-        if not self._param_is_string:
-            return False
-        keep = prefix_hold(buf, VALUE_ENDS, max(map(len, VALUE_ENDS)) - 1)
-        cut = len(buf) - keep
-        if cut > 0 and buf[cut - 1] == "\n":  # the format's newline before a closing tag
-            cut -= 1
         if cut > 0:
             self._args(_escaped(buf[:cut]))
             self._buf, self._scanned = buf[cut:], len(buf) - cut
