@@ -425,3 +425,32 @@ def test_soak_answers_under_concurrency_equal_the_answers_alone(live):
                            token_id_range=(1, hi), max_prompt_len=150))
     assert res.ok, (res.errors[:3], res.mismatches[:3])
     assert res.requests == 30
+
+
+def test_soak_with_grammars_checks_each_structured_answer(live):
+    """failure-cases §9 with grammar masks in the batch (kb/0052): every 2nd prompt carries a
+    regex, JSON schema or choice; each answer equals its answer alone and follows its grammar."""
+    from tailored.bench.soak import soak
+
+    import asyncio
+
+    pytest.importorskip("xgrammar")
+    url, (_, hi) = live
+    res = asyncio.run(soak(url, prompts=9, concurrency=8, rounds=2, max_tokens=12,
+                           token_id_range=(1, hi), max_prompt_len=100, structured_every=2))
+    assert res.ok, (res.errors[:3], res.mismatches[:3], res.outside_grammar[:3])
+    assert (res.requests, res.structured) == (27, 15)
+
+
+@pytest.mark.parametrize("kind,text,finish,want", [
+    ("regex", "0123", "stop", True), ("regex", "", "stop", False), ("regex", "12a", "length", False),
+    ("regex", "", "length", True),
+    ("json", '{"n": 3, "ok": true}', "stop", True), ("json", '{"n": 3}', "stop", False),
+    ("json", '{"n": 3.5, "ok": true}', "stop", False), ("json", '{"n": 1, "ok": 1}', "stop", False),
+    ("json", ' {"n', "length", True), ("json", "[", "length", False),
+    ("choice", "beta", "stop", True), ("choice", "bet", "stop", False),
+    ("choice", "gam", "length", True), ("choice", "delta", "length", False)])
+def test_soak_grammar_check(kind, text, finish, want):
+    from tailored.bench.soak import follows
+
+    assert follows(kind, text, finish) is want

@@ -11,7 +11,14 @@ thousands of batches in). Status codes prove nothing; this checks the text.
    the reference answers.
 2. `rounds` times, all N in a new random order with `concurrency` in flight, half of them
    streamed: each answer must equal its reference text exactly.
-Exit 1 on any HTTP error or mismatch; the report gives the first differing character of each.
+With --structured-every K, every K-th prompt also carries a grammar (vLLM's
+`structured_outputs`, cycling through STRUCTURED: a regex, a JSON schema and a choice), the
+case the failure reports name: grammar masks beside CUDA graphs, asynchronous copies and steps
+launched ahead (kb/0052). Such an answer must equal its reference too, and follow its grammar
+(`follows`: the whole text when it finished with "stop", a prefix the grammar allows when cut by
+max_tokens).
+Exit 1 on any HTTP error, mismatch or answer outside its grammar; the report gives the first
+differing character of each.
 Greedy equality under batching needs a batch-invariant engine: run the server in fp32 (as the
 invariance suite does) for a strict check; in bf16 near-tied logits may legitimately flip.
 """
@@ -30,29 +37,70 @@ from pathlib import Path
 from tailored.bench.loadgen import api_root, chunk_text, discover_model, make_client
 
 
+# (name, vLLM structured_outputs body) — each small enough that a random-weight model ends it
+# or keeps inside it within a few dozen tokens
+STRUCTURED: tuple[tuple[str, dict], ...] = (
+    ("regex", {"regex": "[0-9]{1,200}"}),
+    ("json", {"json": {"type": "object", "properties": {"n": {"type": "integer"},
+                                                         "ok": {"type": "boolean"}},
+                       "required": ["n", "ok"], "additionalProperties": False}}),
+    ("choice", {"choice": ["alpha", "beta", "gamma"]}),
+)
+
+
+def follows(kind: str, text: str, finish: str | None) -> bool:
+    """Whether text is an answer its grammar allows: whole when the request finished with
+    "stop" (the grammar ended it), else (cut by max_tokens) a prefix of one. The checks are
+    loose where a prefix is concerned (JSON: only its first character) and exact otherwise."""
+    import re
+
+    whole = finish == "stop"
+    if kind == "regex":
+        return re.fullmatch(r"[0-9]{1,200}" if whole else r"[0-9]{0,200}", text) is not None
+    if kind == "json":
+        if not whole:
+            return text.lstrip().startswith("{") or not text.strip()
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return False
+        return (isinstance(obj, dict) and set(obj) == {"n", "ok"}
+                and type(obj["n"]) is int and type(obj["ok"]) is bool)
+    if kind == "choice":
+        names = ("alpha", "beta", "gamma")
+        return text in names if whole else any(n.startswith(text) for n in names)
+    raise ValueError(kind)
+
+
 @dataclass
 class SoakResult:
     requests: int = 0
     errors: list[str] = field(default_factory=list)
     mismatches: list[dict] = field(default_factory=list)
+    outside_grammar: list[dict] = field(default_factory=list)  # structured answers it forbids
+    structured: int = 0  # requests with a grammar among `requests`
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return not self.errors and not self.mismatches
+        return not self.errors and not self.mismatches and not self.outside_grammar
 
 
 async def _complete(client, root: str, model: str, prompt: list[int], max_tokens: int,
-                    stream: bool) -> str:
+                    stream: bool, structured: dict | None = None) -> tuple[str, str | None]:
+    """(text, finish_reason) of one greedy completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": stream}
+    if structured is not None:
+        body["structured_outputs"] = structured
     url = f"{root}/v1/completions"
     if not stream:
         r = await client.post(url, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-        return r.json()["choices"][0]["text"]
-    parts = []
+        c0 = r.json()["choices"][0]
+        return c0["text"], c0.get("finish_reason")
+    parts, finish = [], None
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
@@ -62,8 +110,10 @@ async def _complete(client, root: str, model: str, prompt: list[int], max_tokens
             ev = json.loads(line[6:])
             if "error" in ev:
                 raise RuntimeError(f"in-band error: {ev['error']}")
-            parts.append(chunk_text(ev)[0] or "")
-    return "".join(parts)
+            text, fin = chunk_text(ev)
+            parts.append(text or "")
+            finish = fin or finish
+    return "".join(parts), finish
 
 
 def _first_diff(a: str, b: str) -> int:
@@ -72,13 +122,25 @@ def _first_diff(a: str, b: str) -> int:
 
 async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, rounds: int = 3,
                max_tokens: int = 64, token_id_range: tuple[int, int] = (1000, 100000),
-               seed: int = 0, max_prompt_len: int = 600, timeout: float = 600.0) -> SoakResult:
-    """Run the soak against an OpenAI-compatible server; see the module docstring."""
+               seed: int = 0, max_prompt_len: int = 600, timeout: float = 600.0,
+               structured_every: int = 0) -> SoakResult:
+    """Run the soak against an OpenAI-compatible server; see the module docstring.
+    structured_every: every K-th prompt (K > 0) carries the next grammar of STRUCTURED."""
     rng = random.Random(seed)
     lo, hi = token_id_range
     ps = [[rng.randrange(lo, hi) for _ in range(rng.randint(1, max_prompt_len))]
           for _ in range(prompts)]
+    kinds: list[tuple[str, dict] | None] = [
+        STRUCTURED[(i // structured_every) % len(STRUCTURED)]
+        if structured_every > 0 and i % structured_every == 0 else None
+        for i in range(prompts)]
     res = SoakResult()
+
+    def check(rnd: int, i: int, stream: bool, got: str, finish: str | None) -> None:
+        if kinds[i] is not None and not follows(kinds[i][0], got, finish):
+            res.outside_grammar.append({"round": rnd, "prompt": i, "kind": kinds[i][0],
+                                        "finish": finish, "text": got[:120]})
+
     t0 = time.monotonic()
     root = api_root(base_url)
     async with make_client(concurrency, timeout) as client:
@@ -86,20 +148,26 @@ async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, round
         ref: list[str | None] = []
         for i, p in enumerate(ps):  # one at a time: nothing else in the batch
             try:
-                ref.append(await _complete(client, root, model, p, max_tokens, stream=False))
+                got, finish = await _complete(client, root, model, p, max_tokens, stream=False,
+                                              structured=kinds[i] and kinds[i][1])
+                check(-1, i, False, got, finish)
+                ref.append(got)
             except Exception as e:  # noqa: BLE001 - reported, the soak goes on
                 res.errors.append(f"reference {i}: {e}")
                 ref.append(None)
             res.requests += 1
+            res.structured += kinds[i] is not None
         sem = asyncio.Semaphore(concurrency)
 
         async def one(rnd: int, i: int, stream: bool) -> None:
             async with sem:
                 try:
-                    got = await _complete(client, root, model, ps[i], max_tokens, stream)
+                    got, finish = await _complete(client, root, model, ps[i], max_tokens,
+                                                  stream, structured=kinds[i] and kinds[i][1])
                 except Exception as e:  # noqa: BLE001
                     res.errors.append(f"round {rnd} prompt {i}: {e}")
                     return
+            check(rnd, i, stream, got, finish)
             if ref[i] is not None and got != ref[i]:
                 k = _first_diff(got, ref[i])
                 res.mismatches.append({"round": rnd, "prompt": i, "stream": stream,
@@ -112,6 +180,7 @@ async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, round
             rng.shuffle(order)
             await asyncio.gather(*(one(rnd, i, j % 2 == 1) for j, i in enumerate(order)))
             res.requests += prompts
+            res.structured += sum(k is not None for k in kinds)
     res.seconds = time.monotonic() - t0
     return res
 
@@ -128,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-id-range", default="1000,100000",
                     help="LO,HI of the random prompt ids (the embedded CPU model: 0,4000)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--structured-every", type=int, default=0,
+                    help="every K-th prompt carries a grammar (regex, JSON schema, choice)")
     ap.add_argument("--json", default=None, help="write the report here")
     a = ap.parse_args(argv)
     try:
@@ -139,9 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     res = asyncio.run(soak(a.base_url, prompts=a.prompts,
                            concurrency=a.concurrency, rounds=a.rounds, max_tokens=a.max_tokens,
-                           token_id_range=(lo, hi), seed=a.seed, max_prompt_len=a.max_prompt_len))
+                           token_id_range=(lo, hi), seed=a.seed, max_prompt_len=a.max_prompt_len,
+                           structured_every=a.structured_every))
     print(f"soak: {res.requests} requests in {res.seconds:.1f} s, {len(res.errors)} errors, "
-          f"{len(res.mismatches)} answers differing from the same request alone -> "
+          f"{len(res.mismatches)} answers differing from the same request alone, "
+          f"{len(res.outside_grammar)} of {res.structured} structured answers outside their "
+          f"grammar -> "
           f"{'OK' if res.ok else 'FAIL'}")
     for e in res.errors[:5]:
         print("  error:", e)
@@ -149,10 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  mismatch: round {m['round']} prompt {m['prompt']} (len {m['prompt_len']}, "
               f"stream {m['stream']}) at char {m['first_diff_char']}: got {m['got']!r} "
               f"want {m['want']!r}")
+    for m in res.outside_grammar[:5]:
+        print(f"  outside its grammar: round {m['round']} prompt {m['prompt']} ({m['kind']}, "
+              f"finish {m['finish']}): {m['text']!r}")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "requests": res.requests,
+                                            "structured": res.structured,
                                             "seconds": res.seconds, "errors": res.errors,
-                                            "mismatches": res.mismatches, "ok": res.ok},
+                                            "mismatches": res.mismatches,
+                                            "outside_grammar": res.outside_grammar, "ok": res.ok},
                                            indent=1))
     return 0 if res.ok else 1
 
