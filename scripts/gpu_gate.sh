@@ -49,13 +49,15 @@ if [[ " $PARTS " == *" soak "* ]]; then
     # batching cannot legitimately change a greedy token; every 3rd prompt under a grammar
     # (regex, JSON schema, choice), its rows launched ahead and resampled (kb/0052)
     stamp "soak: serve full width 4 layers fp32, 96 prompts (32 structured) x 3 rounds at c=64"
+    # with prefix caching on: every 4th prompt extends the one before it (failure-cases §3)
     python3 -m tailored serve /tmp/full --load-format dummy --num-layers 4 --dtype float32 \
-        --max-model-len 1024 --max-num-seqs 64 --port 8001 > "$OUT/server-soak.log" 2>&1 &
+        --max-model-len 1024 --max-num-seqs 64 --prefix-cache-entries 16 --port 8001 \
+        > "$OUT/server-soak.log" 2>&1 &
     spid=$!
     wait_for_server 8001 $spid "$OUT/server-soak.log" 180
     timeout "${SOAK_S:-240}" python3 -m tailored.bench.soak --base-url http://127.0.0.1:8001 \
         --prompts 96 --concurrency 64 --rounds "${SOAK_ROUNDS:-3}" --max-tokens 64 \
-        --structured-every 3 --json "$OUT/soak.json" 2>&1 | tail -12
+        --structured-every 3 --prefix-every 4 --json "$OUT/soak.json" 2>&1 | tail -12
     kill $spid; wait $spid 2>/dev/null
 fi
 if [[ " $PARTS " == *" golden "* ]]; then

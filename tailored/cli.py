@@ -69,6 +69,13 @@ def _serve_parser(sub) -> None:
                         "keep each draft with probability RATE in [0, 1] instead of verifying "
                         "it (as vLLM's synthetic rejection sampler in the baseline kit's "
                         "`serve mtp`); the text is then not the model's")
+    p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
+                   help="prefix caching (0 = off, default): keep the KV pages and GDN state of "
+                        "the last N prompts (least recently used dropped first; LRU), so a "
+                        "prompt that extends one of them (the next turn of a chat or agent "
+                        "loop) computes only its new tokens. Each entry costs one GDN state "
+                        "(~64 MB at full size) plus its pages while kept. Only whole earlier "
+                        "prompts are found: a shared system prompt alone is not")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "
@@ -136,6 +143,8 @@ def _check_serve_args(args) -> None:
     if not 0 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
                          f"got {args.num_speculative_tokens}")
+    if args.prefix_cache_entries < 0:
+        raise ValueError(f"--prefix-cache-entries must be >= 0, got {args.prefix_cache_entries}")
     if args.spec_max_running is not None and args.spec_max_running < 1:
         raise ValueError(f"--spec-max-running must be >= 1, got {args.spec_max_running}")
     if args.spec_max_running is not None and args.num_speculative_tokens == 0:
@@ -212,6 +221,7 @@ def cmd_serve(args) -> int:
         spec_synthetic_acceptance=args.spec_synthetic_acceptance,
         spec_max_running=8 if args.spec_max_running is None else args.spec_max_running,
         grammar_warmup=True,
+        prefix_cache_entries=args.prefix_cache_entries,
     )
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,

@@ -284,3 +284,6 @@ class EngineConfig:
     # build structured output's grammar compiler on a thread at start (`tailored serve`: ~2.5 s
     # of one core for Qwen's vocabulary); off, the first structured request builds it
     grammar_warmup: bool = False
+    # prefix caching (engine/prefix_cache.py): this many prompts' GDN states kept in snapshot
+    # slots (with their KV pages) for later prompts that extend them; 0 = off
+    prefix_cache_entries: int = 0

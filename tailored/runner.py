@@ -51,7 +51,8 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
                reserve_bytes: int = 0):
     """Choose (num_pages, num_slots) for the hybrid cache.
 
-    Slots: max_num_seqs + 1 (slot 0 is the pad sink). Pages: enough for max_num_seqs requests of
+    Slots: max_num_seqs + 1 (slot 0 is the pad sink); the cache holds prefix_cache_entries
+    snapshot slots after them (engine/prefix_cache.py). Pages: enough for max_num_seqs requests of
     max_model_len (+1 pad page), limited by memory: on the GPU the free memory after weights
     times gpu_memory_utilization's share, on the CPU CPU_CACHE_BYTES. Raises RuntimeError when
     not even one max_model_len request fits. reserve_bytes: GPU memory the kernel path will
@@ -80,7 +81,7 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
             budget -= SPEC_HEADROOM_BYTES
     else:
         budget = CPU_CACHE_BYTES
-    budget -= num_slots * per_slot
+    budget -= (num_slots + ec.prefix_cache_entries) * per_slot  # snapshot slots after them
     # a model cut to its first 1-3 layers has no attention layer: pages cost nothing
     pages = want_pages if per_page == 0 else min(want_pages, budget // per_page)
     need = math.ceil(ec.max_model_len / ec.page_size) + 1
@@ -149,13 +150,17 @@ class ModelRunner:
         self._maybe_draft_head(ec)  # before the cache: its memory is then counted as used
         self.num_pages, self.num_slots = plan_cache(cfg, ec, dtype, self.device,
                                                     kernel_path_reserve(model, ec, self.device))
-        self.cache = HybridCache(cfg, self.num_pages, ec.page_size, self.num_slots, dtype,
+        # the prefix cache's snapshot slots after the requests' (engine/prefix_cache.py)
+        all_slots = self.num_slots + ec.prefix_cache_entries
+        self.cache = HybridCache(cfg, self.num_pages, ec.page_size, all_slots, dtype,
                                  self.device, _mtp_layers(ec))
         gib = (self.num_pages * HybridCache.bytes_per_page(cfg, ec.page_size, dtype,
                                                            _mtp_layers(ec))
-               + self.num_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3
-        log.info("cache: %d KV pages x %d tokens, %d GDN state slots (%.2f GiB)",
-                 self.num_pages, ec.page_size, self.num_slots, gib)
+               + all_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3
+        log.info("cache: %d KV pages x %d tokens, %d GDN state slots%s (%.2f GiB)",
+                 self.num_pages, ec.page_size, self.num_slots,
+                 f" + {ec.prefix_cache_entries} prefix-cache snapshots"
+                 if ec.prefix_cache_entries else "", gib)
         self.fast = self._maybe_fast_path(ec)
         self.drafter = self._maybe_drafter(ec)
 
@@ -341,7 +346,12 @@ class ModelRunner:
         # (a verify step is never launched ahead: the previous step's commits are done)
         self.cache.kept_states.clear()
         self.cache.kept_batch = None
+        if sched.state_copies or sched.page_copies:  # requests admitted on a cached prefix
+            self.cache.copy_states(sched.state_copies)
+            self.cache.copy_pages(sched.page_copies)
         hidden = self.model(batch, self.cache)
+        if sched.snapshots:  # the states after the prompts this step completes
+            self.cache.copy_states([(s.slot, s.snap) for s in sched.snapshots])
         if rows:
             # all rows sampled (decode steps): no index tensor to send
             h = hidden if rows == list(range(hidden.shape[0])) else hidden[index_on(rows, self.device)]

@@ -246,7 +246,9 @@ def live():
     from tailored.server.async_engine import AsyncEngine
     from tailored.stack import build_stack
 
-    stack = build_stack(None, max_model_len=512, max_num_seqs=8, progress=False)
+    # prefix caching on: the soak's prompts that extend others hit it (failure-cases §3)
+    stack = build_stack(None, max_model_len=512, max_num_seqs=8, progress=False,
+                        prefix_cache_entries=4)
     app = build_app(AsyncEngine(stack.engine), stack.tokenizer, MODEL, 512)
     # random prompts must use ids the served tokenizer has (the embedded model may be small)
     hi = min(stack.tokenizer.vocab_size, loadgen.REGULAR_TOKEN_IDS[1])
@@ -429,7 +431,8 @@ def test_soak_answers_under_concurrency_equal_the_answers_alone(live):
 
 def test_soak_with_grammars_checks_each_structured_answer(live):
     """failure-cases §9 with grammar masks in the batch (kb/0052): every 2nd prompt carries a
-    regex, JSON schema or choice; each answer equals its answer alone and follows its grammar."""
+    regex, JSON schema or choice; each answer equals its answer alone and follows its grammar.
+    Every 4th prompt extends the one before it: prefix-cache hits (§3) give the same answers."""
     from tailored.bench.soak import soak
 
     import asyncio
@@ -437,9 +440,11 @@ def test_soak_with_grammars_checks_each_structured_answer(live):
     pytest.importorskip("xgrammar")
     url, (_, hi) = live
     res = asyncio.run(soak(url, prompts=9, concurrency=8, rounds=2, max_tokens=12,
-                           token_id_range=(1, hi), max_prompt_len=100, structured_every=2))
+                           token_id_range=(1, hi), max_prompt_len=150, structured_every=2,
+                           prefix_every=4))
     assert res.ok, (res.errors[:3], res.mismatches[:3], res.outside_grammar[:3])
     assert (res.requests, res.structured) == (27, 15)
+    assert res.prefix_cache_hits and res.prefix_cache_hits > 0  # the extended prompts hit
 
 
 @pytest.mark.parametrize("kind,text,finish,want", [

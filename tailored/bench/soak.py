@@ -17,6 +17,10 @@ case the failure reports name: grammar masks beside CUDA graphs, asynchronous co
 launched ahead (kb/0052). Such an answer must equal its reference too, and follow its grammar
 (`follows`: the whole text when it finished with "stop", a prefix the grammar allows when cut by
 max_tokens).
+With --prefix-every K, every K-th prompt is the prompt before it plus 1-64 more ids: with the
+server's prefix caching on (`--prefix-cache-entries`) those hit the cache whenever their base
+prompt ran before them, and must still give the answers alone (failure-cases §3); the report
+gives the server's `tailored:prefix_cache_hits_total` from /metrics.
 Exit 1 on any HTTP error, mismatch or answer outside its grammar; the report gives the first
 differing character of each.
 Greedy equality under batching needs a batch-invariant engine: run the server in fp32 (as the
@@ -80,6 +84,7 @@ class SoakResult:
     outside_grammar: list[dict] = field(default_factory=list)  # structured answers it forbids
     structured: int = 0  # requests with a grammar among `requests`
     seconds: float = 0.0
+    prefix_cache_hits: float | None = None  # the server's counter after the soak (tokens)
 
     @property
     def ok(self) -> bool:
@@ -123,13 +128,17 @@ def _first_diff(a: str, b: str) -> int:
 async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, rounds: int = 3,
                max_tokens: int = 64, token_id_range: tuple[int, int] = (1000, 100000),
                seed: int = 0, max_prompt_len: int = 600, timeout: float = 600.0,
-               structured_every: int = 0) -> SoakResult:
+               structured_every: int = 0, prefix_every: int = 0) -> SoakResult:
     """Run the soak against an OpenAI-compatible server; see the module docstring.
-    structured_every: every K-th prompt (K > 0) carries the next grammar of STRUCTURED."""
+    structured_every: every K-th prompt (K > 0) carries the next grammar of STRUCTURED.
+    prefix_every: every K-th prompt (K > 1) extends the prompt before it."""
     rng = random.Random(seed)
     lo, hi = token_id_range
     ps = [[rng.randrange(lo, hi) for _ in range(rng.randint(1, max_prompt_len))]
           for _ in range(prompts)]
+    if prefix_every > 1:
+        for i in range(prefix_every, prompts, prefix_every):
+            ps[i] = ps[i - 1] + ps[i][:rng.randint(1, 64)]
     kinds: list[tuple[str, dict] | None] = [
         STRUCTURED[(i // structured_every) % len(STRUCTURED)]
         if structured_every > 0 and i % structured_every == 0 else None
@@ -181,8 +190,23 @@ async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, round
             await asyncio.gather(*(one(rnd, i, j % 2 == 1) for j, i in enumerate(order)))
             res.requests += prompts
             res.structured += sum(k is not None for k in kinds)
+        if prefix_every > 1:
+            res.prefix_cache_hits = await _metric(client, base_url,
+                                                  "tailored:prefix_cache_hits_total")
     res.seconds = time.monotonic() - t0
     return res
+
+
+async def _metric(client, base_url: str, name: str) -> float | None:
+    """The summed value of one metric from the server's /metrics (None if absent)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        r = await client.get(f"{root}/metrics")
+    except Exception:  # noqa: BLE001 - a report line only
+        return None
+    vals = [float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")]
+    return sum(vals) if vals else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-id-range", default="1000,100000",
                     help="LO,HI of the random prompt ids (the embedded CPU model: 0,4000)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-every", type=int, default=0,
+                    help="every K-th prompt (K > 1) extends the one before it (prefix caching)")
     ap.add_argument("--structured-every", type=int, default=0,
                     help="every K-th prompt carries a grammar (regex, JSON schema, choice)")
     ap.add_argument("--json", default=None, help="write the report here")
@@ -211,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     res = asyncio.run(soak(a.base_url, prompts=a.prompts,
                            concurrency=a.concurrency, rounds=a.rounds, max_tokens=a.max_tokens,
                            token_id_range=(lo, hi), seed=a.seed, max_prompt_len=a.max_prompt_len,
-                           structured_every=a.structured_every))
+                           structured_every=a.structured_every, prefix_every=a.prefix_every))
     print(f"soak: {res.requests} requests in {res.seconds:.1f} s, {len(res.errors)} errors, "
           f"{len(res.mismatches)} answers differing from the same request alone, "
           f"{len(res.outside_grammar)} of {res.structured} structured answers outside their "
           f"grammar -> "
           f"{'OK' if res.ok else 'FAIL'}")
+    if res.prefix_cache_hits is not None:
+        print(f"  server prefix-cache hits: {res.prefix_cache_hits:.0f} tokens")
     for e in res.errors[:5]:
         print("  error:", e)
     for m in res.mismatches[:5]:
@@ -231,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "structured": res.structured,
                                             "seconds": res.seconds, "errors": res.errors,
                                             "mismatches": res.mismatches,
-                                            "outside_grammar": res.outside_grammar, "ok": res.ok},
+                                            "outside_grammar": res.outside_grammar,
+                                            "prefix_cache_hits": res.prefix_cache_hits,
+                                            "ok": res.ok},
                                            indent=1))
     return 0 if res.ok else 1
 

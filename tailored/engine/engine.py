@@ -389,6 +389,10 @@ class Engine:
             "free_pages": s.pages.num_free,
             "free_slots": s.slots.num_free,
             "num_preemptions": s.num_preemptions,
+            # prefix caching (engine/prefix_cache.py): tokens of admitted requests looked up,
+            # and of those found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
+            "prefix_cache_queries": s.prefix.queries if s.prefix else 0,
+            "prefix_cache_hits": s.prefix.hits if s.prefix else 0,
             # speculative decoding (model/mtp.py): verify steps, drafts verified, drafts kept
             "spec_verify_steps": verify,
             "spec_drafts": drafts,
@@ -461,6 +465,7 @@ class Engine:
         objects the step was launched for; a request id that finished since and was reused by
         a new request (whose own steps are not this one) is left alone."""
         outputs = []
+        self.scheduler.discard(sched_out)  # its prefix-cache snapshots are not to be trusted
         for seq in sched_out.seqs:
             req = self._requests.get(seq.request_id)
             if req is None or (owners is not None and owners.get(seq.request_id) is not req):

@@ -6,8 +6,10 @@ Pure Python, no torch: the pools hand out *indices* into tensors that the runner
 Index 0 of each pool is reserved as the pad sink (padding rows of a batch / CUDA graph write
 there), so it is never handed out and never freed.
 
-NOTE: no refcounts yet. Prefix caching would add a refcount per page and a GDN state checkpoint
-per block boundary; both fit behind the same allocate/free interface.
+Pages are reference counted: a prefix-cache entry (engine/prefix_cache.py) and the requests
+that reuse its prefix hold the same full pages (`PagePool.share`); `free` drops one reference
+and a page goes back to the free list when none is left. Slots are never shared (a reused
+prefix's GDN state is copied into the request's own slot).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class _IndexPool:
         self._what = what
         # pop() from the end yields 1, 2, 3, ... on a fresh pool
         self._free: list[int] = list(range(size - 1, 0, -1))
-        self._in_use = bytearray(size)  # 1 = handed out; entry 0 stays 0 forever
+        self._refs = [0] * size  # holders of each index; entry 0 stays 0 forever
         self.num_allocs = 0  # lifetime counters, for tests and stats
         self.num_frees = 0
 
@@ -49,24 +51,30 @@ class _IndexPool:
     def _take(self, n: int) -> list[int]:
         out = [self._free.pop() for _ in range(n)]
         for i in out:
-            self._in_use[i] = 1
+            self._refs[i] = 1
         self.num_allocs += n
         return out
 
     def _give(self, indices: list[int]) -> None:
         for i in indices:
             assert 0 < i < self.size, f"{self._what} {i} is not a valid index (1..{self.size - 1})"
-            assert self._in_use[i], f"double free of {self._what} {i}"
-            self._in_use[i] = 0
-            self._free.append(i)
-        self.num_frees += len(indices)
+            assert self._refs[i] > 0, f"double free of {self._what} {i}"
+            self._refs[i] -= 1
+            if not self._refs[i]:
+                self._free.append(i)
+                self.num_frees += 1
+
+    def refs(self, i: int) -> int:
+        """Holders of index i (0: free)."""
+        return self._refs[i]
 
     def check_integrity(self) -> None:
-        """Assert the free list and the in-use flags agree (cheap; run when idle / in tests)."""
-        assert not self._in_use[0], f"{self._what} 0 (pad sink) is marked in use"
+        """Assert the free list and the reference counts agree (cheap; run when idle / in
+        tests)."""
+        assert not self._refs[0], f"{self._what} 0 (pad sink) is marked in use"
         assert len(set(self._free)) == len(self._free), f"duplicate {self._what} in free list"
-        assert all(not self._in_use[i] for i in self._free)
-        assert sum(self._in_use) + len(self._free) == self.capacity
+        assert all(not self._refs[i] for i in self._free)
+        assert sum(1 for r in self._refs if r) + len(self._free) == self.capacity
         assert self.num_allocs - self.num_frees == self.num_used
 
 
@@ -87,8 +95,17 @@ class PagePool(_IndexPool):
             return None
         return self._take(n)
 
+    def share(self, pages) -> None:
+        """One more holder for each of `pages` (all in use): a prefix reused by a request
+        (engine/prefix_cache.py). Each holder calls `free` once. AssertionError for a free or
+        invalid id."""
+        for i in pages:
+            assert 0 < i < self.size and self._refs[i] > 0, f"share of free page {i}"
+            self._refs[i] += 1
+
     def free(self, pages: list[int]) -> None:
-        """Return pages to the pool. AssertionError on a double free or an invalid id."""
+        """Drop one holder of each page; a page with none left returns to the pool.
+        AssertionError on a double free or an invalid id."""
         self._give(pages)
 
 

@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from tailored.config import EngineConfig
 from tailored.engine.memory import PagePool, SlotPool
+from tailored.engine.prefix_cache import PrefixCache
 from tailored.engine.types import (
     FinishReason,
     ModelOutput,
@@ -70,7 +71,9 @@ class Scheduler:
     """Decides what each engine step runs and owns the page/slot pools.
 
     num_pages / num_slots: pool sizes including the reserved index 0 (the runner's tensor sizes).
-    At most min(max_num_seqs, num_slots - 1) requests run at once.
+    At most min(max_num_seqs, num_slots - 1) requests run at once. With prefix caching
+    (EngineConfig.prefix_cache_entries) the cache's slots num_slots .. num_slots + entries - 1
+    hold the entries' snapshots (engine/prefix_cache.py).
     """
 
     def __init__(self, engine_config: EngineConfig, num_pages: int, num_slots: int) -> None:
@@ -95,6 +98,9 @@ class Scheduler:
         # the previous step's token set the grammar's mask (runner.resample); the Engine sets
         # it where its runner can. Off: a structured request keeps its batch synchronous
         self.structured_ahead = False
+        n_snap = engine_config.prefix_cache_entries
+        self.prefix = (PrefixCache(self.page_size, range(num_slots, num_slots + n_snap),
+                                   self.pages) if n_snap > 0 else None)
 
     # ---- requests in / out -------------------------------------------------------------------
     def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -134,6 +140,8 @@ class Scheduler:
             return None
         self.stop_ids.pop(request_id, None)
         self.no_ahead.discard(request_id)
+        if self.prefix is not None:
+            self.prefix.forget(request_id)
         if req.status is RequestStatus.RUNNING:
             _remove(self.running, req)
             self._release(req)
@@ -190,14 +198,31 @@ class Scheduler:
         # NOTE: not after a preemption or a blocked request in this step: pages are short, and a
         # newcomer would take what older requests need next step.
         admit = not blocked and self.num_preemptions == preemptions_before
+        state_copies, page_copies = [], []
+        ps = self.page_size
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
-            if self.slots.num_free == 0 or self.pages.num_free < _cdiv(n, self.page_size):
+            # a cached prefix of its ids (a new prompt, or a preempted request's recompute)
+            hit = self.prefix.lookup(req.request_id, req.all_ids) if self.prefix else None
+            done = hit.length if hit else 0
+            n = min(req.num_tokens - done, budget)
+            shared = list(hit.pages[:done // ps]) if hit else []  # full pages: read only
+            need = _cdiv(done + n, ps) - len(shared)
+            if self.slots.num_free == 0 or not self._free_pages(need, hit):
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate()
-            req.pages = self.pages.allocate(_cdiv(n, self.page_size))
+            if shared:
+                self.pages.share(shared)
+            req.pages = shared + self.pages.allocate(need)
+            if hit:
+                state_copies.append((hit.snap, req.slot))
+                if done % ps:  # the entry's partial last page: the request writes its own
+                    page_copies.append((hit.pages[-1], req.pages[len(shared)]))
+                req.num_computed_tokens = done
+            if self.prefix is not None:
+                self.prefix.queries += req.num_tokens
+                self.prefix.hits += done
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_seq_no)
             prefills.append(self._scheduled(req, n))
@@ -207,7 +232,38 @@ class Scheduler:
         seqs = tuple(decodes + prefills)
         if self.config.num_speculative_tokens > 0:
             seqs = tuple(self._chain_pages(list(seqs)))
-        return SchedulerOutput(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs))
+        return SchedulerOutput(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs),
+                               state_copies=tuple(state_copies), page_copies=tuple(page_copies),
+                               snapshots=self._snapshots(prefills))
+
+    def _free_pages(self, need: int, hit=None) -> bool:
+        """Whether `need` pages are free, after evicting prefix-cache entries (least recently
+        used first; never `hit`, the entry being reused) as far as that helps."""
+        while need > self.pages.num_free:
+            if self.prefix is None or not self.prefix.evict_one(keep=hit and hit.key):
+                return False
+        return True
+
+    def _snapshots(self, prefills: list[ScheduledSeq]) -> tuple:
+        """Prefix-cache snapshots of the prompts that the step's chunks complete (a fresh
+        request's, never a recompute's: its state then holds outputs too)."""
+        if self.prefix is None:
+            return ()
+        out = []
+        for seq in prefills:
+            req = self.requests[seq.request_id]
+            if (seq.sample and not req.output_ids
+                    and seq.start_pos + len(seq.token_ids) == len(req.prompt_ids)):
+                snap = self.prefix.reserve(req.request_id, req.prompt_ids, req.slot, req.pages)
+                if snap is not None:
+                    out.append(snap)
+        return tuple(out)
+
+    def discard(self, sched_out: SchedulerOutput) -> None:
+        """A step that failed (the engine fails its requests): its snapshots never ran."""
+        if self.prefix is not None:
+            for snap in sched_out.snapshots:
+                self.prefix.discard(snap)
 
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[Request]:
         """Advance the scheduled requests by the step's results; return the ones that finished.
@@ -244,6 +300,9 @@ class Scheduler:
         since the step was scheduled are void. `recompute`: requests whose next, already
         launched step was fed a token other than the one that stands now (the sampler's NaN
         fallback): they are preempted, so their state is computed again from their ids."""
+        if self.prefix is not None:  # the step ran: its snapshots were copied
+            for snap in sched_out.snapshots:
+                self.prefix.commit(snap)
         applied = []
         for seq in sched_out.seqs:
             if not seq.sample:
@@ -350,6 +409,7 @@ class Scheduler:
         candidates already run this step (it keeps its pages and state).
         """
         need = _cdiv(req.num_computed_tokens + n, self.page_size) - len(req.pages)
+        self._free_pages(need)  # prefix-cache entries go before any running request
         while need > self.pages.num_free:
             victim = next(
                 (r for r in reversed(self.running) if r.request_id not in scheduled), None

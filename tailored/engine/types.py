@@ -216,6 +216,13 @@ class SchedulerOutput:
 
     seqs: tuple[ScheduledSeq, ...]
     num_tokens: int
+    # prefix caching (engine/prefix_cache.py), run by the runner in stream order: before the
+    # forward, (snapshot slot, request slot) state copies and (page, page) KV copies of the
+    # requests admitted on a cached prefix; after it, the snapshots (prefix_cache.Snapshot)
+    # of the prompts this step completes
+    state_copies: tuple[tuple[int, int], ...] = ()
+    page_copies: tuple[tuple[int, int], ...] = ()
+    snapshots: tuple = ()
 
     @property
     def empty(self) -> bool:

@@ -177,6 +177,26 @@ class HybridCache:
                     self.conv[li, s] = cs
                     self.rec[li, s] = rs
 
+    def copy_states(self, moves) -> None:
+        """conv/rec[:, dst] = conv/rec[:, src] for every (src, dst) slot pair of `moves`
+        (distinct dst, none a src): the prefix cache's snapshots (engine/prefix_cache.py), on
+        the device in stream order, no host sync."""
+        if not moves:
+            return
+        src, dst = (index_on(list(x), self.conv.device) for x in zip(*moves))
+        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
+        self.rec.index_copy_(1, dst, self.rec.index_select(1, src))
+
+    def copy_pages(self, moves) -> None:
+        """k/v[:, dst] = k/v[:, src] for every (src, dst) page pair of `moves` (distinct dst,
+        none a src), every attention layer's (the MTP's too): a reused prefix's partial last
+        page, which the request then writes its own positions into."""
+        if not moves:
+            return
+        src, dst = (index_on(list(x), self.k.device) for x in zip(*moves))
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
                        mtp_layers: int = 0) -> int:

@@ -22,6 +22,9 @@ most `stats_timeout_s`, else the previous scrape's numbers; 0 while the engine i
     tailored:num_requests_running           requests scheduled (holding KV pages / a state slot)
     tailored:num_requests_waiting           requests queued for admission
     tailored:num_preemptions_total          requests preempted for lack of KV pages
+    tailored:prefix_cache_queries_total     prompt tokens of admitted requests looked up in the
+                                            prefix cache (recomputes of preempted ones too)
+    tailored:prefix_cache_hits_total        of those, tokens found cached
     tailored:spec_decode_num_drafts_total   speculative verify chunks (one request, one step)
     tailored:spec_decode_num_draft_tokens_total     draft tokens verified
     tailored:spec_decode_num_accepted_tokens_total  draft tokens kept
@@ -66,6 +69,10 @@ _ENGINE_STATS = (
      "Requests queued in the engine, waiting for admission.", False),
     ("num_preemptions", "tailored:num_preemptions",
      "Requests preempted (their pages freed, recomputed later) since the engine started.", True),
+    ("prefix_cache_queries", "tailored:prefix_cache_queries",
+     "Prefix caching: prompt tokens of admitted requests looked up in the prefix cache.", True),
+    ("prefix_cache_hits", "tailored:prefix_cache_hits",
+     "Prefix caching: of those, tokens found cached (not computed again).", True),
     ("spec_verify_steps", "tailored:spec_decode_num_drafts",
      "Speculative decoding: verify chunks (one request's drafts in one step).", True),
     ("spec_drafts", "tailored:spec_decode_num_draft_tokens",

@@ -1,0 +1,207 @@
+"""Prefix cache for the hybrid model: a prompt's KV pages and its GDN state, kept for the next
+prompt that starts with it.
+
+    python -m pytest -q tests/test_prefix_cache.py
+
+Why it differs from a transformer's prefix cache: KV pages can be shared from any page
+boundary, but a Gated DeltaNet layer's state is one matrix per request that each token
+overwrites, so a prefix can only be reused where its state was saved, exactly at its last
+token (failure-cases §3: a state taken at the wrong position makes cache hits decode
+differently from cold runs). The state after a prompt is in the request's slot for free at the
+end of the prefill chunk that completes it, so that is where an entry is made: the scheduler
+asks for a snapshot (`reserve`), the runner copies the slot's conv and recurrent state into a
+snapshot slot right after that step's forward, and the entry counts once the step's results
+are in (`commit`; a step that failed is `discard`ed). What hits: a later prompt that extends an
+earlier whole prompt — the next turn of a chat or an agent loop, whose prompt is the previous
+prompt plus the answer and a new message, and the recompute of a preempted request. What does
+not: two prompts that share only a part (a system prompt), which would need states at block
+boundaries inside a prefill chunk (vLLM's "align" mode for hybrid models); and the same prompt
+again, since at least its last token must run to give the first token's logits.
+
+An entry holds one reference to each of its ceil(length / page_size) pages (their KV of
+positions [0, length) never changes: requests only append) and one snapshot slot. A hit
+shares the entry's full pages, copies its partial last page into a page of its own (the
+request writes its next positions there) and copies the snapshot into its own slot; the
+copies run on the device before the step's forward, in stream order
+(`SchedulerOutput.state_copies` / `page_copies`). Entries are evicted least recently used
+first when a snapshot slot or pages are needed (before any running request is preempted).
+
+Keys: a chain hash over full pages (BLAKE2b of the previous page's hash and the page's ids)
+plus the tail of ids after the last full page, compared exactly; a request's chain is computed
+once and extended as its ids grow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from tailored.engine.memory import PagePool
+
+# shorter prompts are not worth a snapshot (a slot's state is ~64 MB at full size, its copy
+# ~25 µs on the H200) nor the LRU place they would take
+MIN_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A prefix entry being made: the runner copies `slot`'s state into snapshot slot `snap`
+    after the step's forward; `length` ids (`chain`: the hash of their full pages, `tail`: the
+    ids after them) are in that state and in `pages`' KV."""
+
+    request_id: str
+    slot: int
+    snap: int
+    length: int
+    chain: bytes
+    tail: tuple[int, ...]
+    pages: tuple[int, ...]
+
+
+@dataclass
+class PrefixHit:
+    """A lookup's answer: the entry's first `length` ids prefix the request's ids."""
+
+    length: int
+    snap: int
+    pages: tuple[int, ...]  # ceil(length / page_size): the full ones shared, the last copied
+    key: tuple[bytes, tuple[int, ...]]
+
+
+class PrefixCache:
+    """The entries, their snapshot slots and their page references.
+
+    page_size: tokens a KV page holds. snap_slots: the cache's state slots reserved for
+    snapshots (after the requests' slots). pages: the scheduler's page pool.
+    """
+
+    def __init__(self, page_size: int, snap_slots: range, pages: PagePool) -> None:
+        self.page_size = page_size
+        self.pages = pages
+        self._free_snaps = list(reversed(snap_slots))
+        self.capacity = len(snap_slots)
+        # (chain, tail) -> Snapshot, least recently used first
+        self._entries: OrderedDict[tuple[bytes, tuple[int, ...]], Snapshot] = OrderedDict()
+        self._by_chain: dict[bytes, set[tuple[bytes, tuple[int, ...]]]] = {}
+        self._chains: dict[str, list[bytes]] = {}  # request id -> hash of its first i pages
+        self._pending = 0  # snapshots reserved, not yet committed or discarded
+        self.queries = 0  # tokens looked up (prompts admitted with a lookup), vLLM's counter
+        self.hits = 0  # tokens of those found in the cache
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---- hashing -----------------------------------------------------------------------------
+    def _chain(self, request_id: str, ids: list[int], n_pages: int) -> list[bytes]:
+        """Hashes of ids' first 0..n_pages full pages (memoised per request)."""
+        chain = self._chains.setdefault(request_id, [b""])
+        ps = self.page_size
+        for i in range(len(chain) - 1, n_pages):
+            block = np.asarray(ids[i * ps:(i + 1) * ps], dtype=np.int64).tobytes()
+            chain.append(hashlib.blake2b(chain[i] + block, digest_size=16).digest())
+        return chain
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's memoised hashes (it left the scheduler)."""
+        self._chains.pop(request_id, None)
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def lookup(self, request_id: str, ids: list[int]) -> PrefixHit | None:
+        """The longest entry whose ids prefix `ids` and leave at least one of them to run (its
+        logits give the next token); None when none does. Made most recently used. (The
+        scheduler counts `queries` and `hits` for the requests it admits.)"""
+        n = len(ids)
+        if not self._entries or n <= MIN_TOKENS:
+            return None
+        ps = self.page_size
+        chain = self._chain(request_id, ids, (n - 1) // ps)
+        for i in range((n - 1) // ps, MIN_TOKENS // ps - 1, -1):
+            keys = self._by_chain.get(chain[i])
+            if not keys:
+                continue
+            best = None
+            for key in keys:
+                e = self._entries[key]
+                if e.length <= n - 1 and tuple(ids[i * ps:e.length]) == e.tail and (
+                        best is None or e.length > best.length):
+                    best = e
+            if best is not None:
+                key = (best.chain, best.tail)
+                self._entries.move_to_end(key)
+                return PrefixHit(best.length, best.snap, best.pages, key)
+        return None
+
+    # ---- making entries ----------------------------------------------------------------------
+    def reserve(self, request_id: str, ids: list[int], slot: int,
+                pages: list[int]) -> Snapshot | None:
+        """A snapshot of the state after all of `ids` (in `slot` after this step's forward)
+        with their KV in `pages`, or None: too short, already an entry (made most recently
+        used), or every snapshot slot taken by snapshots of this step. Evicts the least
+        recently used entry for its slot; takes one reference to each of the entry's pages."""
+        n = len(ids)
+        if n < MIN_TOKENS or self.capacity == 0:
+            return None
+        ps = self.page_size
+        chain = self._chain(request_id, ids, n // ps)[n // ps]
+        tail = tuple(ids[(n // ps) * ps:])
+        if (chain, tail) in self._entries:
+            self._entries.move_to_end((chain, tail))
+            return None
+        if not self._free_snaps and not self.evict_one():
+            return None
+        own = tuple(pages[:-(-n // ps)])
+        self.pages.share(own)
+        self._pending += 1
+        return Snapshot(request_id, slot, self._free_snaps.pop(), n, chain, tail, own)
+
+    def commit(self, snap: Snapshot) -> None:
+        """The step that copied it ran: the snapshot is an entry (most recently used). A
+        duplicate made meanwhile (the same prompt in the same step) is discarded."""
+        self._pending -= 1
+        key = (snap.chain, snap.tail)
+        if key in self._entries:
+            self._release(snap)
+            return
+        self._entries[key] = snap
+        self._by_chain.setdefault(snap.chain, set()).add(key)
+
+    def discard(self, snap: Snapshot) -> None:
+        """The step that was to copy it failed: give back its slot and page references."""
+        self._pending -= 1
+        self._release(snap)
+
+    # ---- eviction ----------------------------------------------------------------------------
+    def evict_one(self, keep: tuple | None = None) -> bool:
+        """Drop the least recently used entry (not `keep`, a hit being admitted); False when
+        there is none to drop. Its pages return to the pool once no request shares them."""
+        for key in self._entries:
+            if key != keep:
+                break
+        else:
+            return False
+        snap = self._entries.pop(key)
+        keys = self._by_chain[snap.chain]
+        keys.discard(key)
+        if not keys:
+            del self._by_chain[snap.chain]
+        self._release(snap)
+        return True
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        while self.evict_one():
+            pass
+
+    def _release(self, snap: Snapshot) -> None:
+        self.pages.free(list(snap.pages))
+        self._free_snaps.append(snap.snap)
+
+    def check_integrity(self) -> None:
+        """Assert the snapshot slots add up and every entry's pages are held."""
+        assert len(self._free_snaps) + len(self._entries) + self._pending == self.capacity
+        assert len(set(self._free_snaps)) == len(self._free_snaps)
+        for e in self._entries.values():
+            assert all(self.pages.refs(p) > 0 for p in e.pages)

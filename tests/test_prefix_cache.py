@@ -1,0 +1,274 @@
+"""Prefix caching (engine/prefix_cache.py): failure-cases §3 — a cache hit must decode exactly
+as a cold run (the GDN state taken at the right position, the KV pages shared or copied
+right), the hit rate must be reported and non-zero when prefixes repeat, and no page or slot
+may leak through eviction, preemption, abort or a failed step.
+
+The index alone (pure Python), then the real engine and runner on the tiny model (CPU plain
+path, fp32), synchronous and with async scheduling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailored.config import EngineConfig
+from tailored.engine.engine import Engine
+from tailored.engine.memory import PagePool
+from tailored.engine.prefix_cache import MIN_TOKENS, PrefixCache
+from tailored.engine.types import SamplingParams
+from tailored.runner import ModelRunner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PS = 16
+
+
+# ---- the index -------------------------------------------------------------------------------
+def _made(pc: PrefixCache, pool: PagePool, rid: str, ids: list[int]):
+    """An entry for ids as the scheduler makes one: the request's pages, a snapshot, commit;
+    the request then frees its own pages (the entry keeps its references)."""
+    pages = pool.allocate(-(-len(ids) // PS) + 1)  # one page more, as a decoding request has
+    snap = pc.reserve(rid, ids, slot=1, pages=pages)
+    if snap is not None:
+        pc.commit(snap)
+    pool.free(pages)
+    pc.forget(rid)
+    return snap
+
+
+def test_lookup_finds_the_longest_whole_earlier_prompt_that_leaves_a_token_to_run():
+    pool = PagePool(64)
+    pc = PrefixCache(PS, range(10, 14), pool)
+    a = list(range(1000, 1000 + 100))  # 6 full pages + 4
+    b = a + list(range(5000, 5030))
+    assert _made(pc, pool, "a", a) is not None
+    assert _made(pc, pool, "b", b) is not None
+    assert len(pc) == 2
+    # extends b: b is found; extends a only: a; a itself: none (its last token must run)
+    hit = pc.lookup("q1", b + [7, 8])
+    assert hit.length == len(b)
+    assert pc.lookup("q2", a + [1, 2, 3]).length == len(a)
+    assert pc.lookup("q3", a) is None
+    assert pc.lookup("q4", a[:99] + [1] + b[100:]) is None  # differs in a's tail
+    assert pc.lookup("q5", [1] + a[1:] + [2]) is None  # differs in a full page
+    # the entry's pages: ceil(len / 16), each held once by it
+    assert len(hit.pages) == -(-len(b) // PS)
+    assert all(pool.refs(p) >= 1 for p in hit.pages)
+    pc.check_integrity()
+    pool.check_integrity()
+
+
+def test_short_prompts_duplicates_and_lru_eviction():
+    pool = PagePool(256)
+    pc = PrefixCache(PS, range(10, 12), pool)  # two snapshot slots
+    assert _made(pc, pool, "s", list(range(MIN_TOKENS - 1))) is None  # too short
+    p = [list(range(k * 1000, k * 1000 + 80)) for k in range(3)]
+    assert _made(pc, pool, "0", p[0]) is not None
+    assert _made(pc, pool, "0b", p[0]) is None  # already an entry
+    assert _made(pc, pool, "1", p[1]) is not None
+    pc.lookup("x", p[0] + [1])  # p[0] becomes most recently used
+    assert _made(pc, pool, "2", p[2]) is not None  # evicts p[1], the least recently used
+    assert pc.lookup("y", p[1] + [1]) is None
+    assert pc.lookup("z", p[0] + [1]) is not None and pc.lookup("w", p[2] + [1]) is not None
+    pc.clear()
+    pc.check_integrity()
+    assert pool.num_free == pool.capacity  # every page back
+
+
+def test_a_discarded_snapshot_leaves_nothing_behind():
+    pool = PagePool(32)
+    pc = PrefixCache(PS, range(5, 6), pool)
+    pages = pool.allocate(6)
+    snap = pc.reserve("r", list(range(90)), slot=1, pages=pages)
+    assert snap is not None and pc.reserve("r2", list(range(1, 91)), 2, pages) is None  # no slot
+    pc.discard(snap)
+    pool.free(pages)
+    pc.check_integrity()
+    assert pool.num_free == pool.capacity and len(pc) == 0
+
+
+# ---- the engine ------------------------------------------------------------------------------
+@pytest.fixture
+def tok(qwen_tok):
+    return qwen_tok
+
+
+def make(model, tok, entries: int, on: bool = False, **kw):
+    ec = EngineConfig(page_size=PS, max_num_seqs=kw.pop("max_num_seqs", 8),
+                      max_num_batched_tokens=kw.pop("budget", 512),
+                      max_model_len=kw.pop("max_model_len", 512), device="cpu",
+                      dtype="float32", async_scheduling=on, prefix_cache_entries=entries, **kw)
+    runner = ModelRunner(model, model.config, ec, "cpu", model.lm_head.weight.dtype)
+    return Engine(model.config, ec, runner, tok)
+
+
+def ids(n, seed):
+    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(engine, script) -> dict:
+    """script: {step_no: [(rid, prompt, SamplingParams) | ("abort", rid)]} before that step;
+    tokens by request id."""
+    out = {}
+    n = 0
+    while engine.has_unfinished() or n <= max(script):
+        for cmd in script.get(n, []):
+            if cmd[0] == "abort":
+                engine.abort_request(cmd[1])
+            else:
+                engine.add_request(*cmd)
+                out[cmd[0]] = []
+        for o in engine.step():
+            assert o.error is None, o.error
+            out[o.request_id] += o.delta_token_ids
+        n += 1
+        assert n < 3000
+    return out
+
+
+def cold(model, tok, prompt, sp, first: int, **kw) -> list[int]:
+    """The request alone on an engine without prefix caching, its prompt computed in two
+    chunks split where the hit's prefix ends (so the reference sums in the same order)."""
+    e = make(model, tok, 0, budget=first, **kw)
+    return run(e, {0: [("r", prompt, sp)]})["r"]
+
+
+def check_idle(engine, entries_kept: bool = True):
+    """No request left: the pools hold exactly the cache's entries' pages and slots."""
+    s = engine.scheduler
+    s.pages.check_integrity()
+    s.slots.check_integrity()
+    s.prefix.check_integrity()
+    assert s.slots.num_free == s.slots.capacity
+    held = {p for e in s.prefix._entries.values() for p in e.pages}
+    assert s.pages.num_used == len(held)
+    s.prefix.clear()
+    assert s.pages.num_free == s.pages.capacity
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("plen", [96, 101], ids=["page_aligned", "partial_page"])
+def test_next_turn_hits_and_decodes_as_a_cold_run(tiny_model, tok, on, plen):
+    """A prompt that extends an earlier prompt reuses its KV and GDN state (the hit counted)
+    and gives the tokens of a cold run, whether the prefix ends on a page boundary or inside
+    a page (then copied), with the earlier request still decoding into that page."""
+    p = ids(plen, 1)
+    q = p + ids(37, 2)
+    e = make(tiny_model, tok, 4, on)
+    out = run(e, {0: [("a", p, greedy(12))], 3: [("b", q, greedy(10))]})
+    s = e.scheduler.prefix
+    assert s.hits == plen, (s.hits, s.queries)
+    assert s.queries == plen + len(q)
+    assert out["b"] == cold(tiny_model, tok, q, greedy(10), plen)
+    assert out["a"] == cold(tiny_model, tok, p, greedy(12), 512)
+    assert e.stats()["prefix_cache_hits"] == plen
+    check_idle(e)
+
+
+def test_off_by_default_and_no_hit_without_it(tiny_model, tok):
+    e = make(tiny_model, tok, 0)
+    p = ids(90, 3)
+    run(e, {0: [("a", p, greedy(3))], 4: [("b", p + [5, 6], greedy(3))]})
+    assert e.scheduler.prefix is None
+    assert e.stats()["prefix_cache_hits"] == 0
+
+
+def test_chained_turns_chunked_prefill_and_the_same_prompt_again(tiny_model, tok):
+    """Three turns, each prompt the last one plus more, prefilled in chunks of 48 tokens: each
+    turn hits the one before (the longest entry); the same prompt again computes at least its
+    last token and decodes as before."""
+    t1 = ids(100, 4)
+    t2 = t1 + ids(60, 5)
+    t3 = t2 + ids(70, 6)
+    e = make(tiny_model, tok, 4, budget=48)
+    out = run(e, {0: [("1", t1, greedy(5))], 12: [("2", t2, greedy(5))],
+                  30: [("3", t3, greedy(5))], 50: [("3b", t3, greedy(5))]})
+    assert e.scheduler.prefix.hits == len(t1) + len(t2) + len(t2)
+    assert out["3"] == out["3b"]
+    # cold references chunked at 48 from the hit: the hit's prefix ends at 160 (t2)
+    ref = make(tiny_model, tok, 0, budget=48)
+    ref_out = run(ref, {0: [("3", t3, greedy(5))]})
+    assert out["3"] == ref_out["3"]
+    check_idle(e)
+
+
+def test_eviction_and_preemption_keep_answers_and_leak_nothing(tiny_model, tok):
+    """A page pool too small for everyone: entries are evicted before running requests are
+    preempted, preempted requests recompute (hitting their own prompt's entry), and every
+    answer is the answer of the same requests with prefix caching off."""
+    base = ids(80, 7)
+    reqs = [(f"r{i}", base + ids(20 + 7 * i, 10 + i), greedy(24)) for i in range(6)]
+    script = {0: [("seed", base, greedy(2))], 3: reqs[:3], 6: reqs[3:]}
+    e = make(tiny_model, tok, 3, num_pages=24, max_num_seqs=4)
+    got = run(e, script)
+    ref = run(make(tiny_model, tok, 0, num_pages=24, max_num_seqs=4), script)
+    assert got == ref
+    assert e.scheduler.prefix.hits > 0
+    assert e.scheduler.num_preemptions > 0
+    check_idle(e)
+
+
+def test_abort_while_prefilling_on_a_hit(tiny_model, tok):
+    p = ids(120, 8)
+    e = make(tiny_model, tok, 2, budget=32)
+    out = run(e, {0: [("a", p, greedy(2))], 6: [("b", p + ids(200, 9), greedy(4))],
+                  8: [("abort", "b")], 9: [("c", p + [1, 2, 3], greedy(3))]})
+    assert out["c"] == cold(tiny_model, tok, p + [1, 2, 3], greedy(3), 120)
+    check_idle(e)
+
+
+def test_a_failed_step_makes_no_entry(tiny_model, tok, monkeypatch):
+    """The step that completes a prompt fails (its requests get errors): the snapshot it was
+    to copy is discarded, so a later prompt extending it finds nothing (a stale state would
+    decode differently, failure-cases §3), and nothing leaks."""
+    e = make(tiny_model, tok, 2)
+    p = ids(90, 11)
+    real = e.runner.model.forward
+    calls = {"n": 0}
+
+    def failing(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(e.runner.model, "forward", failing)
+    e.add_request("a", p, greedy(3))
+    errors = [o for o in e.step() if o.error]
+    assert errors and errors[0].request_id == "a"
+    assert len(e.scheduler.prefix) == 0
+    out = run(e, {0: [("b", p + [4, 5], greedy(3))]})
+    assert e.scheduler.prefix.hits == 0
+    assert out["b"] == cold(tiny_model, tok, p + [4, 5], greedy(3), 512)
+    check_idle(e)
+
+
+@pytest.mark.parametrize("spec", [0, 2], ids=["kernels", "kernels_spec"])
+def test_kernel_path_and_speculative_decoding_hit_as_a_cold_run(tiny_ckpt, spec):
+    """The same on the kernel path (Triton's interpreter, fp32): the hit's first chunk
+    continues from the copied state with the prefill kernels; with speculative decoding the
+    shared pages carry the MTP layer's KV too, and verification keeps the greedy output."""
+    from tailored import kernels
+    from tailored.stack import build_stack
+
+    if not kernels.available():
+        pytest.skip("triton not installed")
+
+    def stack(entries, budget=256):
+        return build_stack(tiny_ckpt, device="cpu", dtype="float32", progress=False,
+                           kernels="on", max_model_len=256, max_num_seqs=4, num_pages=80,
+                           max_num_batched_tokens=budget, async_scheduling=False,
+                           num_speculative_tokens=spec, prefix_cache_entries=entries).engine
+
+    p = ids(70, 12)
+    q = p + ids(19, 13)
+    e = stack(2)
+    out = run(e, {0: [("a", p, greedy(4))], 4: [("b", q, greedy(6))]})
+    assert e.scheduler.prefix.hits == len(p)
+    assert out["b"] == run(stack(0, budget=len(p)), {0: [("b", q, greedy(6))]})["b"]
+    check_idle(e)
