@@ -272,3 +272,41 @@ def test_kernel_path_and_speculative_decoding_hit_as_a_cold_run(tiny_ckpt, spec)
     assert e.scheduler.prefix.hits == len(p)
     assert out["b"] == run(stack(0, budget=len(p)), {0: [("b", q, greedy(6))]})["b"]
     check_idle(e)
+
+
+def test_chat_turns_hit_at_the_end_of_the_last_message(tiny_model, tok):
+    """A chat prompt ends with the generation prompt (`<|im_start|>assistant\\n<think>\\n`),
+    which the next turn replaces by the answer: the entry ends before it (one extra prefill
+    step of those few tokens), so turn 2 hits the whole of turn 1 but its generation prompt
+    — with an entry at the prompt's end it would never hit (failure-cases §3: 0 % hits) — and
+    the same conversation sent again hits too."""
+    system = "You are a careful assistant. " * 12
+    turn1 = [{"role": "system", "content": system},
+             {"role": "user", "content": "Name three prime numbers."}]
+    turn2 = turn1 + [{"role": "assistant", "content": "2, 3 and 5."},
+                     {"role": "user", "content": "And their sum?"}]
+    p1 = tok.encode(tok.apply_chat_template(turn1), allow_special=True)
+    p2 = tok.encode(tok.apply_chat_template(turn2), allow_special=True)
+    im_start = tok.token_to_id("<|im_start|>")
+    cut = max(i for i, t in enumerate(p1) if t == im_start)  # where turn 1's generation prompt starts
+    assert p2[:cut] == p1[:cut] and p2[:len(p1)] != p1  # the premise
+    e = make(tiny_model, tok, 4)
+    out = run(e, {0: [("t1", p1, greedy(6))], 5: [("t2", p2, greedy(6))],
+                  12: [("t1b", p1, greedy(6))]})
+    assert e.scheduler.prefix.hits == cut + cut
+    assert out["t1b"] == out["t1"]
+    assert out["t2"] == cold(tiny_model, tok, p2, greedy(6), cut)
+    check_idle(e)
+
+
+def test_save_point():
+    pc = PrefixCache(PS, range(3, 5), PagePool(8))
+    pc.boundary_ids = frozenset({9})
+    assert pc.save_point("a", [1] * (MIN_TOKENS - 1)) == 0  # too short
+    assert pc.save_point("b", [1] * 100) == 100  # no boundary: the whole prompt
+    assert pc.save_point("c", [1] * 80 + [9] + [1] * 5 + [9, 2]) == 86  # before the last one
+    assert pc.save_point("d", [9] + [1] * 99) == 100  # a boundary too early: the whole
+    assert pc.save_point("c", []) == 86  # memoised per request until forget
+    pc.forget("c")
+    assert pc.save_point("c", [1] * 70) == 70
+    assert PrefixCache(PS, range(0), PagePool(8)).save_point("e", [1] * 100) == 0  # no slots

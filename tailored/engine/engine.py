@@ -70,6 +70,11 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(engine_config, runner.num_pages, runner.num_slots)
+        if self.scheduler.prefix is not None and hasattr(tokenizer, "token_to_id"):
+            # prefix-cache entries end where the chat's last message ends (prefix_cache.py)
+            im_start = tokenizer.token_to_id("<|im_start|>")
+            if im_start is not None:
+                self.scheduler.prefix.boundary_ids = frozenset({im_start})
         # EOS ids of the tokenizer (generation_config) and of the model config, tokenizer first
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_token_ids = tuple(dict.fromkeys(eos + tuple(model_config.eos_token_ids)))

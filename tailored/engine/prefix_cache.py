@@ -7,16 +7,22 @@ Why it differs from a transformer's prefix cache: KV pages can be shared from an
 boundary, but a Gated DeltaNet layer's state is one matrix per request that each token
 overwrites, so a prefix can only be reused where its state was saved, exactly at its last
 token (failure-cases §3: a state taken at the wrong position makes cache hits decode
-differently from cold runs). The state after a prompt is in the request's slot for free at the
-end of the prefill chunk that completes it, so that is where an entry is made: the scheduler
-asks for a snapshot (`reserve`), the runner copies the slot's conv and recurrent state into a
-snapshot slot right after that step's forward, and the entry counts once the step's results
-are in (`commit`; a step that failed is `discard`ed). What hits: a later prompt that extends an
-earlier whole prompt — the next turn of a chat or an agent loop, whose prompt is the previous
-prompt plus the answer and a new message, and the recompute of a preempted request. What does
-not: two prompts that share only a part (a system prompt), which would need states at block
-boundaries inside a prefill chunk (vLLM's "align" mode for hybrid models); and the same prompt
-again, since at least its last token must run to give the first token's logits.
+differently from cold runs). The state is in the request's slot at the end of each prefill
+chunk, so an entry is made where a chunk ends: at the prompt's **save point** (`save_point`),
+the scheduler ends a chunk there and asks for a snapshot (`reserve`), the runner copies the
+slot's conv and recurrent state into a snapshot slot right after that step's forward, and the
+entry counts once the step's results are in (`commit`; a step that failed is `discard`ed).
+
+The save point is where the prompt's last chat message ends: before its last `<|im_start|>`
+(`boundary_ids`, set by the engine from the tokenizer). A chat prompt ends with the generation
+prompt (`<|im_start|>assistant\n<think>\n`), which the next turn does not repeat (it renders the
+answer there instead): an entry at the prompt's end would never hit — the "0 % hits on this
+architecture" of failure-cases §3. Ending a chunk there costs one more prefill step of those
+few tokens (a prompt with no `<|im_start|>` is saved at its end, no extra step). What hits: a
+later prompt that extends an earlier prompt up to its save point — the next turn of a chat or
+an agent loop, the same conversation sent again, a preempted request's recompute. What does
+not: prompts sharing only a part before the last message (a system prompt alone), which would
+need states inside a prefill chunk (vLLM's "align" mode for hybrid models).
 
 An entry holds one reference to each of its ceil(length / page_size) pages (their KV of
 positions [0, length) never changes: requests only append) and one snapshot slot. A hit
@@ -88,6 +94,9 @@ class PrefixCache:
         self._by_chain: dict[bytes, set[tuple[bytes, tuple[int, ...]]]] = {}
         self._chains: dict[str, list[bytes]] = {}  # request id -> hash of its first i pages
         self._pending = 0  # snapshots reserved, not yet committed or discarded
+        # tokens a saved prefix ends before (the chat format's <|im_start|>); see save_point
+        self.boundary_ids: frozenset[int] = frozenset()
+        self._points: dict[str, int] = {}  # request id -> its prompt's save point
         self.queries = 0  # tokens looked up (prompts admitted with a lookup), vLLM's counter
         self.hits = 0  # tokens of those found in the cache
 
@@ -105,8 +114,25 @@ class PrefixCache:
         return chain
 
     def forget(self, request_id: str) -> None:
-        """Drop a request's memoised hashes (it left the scheduler)."""
+        """Drop a request's memoised hashes and save point (it left the scheduler)."""
         self._chains.pop(request_id, None)
+        self._points.pop(request_id, None)
+
+    def save_point(self, request_id: str, prompt: list[int]) -> int:
+        """Where `prompt`'s entry ends (ids before it): before its last boundary id (the start
+        of the chat's generation prompt) when that leaves MIN_TOKENS, else the whole prompt;
+        0 (no entry) for a prompt shorter than MIN_TOKENS. Memoised per request."""
+        p = self._points.get(request_id)
+        if p is None:
+            p = len(prompt) if len(prompt) >= MIN_TOKENS and self.capacity else 0
+            if p and self.boundary_ids:
+                b = self.boundary_ids
+                last = next((i for i in range(len(prompt) - 1, MIN_TOKENS - 1, -1)
+                             if prompt[i] in b), None)
+                if last is not None:
+                    p = last
+            self._points[request_id] = p
+        return p
 
     # ---- lookup ------------------------------------------------------------------------------
     def lookup(self, request_id: str, ids: list[int]) -> PrefixHit | None:

@@ -186,7 +186,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._to_save_point(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if not self._grow(req, n, scheduled):
                 blocked = True
                 continue
@@ -205,10 +205,12 @@ class Scheduler:
             # a cached prefix of its ids (a new prompt, or a preempted request's recompute)
             hit = self.prefix.lookup(req.request_id, req.all_ids) if self.prefix else None
             done = hit.length if hit else 0
-            n = min(req.num_tokens - done, budget)
+            req.num_computed_tokens = done  # (0 without a hit: a new or preempted request)
+            n = self._to_save_point(req, min(req.num_tokens - done, budget))
             shared = list(hit.pages[:done // ps]) if hit else []  # full pages: read only
             need = _cdiv(done + n, ps) - len(shared)
             if self.slots.num_free == 0 or not self._free_pages(need, hit):
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate()
@@ -219,7 +221,6 @@ class Scheduler:
                 state_copies.append((hit.snap, req.slot))
                 if done % ps:  # the entry's partial last page: the request writes its own
                     page_copies.append((hit.pages[-1], req.pages[len(shared)]))
-                req.num_computed_tokens = done
             if self.prefix is not None:
                 self.prefix.queries += req.num_tokens
                 self.prefix.hits += done
@@ -244,17 +245,28 @@ class Scheduler:
                 return False
         return True
 
+    def _to_save_point(self, req: Request, n: int) -> int:
+        """A prefill chunk of n tokens of `req`, cut to end at its prompt's prefix-cache save
+        point when it would cross it (the state there is the one to keep)."""
+        if self.prefix is None:
+            return n
+        p = self.prefix.save_point(req.request_id, req.prompt_ids)
+        start = req.num_computed_tokens
+        return p - start if start < p < start + n else n
+
     def _snapshots(self, prefills: list[ScheduledSeq]) -> tuple:
-        """Prefix-cache snapshots of the prompts that the step's chunks complete (a fresh
-        request's, never a recompute's: its state then holds outputs too)."""
+        """Prefix-cache snapshots of the prompts whose save point a chunk of this step ends at
+        (a save point is never past the prompt, so a recompute's state there is the prompt's
+        alone)."""
         if self.prefix is None:
             return ()
         out = []
         for seq in prefills:
             req = self.requests[seq.request_id]
-            if (seq.sample and not req.output_ids
-                    and seq.start_pos + len(seq.token_ids) == len(req.prompt_ids)):
-                snap = self.prefix.reserve(req.request_id, req.prompt_ids, req.slot, req.pages)
+            p = self.prefix.save_point(req.request_id, req.prompt_ids)
+            if p and seq.start_pos + len(seq.token_ids) == p:
+                snap = self.prefix.reserve(req.request_id, req.prompt_ids[:p], req.slot,
+                                           req.pages)
                 if snap is not None:
                     out.append(snap)
         return tuple(out)
