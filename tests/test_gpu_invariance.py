@@ -51,11 +51,11 @@ def tok():
 
 
 def engine(model, tok, *, budget=2048, max_num_seqs=8, max_model_len=4200, enforce_eager=False,
-           num_pages=None) -> Engine:
+           num_pages=None, **kw) -> Engine:
     ec = EngineConfig(page_size=16, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       max_model_len=max_model_len, device="cuda", dtype="float32",
                       num_pages=num_pages or max_num_seqs * (max_model_len // 16 + 1) + 1,
-                      kernels="on", enforce_eager=enforce_eager)
+                      kernels="on", enforce_eager=enforce_eager, **kw)
     e = Engine(model.config, ec, ModelRunner(model, model.config, ec, "cuda", torch.float32), tok)
     assert model.fast is not None and model.fast.cache is e.runner.cache  # the kernel path runs
     return e
@@ -238,3 +238,45 @@ def test_async_structured_rows_resampled_with_the_sync_tokens_and_no_sync(model,
         assert tok.decode(async_out[rid]).isdigit(), tok.decode(async_out[rid])
     assert counts["ahead"] > 5 and counts["resample"] > 5, counts
     assert not syncs, syncs[:5]
+
+
+@pytest.mark.parametrize("prefill_graphs", [False, True], ids=["eager_prefill", "prefill_graphs"])
+def test_prefix_cache_hits_decode_as_cold_runs(model, tok, prefill_graphs):
+    """Prefix caching (engine/prefix_cache.py, failure-cases §3) on the kernel path with CUDA
+    graphs and async scheduling: a chat's next turn and the same conversation again hit the
+    cache (the GDN state copied on the device, the partial KV page copied), and their tokens
+    are those of cold runs whose prefill splits where the hit's prefix ends; no page leaks."""
+    system = "You are a careful assistant who answers in full sentences. " * 20
+    turn1 = [{"role": "system", "content": system},
+             {"role": "user", "content": "Name three prime numbers."}]
+    turn2 = turn1 + [{"role": "assistant", "content": "2, 3 and 5."},
+                     {"role": "user", "content": "And their sum?"}]
+    p1 = tok.encode(tok.apply_chat_template(turn1), allow_special=True)
+    p2 = tok.encode(tok.apply_chat_template(turn2), allow_special=True)
+    cut = max(i for i, t in enumerate(p1) if t == tok.token_to_id("<|im_start|>"))
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(e, reqs):
+        out = {}
+        for rid, ids in reqs:
+            e.add_request(rid, ids, sp)
+            out[rid] = []
+            while e.has_unfinished():
+                for o in e.step():
+                    assert o.error is None, o.error
+                    out[o.request_id] += o.delta_token_ids
+        return out
+
+    e = engine(model, tok, max_model_len=1024, prefix_cache_entries=4,
+               prefill_graphs=prefill_graphs)
+    got = run(e, [("t1", p1), ("t2", p2), ("t1b", p1)])
+    s = e.scheduler
+    assert s.prefix.hits == 2 * cut, (s.prefix.hits, cut)
+    s.prefix.clear()
+    s.pages.check_integrity()
+    assert s.pages.num_free == s.pages.capacity
+    del e
+    ref = engine(model, tok, max_model_len=1024, budget=cut)  # cold, split at the same place
+    want = run(ref, [("t1", p1), ("t2", p2)])
+    assert got["t1"] == want["t1"] and got["t1b"] == want["t1"]
+    assert got["t2"] == want["t2"]
