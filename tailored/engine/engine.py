@@ -196,6 +196,9 @@ class Engine:
         if self._async and self.scheduler.can_schedule_ahead(sched_out):
             self.scheduler.advance(sched_out)
             ahead = self.scheduler.schedule()  # the same requests' decodes of pending tokens
+            # the Request objects `ahead` runs for, should its launch fail (by construction
+            # cur's; a request admitted there would not be, and must fail too: review s33)
+            ahead_owners = {s.request_id: self._requests.get(s.request_id) for s in ahead.seqs}
             nxt = self._launch(ahead, feed=cur)
             model_out = self._collect(cur)
             if model_out is None:
@@ -207,7 +210,7 @@ class Engine:
             if nxt is None:  # the launch failed: its requests (those still running) fail
                 self._inflight = None
                 outputs += self._emit_step(applied)
-                return outputs + self._fail_batch(ahead, self._runner_error, cur.owners)
+                return outputs + self._fail_batch(ahead, self._runner_error, ahead_owners)
         else:
             model_out = self._collect(cur)
             self._inflight = None

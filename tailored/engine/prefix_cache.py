@@ -74,7 +74,6 @@ class PrefixHit:
     length: int
     snap: int
     pages: tuple[int, ...]  # ceil(length / page_size): the full ones shared, the last copied
-    key: tuple[bytes, tuple[int, ...]]
 
 
 class PrefixCache:
@@ -157,7 +156,7 @@ class PrefixCache:
             if best is not None:
                 key = (best.chain, best.tail)
                 self._entries.move_to_end(key)
-                return PrefixHit(best.length, best.snap, best.pages, key)
+                return PrefixHit(best.length, best.snap, best.pages)
         return None
 
     # ---- making entries ----------------------------------------------------------------------
@@ -200,15 +199,12 @@ class PrefixCache:
         self._release(snap)
 
     # ---- eviction ----------------------------------------------------------------------------
-    def evict_one(self, keep: tuple | None = None) -> bool:
-        """Drop the least recently used entry (not `keep`, a hit being admitted); False when
-        there is none to drop. Its pages return to the pool once no request shares them."""
-        for key in self._entries:
-            if key != keep:
-                break
-        else:
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry; False when there is none. Its pages return to
+        the pool once no request shares them."""
+        if not self._entries:
             return False
-        snap = self._entries.pop(key)
+        key, snap = self._entries.popitem(last=False)
         keys = self._by_chain[snap.chain]
         keys.discard(key)
         if not keys:

@@ -209,13 +209,20 @@ class Scheduler:
             n = self._to_save_point(req, min(req.num_tokens - done, budget))
             shared = list(hit.pages[:done // ps]) if hit else []  # full pages: read only
             need = _cdiv(done + n, ps) - len(shared)
-            if self.slots.num_free == 0 or not self._free_pages(need, hit):
+            if self.slots.num_free == 0:
+                req.num_computed_tokens = 0
+                break
+            # the shared pages held first: evicting the hit's own entry for room is then safe
+            # (its snapshot slot and partial page are read by this step's copies before the
+            # forward, before anything this step writes reuses them); keeping it could leave
+            # a request that fits alone waiting forever (session-33 review)
+            self.pages.share(shared)
+            if not self._free_pages(need):
+                self.pages.free(shared)
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate()
-            if shared:
-                self.pages.share(shared)
             req.pages = shared + self.pages.allocate(need)
             if hit:
                 state_copies.append((hit.snap, req.slot))
@@ -237,11 +244,11 @@ class Scheduler:
                                state_copies=tuple(state_copies), page_copies=tuple(page_copies),
                                snapshots=self._snapshots(prefills))
 
-    def _free_pages(self, need: int, hit=None) -> bool:
+    def _free_pages(self, need: int) -> bool:
         """Whether `need` pages are free, after evicting prefix-cache entries (least recently
-        used first; never `hit`, the entry being reused) as far as that helps."""
+        used first) as far as that helps."""
         while need > self.pages.num_free:
-            if self.prefix is None or not self.prefix.evict_one(keep=hit and hit.key):
+            if self.prefix is None or not self.prefix.evict_one():
                 return False
         return True
 
@@ -393,10 +400,14 @@ class Scheduler:
             # A full engine (max_num_seqs running) keeps pipelining with a queue
             head = self.waiting[0]
             budget = self.config.max_num_batched_tokens - len(seqs)
-            if (len(self.running) < self.max_running and self.slots.num_free > 0 and budget > 0
-                    and self.pages.num_free - need
-                    >= _cdiv(min(head.num_tokens, budget), self.page_size)):
-                return False
+            if len(self.running) < self.max_running and self.slots.num_free > 0 and budget > 0:
+                # with prefix caching, evicted entries' pages, a hit's shared pages and a chunk
+                # cut at a save point may all let the head in where free pages alone would not
+                # (its pages cannot be foreseen cheaply here): no step ahead
+                if self.prefix is not None or (self.pages.num_free - need
+                                               >= _cdiv(min(head.num_tokens, budget),
+                                                        self.page_size)):
+                    return False
         return True
 
     # ---- helpers -----------------------------------------------------------------------------
