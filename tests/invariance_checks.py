@@ -17,6 +17,21 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def chat_turns(tok, system_repeats: int = 12) -> tuple[list[int], list[int], int]:
+    """Two turns of one chat through the served template, as ids (turn 1, turn 2), and where
+    turn 1's generation prompt starts (its last <|im_start|>): the prefix cache's save point
+    (engine/prefix_cache.py). Turn 2 repeats turn 1 up to there, not beyond."""
+    system = "You are a careful assistant who answers in full sentences. " * system_repeats
+    turn1 = [{"role": "system", "content": system},
+             {"role": "user", "content": "Name three prime numbers."}]
+    turn2 = turn1 + [{"role": "assistant", "content": "2, 3 and 5."},
+                     {"role": "user", "content": "And their sum?"}]
+    p1 = tok.encode(tok.apply_chat_template(turn1), allow_special=True)
+    p2 = tok.encode(tok.apply_chat_template(turn2), allow_special=True)
+    cut = max(i for i, t in enumerate(p1) if t == tok.token_to_id("<|im_start|>"))
+    return p1, p2, cut
+
+
 def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

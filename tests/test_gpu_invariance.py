@@ -246,14 +246,7 @@ def test_prefix_cache_hits_decode_as_cold_runs(model, tok, prefill_graphs):
     graphs and async scheduling: a chat's next turn and the same conversation again hit the
     cache (the GDN state copied on the device, the partial KV page copied), and their tokens
     are those of cold runs whose prefill splits where the hit's prefix ends; no page leaks."""
-    system = "You are a careful assistant who answers in full sentences. " * 20
-    turn1 = [{"role": "system", "content": system},
-             {"role": "user", "content": "Name three prime numbers."}]
-    turn2 = turn1 + [{"role": "assistant", "content": "2, 3 and 5."},
-                     {"role": "user", "content": "And their sum?"}]
-    p1 = tok.encode(tok.apply_chat_template(turn1), allow_special=True)
-    p2 = tok.encode(tok.apply_chat_template(turn2), allow_special=True)
-    cut = max(i for i, t in enumerate(p1) if t == tok.token_to_id("<|im_start|>"))
+    p1, p2, cut = C.chat_turns(tok, system_repeats=20)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def run(e, reqs):

@@ -111,9 +111,9 @@ def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def run(engine, script) -> dict:
+def run(engine, script, limit: int = 3000) -> dict:
     """script: {step_no: [(rid, prompt, SamplingParams) | ("abort", rid)]} before that step;
-    tokens by request id."""
+    tokens by request id. AssertionError (with the scheduler's state) after `limit` steps."""
     out = {}
     n = 0
     while engine.has_unfinished() or n <= max(script):
@@ -127,7 +127,12 @@ def run(engine, script) -> dict:
             assert o.error is None, o.error
             out[o.request_id] += o.delta_token_ids
         n += 1
-        assert n < 3000
+        if n >= limit:
+            s = engine.scheduler
+            raise AssertionError(
+                f"no progress after {n} steps: waiting={[r.request_id for r in s.waiting]} "
+                f"running={[r.request_id for r in s.running]} free_pages={s.pages.num_free} "
+                f"entries={len(s.prefix) if s.prefix else 0}")
     return out
 
 
@@ -280,15 +285,9 @@ def test_chat_turns_hit_at_the_end_of_the_last_message(tiny_model, tok):
     step of those few tokens), so turn 2 hits the whole of turn 1 but its generation prompt
     — with an entry at the prompt's end it would never hit (failure-cases §3: 0 % hits) — and
     the same conversation sent again hits too."""
-    system = "You are a careful assistant. " * 12
-    turn1 = [{"role": "system", "content": system},
-             {"role": "user", "content": "Name three prime numbers."}]
-    turn2 = turn1 + [{"role": "assistant", "content": "2, 3 and 5."},
-                     {"role": "user", "content": "And their sum?"}]
-    p1 = tok.encode(tok.apply_chat_template(turn1), allow_special=True)
-    p2 = tok.encode(tok.apply_chat_template(turn2), allow_special=True)
-    im_start = tok.token_to_id("<|im_start|>")
-    cut = max(i for i, t in enumerate(p1) if t == im_start)  # where turn 1's generation prompt starts
+    import invariance_checks as C
+
+    p1, p2, cut = C.chat_turns(tok)  # cut: where turn 1's generation prompt starts
     assert p2[:cut] == p1[:cut] and p2[:len(p1)] != p1  # the premise
     e = make(tiny_model, tok, 4)
     out = run(e, {0: [("t1", p1, greedy(6))], 5: [("t2", p2, greedy(6))],
