@@ -309,3 +309,31 @@ def test_save_point():
     pc.forget("c")
     assert pc.save_point("c", [1] * 70) == 70
     assert PrefixCache(PS, range(0), PagePool(8)).save_point("e", [1] * 100) == 0  # no slots
+
+
+def test_usage_reports_the_cached_prompt_tokens(tok):
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens` on a chat's next turn, whole and
+    streamed (with include_usage); absent where nothing was cached."""
+    import invariance_checks as C
+    from fastapi.testclient import TestClient
+    from test_server import sse_events
+
+    from tailored.server.app import build_app
+    from tailored.server.async_engine import AsyncEngine
+    from tailored.stack import build_stack
+
+    st = build_stack(None, device="cpu", dtype="float32", progress=False, kernels="off",
+                     max_model_len=512, max_num_seqs=4, prefix_cache_entries=4)
+    p1, p2, cut = C.chat_turns(st.tokenizer)  # ids through the completions API
+    with TestClient(build_app(AsyncEngine(st.engine), st.tokenizer, "m", 512)) as client:
+        body = {"model": "m", "prompt": p1, "max_tokens": 3, "temperature": 0}
+        first = client.post("/v1/completions", json=body).json()
+        assert "prompt_tokens_details" not in first["usage"]
+        again = client.post("/v1/completions", json={**body, "prompt": p2}).json()
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": cut}
+        assert again["usage"]["prompt_tokens"] == len(p2)
+        events = sse_events(client.post("/v1/completions", json={
+            **body, "prompt": p2, "stream": True,
+            "stream_options": {"include_usage": True}}).text)
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        assert usage[-1]["prompt_tokens_details"]["cached_tokens"] >= cut  # p2's own entry

@@ -514,6 +514,7 @@ def _output(
         num_output_tokens=len(req.output_ids),
         error=error,
         delta_logprobs=logprobs,
+        num_cached_tokens=req.num_cached_tokens,
     )
 
 

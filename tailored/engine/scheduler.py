@@ -231,6 +231,8 @@ class Scheduler:
             if self.prefix is not None:
                 self.prefix.queries += req.num_tokens
                 self.prefix.hits += done
+                if not req.output_ids:  # (a recompute's hit is not the prompt's)
+                    req.num_cached_tokens = done
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_seq_no)
             prefills.append(self._scheduled(req, n))

@@ -162,6 +162,7 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # MTP drafts for the next step
     num_new_tokens: int = 0  # output ids the last Scheduler.resolve appended
     new_logprobs: list[TokenLogprob] | None = None  # theirs, with SamplingParams.logprobs
+    num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit supplied (engine/prefix_cache.py)
 
     @property
     def all_ids(self) -> list[int]:
@@ -263,6 +264,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     delta_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage's cached_tokens)
     # the error is the request's fault (a grammar that failed to compile after the request was
     # admitted): the server answers 400 instead of 500
     bad_request: bool = False

@@ -414,7 +414,7 @@ class _Server:
                                logprobs=req.logprobs_k, tokenizer=self.tokenizer,
                                raw_thinking=opens_think and not self.reasoning_parser,
                                max_calls=req.max_tool_calls if chat else None,
-                               forced=chat and req.forced_tool_calls)
+                               forced=chat and req.forced_tool_calls, prompt_no=i // n)
                     for i in range(len(streams))]
             trackers = [self.metrics.request(arrival, len(prompts[k // n]))
                         for k in range(len(streams))]
@@ -494,7 +494,8 @@ class _Server:
             for t in tasks:  # the others end once aborted; their errors are not the answer
                 t.cancel()
         choices = [choice for choice, _ in results]
-        return JSONResponse(fmts[0].response(choices, sum(n for _, n in results)).model_dump())
+        return JSONResponse(fmts[0].response(choices, sum(n for _, n in results),
+                                             _cached_tokens(fmts)).model_dump())
 
     async def _abort_on_disconnect(self, request: Request, streams: list[RequestStream]) -> None:
         while not all(s.finished for s in streams):
@@ -539,7 +540,7 @@ class _Server:
                 if len(ended) == len(streams):
                     break
             if fmts[0].include_usage:
-                yield fmts[0].usage_chunk(num_tokens)
+                yield fmts[0].usage_chunk(num_tokens, _cached_tokens(fmts))
             yield "data: [DONE]\n\n"
         except Exception as e:  # headers are sent; report in-band
             logger.exception("unexpected error while streaming %s", streams[0].request_id)
@@ -551,6 +552,15 @@ class _Server:
             for s, tracker in zip(streams, trackers):
                 tracker.finish("abort")  # no-op when its last output was seen
                 s.abort()  # no-op when finished
+
+
+def _cached_tokens(fmts: list["_Formatter"]) -> int:
+    """Prompt tokens the prefix cache supplied, each prompt counted once (as usage counts its
+    tokens): the most any of its choices got (they may hit or not, by their admission)."""
+    best: dict[int, int] = {}
+    for f in fmts:
+        best[f.prompt_no] = max(best.get(f.prompt_no, 0), f.cached_tokens)
+    return sum(best.values())
 
 
 async def _collect(stream: RequestStream, tracker: RequestMetrics, fmt: _Formatter):
@@ -665,9 +675,12 @@ class _Formatter:
                  thinking: bool | None = None, tools: list[dict] | None = None,
                  index: int = 0, logprobs: int | None = None, tokenizer=None,
                  raw_thinking: bool = False, max_calls: int | None = None,
-                 forced: bool = False) -> None:
+                 forced: bool = False, prompt_no: int = 0) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.index = index  # the choice this formatter renders (n > 1: one formatter each)
+        # the prompt of the batch it answers, and the prompt tokens the prefix cache supplied
+        # (the engine's num_cached_tokens; usage's prompt_tokens_details.cached_tokens)
+        self.prompt_no, self.cached_tokens = prompt_no, 0
         # SamplingParams.logprobs of the request (None: none); the tokenizer names the tokens
         self.logprobs_k, self._tokenizer = logprobs, tokenizer
         self._text_offset = 0  # completions' text_offset of the next token
@@ -730,6 +743,7 @@ class _Formatter:
         """One output's (answer text, reasoning text, tool-call pieces, finish reason or None):
         the finish is "tool_calls" once a call ended and the engine stopped, or once the calls
         reached max_calls (`stopped`: the caller then ends the generation)."""
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
         text, reasoning, calls = self.split(out.delta_text, out.finished)
         # (after the split: "tool_calls" once a call was seen, this delta's included)
         if self.stopped:
@@ -828,9 +842,9 @@ class _Formatter:
                                       logprobs=logprobs)
         return _sse(self._envelope([choice]), self._exclude)
 
-    def usage_chunk(self, completion_tokens: int) -> str:
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int = 0) -> str:
         env = self._envelope([])
-        env.usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
+        env.usage = UsageInfo.of(self.prompt_tokens, completion_tokens, cached_tokens)
         return _sse(env)
 
     def choice(self, text: str, reasoning: str, calls: list[ToolCallDelta], finish: str | None,
@@ -851,10 +865,12 @@ class _Formatter:
         return ChatChoice(index=self.index, message=message, finish_reason=finish,
                           logprobs=logprobs)
 
-    def response(self, choices: list, completion_tokens: int) -> BaseModel:
+    def response(self, choices: list, completion_tokens: int,
+                 cached_tokens: int = 0) -> BaseModel:
         """The non-streaming response of `choices` (`choice()` of each formatter);
-        completion_tokens: summed over them (the prompt counts once)."""
-        usage = UsageInfo.of(self.prompt_tokens, completion_tokens)
+        completion_tokens: summed over them (the prompt counts once); cached_tokens:
+        `_cached_tokens` of the formatters."""
+        usage = UsageInfo.of(self.prompt_tokens, completion_tokens, cached_tokens)
         cls = ChatCompletionResponse if self.chat else CompletionResponse
         return cls(id=self.request_id, model=self.model, choices=choices, usage=usage)
 

@@ -923,16 +923,24 @@ class ChatCompletionRequest(_BaseRequest):
 
 
 class UsageInfo(BaseModel):
+    """OpenAI's usage; `prompt_tokens_details` ({"cached_tokens": n}, OpenAI's field) only
+    when the prefix cache (engine/prefix_cache.py) supplied n > 0 of the prompt tokens."""
+
+    model_config = ConfigDict(extra="allow")  # prompt_tokens_details, when there is one
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int = 0) -> UsageInfo:
+        details = {"prompt_tokens_details": {"cached_tokens": cached_tokens}} \
+            if cached_tokens else {}
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            **details,
         )
 
 
