@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Prefix caching on two-turn chats (kb/0053): TTFT of turn 2 with the cache against without,
+and what the cache costs turn 1 (its prefill ends a chunk at the save point: one more step).
+
+In-process, the real engine, scheduler and runner, one request at a time (c=1 TTFT, no HTTP):
+for each of --convs conversations, turn 1 = --context random ids, then `<|im_start|>` and a
+few generation-prompt ids (as the chat template ends a prompt); turn 2 = turn 1 up to its
+`<|im_start|>`, an answer and a new message (--new ids), `<|im_start|>` and the generation
+prompt again. Each turn decodes --tokens greedy tokens. Both settings run the same ids; the
+greedy tokens of turn 2 are compared (reported: in bf16 the hit's prefill splits where the
+cold one does not, and random weights' near-ties may follow; the exact check is the fp32
+tests/test_gpu_invariance.py -k prefix).
+
+Usage (GPU): python3 scripts/bench_prefix_turns.py /tmp/full [--context 8192] [--new 256]
+             [--convs 4] [--tokens 8] [--json F]
+CPU dry run: python scripts/bench_prefix_turns.py --nano --context 300 --new 40 --convs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from tailored.engine.types import SamplingParams
+from tailored.stack import build_stack
+
+IM_START = "<|im_start|>"
+
+
+def _ttft(engine, rid: str, ids: list[int], sp: SamplingParams) -> tuple[float, list[int]]:
+    """(seconds from add_request to the first token, all tokens) of one request alone."""
+    t0 = time.perf_counter()
+    engine.add_request(rid, ids, sp)
+    first, out = None, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, f"{rid}: {o.error}"
+            if o.delta_token_ids and first is None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+            out += o.delta_token_ids
+    return first, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ckpt", nargs="?", default=None)
+    ap.add_argument("--nano", action="store_true", help="the embedded nano model on the CPU")
+    ap.add_argument("--context", type=int, default=8192, help="turn 1's ids before its gen prompt")
+    ap.add_argument("--new", type=int, default=256, help="turn 2's answer + new message ids")
+    ap.add_argument("--convs", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--entries", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    results, tokens = {}, {}
+    for entries in (0, a.entries):
+        kw = dict(progress=False, max_model_len=a.context + a.new + a.tokens + 64,
+                  max_num_seqs=4, prefix_cache_entries=entries)
+        if a.nano:
+            from tailored.stack import embedded_checkpoint
+
+            st = build_stack(embedded_checkpoint(), device="cpu", dtype="float32",
+                             kernels="off", **kw)
+        else:  # as `tailored serve` runs on CUDA: 8192-token steps, prefill graphs
+            st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16",
+                             max_num_batched_tokens=8192, prefill_graphs=True, **kw)
+        engine = st.engine
+        im_start = st.tokenizer.token_to_id(IM_START)
+        vocab = min(st.model_config.vocab_size, 240000)
+        g = torch.Generator().manual_seed(0)
+
+        def rand(n):
+            return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+        sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+        _ttft(engine, "warm", rand(a.context) + [im_start] + rand(4), sp)  # compiles, graphs
+        _ttft(engine, "warm2", rand(a.context // 2) + [im_start] + rand(4), sp)
+        rows = []
+        for c in range(a.convs):
+            ctx = rand(a.context)
+            turn1 = ctx + [im_start] + rand(4)
+            turn2 = ctx + rand(a.new) + [im_start] + rand(4)
+            t1, _ = _ttft(engine, f"c{c}t1", turn1, sp)
+            t2, out2 = _ttft(engine, f"c{c}t2", turn2, sp)
+            rows.append({"conv": c, "turn1_ttft_ms": 1e3 * t1, "turn2_ttft_ms": 1e3 * t2})
+            tokens.setdefault(c, []).append(out2)
+        name = f"prefix cache {entries}" if entries else "prefix cache off"
+        hits = engine.scheduler.prefix.hits if engine.scheduler.prefix else 0
+        results[name] = {"rows": rows, "hits": hits}
+        print(f"{name:<18} turn 1 TTFT {statistics.median(r['turn1_ttft_ms'] for r in rows):8.2f} ms"
+              f"   turn 2 TTFT {statistics.median(r['turn2_ttft_ms'] for r in rows):8.2f} ms"
+              f"   hits {hits} tokens", flush=True)
+        del engine, st
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    same = all(len(set(map(tuple, v))) == 1 for v in tokens.values())
+    print(f"turn 2 tokens {'equal' if same else 'differ'} with and without the cache")
+    if a.json:
+        man = {"workload": vars(a), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+        try:
+            from tailored.gate.manifest import git_commit, versions
+
+            man.update({**git_commit(), **versions()})
+        except Exception:  # noqa: BLE001 - the manifest is best effort off the device
+            pass
+        with open(a.json, "w") as f:
+            json.dump({"manifest": man, "results": results, "tokens_equal": same}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
