@@ -71,11 +71,13 @@ def _serve_parser(sub) -> None:
                         "`serve mtp`); the text is then not the model's")
     p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
                    help="prefix caching (0 = off, default): keep the KV pages and GDN state of "
-                        "the last N prompts (least recently used dropped first; LRU), so a "
+                        "the last N prompts (least recently used dropped first), so a "
                         "prompt that extends one of them (the next turn of a chat or agent "
                         "loop) computes only its new tokens. Each entry costs one GDN state "
-                        "(~64 MB at full size) plus its pages while kept. Only whole earlier "
-                        "prompts are found: a shared system prompt alone is not")
+                        "(~64 MB at full size, taken from the KV cache's memory) plus its pages "
+                        "while kept; size N above the conversations in flight (~2x). Prompts "
+                        "are saved up to their last chat message: a shared system prompt alone "
+                        "is not found (README)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "

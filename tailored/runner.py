@@ -86,10 +86,12 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     pages = want_pages if per_page == 0 else min(want_pages, budget // per_page)
     need = math.ceil(ec.max_model_len / ec.page_size) + 1
     if pages < need:
+        snaps = ec.prefix_cache_entries
         raise RuntimeError(
-            f"not enough memory for the cache: {pages} pages of {ec.page_size} tokens fit, "
-            f"one {ec.max_model_len}-token request needs {need}; lower --max-model-len or --max-num-seqs"
-        )
+            f"not enough memory for the cache: {max(pages, 0)} pages of {ec.page_size} tokens "
+            f"fit, one {ec.max_model_len}-token request needs {need}; lower --max-model-len or "
+            "--max-num-seqs" + (f", or --prefix-cache-entries ({snaps} GDN states of "
+                                f"{per_slot / 1024**2:.1f} MiB each come first)" if snaps else ""))
     return int(pages), num_slots
 
 

@@ -337,3 +337,15 @@ def test_usage_reports_the_cached_prompt_tokens(tok):
             "stream_options": {"include_usage": True}}).text)
         usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
         assert usage[-1]["prompt_tokens_details"]["cached_tokens"] >= cut  # p2's own entry
+
+
+def test_too_many_entries_for_the_memory_names_the_flag(tiny_cfg):
+    """Snapshot slots come out of the cache's memory first: too many leave no room for one
+    request, and the error says which flag did it (a new user's finding: it read '-126238
+    pages fit ... lower --max-model-len or --max-num-seqs')."""
+    from tailored.runner import plan_cache
+
+    ec = EngineConfig(page_size=PS, max_model_len=512, device="cpu", dtype="float32",
+                      prefix_cache_entries=10**7)
+    with pytest.raises(RuntimeError, match=r"0 pages .*--prefix-cache-entries \(10000000 GDN"):
+        plan_cache(tiny_cfg, ec, torch.float32, torch.device("cpu"))
