@@ -102,14 +102,9 @@ def main() -> None:
     same = all(len(set(map(tuple, v))) == 1 for v in tokens.values())
     print(f"turn 2 tokens {'equal' if same else 'differ'} with and without the cache")
     if a.json:
-        man = {"workload": vars(a), "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-        try:
-            from tailored.gate.manifest import git_commit, versions
+        from tailored.gate.manifest import script_manifest
 
-            man.update({**git_commit(), **versions()})
-        except Exception:  # noqa: BLE001 - the manifest is best effort off the device
-            pass
+        man = script_manifest(vars(a))
         with open(a.json, "w") as f:
             json.dump({"manifest": man, "results": results, "tokens_equal": same}, f, indent=1)
 

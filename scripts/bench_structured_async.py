@@ -151,14 +151,9 @@ def main() -> None:
                           sel[-1]["ahead"], sel[-1]["steps"],
                           sum(x["tokens_equal"] for x in sel), len(sel)))
     if a.json:
-        man = {"workload": vars(a), "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-        try:
-            from tailored.gate.manifest import git_commit, versions
+        from tailored.gate.manifest import script_manifest
 
-            man.update({**git_commit(), **versions()})
-        except Exception:  # noqa: BLE001 - the manifest is best effort off the device
-            pass
+        man = script_manifest(vars(a))
         with open(a.json, "w") as f:
             json.dump({"manifest": man, "rows": rows}, f, indent=1)
     print("\n| case | setting | ms/step (median) | plain tok/s | steps ahead | runs with the "

@@ -91,6 +91,13 @@ def versions() -> dict:
             "cuda": torch.version.cuda}
 
 
+def script_manifest(workload: dict) -> dict:
+    """The manifest of an in-process bench script's JSON (scripts/bench_*.py): its workload
+    (the parsed arguments), commit, device and versions."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {"workload": workload, **git_commit(), "device": device_name(dev), **versions()}
+
+
 def manifest(*, device: torch.device, dtype: str, checkpoint: Path | None, load_format: str,
              seed: int, prompts_path: Path, prompts_sha256: str, prompt_ids_sha256: str,
              extra: dict | None = None) -> dict:
