@@ -349,3 +349,24 @@ def test_too_many_entries_for_the_memory_names_the_flag(tiny_cfg):
                       prefix_cache_entries=10**7)
     with pytest.raises(RuntimeError, match=r"0 pages .*--prefix-cache-entries \(10000000 GDN"):
         plan_cache(tiny_cfg, ec, torch.float32, torch.device("cpu"))
+
+
+def test_eviction_for_pages_spares_entries_that_would_free_none():
+    """An entry whose pages running requests all share frees no page when evicted: eviction
+    for pages passes it over (it stays, in use), and takes the next one that gives pages."""
+    pool = PagePool(64)
+    pc = PrefixCache(PS, range(10, 13), pool)
+    used = list(range(2000, 2096))  # 6 full pages: a request reusing it shares them all
+    other = list(range(5000, 5080))
+    assert _made(pc, pool, "u", used) is not None and _made(pc, pool, "o", other) is not None
+    hit = pc.lookup("x", used + [1])
+    pool.share(list(hit.pages))  # the request running on it
+    pc.lookup("y", other + [1])  # `other` most recently used: plain LRU would drop `used`
+    free = pool.num_free
+    assert pc.evict_one(for_pages=True)
+    assert pool.num_free == free + 5 and pc.lookup("z", used + [1]) is not None
+    assert not pc.evict_one(for_pages=True)  # what is left frees nothing
+    assert pc.evict_one()  # (a snapshot slot still may take it)
+    pool.free(list(hit.pages))
+    pc.check_integrity()
+    assert pool.num_free == pool.capacity

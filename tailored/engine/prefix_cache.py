@@ -199,12 +199,16 @@ class PrefixCache:
         self._release(snap)
 
     # ---- eviction ----------------------------------------------------------------------------
-    def evict_one(self) -> bool:
+    def evict_one(self, for_pages: bool = False) -> bool:
         """Drop the least recently used entry; False when there is none. Its pages return to
-        the pool once no request shares them."""
-        if not self._entries:
+        the pool once no request shares them. for_pages: only an entry that would give a page
+        back (one that no request shares; an entry whose pages running requests all share
+        frees none and stays: session-33 review)."""
+        key = next((k for k, e in self._entries.items()
+                    if not for_pages or any(self.pages.refs(p) == 1 for p in e.pages)), None)
+        if key is None:
             return False
-        key, snap = self._entries.popitem(last=False)
+        snap = self._entries.pop(key)
         keys = self._by_chain[snap.chain]
         keys.discard(key)
         if not keys:

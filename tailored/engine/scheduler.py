@@ -248,9 +248,9 @@ class Scheduler:
 
     def _free_pages(self, need: int) -> bool:
         """Whether `need` pages are free, after evicting prefix-cache entries (least recently
-        used first) as far as that helps."""
+        used first, of those that give a page back) as far as that helps."""
         while need > self.pages.num_free:
-            if self.prefix is None or not self.prefix.evict_one():
+            if self.prefix is None or not self.prefix.evict_one(for_pages=True):
                 return False
         return True
 
