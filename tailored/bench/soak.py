@@ -191,15 +191,15 @@ async def soak(base_url: str, *, prompts: int = 48, concurrency: int = 32, round
             res.requests += prompts
             res.structured += sum(k is not None for k in kinds)
         if prefix_every > 1:
-            res.prefix_cache_hits = await _metric(client, base_url,
+            res.prefix_cache_hits = await _metric(client, root,
                                                   "tailored:prefix_cache_hits_total")
     res.seconds = time.monotonic() - t0
     return res
 
 
-async def _metric(client, base_url: str, name: str) -> float | None:
-    """The summed value of one metric from the server's /metrics (None if absent)."""
-    root = base_url.rstrip("/").removesuffix("/v1")
+async def _metric(client, root: str, name: str) -> float | None:
+    """The summed value of one metric from the server's /metrics (None if absent); root:
+    `api_root` of the server's URL."""
     try:
         r = await client.get(f"{root}/metrics")
     except Exception:  # noqa: BLE001 - a report line only

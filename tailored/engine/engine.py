@@ -196,9 +196,6 @@ class Engine:
         if self._async and self.scheduler.can_schedule_ahead(sched_out):
             self.scheduler.advance(sched_out)
             ahead = self.scheduler.schedule()  # the same requests' decodes of pending tokens
-            # the Request objects `ahead` runs for, should its launch fail (by construction
-            # cur's; a request admitted there would not be, and must fail too: review s33)
-            ahead_owners = {s.request_id: self._requests.get(s.request_id) for s in ahead.seqs}
             nxt = self._launch(ahead, feed=cur)
             model_out = self._collect(cur)
             if model_out is None:
@@ -210,7 +207,10 @@ class Engine:
             if nxt is None:  # the launch failed: its requests (those still running) fail
                 self._inflight = None
                 outputs += self._emit_step(applied)
-                return outputs + self._fail_batch(ahead, self._runner_error, ahead_owners)
+                # every request `ahead` runs for fails, as now in the engine (no id can be
+                # reused within this call), not only cur's: one admitted there would be left
+                # on a state it never got (review s33)
+                return outputs + self._fail_batch(ahead, self._runner_error)
         else:
             model_out = self._collect(cur)
             self._inflight = None

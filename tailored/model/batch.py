@@ -83,6 +83,16 @@ def index_on(rows, device) -> torch.Tensor:
     return to_device(torch.tensor(list(rows), dtype=torch.long), device)
 
 
+def _copy_along_1(tensors, moves) -> None:
+    """t[:, dst] = t[:, src] for each tensor and every (src, dst) index pair of `moves` along
+    dim 1 (the slot or page of every layer at once), on the tensors' device, no host sync."""
+    if not moves:
+        return
+    src, dst = (index_on(list(x), tensors[0].device) for x in zip(*moves))
+    for t in tensors:
+        t.index_copy_(1, dst, t.index_select(1, src))
+
+
 class HybridCache:
     """KV pages + GDN state slots for all layers (allocated once; pools hand out indices)."""
 
@@ -181,21 +191,13 @@ class HybridCache:
         """conv/rec[:, dst] = conv/rec[:, src] for every (src, dst) slot pair of `moves`
         (distinct dst, none a src): the prefix cache's snapshots (engine/prefix_cache.py), on
         the device in stream order, no host sync."""
-        if not moves:
-            return
-        src, dst = (index_on(list(x), self.conv.device) for x in zip(*moves))
-        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
-        self.rec.index_copy_(1, dst, self.rec.index_select(1, src))
+        _copy_along_1((self.conv, self.rec), moves)
 
     def copy_pages(self, moves) -> None:
         """k/v[:, dst] = k/v[:, src] for every (src, dst) page pair of `moves` (distinct dst,
         none a src), every attention layer's (the MTP's too): a reused prefix's partial last
         page, which the request then writes its own positions into."""
-        if not moves:
-            return
-        src, dst = (index_on(list(x), self.k.device) for x in zip(*moves))
-        self.k.index_copy_(1, dst, self.k.index_select(1, src))
-        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+        _copy_along_1((self.k, self.v), moves)
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
