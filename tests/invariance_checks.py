@@ -17,11 +17,15 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _system(repeats: int) -> str:
+    return "You are a careful assistant who answers in full sentences. " * repeats
+
+
 def chat_turns(tok, system_repeats: int = 12) -> tuple[list[int], list[int], int]:
     """Two turns of one chat through the served template, as ids (turn 1, turn 2), and where
     turn 1's generation prompt starts (its last <|im_start|>): the prefix cache's save point
     (engine/prefix_cache.py). Turn 2 repeats turn 1 up to there, not beyond."""
-    system = "You are a careful assistant who answers in full sentences. " * system_repeats
+    system = _system(system_repeats)
     turn1 = [{"role": "system", "content": system},
              {"role": "user", "content": "Name three prime numbers."}]
     turn2 = turn1 + [{"role": "assistant", "content": "2, 3 and 5."},
@@ -30,6 +34,16 @@ def chat_turns(tok, system_repeats: int = 12) -> tuple[list[int], list[int], int
     p2 = tok.encode(tok.apply_chat_template(turn2), allow_special=True)
     cut = max(i for i, t in enumerate(p1) if t == tok.token_to_id("<|im_start|>"))
     return p1, p2, cut
+
+
+def new_chat(tok, system_repeats: int = 12) -> tuple[list[int], int]:
+    """Another chat with `chat_turns`' system prompt and another question, as ids, and where
+    its system message ends (the next <|im_start|>): the prefix cache's other save point.
+    Up to there its ids are chat_turns' turn 1's, not beyond."""
+    ids = tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": _system(system_repeats)},
+         {"role": "user", "content": "What is the capital of France?"}]), allow_special=True)
+    return ids, ids.index(tok.token_to_id("<|im_start|>"), 1)
 
 
 def rel(a, b) -> float:

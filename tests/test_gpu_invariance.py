@@ -243,10 +243,12 @@ def test_async_structured_rows_resampled_with_the_sync_tokens_and_no_sync(model,
 @pytest.mark.parametrize("prefill_graphs", [False, True], ids=["eager_prefill", "prefill_graphs"])
 def test_prefix_cache_hits_decode_as_cold_runs(model, tok, prefill_graphs):
     """Prefix caching (engine/prefix_cache.py, failure-cases §3) on the kernel path with CUDA
-    graphs and async scheduling: a chat's next turn and the same conversation again hit the
-    cache (the GDN state copied on the device, the partial KV page copied), and their tokens
-    are those of cold runs whose prefill splits where the hit's prefix ends; no page leaks."""
+    graphs and async scheduling: a chat's next turn, the same conversation again and a new
+    chat with the same system prompt hit the cache (the GDN state copied on the device, the
+    partial KV page copied), and their tokens are those of cold runs (fp32: where a prefill
+    splits changes no greedy token); no page leaks."""
     p1, p2, cut = C.chat_turns(tok, system_repeats=20)
+    p3, sys_end = C.new_chat(tok, system_repeats=20)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def run(e, reqs):
@@ -262,14 +264,14 @@ def test_prefix_cache_hits_decode_as_cold_runs(model, tok, prefill_graphs):
 
     e = engine(model, tok, max_model_len=1024, prefix_cache_entries=4,
                prefill_graphs=prefill_graphs)
-    got = run(e, [("t1", p1), ("t2", p2), ("t1b", p1)])
+    got = run(e, [("t1", p1), ("t2", p2), ("t1b", p1), ("c2", p3)])
     s = e.scheduler
-    assert s.prefix.hits == 2 * cut, (s.prefix.hits, cut)
+    assert s.prefix.hits == 2 * cut + sys_end, (s.prefix.hits, cut, sys_end)
     s.prefix.clear()
     s.pages.check_integrity()
     assert s.pages.num_free == s.pages.capacity
     del e
     ref = engine(model, tok, max_model_len=1024, budget=cut)  # cold, split at the same place
-    want = run(ref, [("t1", p1), ("t2", p2)])
+    want = run(ref, [("t1", p1), ("t2", p2), ("c2", p3)])
     assert got["t1"] == want["t1"] and got["t1b"] == want["t1"]
-    assert got["t2"] == want["t2"]
+    assert got["t2"] == want["t2"] and got["c2"] == want["c2"]

@@ -298,17 +298,44 @@ def test_chat_turns_hit_at_the_end_of_the_last_message(tiny_model, tok):
     check_idle(e)
 
 
-def test_save_point():
+def test_save_points():
     pc = PrefixCache(PS, range(3, 5), PagePool(8))
     pc.boundary_ids = frozenset({9})
-    assert pc.save_point("a", [1] * (MIN_TOKENS - 1)) == 0  # too short
-    assert pc.save_point("b", [1] * 100) == 100  # no boundary: the whole prompt
-    assert pc.save_point("c", [1] * 80 + [9] + [1] * 5 + [9, 2]) == 86  # before the last one
-    assert pc.save_point("d", [9] + [1] * 99) == 100  # a boundary too early: the whole
-    assert pc.save_point("c", []) == 86  # memoised per request until forget
+    assert pc.save_points("a", [1] * (MIN_TOKENS - 1)) == ()  # too short
+    assert pc.save_points("b", [1] * 100) == (100,)  # no boundary: the whole prompt
+    assert pc.save_points("c", [1] * 80 + [9] + [1] * 5 + [9, 2]) == (86,)  # before the last
+    assert pc.save_points("d", [9] + [1] * 99) == (100,)  # a boundary too early: the whole
+    assert pc.save_points("c", []) == (86,)  # memoised per request until forget
     pc.forget("c")
-    assert pc.save_point("c", [1] * 70) == 70
-    assert PrefixCache(PS, range(0), PagePool(8)).save_point("e", [1] * 100) == 0  # no slots
+    assert pc.save_points("c", [1] * 70) == (70,)
+    assert PrefixCache(PS, range(0), PagePool(8)).save_points("e", [1] * 100) == ()  # no slots
+    # a leading system message (lead ids 9, 7) of MIN_TOKENS or more ends a save point too
+    pc.lead_ids = (9, 7)
+    system = [9, 7] + [1] * 70
+    assert pc.save_points("f", system + [9, 3] + [1] * 20 + [9, 4]) == (72, 94)
+    assert pc.save_points("g", [9, 7] + [1] * 40 + [9, 3] + [1] * 40 + [9, 4]) == (84,)  # short
+    assert pc.save_points("h", [9, 5] + [1] * 70 + [9, 3] + [1] * 20 + [9, 4]) == (94,)  # user
+    assert pc.save_points("i", system + [9, 4]) == (72,)  # the system message is the last one
+    assert pc.save_points("j", system + [1] * 5) == (77,)  # no boundary after it: the whole
+
+
+def test_a_new_chat_with_the_same_system_prompt_hits_at_its_end(tiny_model, tok):
+    """Two conversations that share only their system prompt: the second hits where that
+    message ends (the first chat's turn 1 saved a state there, one extra chunk end) and gives
+    the tokens of a cold run; its own generation prompt's save point still follows."""
+    import invariance_checks as C
+
+    p1, _, _ = C.chat_turns(tok)
+    other, sys_end = C.new_chat(tok)
+    assert other[:sys_end] == p1[:sys_end] and other[sys_end + 3] != p1[sys_end + 3]
+    e = make(tiny_model, tok, 4)
+    lead = e.scheduler.prefix.lead_ids
+    assert lead and p1[:len(lead)] == list(lead)
+    out = run(e, {0: [("c1", p1, greedy(6))], 6: [("c2", other, greedy(6))]})
+    assert e.scheduler.prefix.hits == sys_end
+    assert out["c2"] == cold(tiny_model, tok, other, greedy(6), sys_end)
+    assert len(e.scheduler.prefix) == 3  # c1's system and last message, c2's last message
+    check_idle(e)
 
 
 def test_usage_reports_the_cached_prompt_tokens(tok):

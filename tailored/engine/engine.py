@@ -75,6 +75,11 @@ class Engine:
             im_start = tokenizer.token_to_id("<|im_start|>")
             if im_start is not None:
                 self.scheduler.prefix.boundary_ids = frozenset({im_start})
+                # a system message's end is a save point too: a new chat with the same system
+                # prompt (and tools) hits there
+                lead = tuple(tokenizer.encode("<|im_start|>system", allow_special=True))
+                if lead[:1] == (im_start,) and len(lead) > 1:
+                    self.scheduler.prefix.lead_ids = lead
         # EOS ids of the tokenizer (generation_config) and of the model config, tokenizer first
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_token_ids = tuple(dict.fromkeys(eos + tuple(model_config.eos_token_ids)))

@@ -8,7 +8,7 @@ boundary, but a Gated DeltaNet layer's state is one matrix per request that each
 overwrites, so a prefix can only be reused where its state was saved, exactly at its last
 token (failure-cases §3: a state taken at the wrong position makes cache hits decode
 differently from cold runs). The state is in the request's slot at the end of each prefill
-chunk, so an entry is made where a chunk ends: at the prompt's **save point** (`save_point`),
+chunk, so an entry is made where a chunk ends: at the prompt's **save point** (`save_points`),
 the scheduler ends a chunk there and asks for a snapshot (`reserve`), the runner copies the
 slot's conv and recurrent state into a snapshot slot right after that step's forward, and the
 entry counts once the step's results are in (`commit`; a step that failed is `discard`ed).
@@ -20,9 +20,14 @@ answer there instead): an entry at the prompt's end would never hit — the "0 %
 architecture" of failure-cases §3. Ending a chunk there costs one more prefill step of those
 few tokens (a prompt with no `<|im_start|>` is saved at its end, no extra step). What hits: a
 later prompt that extends an earlier prompt up to its save point — the next turn of a chat or
-an agent loop, the same conversation sent again, a preempted request's recompute. What does
-not: prompts sharing only a part before the last message (a system prompt alone), which would
-need states inside a prefill chunk (vLLM's "align" mode for hybrid models).
+an agent loop, the same conversation sent again, a preempted request's recompute.
+
+A prompt that opens with a system message (`lead_ids`: `<|im_start|>system`) of at least
+MIN_TOKENS has a second save point where that message ends (before the next `<|im_start|>`):
+a new conversation with the same system prompt — and tool list, which the template renders
+into it — hits there. It costs a cold prompt one more chunk end, and an entry per distinct
+system prompt. Prompts sharing some other part before their last message do not hit: that
+would need states inside a prefill chunk (vLLM's "align" mode for hybrid models).
 
 An entry holds one reference to each of its ceil(length / page_size) pages (their KV of
 positions [0, length) never changes: requests only append) and one snapshot slot. A hit
@@ -93,9 +98,12 @@ class PrefixCache:
         self._by_chain: dict[bytes, set[tuple[bytes, tuple[int, ...]]]] = {}
         self._chains: dict[str, list[bytes]] = {}  # request id -> hash of its first i pages
         self._pending = 0  # snapshots reserved, not yet committed or discarded
-        # tokens a saved prefix ends before (the chat format's <|im_start|>); see save_point
+        # tokens a saved prefix ends before (the chat format's <|im_start|>); see save_points
         self.boundary_ids: frozenset[int] = frozenset()
-        self._points: dict[str, int] = {}  # request id -> its prompt's save point
+        # the ids a prompt opens with when its first message is the system prompt
+        # (`<|im_start|>system`): that message's end is a save point too; see save_points
+        self.lead_ids: tuple[int, ...] = ()
+        self._points: dict[str, tuple[int, ...]] = {}  # request id -> its save points
         self.queries = 0  # tokens looked up (prompts admitted with a lookup), vLLM's counter
         self.hits = 0  # tokens of those found in the cache
 
@@ -117,12 +125,15 @@ class PrefixCache:
         self._chains.pop(request_id, None)
         self._points.pop(request_id, None)
 
-    def save_point(self, request_id: str, prompt: list[int]) -> int:
-        """Where `prompt`'s entry ends (ids before it): before its last boundary id (the start
-        of the chat's generation prompt) when that leaves MIN_TOKENS, else the whole prompt;
-        0 (no entry) for a prompt shorter than MIN_TOKENS. Memoised per request."""
-        p = self._points.get(request_id)
-        if p is None:
+    def save_points(self, request_id: str, prompt: list[int]) -> tuple[int, ...]:
+        """Where `prompt`'s entries end (ids before each), ascending; () for a prompt shorter
+        than MIN_TOKENS or without snapshot slots. The last: before the prompt's last boundary
+        id (the start of the chat's generation prompt) when that leaves MIN_TOKENS, else the
+        whole prompt. Before it, with `lead_ids` opening the prompt: the end of that first
+        (system) message — before the next boundary id — when it has MIN_TOKENS. Memoised
+        per request."""
+        pts = self._points.get(request_id)
+        if pts is None:
             p = len(prompt) if len(prompt) >= MIN_TOKENS and self.capacity else 0
             if p and self.boundary_ids:
                 b = self.boundary_ids
@@ -130,8 +141,15 @@ class PrefixCache:
                              if prompt[i] in b), None)
                 if last is not None:
                     p = last
-            self._points[request_id] = p
-        return p
+            pts = (p,) if p else ()
+            lead = self.lead_ids
+            if p and lead and tuple(prompt[:len(lead)]) == lead:
+                first = next((i for i in range(len(lead), p) if prompt[i] in self.boundary_ids),
+                             None)
+                if first is not None and first >= MIN_TOKENS:
+                    pts = (first, p)
+            self._points[request_id] = pts
+        return pts
 
     # ---- lookup ------------------------------------------------------------------------------
     def lookup(self, request_id: str, ids: list[int]) -> PrefixHit | None:

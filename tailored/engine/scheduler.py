@@ -259,12 +259,13 @@ class Scheduler:
         point when it would cross it (the state there is the one to keep)."""
         if self.prefix is None:
             return n
-        p = self.prefix.save_point(req.request_id, req.prompt_ids)
         start = req.num_computed_tokens
-        return p - start if start < p < start + n else n
+        cut = next((p for p in self.prefix.save_points(req.request_id, req.prompt_ids)
+                    if start < p < start + n), None)
+        return n if cut is None else cut - start
 
     def _snapshots(self, prefills: list[ScheduledSeq]) -> tuple:
-        """Prefix-cache snapshots of the prompts whose save point a chunk of this step ends at
+        """Prefix-cache snapshots of the prompts whose save points a chunk of this step ends at
         (a save point is never past the prompt, so a recompute's state there is the prompt's
         alone)."""
         if self.prefix is None:
@@ -272,9 +273,9 @@ class Scheduler:
         out = []
         for seq in prefills:
             req = self.requests[seq.request_id]
-            p = self.prefix.save_point(req.request_id, req.prompt_ids)
-            if p and seq.start_pos + len(seq.token_ids) == p:
-                snap = self.prefix.reserve(req.request_id, req.prompt_ids[:p], req.slot,
+            end = seq.start_pos + len(seq.token_ids)
+            if end in self.prefix.save_points(req.request_id, req.prompt_ids):
+                snap = self.prefix.reserve(req.request_id, req.prompt_ids[:end], req.slot,
                                            req.pages)
                 if snap is not None:
                     out.append(snap)
