@@ -20,6 +20,7 @@ from test_prefix_cache import PS, check_idle, cold, greedy, ids, make, run
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 IM_START = 248045
+SYSTEM = 8678  # "system": `<|im_start|>system` opens a prompt with a system message (lead ids)
 
 
 @pytest.fixture
@@ -46,10 +47,12 @@ def test_a_hit_that_fits_alone_is_admitted_on_a_tight_pool(tiny_model, tok):
 def _scenario(seed: int, n_req: int = 10, max_len: int = 300, aborts: bool = True,
               max_new: int = 12):
     """Prompts that extend earlier ones (at their save point, their end, a page boundary, or
-    anywhere), some with <|im_start|> boundaries; random arrival steps and aborts. Returns the
+    anywhere), some with <|im_start|> boundaries, some opening with a system message that
+    later prompts share; random arrival steps and aborts. Returns the
     script and the ids of aborted requests."""
     rng = random.Random(seed)
     prompts = []
+    systems = []  # system messages made so far: later chats open with one of them
     script: dict[int, list] = {}
     aborted = set()
     step = 0
@@ -67,6 +70,16 @@ def _scenario(seed: int, n_req: int = 10, max_len: int = 300, aborts: bool = Tru
             elif how < 0.55:
                 base = base[:rng.randint(MIN_TOKENS - 2, len(base))]
             extra = [rng.randrange(1000, 200000) for _ in range(rng.choice([0, 1, 2, 5, 17, 40]))]
+        elif kind < 0.88 and systems:  # a new chat under an earlier system message
+            base = rng.choice(systems) + [IM_START] + [rng.randrange(1000, 200000)
+                                                      for _ in range(rng.choice([1, 9, 30]))]
+            extra = []
+        elif kind < 0.94:  # a system message (of MIN_TOKENS - 1 .. 100 ids) then a user's
+            sys_ = [IM_START, SYSTEM] + [rng.randrange(1000, 200000) for _ in range(
+                rng.choice([MIN_TOKENS - 3, MIN_TOKENS - 2, MIN_TOKENS - 1, 70, 98]))]
+            systems.append(sys_)
+            base = sys_ + [IM_START] + [rng.randrange(1000, 200000) for _ in range(20)]
+            extra = []
         else:
             base = [rng.randrange(1000, 200000)
                     for _ in range(rng.choice([MIN_TOKENS - 1, MIN_TOKENS, MIN_TOKENS + 1, 80, 96, 130]))]
