@@ -9,7 +9,7 @@ few generation-prompt ids (as the chat template ends a prompt); turn 2 = turn 1 
 prompt again. Each turn decodes --tokens greedy tokens. Both settings run the same ids; the
 greedy tokens of turn 2 are compared (reported: in bf16 the hit's prefill splits where the
 cold one does not, and random weights' near-ties may follow; the exact check is the fp32
-tests/test_gpu_invariance.py -k prefix).
+tests/test_gpu_invariance.py -k prefix). Each setting runs in a process of its own (`--one`).
 
 Usage (GPU): python3 scripts/bench_prefix_turns.py /tmp/full [--context 8192] [--new 256]
              [--convs 4] [--tokens 8] [--json F]
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -57,48 +59,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--entries", type=int, default=16)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--one", type=int, default=None,
+                    help="(internal) run this entries setting alone; print its JSON last")
     a = ap.parse_args()
+    if a.one is not None:
+        print(json.dumps(_setting(a, a.one)))
+        return
+    # each setting in its own process: a second full-size model beside the first's leftovers
+    # (CUDA graph pools, the allocator's cache) ran out of memory on an H100 (session 34)
     results, tokens = {}, {}
     for entries in (0, a.entries):
-        kw = dict(progress=False, max_model_len=a.context + a.new + a.tokens + 64,
-                  max_num_seqs=4, prefix_cache_entries=entries)
-        if a.nano:
-            from tailored.stack import embedded_checkpoint
-
-            st = build_stack(embedded_checkpoint(), device="cpu", dtype="float32",
-                             kernels="off", **kw)
-        else:  # as `tailored serve` runs on CUDA: 8192-token steps, prefill graphs
-            st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16",
-                             max_num_batched_tokens=8192, prefill_graphs=True, **kw)
-        engine = st.engine
-        im_start = st.tokenizer.token_to_id(IM_START)
-        vocab = min(st.model_config.vocab_size, 240000)
-        g = torch.Generator().manual_seed(0)
-
-        def rand(n):
-            return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-        sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
-        _ttft(engine, "warm", rand(a.context) + [im_start] + rand(4), sp)  # compiles, graphs
-        _ttft(engine, "warm2", rand(a.context // 2) + [im_start] + rand(4), sp)
-        rows = []
-        for c in range(a.convs):
-            ctx = rand(a.context)
-            turn1 = ctx + [im_start] + rand(4)
-            turn2 = ctx + rand(a.new) + [im_start] + rand(4)
-            t1, _ = _ttft(engine, f"c{c}t1", turn1, sp)
-            t2, out2 = _ttft(engine, f"c{c}t2", turn2, sp)
-            rows.append({"conv": c, "turn1_ttft_ms": 1e3 * t1, "turn2_ttft_ms": 1e3 * t2})
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--one", str(entries)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        lines = proc.stdout.strip().splitlines()
+        print("\n".join(lines[:-1]), flush=True)
+        if proc.returncode or not lines:
+            raise SystemExit(f"entries={entries}: exit {proc.returncode}")
+        r = json.loads(lines[-1])
+        results[r["name"]] = {"rows": r["rows"], "hits": r["hits"]}
+        for c, out2 in enumerate(r["turn2_tokens"]):
             tokens.setdefault(c, []).append(out2)
-        name = f"prefix cache {entries}" if entries else "prefix cache off"
-        hits = engine.scheduler.prefix.hits if engine.scheduler.prefix else 0
-        results[name] = {"rows": rows, "hits": hits}
-        print(f"{name:<18} turn 1 TTFT {statistics.median(r['turn1_ttft_ms'] for r in rows):8.2f} ms"
-              f"   turn 2 TTFT {statistics.median(r['turn2_ttft_ms'] for r in rows):8.2f} ms"
-              f"   hits {hits} tokens", flush=True)
-        del engine, st
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     same = all(len(set(map(tuple, v))) == 1 for v in tokens.values())
     print(f"turn 2 tokens {'equal' if same else 'differ'} with and without the cache")
     if a.json:
@@ -107,6 +87,46 @@ def main() -> None:
         man = script_manifest(vars(a))
         with open(a.json, "w") as f:
             json.dump({"manifest": man, "results": results, "tokens_equal": same}, f, indent=1)
+
+
+def _setting(a, entries: int) -> dict:
+    """One engine with `entries` prefix-cache entries (0: off): the conversations' TTFTs."""
+    kw = dict(progress=False, max_model_len=a.context + a.new + a.tokens + 64,
+              max_num_seqs=4, prefix_cache_entries=entries)
+    if a.nano:
+        from tailored.stack import embedded_checkpoint
+
+        st = build_stack(embedded_checkpoint(), device="cpu", dtype="float32",
+                         kernels="off", **kw)
+    else:  # as `tailored serve` runs on CUDA: 8192-token steps, prefill graphs
+        st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16",
+                         max_num_batched_tokens=8192, prefill_graphs=True, **kw)
+    engine = st.engine
+    im_start = st.tokenizer.token_to_id(IM_START)
+    vocab = min(st.model_config.vocab_size, 240000)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+    _ttft(engine, "warm", rand(a.context) + [im_start] + rand(4), sp)  # compiles, graphs
+    _ttft(engine, "warm2", rand(a.context // 2) + [im_start] + rand(4), sp)
+    rows, outs = [], []
+    for c in range(a.convs):
+        ctx = rand(a.context)
+        turn1 = ctx + [im_start] + rand(4)
+        turn2 = ctx + rand(a.new) + [im_start] + rand(4)
+        t1, _ = _ttft(engine, f"c{c}t1", turn1, sp)
+        t2, out2 = _ttft(engine, f"c{c}t2", turn2, sp)
+        rows.append({"conv": c, "turn1_ttft_ms": 1e3 * t1, "turn2_ttft_ms": 1e3 * t2})
+        outs.append(out2)
+    name = f"prefix cache {entries}" if entries else "prefix cache off"
+    hits = engine.scheduler.prefix.hits if engine.scheduler.prefix else 0
+    print(f"{name:<18} turn 1 TTFT {statistics.median(r['turn1_ttft_ms'] for r in rows):8.2f} ms"
+          f"   turn 2 TTFT {statistics.median(r['turn2_ttft_ms'] for r in rows):8.2f} ms"
+          f"   hits {hits} tokens", flush=True)
+    return {"name": name, "rows": rows, "hits": hits, "turn2_tokens": outs}
 
 
 if __name__ == "__main__":
