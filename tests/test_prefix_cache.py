@@ -89,6 +89,25 @@ def test_a_discarded_snapshot_leaves_nothing_behind():
 
 
 # ---- the engine ------------------------------------------------------------------------------
+def test_the_same_point_reached_twice_in_a_step_evicts_nothing():
+    """Requests that reach the same save point in one step (the choices of n, a burst of new
+    chats on a new system prompt) take one snapshot between them; the session-34 review
+    found each of them evicting an entry for a copy that commit then threw away."""
+    pool = PagePool(64)
+    pc = PrefixCache(PS, range(10, 13), pool)
+    for k in range(3):  # three entries: every snapshot slot taken
+        _made(pc, pool, f"w{k}", ids(80, 40 + k))
+    prompt = ids(100, 50)
+    pages = [pool.allocate(7) for _ in range(3)]
+    snaps = [pc.reserve(f"r{i}", prompt, i + 1, pages[i]) for i in range(3)]
+    assert [s is not None for s in snaps] == [True, False, False]
+    assert len(pc) == 2  # one entry evicted for the one snapshot
+    pc.commit(snaps[0])
+    assert len(pc) == 3 and pc.lookup("q", prompt + [1]).length == 100
+    assert pc.reserve("r9", prompt, 4, pages[0]) is None  # an entry now: nothing reserved
+    pc.check_integrity()
+
+
 @pytest.fixture
 def tok(qwen_tok):
     return qwen_tok
@@ -295,6 +314,28 @@ def test_chat_turns_hit_at_the_end_of_the_last_message(tiny_model, tok):
     assert e.scheduler.prefix.hits == cut + cut
     assert out["t1b"] == out["t1"]
     assert out["t2"] == cold(tiny_model, tok, p2, greedy(6), cut)
+    check_idle(e)
+
+
+def test_the_choices_of_n_keep_the_other_system_prompts_entries(tiny_model, tok):
+    """4 entries: chat X on system prompt A (entries: A, X's end), then a chat on a new
+    system prompt B with two choices (both reach B's end and their last message's end in the
+    same steps): one snapshot each, so A's entry stays and a new chat on A hits it (the
+    session-34 review measured 0 cached tokens there with n=2 against 154 with n=1)."""
+    def chat(system, question):
+        return tok.encode(tok.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}]),
+            allow_special=True)
+
+    a = "You answer questions about the weather in short sentences. " * 8
+    b = "You translate every message into French, word for word. " * 8
+    x, y, z = chat(a, "Is it raining?"), chat(b, "Good morning"), chat(a, "Is it cold?")
+    a_end = x.index(tok.token_to_id("<|im_start|>"), 1)
+    e = make(tiny_model, tok, 4)
+    run(e, {0: [("x", x, greedy(3))], 6: [("y1", y, greedy(3)), ("y2", y, greedy(3))],
+            14: [("z", z, greedy(3))]})
+    assert e.scheduler.prefix.hits == a_end
+    assert e.stats()["prefix_cache_hits"] == e.scheduler.prefix.hits
     check_idle(e)
 
 

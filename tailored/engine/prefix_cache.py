@@ -97,7 +97,8 @@ class PrefixCache:
         self._entries: OrderedDict[tuple[bytes, tuple[int, ...]], Snapshot] = OrderedDict()
         self._by_chain: dict[bytes, set[tuple[bytes, tuple[int, ...]]]] = {}
         self._chains: dict[str, list[bytes]] = {}  # request id -> hash of its first i pages
-        self._pending = 0  # snapshots reserved, not yet committed or discarded
+        # keys of the snapshots reserved, not yet committed or discarded
+        self._pending: set[tuple[bytes, tuple[int, ...]]] = set()
         # tokens a saved prefix ends before (the chat format's <|im_start|>); see save_points
         self.boundary_ids: frozenset[int] = frozenset()
         # the ids a prompt opens with when its first message is the system prompt
@@ -182,8 +183,9 @@ class PrefixCache:
                 pages: list[int]) -> Snapshot | None:
         """A snapshot of the state after all of `ids` (in `slot` after this step's forward)
         with their KV in `pages`, or None: too short, already an entry (made most recently
-        used), or every snapshot slot taken by snapshots of this step. Evicts the least
-        recently used entry for its slot; takes one reference to each of the entry's pages."""
+        used), already reserved in this step, or every snapshot slot taken by snapshots of
+        this step. Evicts the least recently used entry for its slot; takes one reference to
+        each of the entry's pages."""
         n = len(ids)
         if n < MIN_TOKENS or self.capacity == 0:
             return None
@@ -193,18 +195,23 @@ class PrefixCache:
         if (chain, tail) in self._entries:
             self._entries.move_to_end((chain, tail))
             return None
+        if (chain, tail) in self._pending:
+            # the same ids reach this point in another request of the step (the choices of n,
+            # a burst of chats on a new system prompt): one snapshot serves, and none of the
+            # entries is evicted for a copy that commit would throw away (session-34 review)
+            return None
         if not self._free_snaps and not self.evict_one():
             return None
         own = tuple(pages[:-(-n // ps)])
         self.pages.share(own)
-        self._pending += 1
+        self._pending.add((chain, tail))
         return Snapshot(request_id, slot, self._free_snaps.pop(), n, chain, tail, own)
 
     def commit(self, snap: Snapshot) -> None:
         """The step that copied it ran: the snapshot is an entry (most recently used). A
-        duplicate made meanwhile (the same prompt in the same step) is discarded."""
-        self._pending -= 1
+        duplicate made meanwhile is discarded."""
         key = (snap.chain, snap.tail)
+        self._pending.discard(key)
         if key in self._entries:
             self._release(snap)
             return
@@ -213,7 +220,7 @@ class PrefixCache:
 
     def discard(self, snap: Snapshot) -> None:
         """The step that was to copy it failed: give back its slot and page references."""
-        self._pending -= 1
+        self._pending.discard((snap.chain, snap.tail))
         self._release(snap)
 
     # ---- eviction ----------------------------------------------------------------------------
@@ -245,7 +252,7 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         """Assert the snapshot slots add up and every entry's pages are held."""
-        assert len(self._free_snaps) + len(self._entries) + self._pending == self.capacity
+        assert len(self._free_snaps) + len(self._entries) + len(self._pending) == self.capacity
         assert len(set(self._free_snaps)) == len(self._free_snaps)
         for e in self._entries.values():
             assert all(self.pages.refs(p) > 0 for p in e.pages)
