@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Prefix caching on two-turn chats (kb/0053): TTFT of turn 2 with the cache against without,
-and what the cache costs turn 1 (its prefill ends a chunk at the save point: one more step).
+"""Prefix caching on chats (kb/0053, kb/0054): TTFT of a chat's next turn and of a new chat
+under the same system prompt, with the cache against without, and what the cache costs the
+first turn (its prefill ends chunks at the save points: more steps).
 
 In-process, the real engine, scheduler and runner, one request at a time (c=1 TTFT, no HTTP):
-for each of --convs conversations, turn 1 = --context random ids, then `<|im_start|>` and a
-few generation-prompt ids (as the chat template ends a prompt); turn 2 = turn 1 up to its
-`<|im_start|>`, an answer and a new message (--new ids), `<|im_start|>` and the generation
-prompt again. Each turn decodes --tokens greedy tokens. Both settings run the same ids; the
-greedy tokens of turn 2 are compared (reported: in bf16 the hit's prefill splits where the
-cold one does not, and random weights' near-ties may follow; the exact check is the fp32
+for each of --convs conversations, a system message = `<|im_start|>system` (the tokenizer's
+ids) and --context random ids; turn 1 = that, `<|im_start|>`, a 32-id question, then
+`<|im_start|>` and a few generation-prompt ids (as the chat template ends a prompt); turn 2 =
+turn 1 up to its last `<|im_start|>`, an answer and a new message (--new ids), `<|im_start|>`
+and the generation prompt again (hits turn 1's last save point); new chat = the system
+message, another question and the generation prompt (hits the system message's end). Each
+request decodes --tokens greedy tokens. Both settings run the same ids; the greedy tokens of
+turn 2 and of the new chat are compared (reported: in bf16 the hit's prefill splits where
+the cold one does not, and random weights' near-ties may follow; the exact check is the fp32
 tests/test_gpu_invariance.py -k prefix). Each setting runs in a process of its own (`--one`).
 
 Usage (GPU): python3 scripts/bench_prefix_turns.py /tmp/full [--context 8192] [--new 256]
@@ -80,7 +84,8 @@ def main() -> None:
         for c, out2 in enumerate(r["turn2_tokens"]):
             tokens.setdefault(c, []).append(out2)
     same = all(len(set(map(tuple, v))) == 1 for v in tokens.values())
-    print(f"turn 2 tokens {'equal' if same else 'differ'} with and without the cache")
+    print(f"turn 2 and new-chat tokens {'equal' if same else 'differ'} with and without the "
+          "cache")
     if a.json:
         from tailored.gate.manifest import script_manifest
 
@@ -112,19 +117,25 @@ def _setting(a, entries: int) -> dict:
     sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
     _ttft(engine, "warm", rand(a.context) + [im_start] + rand(4), sp)  # compiles, graphs
     _ttft(engine, "warm2", rand(a.context // 2) + [im_start] + rand(4), sp)
+    lead = st.tokenizer.encode("<|im_start|>system", allow_special=True)
     rows, outs = [], []
     for c in range(a.convs):
-        ctx = rand(a.context)
-        turn1 = ctx + [im_start] + rand(4)
-        turn2 = ctx + rand(a.new) + [im_start] + rand(4)
+        system = lead + rand(a.context)
+        turn1 = system + [im_start] + rand(32) + [im_start] + rand(4)
+        turn2 = turn1[:-5] + rand(a.new) + [im_start] + rand(4)
+        chat2 = system + [im_start] + rand(32) + [im_start] + rand(4)
         t1, _ = _ttft(engine, f"c{c}t1", turn1, sp)
         t2, out2 = _ttft(engine, f"c{c}t2", turn2, sp)
-        rows.append({"conv": c, "turn1_ttft_ms": 1e3 * t1, "turn2_ttft_ms": 1e3 * t2})
-        outs.append(out2)
+        t3, out3 = _ttft(engine, f"c{c}new", chat2, sp)
+        rows.append({"conv": c, "turn1_ttft_ms": 1e3 * t1, "turn2_ttft_ms": 1e3 * t2,
+                     "new_chat_ttft_ms": 1e3 * t3})
+        outs.append(out2 + out3)
     name = f"prefix cache {entries}" if entries else "prefix cache off"
     hits = engine.scheduler.prefix.hits if engine.scheduler.prefix else 0
-    print(f"{name:<18} turn 1 TTFT {statistics.median(r['turn1_ttft_ms'] for r in rows):8.2f} ms"
-          f"   turn 2 TTFT {statistics.median(r['turn2_ttft_ms'] for r in rows):8.2f} ms"
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("turn1_ttft_ms", "turn2_ttft_ms", "new_chat_ttft_ms")}
+    print(f"{name:<18} TTFT ms: turn 1 {med['turn1_ttft_ms']:8.2f}   turn 2 "
+          f"{med['turn2_ttft_ms']:8.2f}   new chat, same system {med['new_chat_ttft_ms']:8.2f}"
           f"   hits {hits} tokens", flush=True)
     return {"name": name, "rows": rows, "hits": hits, "turn2_tokens": outs}
 
