@@ -76,8 +76,9 @@ def _serve_parser(sub) -> None:
                         "loop) computes only its new tokens. Each entry costs one GDN state "
                         "(~64 MB at full size, taken from the KV cache's memory) plus its pages "
                         "while kept; size N above the conversations in flight (~2x). Prompts "
-                        "are saved up to their last chat message: a shared system prompt alone "
-                        "is not found (README)")
+                        "are saved up to their last chat message, and up to a leading system "
+                        "message of 64+ tokens, so a new chat with the same system prompt hits "
+                        "there too (README)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "

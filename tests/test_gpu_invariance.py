@@ -271,7 +271,7 @@ def test_prefix_cache_hits_decode_as_cold_runs(model, tok, prefill_graphs):
     s.pages.check_integrity()
     assert s.pages.num_free == s.pages.capacity
     del e
-    ref = engine(model, tok, max_model_len=1024, budget=cut)  # cold, split at the same place
+    ref = engine(model, tok, max_model_len=1024, budget=cut)  # cold, split where t2's hit ends
     want = run(ref, [("t1", p1), ("t2", p2), ("c2", p3)])
     assert got["t1"] == want["t1"] and got["t1b"] == want["t1"]
     assert got["t2"] == want["t2"] and got["c2"] == want["c2"]

@@ -208,13 +208,11 @@ class PrefixCache:
         return Snapshot(request_id, slot, self._free_snaps.pop(), n, chain, tail, own)
 
     def commit(self, snap: Snapshot) -> None:
-        """The step that copied it ran: the snapshot is an entry (most recently used). A
-        duplicate made meanwhile is discarded."""
+        """The step that copied it ran: the snapshot is an entry (most recently used)."""
         key = (snap.chain, snap.tail)
         self._pending.discard(key)
-        if key in self._entries:
-            self._release(snap)
-            return
+        # no duplicate can exist: reserve refuses a key that is an entry or already reserved
+        assert key not in self._entries, "a prefix-cache snapshot reserved twice"
         self._entries[key] = snap
         self._by_chain.setdefault(snap.chain, set()).add(key)
 
