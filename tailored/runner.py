@@ -257,6 +257,11 @@ class ModelRunner:
                     fast.spec.capture()
                 if ec.prefill_graphs:
                     fast.capture_prefill(min(ec.max_num_batched_tokens, ec.max_model_len))
+                    from tailored.model import fast_ctx
+
+                    if fast_ctx.CTX_GRAPHS:  # chunks after a cached context (kb/0055)
+                        fast.ctx = fast_ctx.ContextGraphs(fast)
+                        fast.ctx.capture(min(ec.max_num_batched_tokens, ec.max_model_len))
             # TAILORED_TUNING_DUMP=PATH: save the launch configs tuned at this warm-up, for
             # the next start to skip tuning (kernels/tuning.py)
             from tailored.kernels import tuning
@@ -274,9 +279,10 @@ class ModelRunner:
                      "reserved by this process", " and CUDA graphs captured" if fast.use_graphs
                      else "", time.monotonic() - t0, free / 1024**3,
                      torch.cuda.memory_reserved(self.device) / 1024**3)
-        log.info("kernel path on (CUDA graphs %s, prefill graphs %s, GDN prefill %s)",
-                 "on" if fast.use_graphs else "off",
+        log.info("kernel path on (CUDA graphs %s, prefill graphs %s, context-chunk graphs %s, "
+                 "GDN prefill %s)", "on" if fast.use_graphs else "off",
                  f"{len(fast.prefill_graphs)} buckets" if fast.prefill_graphs else "off",
+                 f"{len(fast.ctx.graphs)} buckets" if fast.ctx and fast.ctx.graphs else "off",
                  "fla-core" if fast.fla else "reference")
         return fast
 

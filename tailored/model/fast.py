@@ -585,6 +585,7 @@ class FastPath:
         self._fla_ctx = None  # (lens, cu_seqlens, cu_seqlens_cpu, chunk_indices) of this forward
         self._plan: StepPlan | None = None  # index tensors of the current eager forward
         self.spec = None  # fast_spec.SpecGraphs: verify + MTP graphs (speculative decoding)
+        self.ctx = None  # fast_ctx.ContextGraphs: a prompt chunk after a cached context
 
     # -------------------------------------------------------------------------------------------
     # blocks
@@ -917,8 +918,9 @@ class FastPath:
 
         Decode rows replay a CUDA graph; in a mixed step they replay it on their own and the
         prefill chunks run after, eagerly, or from a prefill graph when they are one fresh
-        prompt (sequences are independent, so the split changes no result: the decode rows'
-        pages and slots are disjoint from the prefills'). The verify chunks of speculative
+        prompt or one chunk continuing its cached context (model/fast_ctx.py; sequences are
+        independent, so the split changes no result: the decode rows' pages and slots are
+        disjoint from the prefills'). The verify chunks of speculative
         decoding beside prompt chunks split the same way, with the verify graph."""
         if not self.use_graphs:
             return self.forward_eager(batch)
@@ -934,6 +936,8 @@ class FastPath:
                 return self._split(batch, ver, _sub_batch(batch, ver), self.spec.forward)
         if self.prefill_graphs and self.prefill_graph_fits(batch):
             return self.forward_prefill_graph(batch)
+        if self.ctx is not None and self.ctx.fits(batch):
+            return self.ctx.forward(batch)
         dec = [j for j, s in enumerate(batch.seqs)
                if s.num_tokens == 1 and not s.reset_state and not s.keep_states]
         if not dec or len(dec) > self.max_batch:
@@ -960,6 +964,8 @@ class FastPath:
         # graphs' static buffers are disjoint, so replaying both in one step is safe.
         if self.prefill_graphs and self.prefill_graph_fits(sub_p):
             hp = self.forward_prefill_graph(sub_p)
+        elif self.ctx is not None and self.ctx.fits(sub_p):  # a chunk after its cached context
+            hp = self.ctx.forward(sub_p)
         else:
             hp = self.forward_eager(sub_p)
         out[h2d(_token_rows([batch.seqs[j] for j in rest]), dev)] = hp
@@ -1210,10 +1216,14 @@ class FastPath:
         st["valid"][:n].copy_(m[n + 1:2 * n + 1] != 0)
         st["state_meta"].copy_(m[2 * n + 1:].view(4, 1))
 
-    def _gdn_prefill_static(self, i: int, x: torch.Tensor, valid, slot):
-        """GDN over the bucket for one fresh sequence: the eager prefill's computation with
-        zero initial states, pads neutralized (g = 0, β = 0), states written with device
-        indices (nothing in here depends on the prompt length on the host)."""
+    def _gdn_prefill_static(self, i: int, x: torch.Tensor, valid, slot, st=None,
+                            carried: bool = False):
+        """GDN over the bucket for one sequence: the eager prefill's computation with zero
+        initial states (a fresh prompt), or with the slot's conv and recurrent states when
+        `carried` (a chunk continuing a cached context, model/fast_ctx.py: `st` holds its
+        static buffers, whose conv meta says "no reset"), pads neutralized (g = 0, β = 0),
+        states written with device indices (nothing in here depends on the prompt length on
+        the host)."""
         cfg, m = self.cfg, self.layers[i].linear_attn
         li = self.cache.gdn_index[i]
         n = x.shape[0]
@@ -1222,14 +1232,17 @@ class FastPath:
         qkv, z, b, a = self.p_in[i](x)
         w = m.conv1d.weight[:, 0, :]
         conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
-        st = self._pstatic
+        st = self._pstatic if st is None else st
         y = conv_prefill(qkv, conv_cache, w, st["conv_meta"], slot, n, n)
         conv_state_update(qkv, conv_cache, w, st["state_meta"], slot)
         g, beta = ref.gdn_gates(a, b, m.A_log, m.dt_bias)
         keep = valid[:, None]
         g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        h0 = torch.zeros(1, HV, Dk, Dv, dtype=torch.float32, device=x.device)
+        if carried:  # the state after the cached context (the eager path's h0 on no reset)
+            h0 = rec_cache.index_select(0, slot)
+        else:
+            h0 = torch.zeros(1, HV, Dk, Dv, dtype=torch.float32, device=x.device)
         if self.fla is not None:
             o, hT = self.fla(q.reshape(1, n, HK, Dk), k.reshape(1, n, HK, Dk),
                              v.reshape(1, n, HV, Dv), g.unsqueeze(0), beta.unsqueeze(0),

@@ -1,0 +1,220 @@
+"""CUDA graphs for a prompt chunk that continues a cached context (kb/0055).
+
+A prefill graph (`FastPath.capture_prefill`, kb/0013) serves a *fresh* prompt only: position
+0, zero states, causal attention over the chunk itself. Every other prompt chunk ran eagerly,
+and an eager forward of this model is host-bound at ~100-150 ms whatever its size (~800
+launches and FLA's Python; kb/0010). That chunk is common:
+
+  - a prefix-cache hit (engine/prefix_cache.py) prefills the rest of its prompt after the
+    cached context: the next turn of a chat, a new chat under a cached system prompt;
+  - with the prefix cache on, a cold chat prompt ends a chunk at each save point, so its
+    generation prompt (a few tokens) is a chunk of its own;
+  - a prompt longer than the step's token budget (8192) prefills in several chunks.
+
+Session 35 measured it on an H100 (FP8, `scripts/bench_prefix_turns.py`): a hit's TTFT was
+~155 ms for 38 new tokens after 8194 cached ones, and the cache *added* ~150 ms to a cold
+chat turn (three eager chunks instead of one).
+
+So one sequence whose chunk starts at position start_pos > 0 with its state in its slot
+(`SeqInfo.reset_state` false) replays a graph of the smallest bucket ≥ its T tokens:
+
+  - GDN layers: `FastPath._gdn_prefill_static(carried=True)`: the conv continues the slot's
+    conv state (meta "no reset") and the chunked delta rule starts from the slot's recurrent
+    state, as the eager `_gdn_prefill` does; pad rows have g = 0, β = 0 (no state change).
+  - attention layers: the chunk's K/V go into the cache first, then every row t is one
+    paged-decode query over keys 0..start_pos + t (`paged_decode_attention` with the
+    sequence's page table row broadcast to all rows, stride 0, and per-row lengths): the
+    causal mask within the chunk and the cached context in one kernel, with lengths read on
+    the device, so one graph serves every start_pos. Pad rows have length 1.
+
+Each row re-reads the context's keys (from L2 while they fit), so the attention costs
+~T·(start_pos + T) key reads a layer: the graph is taken while that product is at most
+CTX_GRAPH_MAX_PAIRS, else the chunk stays eager (where SDPA shares the reads).
+
+Numerics: the attention sums in another order than the eager path's SDPA over gathered keys
+(fp32: equal to ~1e-6; bf16: rounding). tests/test_fast_path.py runs the body eagerly against
+the eager forward on the CPU; tests/test_gpu.py replays the graphs against their bodies and the
+eager path on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tailored.kernels import env_flag, env_int
+from tailored.kernels.attention_decode import paged_decode_attention
+from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.model.fast import h2d
+from tailored.ops import reference as ref
+
+log = logging.getLogger("tailored.fast")
+
+# on with prefill graphs (`--prefill-graphs`); TAILORED_CTX_GRAPHS=0 keeps such chunks eager
+CTX_GRAPHS = env_flag("TAILORED_CTX_GRAPHS", True)
+# fine small buckets: a pad row routes to experts of its own, so a 5-token generation prompt
+# padded to 64 rows would read ~3x the expert weights of its own 5 rows
+CTX_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# T·(start_pos + T) key reads a layer at most (see the module docstring): 16M is 2048 new
+# tokens after 6k, or 38 after 420k: ~30 ms of attention at worst against ~100+ ms eager
+CTX_GRAPH_MAX_PAIRS = env_int("TAILORED_CTX_GRAPH_MAX_PAIRS", 16 * 1024 * 1024, 0, 1 << 40)
+
+
+def ctx_splits(n: int, kv_heads: int) -> int:
+    """Key ranges per (row, KV head) of a bucket of n rows: enough programs to fill the GPU
+    (≥ 1024), at most 8 (the decode kernel's), fewer as rows grow: the fp32 partials take
+    n·kv_heads·splits·16·D·4 bytes (8 splits at 2048 rows would be 537 MB)."""
+    s = 8
+    while s > 1 and n * kv_heads * s > 1024:
+        s //= 2
+    return s
+
+
+class ContextGraphs:
+    """Graphs of one sequence's prompt chunk after a cached context, per bucket of rows.
+
+    `fits(batch)` says whether a batch (or a step's prompt part, `FastPath._split`) is such a
+    chunk; `forward(batch)` fills the static buffers and replays, returning hidden states
+    [T, H] (the contract of `FastPath.forward`). `capture(max_tokens)` captures every bucket
+    ≤ max_tokens in the FastPath's graph pool; a failed capture logs a warning and leaves such
+    chunks eager, never an error."""
+
+    def __init__(self, fast) -> None:
+        self.fast = fast
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.st: dict | None = None
+
+    # -- static buffers ---------------------------------------------------------------------------
+    def alloc(self, n_max: int) -> None:
+        dev, f = self.fast.device, self.fast
+        self.st = {
+            "ids": torch.zeros(n_max, dtype=torch.long, device=dev),
+            "pos": torch.zeros(n_max, dtype=torch.long, device=dev),
+            "valid": torch.zeros(n_max, dtype=torch.bool, device=dev),
+            "kv": torch.zeros(n_max, dtype=torch.long, device=dev),  # flat KV row per token
+            "slot": torch.zeros(1, dtype=torch.long, device=dev),
+            # keys of row t: 0..lens[t]-1 through the sequence's page table
+            "lens": torch.ones(n_max, dtype=torch.int32, device=dev),
+            "table": torch.zeros(1, f.max_pages, dtype=torch.int32, device=dev),
+            # gdn_conv's sequence meta (q, len, o, reset): the bucket's rows continuing the
+            # slot's conv state (reset 0); the state update takes the T real rows
+            "conv_meta": torch.tensor([[0], [n_max], [0], [0]], dtype=torch.long).to(dev),
+            "state_meta": torch.tensor([[0], [1], [0], [0]], dtype=torch.long).to(dev),
+        }
+
+    def fill(self, batch: ForwardBatch, n: int) -> None:
+        """The chunk's ids/positions (device-to-device) and one host-to-device copy of the
+        rest: KV rows of its positions (pads → the sink page 0), the slot, the valid mask,
+        the conv state meta, the rows' key counts and the sequence's page table."""
+        s = batch.seqs[0]
+        T, ps, st = s.num_tokens, self.fast.cache.page_size, self.st
+        P = len(s.page_ids)
+        st["ids"][:T].copy_(batch.input_ids)
+        st["pos"][:T].copy_(batch.positions)
+        st["ids"][T:n].zero_()
+        st["pos"][T:n].zero_()
+        meta = np.zeros(3 * n + 5 + P, dtype=np.int64)
+        meta[:T] = HybridCache.kv_rows(s.page_ids, s.start_pos, s.end_pos, ps)
+        meta[n] = s.slot
+        meta[n + 1:n + 1 + T] = 1
+        meta[2 * n + 1:2 * n + 5] = [0, T, 0, 0]  # state_meta [4, 1]: continue the state
+        lens = meta[2 * n + 5:3 * n + 5]
+        lens[:] = 1
+        lens[:T] = np.arange(s.start_pos + 1, s.end_pos + 1)
+        meta[3 * n + 5:] = s.page_ids
+        m = h2d(meta, self.fast.device)
+        st["kv"][:n].copy_(m[:n])
+        st["slot"].copy_(m[n:n + 1])
+        st["valid"][:n].copy_(m[n + 1:2 * n + 1] != 0)
+        st["state_meta"].copy_(m[2 * n + 1:2 * n + 5].view(4, 1))
+        st["lens"][:n].copy_(m[2 * n + 5:3 * n + 5])
+        st["table"][0, :P].copy_(m[3 * n + 5:])
+
+    # -- body -------------------------------------------------------------------------------------
+    def _attn(self, i: int, x, cos, sin, kv_rows, table, lens):
+        """Attention of the bucket's rows: K/V stored by device rows (pads into the sink),
+        then one paged-decode query a row over its keys (module docstring)."""
+        f = self.fast
+        q, k, v, gate = f._attn_qkv(i, x, cos, sin)
+        kc, vc = f._store_kv(i, kv_rows, k, v)
+        o = paged_decode_attention(q.contiguous(), kc, vc, table, lens,
+                                   num_splits=ctx_splits(x.shape[0], kc.shape[2]))
+        return f._attn_out(i, o, gate)
+
+    def body(self, n: int) -> torch.Tensor:
+        """Final-normed hidden states [n, H] of the static buffers' first n rows."""
+        f, st = self.fast, self.st
+        cfg = f.cfg
+        ids, pos, valid, kv = st["ids"][:n], st["pos"][:n], st["valid"][:n], st["kv"][:n]
+        table = st["table"].expand(n, -1)  # stride 0: every row reads the sequence's table
+        lens = st["lens"][:n]
+        x = f.model.model.embed_tokens(ids)
+        cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+
+        def mixer(i, hn):
+            if f.layers[i].layer_type == "linear_attention":
+                return f._gdn_prefill_static(i, hn, valid, st["slot"], st=st, carried=True)
+            return self._attn(i, hn, cos, sin, kv, table, lens)
+
+        return f._layers(x, cos, sin, mixer)
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def fits(self, batch: ForwardBatch) -> bool:
+        """One sequence, 2..largest-bucket tokens continuing its slot's state from position
+        start_pos > 0 (not a verify chunk), within CTX_GRAPH_MAX_PAIRS and the page table."""
+        if not self.graphs or len(batch.seqs) != 1:
+            return False
+        s = batch.seqs[0]
+        return (s.start_pos > 0 and not s.reset_state and not s.keep_states
+                and 1 < s.num_tokens <= max(self.graphs)
+                and s.num_tokens * s.end_pos <= CTX_GRAPH_MAX_PAIRS
+                and len(s.page_ids) <= self.fast.max_pages)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, H] of the chunk, replayed from the smallest bucket ≥ T."""
+        T = batch.seqs[0].num_tokens
+        n = min(b for b in self.graphs if b >= T)
+        self.fill(batch, n)
+        g, out = self.graphs[n]
+        g.replay()
+        return out[:T]
+
+    @torch.no_grad()  # startup forwards: never keep autograd's saved activations
+    def capture(self, max_tokens: int, buckets=None) -> None:
+        """Capture one graph per bucket ≤ max_tokens (largest first) in the FastPath's pool.
+        The warm-up and capture content reads and writes the sinks only (slot 0, page 0)."""
+        f = self.fast
+        sizes = sorted({b for b in (buckets or CTX_BUCKETS) if b <= max_tokens}, reverse=True)
+        if not f.use_graphs or not sizes:
+            return
+        if self.st is None:
+            self.alloc(sizes[0])
+        st = self.st
+        st["valid"].fill_(True)
+        st["kv"].zero_()
+        st["slot"].zero_()
+        st["lens"].fill_(1)
+        st["table"].zero_()
+        st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
+        failed = None
+        f._moe_fused_only = True  # as capture_prefill: the bodies launch the same MoE
+        try:
+            f._capture_into(self.graphs, sizes, self.body)
+        except Exception as e:  # noqa: BLE001 - serving continues with eager chunks
+            failed = f"{type(e).__name__}: {e}"
+        finally:
+            f._moe_fused_only = False
+        if failed is not None:
+            import gc
+
+            log.warning("context-chunk CUDA graphs not captured (%s); such chunks stay eager",
+                        failed)
+            self.graphs.clear()
+            gc.collect()  # after the except block: see FastPath.capture_prefill
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            return
+        log.info("captured context-chunk CUDA graphs for %d..%d tokens (%d buckets)",
+                 sizes[-1], sizes[0], len(sizes))

@@ -1,0 +1,97 @@
+"""GPU checks of the context-chunk graphs (model/fast_ctx.py, kb/0055), skipped without CUDA:
+the replay computes exactly its body, and tracks the eager forward of the same chunk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_err
+from tailored.model.batch import ForwardBatch
+from test_gpu import _with_graphs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
+                                             (torch.bfloat16, "fp8")])
+@torch.no_grad()
+def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision):
+    """After a C-token context in slot 2 (prefilled through the prefill graph), a T-token
+    chunk dispatched by the model replays the context graph of its bucket: bitwise its body,
+    the sinks aside; against the eager forward of the chunk, fp32 within 1e-4 (hidden rows and
+    recurrent state), bf16 within the prefill graph test's bounds (another attention kernel,
+    FLA fixed-length vs varlen, a random-weight model's near-ties: kb/0001). Also a chunk
+    beside a decode row (`FastPath._split`)."""
+    from tailored.model.fast_ctx import ContextGraphs
+
+    model, cache, fast = _with_graphs(dtype, precision, 3, [1024])
+    fast.ctx = ContextGraphs(fast)
+    fast.ctx.capture(512, buckets=[4, 64, 512])
+    assert sorted(fast.ctx.graphs) == [4, 64, 512]
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    for C, T in ((700, 3), (1000, 60), (300, 500), (16, 2)):
+        g = torch.Generator().manual_seed(C + T)
+        ids = torch.randint(0, 248044, (C + T,), generator=g).tolist()
+        pages = list(range(1, 2 + (C + T) // 16))
+        model(ForwardBatch.build([(ids[:C], 0, 2, True, pages)], [C - 1], "cuda"), cache)
+        layout = [(ids[C:], C, 2, False, pages)]
+        batch = ForwardBatch.build(layout, [T - 1], "cuda")
+        assert fast.ctx.fits(batch) and not fast.prefill_graph_fits(batch)
+        snap = [t.clone() for t in tensors]
+        eager = fast.forward_eager(ForwardBatch.build(layout, [T - 1], "cuda")).clone()
+        after_eager = [t.clone() for t in tensors]
+        n = min(b for b in fast.ctx.graphs if b >= T)
+        for t, s in zip(tensors, snap):
+            t.copy_(s)
+        fast.ctx.fill(batch, n)
+        body = fast.ctx.body(n)[:T].clone()
+        after_body = [t.clone() for t in tensors]
+        for t, s in zip(tensors, snap):
+            t.copy_(s)
+        graph = model(ForwardBatch.build(layout, [T - 1], "cuda"), cache).clone()  # dispatches
+        assert torch.equal(graph, body), (C, T)
+        for t, s in zip(tensors, after_body):
+            assert torch.equal(t[:, 1:], s[:, 1:]), (C, T)  # slot/page 0: the pad sinks
+        assert not torch.isnan(graph).any()
+        tok = (graph.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
+        rec = rel_err(cache.rec[:, 2], after_eager[1][:, 2])
+        print(f"context graph vs eager ({dtype}, {precision}, C={C}, T={T}): per-token rel err "
+              f"median {tok.median().item():.2e} max {tok.max().item():.2e}; rec {rec:.2e}")
+        if dtype == torch.float32:
+            assert tok.max() <= 1e-4 and rec <= 1e-4, (C, T, tok, rec)
+        else:
+            assert tok.median() <= 0.12 and tok.max() <= 0.3, (C, T, tok)
+            assert rec <= 5e-2
+    # beside a decode row: the decode graph takes the row, the context graph the chunk
+    g = torch.Generator().manual_seed(11)
+    a = torch.randint(0, 248044, (40,), generator=g).tolist()
+    model(ForwardBatch.build([(a, 0, 3, True, [120, 121, 122])], [39], "cuda"), cache)
+    chunk = torch.randint(0, 248044, (50,), generator=g).tolist()
+    layout = [([5], 40, 3, False, [120, 121, 122]), (chunk, 18, 2, False, [1, 2, 3, 4, 5])]
+    snap = [t.clone() for t in tensors]
+    eager = fast.forward_eager(ForwardBatch.build(layout, [0, 50], "cuda")).clone()
+    for t, s in zip(tensors, snap):
+        t.copy_(s)
+    replays = []
+    real = fast.ctx.forward
+    fast.ctx.forward = lambda b: replays.append(b.seqs[0].num_tokens) or real(b)
+    try:
+        mixed = model(ForwardBatch.build(layout, [0, 50], "cuda"), cache)
+    finally:
+        del fast.ctx.forward
+    assert replays == [50]
+    tok = (mixed.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
+    assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), tok
