@@ -259,7 +259,7 @@ class ModelRunner:
                     fast.capture_prefill(min(ec.max_num_batched_tokens, ec.max_model_len))
                     from tailored.model import fast_ctx
 
-                    if fast_ctx.CTX_GRAPHS:  # chunks after a cached context (kb/0055)
+                    if fast_ctx.ctx_graphs_wanted(ec.prefix_cache_entries):  # kb/0055
                         fast.ctx = fast_ctx.ContextGraphs(fast)
                         fast.ctx.capture(min(ec.max_num_batched_tokens, ec.max_model_len))
             # TAILORED_TUNING_DUMP=PATH: save the launch configs tuned at this warm-up, for

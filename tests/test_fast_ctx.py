@@ -71,7 +71,8 @@ def test_context_body_equals_eager_continuation(pair, C, T, n):
     assert torch.equal(conv[:, others], before[0][:, others])
     assert torch.equal(rec[:, others], before[1][:, others])
     free = [p for p in range(k.shape[1]) if p not in set(pages) | {0}]
-    assert torch.equal(k[:, free], before[2][:, free]) and torch.equal(v[:, free], before[3][:, free])
+    assert torch.equal(k[:, free], before[2][:, free])
+    assert torch.equal(v[:, free], before[3][:, free])
     last, tail = pages[-1], slice((C + T - 1) % ps + 1, ps)  # unused rows of the last page
     assert torch.equal(k[:, last, tail], before[2][:, last, tail])
 
@@ -173,3 +174,17 @@ def test_steps_send_a_continuing_chunk_to_its_graph(pair, monkeypatch):
 
 def test_ctx_splits_fill_the_gpu_and_bound_the_partials():
     assert [ctx_splits(n, 2) for n in (4, 8, 64, 128, 256, 512, 2048)] == [8, 8, 8, 4, 2, 1, 1]
+
+
+def test_ctx_graphs_wanted_with_the_prefix_cache_unless_told(monkeypatch):
+    from tailored.model.fast_ctx import ctx_graphs_wanted
+
+    monkeypatch.delenv("TAILORED_CTX_GRAPHS", raising=False)
+    assert ctx_graphs_wanted(16) and not ctx_graphs_wanted(0)
+    monkeypatch.setenv("TAILORED_CTX_GRAPHS", "1")
+    assert ctx_graphs_wanted(0)
+    monkeypatch.setenv("TAILORED_CTX_GRAPHS", "0")
+    assert not ctx_graphs_wanted(16)
+    monkeypatch.setenv("TAILORED_CTX_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="TAILORED_CTX_GRAPHS"):
+        ctx_graphs_wanted(16)

@@ -11,12 +11,16 @@ launches and FLA's Python; kb/0010). That chunk is common:
     generation prompt (a few tokens) is a chunk of its own;
   - a prompt longer than the step's token budget (8192) prefills in several chunks.
 
-Session 35 measured it on an H100 (FP8, `scripts/bench_prefix_turns.py`): a hit's TTFT was
-~155 ms for 38 new tokens after 8194 cached ones, and the cache *added* ~150 ms to a cold
-chat turn (three eager chunks instead of one).
+Session 35 measured it on an H100 (FP8, `scripts/bench_prefix_turns.py`, 8192-token system
+prompts): a hit's TTFT was ~185 ms for 38 new tokens after 8194 cached ones, and the cache
+*added* ~190 ms to a cold chat turn (three eager chunks more). With these graphs: the hit
+27.6 ms, the next turn 44.8 ms (192.2 before), the cold turn with the cache 286.3 ms (519.9
+before; 330.9 → 270.5 without the cache, whose 40-token tail was eager too). kb/0055.
 
-So one sequence whose chunk starts at position start_pos > 0 with its state in its slot
-(`SeqInfo.reset_state` false) replays a graph of the smallest bucket ≥ its T tokens:
+When (`ctx_graphs_wanted`): with the prefix cache, or TAILORED_CTX_GRAPHS=1; the runner
+captures them after the prefill graphs. Then one sequence whose chunk starts at position
+start_pos > 0 with its state in its slot (`SeqInfo.reset_state` false) replays a graph of the
+smallest bucket ≥ its T tokens:
 
   - GDN layers: `FastPath._gdn_prefill_static(carried=True)`: the conv continues the slot's
     conv state (meta "no reset") and the chunked delta rule starts from the slot's recurrent
@@ -32,14 +36,16 @@ Each row re-reads the context's keys (from L2 while they fit), so the attention 
 CTX_GRAPH_MAX_PAIRS, else the chunk stays eager (where SDPA shares the reads).
 
 Numerics: the attention sums in another order than the eager path's SDPA over gathered keys
-(fp32: equal to ~1e-6; bf16: rounding). tests/test_fast_path.py runs the body eagerly against
-the eager forward on the CPU; tests/test_gpu.py replays the graphs against their bodies and the
-eager path on the GPU.
+(H100, session 35: fp32 per-token rel. error ≤ 2.3e-7 against the eager chunk; bf16 rounding,
+within the prefill graphs' bounds). tests/test_fast_ctx.py runs the body eagerly against the
+eager forward on the CPU; tests/test_gpu_ctx.py replays the graphs against their bodies and
+the eager path on the GPU.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -52,8 +58,19 @@ from tailored.ops import reference as ref
 
 log = logging.getLogger("tailored.fast")
 
-# on with prefill graphs (`--prefill-graphs`); TAILORED_CTX_GRAPHS=0 keeps such chunks eager
-CTX_GRAPHS = env_flag("TAILORED_CTX_GRAPHS", True)
+
+def ctx_graphs_wanted(prefix_cache_entries: int) -> bool:
+    """Whether a server with prefill graphs captures context-chunk graphs: TAILORED_CTX_GRAPHS
+    "1" / "0"; unset, with the prefix cache only (`--prefix-cache-entries` > 0), whose hits and
+    save points make such chunks the common case. Without the cache they are the tails of
+    prompts longer than the step's token budget, whose rounding the graphs change (another
+    attention kernel): on there once the accuracy gate (its 8322-token prompt) has passed with
+    them. Raises ValueError for a value other than 0 or 1 (`env_flag`)."""
+    if not os.environ.get("TAILORED_CTX_GRAPHS", "").strip():
+        return prefix_cache_entries > 0
+    return env_flag("TAILORED_CTX_GRAPHS", False)
+
+
 # fine small buckets: a pad row routes to experts of its own, so a 5-token generation prompt
 # padded to 64 rows would read ~3x the expert weights of its own 5 rows
 CTX_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
