@@ -188,3 +188,28 @@ def test_ctx_graphs_wanted_with_the_prefix_cache_unless_told(monkeypatch):
     monkeypatch.setenv("TAILORED_CTX_GRAPHS", "yes")
     with pytest.raises(ValueError, match="TAILORED_CTX_GRAPHS"):
         ctx_graphs_wanted(16)
+
+
+def test_a_failed_capture_leaves_chunks_eager(pair, monkeypatch, caplog):
+    """A capture that raises (out of memory, a host sync inside FLA) logs a warning, leaves no
+    graph (so `fits` is False: such chunks run eagerly) and resets `_moe_fused_only`, which
+    was on for the warm-up and capture."""
+    _, fastm, _ = pair
+    fast = fastm.fast
+    seen = []
+
+    def capture_into(graphs, sizes, body):
+        seen.append((fast._moe_fused_only, list(sizes)))
+        graphs[sizes[0]] = None  # a partial capture
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(fast, "use_graphs", True)
+    monkeypatch.setattr(fast, "_capture_into", capture_into)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    ctx = ContextGraphs(fast)
+    with caplog.at_level("WARNING", logger="tailored.fast"):
+        ctx.capture(100)
+    assert seen == [(True, [64, 32, 16, 8, 4])] and fast._moe_fused_only is False
+    assert ctx.graphs == {} and "context-chunk CUDA graphs not captured" in caplog.text
+    assert not ctx.fits(ForwardBatch.build([(_ids(5, 1), 8, 1, False, [1])], [4], "cpu"))

@@ -496,6 +496,7 @@ def test_prefill_graph_capture_launches_fused_moe_only(monkeypatch):
     st["state_meta"] = torch.zeros(4, 1, dtype=torch.long)
     fake = SimpleNamespace(use_graphs=True, _pstatic=st, prefill_graphs={}, _moe_fused_only=False,
                            _capture_into=capture_into, _prefill_body=None)
+    fake._capture_guarded = lambda *a: fastm.FastPath._capture_guarded(fake, *a)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     fastm.FastPath.capture_prefill(fake, 256, buckets=[128, 256])

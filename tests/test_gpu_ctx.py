@@ -9,20 +9,7 @@ import torch
 
 from conftest import rel_err
 from tailored.model.batch import ForwardBatch
-from test_gpu import _with_graphs
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+from test_gpu import _no_tf32, _with_graphs, pytestmark  # noqa: F401 - the autouse fixture
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),

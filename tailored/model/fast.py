@@ -1296,28 +1296,39 @@ class FastPath:
         st["kv"].zero_()
         st["slot"].zero_()
         st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
-        failed = None
-        self._moe_fused_only = True  # the bodies' warm-up and capture launch the same MoE
-        try:
-            self._capture_into(self.prefill_graphs, sizes, self._prefill_body)
-        except Exception as e:  # noqa: BLE001 - serving continues with eager prefill
-            failed = f"{type(e).__name__}: {e}"
-        finally:
-            self._moe_fused_only = False
-        if failed is not None:
-            # after the except block: inside it the exception being handled still holds the
-            # failed warm-up's frames (and tensors) through its traceback; those frames form a
-            # cycle that only the cyclic GC frees (GPU memory is no pressure for it), so collect
-            # now, or an out-of-memory capture leaves that memory taken for the whole serve.
-            # (Memory a failed *capture* took stays in the pool shared with the decode graphs.)
-            log.warning("prefill CUDA graphs not captured (%s); prefill stays eager", failed)
-            self.prefill_graphs.clear()
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        if not self._capture_guarded(self.prefill_graphs, sizes, self._prefill_body, "prefill",
+                                     "prefill stays eager"):
             return
         log.info("captured prefill CUDA graphs for %d..%d tokens (%d buckets)",
                  sizes[-1], sizes[0], len(sizes))
+
+    def _capture_guarded(self, graphs: dict, sizes, body, what: str, fallback: str) -> bool:
+        """`_capture_into` with the MoE held to fused_moe (`_moe_fused_only`: the bodies'
+        warm-up and capture launch the same MoE; the session-13 bf16 gate tuned a new tile
+        inside a capture that took the grouped path, kb/0031). A failure (an op that syncs or
+        allocates on the host inside FLA or torch, out of memory) logs a warning naming
+        `what` and `fallback`, empties `graphs` and returns False: never an error."""
+        failed = None
+        self._moe_fused_only = True
+        try:
+            self._capture_into(graphs, sizes, body)
+        except Exception as e:  # noqa: BLE001 - serving continues eagerly
+            failed = f"{type(e).__name__}: {e}"
+        finally:
+            self._moe_fused_only = False
+        if failed is None:
+            return True
+        # after the except block: inside it the exception being handled still holds the
+        # failed warm-up's frames (and tensors) through its traceback; those frames form a
+        # cycle that only the cyclic GC frees (GPU memory is no pressure for it), so collect
+        # now, or an out-of-memory capture leaves that memory taken for the whole serve.
+        # (Memory a failed *capture* took stays in the pool shared with the decode graphs.)
+        log.warning("%s CUDA graphs not captured (%s); %s", what, failed, fallback)
+        graphs.clear()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return False
 
     def forward_prefill_graph(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] of one fresh prompt, replayed from the smallest bucket ≥ T."""

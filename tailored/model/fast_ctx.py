@@ -215,23 +215,8 @@ class ContextGraphs:
         st["lens"].fill_(1)
         st["table"].zero_()
         st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
-        failed = None
-        f._moe_fused_only = True  # as capture_prefill: the bodies launch the same MoE
-        try:
-            f._capture_into(self.graphs, sizes, self.body)
-        except Exception as e:  # noqa: BLE001 - serving continues with eager chunks
-            failed = f"{type(e).__name__}: {e}"
-        finally:
-            f._moe_fused_only = False
-        if failed is not None:
-            import gc
-
-            log.warning("context-chunk CUDA graphs not captured (%s); such chunks stay eager",
-                        failed)
-            self.graphs.clear()
-            gc.collect()  # after the except block: see FastPath.capture_prefill
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        if not f._capture_guarded(self.graphs, sizes, self.body, "context-chunk",
+                                  "such chunks stay eager"):
             return
         log.info("captured context-chunk CUDA graphs for %d..%d tokens (%d buckets)",
                  sizes[-1], sizes[0], len(sizes))
