@@ -78,8 +78,8 @@ def _serve_parser(sub) -> None:
                         "while kept; size N above the conversations in flight (~2x). Prompts "
                         "are saved up to their last chat message, and up to a leading system "
                         "message of 64+ tokens, so a new chat with the same system prompt hits "
-                        "there too; on CUDA the rest of a prompt after a cached prefix "
-                        "replays CUDA graphs (README)")
+                        "there too. On CUDA with prefill graphs, the rest of a prompt after "
+                        "a cached prefix (up to 2048 tokens) replays CUDA graphs (README)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval in the server and engine processes (Python's "
                         "default 5 ms): how long the engine loop may wait for the GIL held by "

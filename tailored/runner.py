@@ -259,7 +259,8 @@ class ModelRunner:
                     fast.capture_prefill(min(ec.max_num_batched_tokens, ec.max_model_len))
                     from tailored.model import fast_ctx
 
-                    if fast_ctx.ctx_graphs_wanted(ec.prefix_cache_entries):  # kb/0055
+                    # kb/0055; not after a failed prefill capture (likely out of memory)
+                    if fast.prefill_graphs and fast_ctx.ctx_graphs_wanted(ec.prefix_cache_entries):
                         fast.ctx = fast_ctx.ContextGraphs(fast)
                         fast.ctx.capture(min(ec.max_num_batched_tokens, ec.max_model_len))
             # TAILORED_TUNING_DUMP=PATH: save the launch configs tuned at this warm-up, for

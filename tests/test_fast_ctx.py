@@ -2,7 +2,7 @@
 
 On the CPU there are no CUDA graphs: the graph's body runs eagerly (Triton interpreter, fp32,
 tiny preset) against the eager forward of the same chunk, and the dispatch is pinned with the
-replay stood in for. tests/test_gpu.py replays the captured graphs on the GPU.
+replay stood in for. tests/test_gpu_ctx.py replays the captured graphs on the GPU.
 """
 
 from __future__ import annotations

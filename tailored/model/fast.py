@@ -1117,11 +1117,11 @@ class FastPath:
 
     def drop_decode_graphs(self) -> None:
         """Forget the decode graphs, e.g. to capture again with other kernel switches (A/B
-        benchmarks). Their memory pool goes too unless prefill graphs still use it: capturing
-        into a pool whose graphs are all gone trips an allocator assert in torch 2.11
-        ("use_count > 0", H200 session 8)."""
+        benchmarks). Their memory pool goes too unless prefill or context-chunk graphs still
+        use it: capturing into a pool whose graphs are all gone trips an allocator assert in
+        torch 2.11 ("use_count > 0", H200 session 8)."""
         self.graphs.clear()
-        if not self.prefill_graphs:
+        if not self.prefill_graphs and not (self.ctx is not None and self.ctx.graphs):
             self.pool = None
             gc.collect()
             torch.cuda.empty_cache()

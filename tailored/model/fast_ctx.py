@@ -29,11 +29,14 @@ smallest bucket ≥ its T tokens:
     paged-decode query over keys 0..start_pos + t (`paged_decode_attention` with the
     sequence's page table row broadcast to all rows, stride 0, and per-row lengths): the
     causal mask within the chunk and the cached context in one kernel, with lengths read on
-    the device, so one graph serves every start_pos. Pad rows have length 1.
+    the device, so one graph serves every start_pos. Pad rows have length 1: they read key 0
+    of the sequence's own first page (harmless, their output is dropped), not the sink page.
 
-Each row re-reads the context's keys (from L2 while they fit), so the attention costs
+Each row re-reads the context's keys (from L2 while they fit: 2 KB a key a layer, so ~16k
+keys; beyond, only as far as the rows running together share them), so the attention costs
 ~T·(start_pos + T) key reads a layer: the graph is taken while that product is at most
-CTX_GRAPH_MAX_PAIRS, else the chunk stays eager (where SDPA shares the reads).
+CTX_GRAPH_MAX_PAIRS, else the chunk stays eager (where SDPA shares the reads). Timed up to
+8k-token contexts only (kb/0055); the bound itself is an estimate.
 
 Numerics: the attention sums in another order than the eager path's SDPA over gathered keys
 (H100, session 35: fp32 per-token rel. error ≤ 2.3e-7 against the eager chunk; bf16 rounding,
@@ -75,13 +78,15 @@ def ctx_graphs_wanted(prefix_cache_entries: int) -> bool:
 # padded to 64 rows would read ~3x the expert weights of its own 5 rows
 CTX_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # T·(start_pos + T) key reads a layer at most (see the module docstring): 16M is 2048 new
-# tokens after 6k, or 38 after 420k: ~30 ms of attention at worst against ~100+ ms eager
+# tokens after 6k, or 38 after 420k. At the bound, 32 GB of key reads a layer (320 GB a step):
+# ~30 ms from L2, ~80-100 ms from HBM if the rows shared nothing (untimed), against ~100-150 ms
+# of eager host time
 CTX_GRAPH_MAX_PAIRS = env_int("TAILORED_CTX_GRAPH_MAX_PAIRS", 16 * 1024 * 1024, 0, 1 << 40)
 
 
 def ctx_splits(n: int, kv_heads: int) -> int:
-    """Key ranges per (row, KV head) of a bucket of n rows: enough programs to fill the GPU
-    (≥ 1024), at most 8 (the decode kernel's), fewer as rows grow: the fp32 partials take
+    """Key ranges per (row, KV head) of a bucket of n rows: 8 (the decode kernel's) while
+    n·kv_heads·8 ≤ 1024 programs, halved above that down to 1: the fp32 partials take
     n·kv_heads·splits·16·D·4 bytes (8 splits at 2048 rows would be 537 MB)."""
     s = 8
     while s > 1 and n * kv_heads * s > 1024:
