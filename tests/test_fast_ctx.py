@@ -213,3 +213,67 @@ def test_a_failed_capture_leaves_chunks_eager(pair, monkeypatch, caplog):
     assert seen == [(True, [64, 32, 16, 8, 4])] and fast._moe_fused_only is False
     assert ctx.graphs == {} and "context-chunk CUDA graphs not captured" in caplog.text
     assert not ctx.fits(ForwardBatch.build([(_ids(5, 1), 8, 1, False, [1])], [4], "cpu"))
+
+
+def test_several_prompts_each_replay_their_graph_up_to_the_bound(pair, monkeypatch):
+    """TAILORED_PROMPTS_IN_GRAPHS_UP_TO (`FastPath._prompts`): a step of several prompt
+    chunks — here a fresh prompt and a chunk after its context, alone and beside a decode row —
+    replays each one's graph in turn while the step has at most that many tokens and every
+    chunk has a graph (outputs in batch order, equal to the plain model's); above the bound, or
+    with a chunk no graph takes, the prompts run eagerly together. 0 (the default) keeps the
+    eager step."""
+    from conftest import new_cache
+    from tailored.model import fast as fastmod
+
+    plain, fastm, fcache = pair
+    fast = fastm.fast
+    real_eager = fast.forward_eager
+    calls = []
+
+    def as_graph(kind):  # records the call, computes what a replay computes
+        def run(batch):
+            calls.append((kind, [(s.num_tokens, s.start_pos, s.slot) for s in batch.seqs]))
+            return real_eager(batch)
+        return run
+
+    ctx = ContextGraphs(fast)
+    ctx.graphs = {64: None}
+    monkeypatch.setattr(ctx, "forward", as_graph("ctx"))
+    monkeypatch.setattr(fast, "ctx", ctx)
+    monkeypatch.setattr(fast, "use_graphs", True)
+    monkeypatch.setattr(fast, "prefill_graphs", {128: None})
+    for name in ("forward_decode_graph", "forward_prefill_graph", "forward_eager"):
+        monkeypatch.setattr(fast, name, as_graph(name.split("_")[1]))
+    for c in _cache_tensors(fcache):
+        c.zero_()
+    pcache = new_cache(plain.config)
+    a, b, p = _ids(20, 21), _ids(40, 22), _ids(30, 23)
+    warm = [(a, 0, 1, True, [1, 2]), (b[:25], 0, 2, True, [3, 4])]
+    plain(ForwardBatch.build(warm, [19, 44], "cpu"), pcache)
+    real_eager(ForwardBatch.build(warm, [19, 44], "cpu"))
+    layout = [(p, 0, 3, True, [6, 7]), (b[25:], 25, 2, False, [3, 4, 5])]
+    snap = [t.clone() for t in _cache_tensors(fcache)]
+    psnap = [t.clone() for t in _cache_tensors(pcache)]
+
+    def step(layout, rows, bound):
+        for t, s in zip(_cache_tensors(fcache), snap):
+            t.copy_(s)
+        for t, s in zip(_cache_tensors(pcache), psnap):
+            t.copy_(s)
+        monkeypatch.setattr(fastmod, "PROMPTS_IN_GRAPHS_UP_TO", bound)
+        calls.clear()
+        hp = plain(ForwardBatch.build(layout, rows, "cpu"), pcache)
+        hf = fastm(ForwardBatch.build(layout, rows, "cpu"), fcache)
+        assert rel_err(hf, hp) < 1e-4
+        assert rel_err(fcache.rec[:, 1:4], pcache.rec[:, 1:4]) < 1e-4
+        return list(calls)
+
+    assert step(layout, [29, 44], 45) == [("prefill", [(30, 0, 3)]), ("ctx", [(15, 25, 2)])]
+    assert step(layout, [29, 44], 44) == [("eager", [(30, 0, 3), (15, 25, 2)])]
+    assert step(layout, [29, 44], 0) == [("eager", [(30, 0, 3), (15, 25, 2)])]
+    mixed = [([5], 20, 1, False, [1, 2])] + layout
+    assert step(mixed, [0, 30, 45], 45) == [("decode", [(1, 20, 1)]),
+                                            ("prefill", [(30, 0, 3)]), ("ctx", [(15, 25, 2)])]
+    # a 1-token fresh prompt has no graph: the step's prompts run eagerly together
+    one = [(p, 0, 3, True, [6, 7]), (_ids(1, 24), 0, 4, True, [8])]
+    assert step(one, [29, 30], 45) == [("eager", [(30, 0, 3), (1, 0, 4)])]

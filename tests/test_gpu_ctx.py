@@ -82,3 +82,42 @@ def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     assert replays == [50]
     tok = (mixed.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
     assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), tok
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_several_prompts_replay_their_own_graphs(dtype, monkeypatch):
+    """TAILORED_PROMPTS_IN_GRAPHS_UP_TO (`FastPath._prompts`, off by default): a step of a
+    fresh prompt and a chunk after its context replays the prefill graph, then the context
+    graph, and tracks the eager step of both (fp32 within 1e-4; bf16 within the prefill graph
+    test's bound)."""
+    from tailored.model import fast as fastmod
+    from tailored.model.fast_ctx import ContextGraphs
+
+    model, cache, fast = _with_graphs(dtype, "bf16", 3, [128, 1024])
+    fast.ctx = ContextGraphs(fast)
+    fast.ctx.capture(512, buckets=[64, 512])
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(0, 248044, (300,), generator=g).tolist()
+    b = torch.randint(0, 248044, (100,), generator=g).tolist()
+    pa, pb = list(range(1, 20)), list(range(30, 37))
+    model(ForwardBatch.build([(a[:200], 0, 2, True, pa)], [199], "cuda"), cache)
+    layout = [(b, 0, 3, True, pb), (a[200:], 200, 2, False, pa)]
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    snap = [t.clone() for t in tensors]
+    eager = fast.forward_eager(ForwardBatch.build(layout, [99, 199], "cuda")).clone()
+    for t, s in zip(tensors, snap):
+        t.copy_(s)
+    replays = []
+    real_p, real_c = fast.forward_prefill_graph, fast.ctx.forward
+    fast.forward_prefill_graph = lambda b: replays.append(("prefill", b.seqs[0].num_tokens)) \
+        or real_p(b)
+    fast.ctx.forward = lambda b: replays.append(("ctx", b.seqs[0].num_tokens)) or real_c(b)
+    monkeypatch.setattr(fastmod, "PROMPTS_IN_GRAPHS_UP_TO", 4096)
+    try:
+        got = model(ForwardBatch.build(layout, [99, 199], "cuda"), cache)
+    finally:
+        del fast.forward_prefill_graph, fast.ctx.forward
+    assert replays == [("prefill", 100), ("ctx", 100)]
+    tok = (got.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
+    assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), tok

@@ -65,6 +65,12 @@ SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 1, 1, 128)
 # the MoE combine adds the residual and applies the next norm in its launch (kb/0023): 40
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
+# several prompt chunks in one step (the choices of n, requests arriving together) each replay
+# their own prefill or context graph while the step has at most this many tokens
+# (`FastPath._prompts`): an eager forward costs ~100-150 ms of host time whatever its size
+# (kb/0055), a graph its GPU work; above, the batched eager step reads each expert once for
+# all prompts (c=32's 8 × 1024-token waves). 0 = off: not yet measured (kb/0055 §7)
+PROMPTS_IN_GRAPHS_UP_TO = env_int("TAILORED_PROMPTS_IN_GRAPHS_UP_TO", 0, 0, 65536)
 # decode attention: the output gate's sigmoid and product in the merge kernel's launch
 # (paged_decode_attention(gate=), kb/0036): two launches fewer per attention layer; rounded as
 # the two torch ops are. Session 19 (kb/0037, 3 rounds in one process): B=1 bf16 -3.3 %, FP8
@@ -917,10 +923,10 @@ class FastPath:
         """Final-normed hidden states [T, H] of the batch; same contract as the plain path.
 
         Decode rows replay a CUDA graph; in a mixed step they replay it on their own and the
-        prefill chunks run after, eagerly, or from a prefill graph when they are one fresh
-        prompt or one chunk continuing its cached context (model/fast_ctx.py; sequences are
-        independent, so the split changes no result: the decode rows' pages and slots are
-        disjoint from the prefills'). The verify chunks of speculative
+        prompt chunks run after (`_prompts`): from a prefill graph for a fresh prompt or a
+        context graph for a chunk continuing its cached context (model/fast_ctx.py), or
+        eagerly (sequences are independent, so the split changes no result: the decode rows'
+        pages and slots are disjoint from the prefills'). The verify chunks of speculative
         decoding beside prompt chunks split the same way, with the verify graph."""
         if not self.use_graphs:
             return self.forward_eager(batch)
@@ -934,13 +940,11 @@ class FastPath:
                 # new requests' prompts beside the verify chunks (every arrival at c=32):
                 # eager, the whole step cost 300-1000 ms of host time (s15, kb/0033)
                 return self._split(batch, ver, _sub_batch(batch, ver), self.spec.forward)
-        if self.prefill_graphs and self.prefill_graph_fits(batch):
-            return self.forward_prefill_graph(batch)
-        if self.ctx is not None and self.ctx.fits(batch):
-            return self.ctx.forward(batch)
         dec = [j for j, s in enumerate(batch.seqs)
                if s.num_tokens == 1 and not s.reset_state and not s.keep_states]
-        if not dec or len(dec) > self.max_batch:
+        if not dec:
+            return self._prompts(batch)
+        if len(dec) > self.max_batch:
             return self.forward_eager(batch)
         if len(dec) == len(batch.seqs):
             return self.forward_decode_graph(batch)
@@ -950,7 +954,7 @@ class FastPath:
                graph_forward) -> torch.Tensor:
         """Hidden states of a step whose sequences `picked` (sub-batch `sub`) replay a graph
         (`graph_forward`: decode or verify) and whose other sequences (prompt chunks, or
-        verify chunks beside decode rows) run after it from a prefill graph or eagerly."""
+        verify chunks beside decode rows) run after it through `_prompts`."""
         dev = batch.input_ids.device
         rest = [j for j in range(len(batch.seqs)) if j not in set(picked)]
         sub_p = _sub_batch(batch, rest)
@@ -962,14 +966,38 @@ class FastPath:
         # graph too; eager, its ~1024 tokens cost ~150 ms of host time for ~56 ms of GPU work
         # (kb/0010, kb/0028). The first graph's output is copied out above, and the two
         # graphs' static buffers are disjoint, so replaying both in one step is safe.
-        if self.prefill_graphs and self.prefill_graph_fits(sub_p):
-            hp = self.forward_prefill_graph(sub_p)
-        elif self.ctx is not None and self.ctx.fits(sub_p):  # a chunk after its cached context
-            hp = self.ctx.forward(sub_p)
-        else:
-            hp = self.forward_eager(sub_p)
-        out[h2d(_token_rows([batch.seqs[j] for j in rest]), dev)] = hp
+        out[h2d(_token_rows([batch.seqs[j] for j in rest]), dev)] = self._prompts(sub_p)
         return out
+
+    def _one_graph(self, batch: ForwardBatch):
+        """The graph entry point of a one-sequence batch (a fresh prompt: its prefill graph;
+        a chunk after its cached context: its context graph), or None."""
+        if self.prefill_graphs and self.prefill_graph_fits(batch):
+            return self.forward_prefill_graph
+        if self.ctx is not None and self.ctx.fits(batch):
+            return self.ctx.forward
+        return None
+
+    def _prompts(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of a step's prompt chunks (no decode rows): one chunk from its graph
+        when it has one; several, each from its own graph one after another, while the step
+        has at most PROMPTS_IN_GRAPHS_UP_TO tokens and every chunk has a graph (each output
+        is copied out before the next replay, which may reuse the bucket); else eagerly, all
+        together."""
+        if len(batch.seqs) == 1:
+            graph = self._one_graph(batch)
+            return graph(batch) if graph is not None else self.forward_eager(batch)
+        total = batch.input_ids.shape[0]
+        if total <= PROMPTS_IN_GRAPHS_UP_TO:
+            subs = [_sub_batch(batch, [j]) for j in range(len(batch.seqs))]
+            graphs = [self._one_graph(sub) for sub in subs]
+            if all(g is not None for g in graphs):
+                out = torch.empty(total, self.cfg.hidden_size, dtype=self.dtype,
+                                  device=batch.input_ids.device)
+                for s, sub, graph in zip(batch.seqs, subs, graphs):
+                    out[s.q_start:s.q_start + s.num_tokens] = graph(sub)
+                return out
+        return self.forward_eager(batch)
 
     def warmup_lengths(self, batch_tokens: int) -> list[int]:
         """Prompt lengths (≤ batch_tokens) whose prefills reach every MoE launch class a
