@@ -69,7 +69,7 @@ COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 # their own prefill or context graph while the step has at most this many tokens
 # (`FastPath._prompts`): an eager forward costs ~100-150 ms of host time whatever its size
 # (kb/0055), a graph its GPU work; above, the batched eager step reads each expert once for
-# all prompts (c=32's 8 × 1024-token waves). 0 = off: not yet measured (kb/0055 §7)
+# all prompts (c=32's 8 × 1024-token waves). 0 = off: not yet measured (kb/0055 §6)
 PROMPTS_IN_GRAPHS_UP_TO = env_int("TAILORED_PROMPTS_IN_GRAPHS_UP_TO", 0, 0, 65536)
 # decode attention: the output gate's sigmoid and product in the merge kernel's launch
 # (paged_decode_attention(gate=), kb/0036): two launches fewer per attention layer; rounded as
