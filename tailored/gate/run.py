@@ -426,7 +426,7 @@ def _kernel_switches() -> dict:
     report says which variant it gated: kb/0016, kb/0017, kb/0019–0023, kb/0026)."""
     try:
         from tailored.kernels import attention_decode, fp8_gemv, gdn_decode, moe, pdl
-        from tailored.model import fast
+        from tailored.model import fast, fast_ctx
     except ImportError:  # no triton: the plain path ran
         return {}
     return {"moe_compact_grid": moe.COMPACT_GRID, "route_one_program_up_to":
@@ -448,7 +448,11 @@ def _kernel_switches() -> dict:
             "bf16_gemv_up_to": fast.BF16_GEMV_UP_TO,
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),
             "moe_fp8_down_f16": moe.FP8_DOWN_F16,
-            "fp8_dense_splitk_up_to": fast.FP8_DENSE_SPLITK_UP_TO}
+            "fp8_dense_splitk_up_to": fast.FP8_DENSE_SPLITK_UP_TO,
+            # context-chunk graphs (kb/0055): the gate runs without the prefix cache, so only
+            # TAILORED_CTX_GRAPHS=1 turns them on for its long prompt's later chunks
+            "ctx_graphs": fast_ctx.ctx_graphs_wanted(0),
+            "prompts_in_graphs_up_to": fast.PROMPTS_IN_GRAPHS_UP_TO}
 
 
 def _free(dev) -> None:
