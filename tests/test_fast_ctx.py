@@ -13,7 +13,7 @@ import torch
 from conftest import rel_err
 from tailored.model.batch import ForwardBatch
 from tailored.model.fast_ctx import ContextGraphs, ctx_splits
-from test_fast_path import _ids, _make_pair
+from test_fast_path import _ids, _make_pair, graph_stand_ins
 
 
 @pytest.fixture(scope="module")
@@ -133,22 +133,10 @@ def test_steps_send_a_continuing_chunk_to_its_graph(pair, monkeypatch):
 
     plain, fastm, fcache = pair
     fast = fastm.fast
-    calls = []
-
-    def as_graph(kind):
-        def run(batch):
-            calls.append((kind, [(s.num_tokens, s.start_pos, s.slot) for s in batch.seqs]))
-            return fast.forward_eager(batch)
-        return run
-
     ctx = ContextGraphs(fast)
     ctx.graphs = {64: None}
-    monkeypatch.setattr(ctx, "forward", as_graph("ctx"))
     monkeypatch.setattr(fast, "ctx", ctx)
-    monkeypatch.setattr(fast, "use_graphs", True)
-    monkeypatch.setattr(fast, "prefill_graphs", {128: None})
-    monkeypatch.setattr(fast, "forward_decode_graph", as_graph("decode"))
-    monkeypatch.setattr(fast, "forward_prefill_graph", as_graph("prefill"))
+    calls = graph_stand_ins(fast, monkeypatch)
     for c in _cache_tensors(fcache):
         c.zero_()
     pcache = new_cache(plain.config)
@@ -228,22 +216,11 @@ def test_several_prompts_each_replay_their_graph_up_to_the_bound(pair, monkeypat
     plain, fastm, fcache = pair
     fast = fastm.fast
     real_eager = fast.forward_eager
-    calls = []
-
-    def as_graph(kind):  # records the call, computes what a replay computes
-        def run(batch):
-            calls.append((kind, [(s.num_tokens, s.start_pos, s.slot) for s in batch.seqs]))
-            return real_eager(batch)
-        return run
-
     ctx = ContextGraphs(fast)
     ctx.graphs = {64: None}
-    monkeypatch.setattr(ctx, "forward", as_graph("ctx"))
     monkeypatch.setattr(fast, "ctx", ctx)
-    monkeypatch.setattr(fast, "use_graphs", True)
-    monkeypatch.setattr(fast, "prefill_graphs", {128: None})
-    for name in ("forward_decode_graph", "forward_prefill_graph", "forward_eager"):
-        monkeypatch.setattr(fast, name, as_graph(name.split("_")[1]))
+    calls = graph_stand_ins(fast, monkeypatch, ("forward_decode_graph", "forward_prefill_graph",
+                                                "forward_eager"))
     for c in _cache_tensors(fcache):
         c.zero_()
     pcache = new_cache(plain.config)

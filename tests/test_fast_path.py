@@ -338,6 +338,31 @@ def test_prefill_graph_body_equals_eager_prefill(pair, T, n):
     assert torch.equal(k[:, last, tail], before[2][:, last, tail])
 
 
+def graph_stand_ins(fast, monkeypatch,
+                    names=("forward_decode_graph", "forward_prefill_graph")) -> list:
+    """Turn `fast`'s graphs on and stand its graph entry points `names` (and `fast.ctx.forward`
+    when it has context graphs) in with the eager forward, which is what a replay computes (the
+    CPU has no CUDA graphs), with prefill graphs at {128}. Returns the list each call appends
+    (kind, [(tokens, start_pos, slot) of each sequence]) to: kind is the name's middle word
+    (decode, prefill, eager) or "ctx"."""
+    real_eager = fast.forward_eager
+    calls = []
+
+    def as_graph(kind):
+        def run(batch):
+            calls.append((kind, [(s.num_tokens, s.start_pos, s.slot) for s in batch.seqs]))
+            return real_eager(batch)
+        return run
+
+    monkeypatch.setattr(fast, "use_graphs", True)
+    monkeypatch.setattr(fast, "prefill_graphs", {128: None})
+    for name in names:
+        monkeypatch.setattr(fast, name, as_graph(name.split("_")[1]))
+    if fast.ctx is not None:
+        monkeypatch.setattr(fast.ctx, "forward", as_graph("ctx"))
+    return calls
+
+
 def test_mixed_step_sends_a_lone_fresh_prompt_to_the_prefill_graph(pair, monkeypatch):
     """kb/0028: a step of decode rows and one fresh prompt replays the decode graph for the
     rows and the prefill graph for the prompt (the CPU has no CUDA graphs: the two graph entry
@@ -346,18 +371,7 @@ def test_mixed_step_sends_a_lone_fresh_prompt_to_the_prefill_graph(pair, monkeyp
     prompts, or a prompt continuation, stay eager."""
     plain, fastm, fcache = pair
     fast = fastm.fast
-    calls = []
-
-    def as_graph(kind):
-        def run(batch):
-            calls.append((kind, [(s.num_tokens, s.start_pos, s.slot) for s in batch.seqs]))
-            return fast.forward_eager(batch)
-        return run
-
-    monkeypatch.setattr(fast, "use_graphs", True)
-    monkeypatch.setattr(fast, "prefill_graphs", {128: None})
-    monkeypatch.setattr(fast, "forward_decode_graph", as_graph("decode"))
-    monkeypatch.setattr(fast, "forward_prefill_graph", as_graph("prefill"))
+    calls = graph_stand_ins(fast, monkeypatch)
     cfg = plain.config
     for c in (fcache.rec, fcache.conv, fcache.k, fcache.v):
         c.zero_()

@@ -418,6 +418,38 @@ class StepPlan:
     ver_seqs: list = None
 
 
+def prefill_static(n_max: int, device, reset: bool) -> dict:
+    """Static inputs of a one-sequence prefill graph of up to n_max rows (on `device`): ids,
+    positions, valid mask, flat KV row per token, slot, and gdn_conv's sequence meta (q, len,
+    o, reset) of the conv and of the state update. reset: a fresh prompt (zero conv state);
+    else the rows continue the slot's conv state (model/fast_ctx.py)."""
+    r = int(reset)
+    return {
+        "ids": torch.zeros(n_max, dtype=torch.long, device=device),
+        "pos": torch.zeros(n_max, dtype=torch.long, device=device),
+        "valid": torch.zeros(n_max, dtype=torch.bool, device=device),
+        "kv": torch.zeros(n_max, dtype=torch.long, device=device),  # flat KV row per token
+        "slot": torch.zeros(1, dtype=torch.long, device=device),
+        # gdn_conv's sequence rows: the conv over the whole bucket
+        # (n_max, cut to the bucket by its output rows; pads last, never read by real
+        # rows), the carried state from the real tokens (one row until a fill says more:
+        # never past a bucket's rows, also in a warm-up)
+        "conv_meta": torch.tensor([[0], [n_max], [0], [r]], dtype=torch.long).to(device),
+        "state_meta": torch.tensor([[0], [1], [0], [r]], dtype=torch.long).to(device),
+    }
+
+
+def replay_bucket(graphs: dict, size: int, fill, batch: ForwardBatch) -> torch.Tensor:
+    """Rows [:size] of the output of the smallest captured bucket n ≥ size of `graphs` ({n:
+    (graph, output)}), replayed after `fill(batch, n)` wrote its static inputs: the one
+    replay of the decode, prefill and context-chunk graphs."""
+    n = min(b for b in graphs if b >= size)
+    fill(batch, n)
+    g, out = graphs[n]
+    g.replay()
+    return out[:size]
+
+
 def h2d(a: np.ndarray, device) -> torch.Tensor:
     """int64 numpy → device tensor without a stream sync (pinned, non-blocking on CUDA)."""
     return to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
@@ -1182,12 +1214,7 @@ class FastPath:
     def forward_decode_graph(self, batch: ForwardBatch) -> torch.Tensor:
         if not self.graphs:
             self.capture()
-        B = len(batch.seqs)
-        n = min(b for b in self.graphs if b >= B)
-        self._fill_static(batch, n)
-        g, out = self.graphs[n]
-        g.replay()
-        return out[:B]
+        return replay_bucket(self.graphs, len(batch.seqs), self._fill_static, batch)
 
     # -------------------------------------------------------------------------------------------
     # CUDA graphs for single-prompt prefill (kb/0013)
@@ -1207,20 +1234,7 @@ class FastPath:
                 and s.num_tokens <= max(self.prefill_graphs))
 
     def _alloc_prefill_static(self, n_max: int) -> None:
-        dev = self.device
-        self._pstatic = {
-            "ids": torch.zeros(n_max, dtype=torch.long, device=dev),
-            "pos": torch.zeros(n_max, dtype=torch.long, device=dev),
-            "valid": torch.zeros(n_max, dtype=torch.bool, device=dev),
-            "kv": torch.zeros(n_max, dtype=torch.long, device=dev),  # flat KV row per token
-            "slot": torch.zeros(1, dtype=torch.long, device=dev),
-            # gdn_conv's sequence rows: the conv over the whole bucket
-            # (n_max, cut to the bucket by its output rows; pads last, never read by real
-            # rows), the carried state from the real tokens (one row until a fill says more:
-            # never past a bucket's rows, also in a warm-up)
-            "conv_meta": torch.tensor([[0], [n_max], [0], [1]], dtype=torch.long).to(dev),
-            "state_meta": torch.tensor([[0], [1], [0], [1]], dtype=torch.long).to(dev),
-        }
+        self._pstatic = prefill_static(n_max, self.device, reset=True)
 
     def _fill_prefill_static(self, batch: ForwardBatch, n: int) -> None:
         """The prompt's ids/positions (device-to-device) and one host-to-device copy of the
@@ -1324,18 +1338,16 @@ class FastPath:
         st["kv"].zero_()
         st["slot"].zero_()
         st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
-        if not self._capture_guarded(self.prefill_graphs, sizes, self._prefill_body, "prefill",
-                                     "prefill stays eager"):
-            return
-        log.info("captured prefill CUDA graphs for %d..%d tokens (%d buckets)",
-                 sizes[-1], sizes[0], len(sizes))
+        self._capture_guarded(self.prefill_graphs, sizes, self._prefill_body, "prefill",
+                              "prefill stays eager")
 
-    def _capture_guarded(self, graphs: dict, sizes, body, what: str, fallback: str) -> bool:
+    def _capture_guarded(self, graphs: dict, sizes, body, what: str, fallback: str) -> None:
         """`_capture_into` with the MoE held to fused_moe (`_moe_fused_only`: the bodies'
         warm-up and capture launch the same MoE; the session-13 bf16 gate tuned a new tile
-        inside a capture that took the grouped path, kb/0031). A failure (an op that syncs or
-        allocates on the host inside FLA or torch, out of memory) logs a warning naming
-        `what` and `fallback`, empties `graphs` and returns False: never an error."""
+        inside a capture that took the grouped path, kb/0031), logging the buckets captured
+        (token counts, `sizes` descending). A failure (an op that syncs or allocates on the
+        host inside FLA or torch, out of memory) logs a warning naming `what` and `fallback`,
+        and empties `graphs`: never an error."""
         failed = None
         self._moe_fused_only = True
         try:
@@ -1345,7 +1357,9 @@ class FastPath:
         finally:
             self._moe_fused_only = False
         if failed is None:
-            return True
+            log.info("captured %s CUDA graphs for %d..%d tokens (%d buckets)", what, sizes[-1],
+                     sizes[0], len(sizes))
+            return
         # after the except block: inside it the exception being handled still holds the
         # failed warm-up's frames (and tensors) through its traceback; those frames form a
         # cycle that only the cyclic GC frees (GPU memory is no pressure for it), so collect
@@ -1356,13 +1370,8 @@ class FastPath:
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        return False
 
     def forward_prefill_graph(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] of one fresh prompt, replayed from the smallest bucket ≥ T."""
-        T = batch.seqs[0].num_tokens
-        n = min(b for b in self.prefill_graphs if b >= T)
-        self._fill_prefill_static(batch, n)
-        g, out = self.prefill_graphs[n]
-        g.replay()
-        return out[:T]
+        return replay_bucket(self.prefill_graphs, batch.seqs[0].num_tokens,
+                             self._fill_prefill_static, batch)

@@ -47,7 +47,6 @@ the eager path on the GPU.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
@@ -56,10 +55,8 @@ import torch
 from tailored.kernels import env_flag, env_int
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.model.batch import ForwardBatch, HybridCache
-from tailored.model.fast import h2d
+from tailored.model.fast import h2d, prefill_static, replay_bucket
 from tailored.ops import reference as ref
-
-log = logging.getLogger("tailored.fast")
 
 
 def ctx_graphs_wanted(prefix_cache_entries: int) -> bool:
@@ -110,21 +107,12 @@ class ContextGraphs:
 
     # -- static buffers ---------------------------------------------------------------------------
     def alloc(self, n_max: int) -> None:
-        dev, f = self.fast.device, self.fast
-        self.st = {
-            "ids": torch.zeros(n_max, dtype=torch.long, device=dev),
-            "pos": torch.zeros(n_max, dtype=torch.long, device=dev),
-            "valid": torch.zeros(n_max, dtype=torch.bool, device=dev),
-            "kv": torch.zeros(n_max, dtype=torch.long, device=dev),  # flat KV row per token
-            "slot": torch.zeros(1, dtype=torch.long, device=dev),
-            # keys of row t: 0..lens[t]-1 through the sequence's page table
-            "lens": torch.ones(n_max, dtype=torch.int32, device=dev),
-            "table": torch.zeros(1, f.max_pages, dtype=torch.int32, device=dev),
-            # gdn_conv's sequence meta (q, len, o, reset): the bucket's rows continuing the
-            # slot's conv state (reset 0); the state update takes the T real rows
-            "conv_meta": torch.tensor([[0], [n_max], [0], [0]], dtype=torch.long).to(dev),
-            "state_meta": torch.tensor([[0], [1], [0], [0]], dtype=torch.long).to(dev),
-        }
+        dev = self.fast.device
+        # the fresh prefill graph's inputs, continuing the slot's conv state (reset 0), and
+        # the keys of row t: 0..lens[t]-1 through the sequence's page table
+        self.st = prefill_static(n_max, dev, reset=False)
+        self.st["lens"] = torch.ones(n_max, dtype=torch.int32, device=dev)
+        self.st["table"] = torch.zeros(1, self.fast.max_pages, dtype=torch.int32, device=dev)
 
     def fill(self, batch: ForwardBatch, n: int) -> None:
         """The chunk's ids/positions (device-to-device) and one host-to-device copy of the
@@ -196,12 +184,7 @@ class ContextGraphs:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] of the chunk, replayed from the smallest bucket ≥ T."""
-        T = batch.seqs[0].num_tokens
-        n = min(b for b in self.graphs if b >= T)
-        self.fill(batch, n)
-        g, out = self.graphs[n]
-        g.replay()
-        return out[:T]
+        return replay_bucket(self.graphs, batch.seqs[0].num_tokens, self.fill, batch)
 
     @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def capture(self, max_tokens: int, buckets=None) -> None:
@@ -220,8 +203,5 @@ class ContextGraphs:
         st["lens"].fill_(1)
         st["table"].zero_()
         st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
-        if not f._capture_guarded(self.graphs, sizes, self.body, "context-chunk",
-                                  "such chunks stay eager"):
-            return
-        log.info("captured context-chunk CUDA graphs for %d..%d tokens (%d buckets)",
-                 sizes[-1], sizes[0], len(sizes))
+        f._capture_guarded(self.graphs, sizes, self.body, "context-chunk",
+                           "such chunks stay eager")
