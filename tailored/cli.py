@@ -69,6 +69,13 @@ def _serve_parser(sub) -> None:
                         "keep each draft with probability RATE in [0, 1] instead of verifying "
                         "it (as vLLM's synthetic rejection sampler in the baseline kit's "
                         "`serve mtp`); the text is then not the model's")
+    p.add_argument("--gdn-state-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="storage of the GDN layers' recurrent states (the kernels compute in "
+                        "float32 either way). bfloat16 halves the state bytes every decode step "
+                        "reads and writes (the c=32 step's second-largest stream) and each "
+                        "request's state memory; it is what vLLM stores by default "
+                        "(mamba_ssm_cache_dtype auto = the model dtype). Default float32, or "
+                        "TAILORED_GDN_STATE_DTYPE when set")
     p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
                    help="prefix caching (0 = off, default): keep the KV pages and GDN state of "
                         "the last N prompts (least recently used dropped first), so a "
@@ -227,6 +234,8 @@ def cmd_serve(args) -> int:
         grammar_warmup=True,
         prefix_cache_entries=args.prefix_cache_entries,
     )
+    if args.gdn_state_dtype is not None:
+        kw["gdn_state_dtype"] = args.gdn_state_dtype
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,
                         dtype=args.dtype, seed=args.seed, **kw)

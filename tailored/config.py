@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,3 +288,16 @@ class EngineConfig:
     # prefix caching (engine/prefix_cache.py): this many prompts' GDN states kept in snapshot
     # slots (with their KV pages) for later prompts that extend them; 0 = off
     prefix_cache_entries: int = 0
+    # the GDN recurrent state's storage dtype (`HybridCache.rec`; the kernels' math is fp32
+    # either way): "float32", or "bfloat16" as vLLM stores it by default (its
+    # mamba_ssm_cache_dtype "auto" = the model dtype): half the state's bytes, which every
+    # decode step reads and writes (kb/0056). Its default comes from TAILORED_GDN_STATE_DTYPE
+    # when set, so that the gate, the benches and the side by side can A/B it unchanged
+    gdn_state_dtype: str = field(
+        default_factory=lambda: os.environ.get("TAILORED_GDN_STATE_DTYPE", "float32"))
+
+    def __post_init__(self) -> None:
+        # a bad TAILORED_GDN_STATE_DTYPE says so before the weights load, not after
+        if self.gdn_state_dtype not in ("float32", "bfloat16"):
+            raise ValueError("gdn_state_dtype (TAILORED_GDN_STATE_DTYPE) must be float32 or "
+                             f"bfloat16, got {self.gdn_state_dtype!r}")

@@ -63,7 +63,7 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
     num_slots = ec.max_num_seqs + 1
     # with speculative decoding the MTP layer's KV too (model/mtp.py)
     per_page = HybridCache.bytes_per_page(cfg, ec.page_size, dtype, _mtp_layers(ec))
-    per_slot = HybridCache.bytes_per_slot(cfg, dtype)
+    per_slot = HybridCache.bytes_per_slot(cfg, dtype, state_dtype(ec))
     want_pages = ec.max_num_seqs * math.ceil(ec.max_model_len / ec.page_size) + 1
     if ec.num_pages is not None:
         return ec.num_pages, num_slots
@@ -100,6 +100,19 @@ def _mtp_layers(ec: EngineConfig) -> int:
     return 1 if ec.num_speculative_tokens > 0 else 0
 
 
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def state_dtype(ec: EngineConfig) -> torch.dtype:
+    """The GDN recurrent states' storage dtype (EngineConfig.gdn_state_dtype). Raises
+    ValueError for a name other than float32 / bfloat16."""
+    try:
+        return STATE_DTYPES[ec.gdn_state_dtype]
+    except KeyError:
+        raise ValueError(f"gdn_state_dtype must be one of {sorted(STATE_DTYPES)}, "
+                         f"got {ec.gdn_state_dtype!r}") from None
+
+
 def kernel_path_asked(ec: EngineConfig, device: torch.device) -> bool:
     """Whether EngineConfig.kernels asks for the kernel path on `device` (auto: CUDA only);
     it runs if `kernels.unavailable_reason` has nothing against it. Raises ValueError for a
@@ -123,7 +136,8 @@ def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
     from tailored.model.fast_spec import snapshot_bytes
 
     dtype = model.lm_head.weight.dtype
-    spec = (snapshot_bytes(model.config, ec.num_speculative_tokens, spec_max_batch(ec), dtype)
+    spec = (snapshot_bytes(model.config, ec.num_speculative_tokens, spec_max_batch(ec), dtype,
+                           state_dtype(ec))
             if ec.num_speculative_tokens > 0 and not ec.enforce_eager else 0)
     return (dense_dequant_bytes(model, dtype)
             + moe_grouped_reserve_bytes(model, dtype, ec.max_num_batched_tokens) + spec)
@@ -155,12 +169,12 @@ class ModelRunner:
         # the prefix cache's snapshot slots after the requests' (engine/prefix_cache.py)
         all_slots = self.num_slots + ec.prefix_cache_entries
         self.cache = HybridCache(cfg, self.num_pages, ec.page_size, all_slots, dtype,
-                                 self.device, _mtp_layers(ec))
+                                 self.device, _mtp_layers(ec), state_dtype(ec))
         gib = (self.num_pages * HybridCache.bytes_per_page(cfg, ec.page_size, dtype,
                                                            _mtp_layers(ec))
-               + all_slots * HybridCache.bytes_per_slot(cfg, dtype)) / 1024**3
-        log.info("cache: %d KV pages x %d tokens, %d GDN state slots%s (%.2f GiB)",
-                 self.num_pages, ec.page_size, self.num_slots,
+               + all_slots * HybridCache.bytes_per_slot(cfg, dtype, state_dtype(ec))) / 1024**3
+        log.info("cache: %d KV pages x %d tokens, %d GDN state slots (%s)%s (%.2f GiB)",
+                 self.num_pages, ec.page_size, self.num_slots, ec.gdn_state_dtype,
                  f" + {ec.prefix_cache_entries} prefix-cache snapshots"
                  if ec.prefix_cache_entries else "", gib)
         self.fast = self._maybe_fast_path(ec)

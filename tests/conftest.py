@@ -100,9 +100,10 @@ def copy_checkpoint(src, dst, edit):
     return dst
 
 
-def new_cache(cfg, num_pages=256, page_size=16, num_slots=8, dtype=torch.float32):
+def new_cache(cfg, num_pages=256, page_size=16, num_slots=8, dtype=torch.float32,
+              state_dtype=torch.float32):
     return HybridCache(cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots,
-                       dtype=dtype, device="cpu")
+                       dtype=dtype, device="cpu", state_dtype=state_dtype)
 
 
 def run_seq(model, cache, ids, start, slot, pages, logits_rows=None):

@@ -204,12 +204,13 @@ def test_a_failed_capture_leaves_chunks_eager(pair, monkeypatch, caplog):
 
 
 def test_several_prompts_each_replay_their_graph_up_to_the_bound(pair, monkeypatch):
-    """TAILORED_PROMPTS_IN_GRAPHS_UP_TO (`FastPath._prompts`): a step of several prompt
-    chunks — here a fresh prompt and a chunk after its context, alone and beside a decode row —
-    replays each one's graph in turn while the step has at most that many tokens and every
-    chunk has a graph (outputs in batch order, equal to the plain model's); above the bound, or
-    with a chunk no graph takes, the prompts run eagerly together. 0 (the default) keeps the
-    eager step."""
+    """TAILORED_PROMPTS_IN_GRAPHS_UP_TO / _CHUNKS (`FastPath._prompts`): a step of several
+    prompt chunks — here a fresh prompt and a chunk after its context, alone and beside a
+    decode row — replays each one's graph in turn while the step has at most that many tokens
+    and chunks and every chunk has a graph (outputs in batch order, equal to the plain
+    model's); above either bound, or with a chunk no graph takes, the prompts run eagerly
+    together. 0 tokens turns it off; the defaults (1024 tokens, 2 chunks, kb/0056) take two
+    short prompts and not three."""
     from conftest import new_cache
     from tailored.model import fast as fastmod
 
@@ -232,12 +233,15 @@ def test_several_prompts_each_replay_their_graph_up_to_the_bound(pair, monkeypat
     snap = [t.clone() for t in _cache_tensors(fcache)]
     psnap = [t.clone() for t in _cache_tensors(pcache)]
 
-    def step(layout, rows, bound):
+    assert (fastmod.PROMPTS_IN_GRAPHS_UP_TO, fastmod.PROMPTS_IN_GRAPHS_CHUNKS) == (1024, 2)
+
+    def step(layout, rows, bound, chunks=2):
         for t, s in zip(_cache_tensors(fcache), snap):
             t.copy_(s)
         for t, s in zip(_cache_tensors(pcache), psnap):
             t.copy_(s)
         monkeypatch.setattr(fastmod, "PROMPTS_IN_GRAPHS_UP_TO", bound)
+        monkeypatch.setattr(fastmod, "PROMPTS_IN_GRAPHS_CHUNKS", chunks)
         calls.clear()
         hp = plain(ForwardBatch.build(layout, rows, "cpu"), pcache)
         hf = fastm(ForwardBatch.build(layout, rows, "cpu"), fcache)
@@ -254,3 +258,9 @@ def test_several_prompts_each_replay_their_graph_up_to_the_bound(pair, monkeypat
     # a 1-token fresh prompt has no graph: the step's prompts run eagerly together
     one = [(p, 0, 3, True, [6, 7]), (_ids(1, 24), 0, 4, True, [8])]
     assert step(one, [29, 30], 45) == [("eager", [(30, 0, 3), (1, 0, 4)])]
+    # three chunks: eager together under the default 2, each its graph when 3 are allowed
+    three = layout + [(_ids(12, 25), 0, 4, True, [8])]
+    assert step(three, [29, 44, 56], 1024) == [("eager", [(30, 0, 3), (15, 25, 2),
+                                                          (12, 0, 4)])]
+    assert step(three, [29, 44, 56], 1024, chunks=3) == [
+        ("prefill", [(30, 0, 3)]), ("ctx", [(15, 25, 2)]), ("prefill", [(12, 0, 4)])]

@@ -87,7 +87,7 @@ def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_several_prompts_replay_their_own_graphs(dtype, monkeypatch):
-    """TAILORED_PROMPTS_IN_GRAPHS_UP_TO (`FastPath._prompts`, off by default): a step of a
+    """TAILORED_PROMPTS_IN_GRAPHS_UP_TO (`FastPath._prompts`; 1024 by default): a step of a
     fresh prompt and a chunk after its context replays the prefill graph, then the context
     graph, and tracks the eager step of both (fp32 within 1e-4; bf16 within the prefill graph
     test's bound)."""

@@ -590,6 +590,69 @@ def test_gdn_decode_step(dtype, B, HK, HV, Dk, Dv, dv_split):
     assert conv_state[others].isnan().all() and rec_state[others].isnan().all()  # untouched
 
 
+@pytest.mark.parametrize("dv_split", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bf16_states_are_the_fp32_steps_rounded(dtype, dv_split):
+    """EngineConfig.gdn_state_dtype = bfloat16 (kb/0056): the decode step (alone, with the conv
+    inside, with a snapshot) on a bf16 state gives the outputs of the same step on the fp32
+    copy of that state, bit for bit (the math is fp32; the output reads the state before it
+    is rounded), and stores that step's fp32 state rounded to nearest even as torch rounds
+    it. The verify kernel over n tokens equals n such steps (the state rounded between
+    tokens as each step stores it). Slots not used stay NaN."""
+    from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
+    from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
+
+    B, HK, HV, Dk, Dv, n, num_slots = 3, 2, 4, 16, 32, 3, 9
+    g, C, conv_state, rec32, slots = _gdn_setup(dtype, B, HK, HV, Dk, Dv, num_slots, 5 + dv_split)
+    weight, x, a, b, z, A_log, dt_bias, norm_w = _gdn_inputs(g, dtype, n * B, C, HV, Dv)
+    rec32 = rec32.to(torch.bfloat16).float()  # bf16 values (NaN stays NaN)
+    rec16 = rec32.to(torch.bfloat16)
+    others = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    r = slice(0, B)
+    y = conv_step(x[r], conv_state.clone(), weight, slots)
+    s32, s16 = rec32.clone(), rec16.clone()
+    snap = torch.full((B, HV, Dk, Dv), float("nan"), device=DEV, dtype=torch.bfloat16)
+    want = recurrent_step(y, a[r], b[r], z[r], s32, slots, A_log, dt_bias, norm_w, HK, 1e-6,
+                          dv_split=dv_split)
+    got = recurrent_step(y, a[r], b[r], z[r], s16, slots, A_log, dt_bias, norm_w, HK, 1e-6,
+                         dv_split=dv_split, snapshot=snap)
+    assert torch.equal(got, want)
+    assert s16.dtype == torch.bfloat16 and torch.equal(s16[slots], s32[slots].to(torch.bfloat16))
+    assert torch.equal(snap, s16[slots]) and s16[others].isnan().all()
+    if dv_split > 1:  # the conv inside the recurrent programs (its own path only when split)
+        c32, c16, s32b, s16b = conv_state.clone(), conv_state.clone(), rec32.clone(), rec16.clone()
+        want = conv_recurrent_step(x[r], c32, weight, a[r], b[r], z[r], s32b, slots, A_log,
+                                   dt_bias, norm_w, HK, 1e-6, dv_split=dv_split)
+        got = conv_recurrent_step(x[r], c16, weight, a[r], b[r], z[r], s16b, slots, A_log,
+                                  dt_bias, norm_w, HK, 1e-6, dv_split=dv_split)
+        assert torch.equal(got, want) and torch.equal(c16[slots], c32[slots])
+        assert torch.equal(s16b[slots], s32b[slots].to(torch.bfloat16))
+    # n tokens: the verify kernel on the bf16 state against n decode steps on it
+    cs_steps, s_steps, outs, snaps = conv_state.clone(), rec16.clone(), [], []
+    for j in range(n):
+        rj = slice(j * B, (j + 1) * B)
+        yj = conv_step(x[rj], cs_steps, weight, slots)
+        outs.append(recurrent_step(yj, a[rj], b[rj], z[rj], s_steps, slots, A_log, dt_bias,
+                                   norm_w, HK, 1e-6, dv_split=dv_split))
+        snaps.append(s_steps[slots].clone())
+    cs_v, s_v = conv_state.clone(), rec16.clone()
+    sr = torch.full((n - 1, B, HV, Dk, Dv), float("nan"), device=DEV, dtype=torch.bfloat16)
+    yv = conv_verify(x, cs_v, weight, slots,
+                     torch.empty(n - 1, B, C, 3, device=DEV, dtype=conv_state.dtype))
+    out = recurrent_verify(yv, a, b, z, s_v, slots, A_log, dt_bias, norm_w, HK, 1e-6, sr,
+                           dv_split=dv_split)
+    if dtype == torch.float32 and DEV == "cuda":  # the conv's last bit (see the verify test)
+        def same(u, w):
+            return rel_err(u.float(), w.float()) < 1e-2
+    else:
+        same = torch.equal
+    assert same(out, torch.cat(outs)) and same(s_v[slots], s_steps[slots])
+    for j in range(n - 1):
+        assert same(sr[j], snaps[j])
+    assert s_v[others].isnan().all()
+
+
 @pytest.mark.parametrize("dv_split", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,HK,HV,Dk,Dv", [(1, 2, 4, 16, 16), (3, 4, 8, 32, 32), (5, 2, 4, 16, 32),

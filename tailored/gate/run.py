@@ -403,6 +403,7 @@ def _run(args) -> int:
             extra={"options": {k: v for k, v in vars(args).items() if k != "func"},
                    "precision": cfg.precision, "reference_weights": mode,
                    "thresholds_file_sha256": sha256_file(args.thresholds),
+                   "gdn_state_dtype": stack.engine_config.gdn_state_dtype,
                    "kernel_switches": _kernel_switches()}),
         "thresholds": {"file": str(args.thresholds), "section": section, **th},  # tie gap as used
         "overall": o,
@@ -452,7 +453,8 @@ def _kernel_switches() -> dict:
             # context-chunk graphs (kb/0055): the gate runs without the prefix cache, so only
             # TAILORED_CTX_GRAPHS=1 turns them on for its long prompt's later chunks
             "ctx_graphs": fast_ctx.ctx_graphs_wanted(0),
-            "prompts_in_graphs_up_to": fast.PROMPTS_IN_GRAPHS_UP_TO}
+            "prompts_in_graphs_up_to": fast.PROMPTS_IN_GRAPHS_UP_TO,
+            "prompts_in_graphs_chunks": fast.PROMPTS_IN_GRAPHS_CHUNKS}
 
 
 def _free(dev) -> None:

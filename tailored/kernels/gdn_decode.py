@@ -13,6 +13,8 @@ read on the device). References: `ref.causal_conv1d_step`, `ref.gdn_gates`,
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -123,6 +125,23 @@ def _conv_silu(x_row, cstate_row, cw_ptr, c, stride_csc, dt, W: tl.constexpr):
     return (acc * tl.sigmoid(acc)).to(dt).to(tl.float32)
 
 
+# Triton's interpreter (the CPU tests) truncates fp32 -> bf16 casts, where the GPU rounds to
+# nearest even as torch does; there the state's rounding is spelled out in integer bits
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _to_state(x, dt: tl.constexpr, BITS: tl.constexpr):
+    """fp32 x rounded to the state's storage dtype dt (fp32: x itself), to nearest even.
+    BITS (the interpreter only): bf16 by integer ops, since its cast truncates; on the GPU
+    the conversion instruction, which rounds the same way."""
+    if BITS and dt == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dt)
+
+
 @triton.jit
 def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                       A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, snap_ptr,
@@ -131,7 +150,8 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BLOCK_V: tl.constexpr, FUSE_NORM: tl.constexpr, SNAP: tl.constexpr = False,
                       PDL: tl.constexpr = False, cstate_ptr=None, cw_ptr=None, stride_css=0,
-                      stride_csc=0, CONV: tl.constexpr = False, W: tl.constexpr = 4):
+                      stride_csc=0, CONV: tl.constexpr = False, W: tl.constexpr = 4,
+                      BITS: tl.constexpr = False):
     """One (sequence, value head, BLOCK_V columns of the state) per program. The state's value
     columns update independently (S[:, j] depends on v_j only), so a head may be split over
     DV // BLOCK_V programs; the gated norm needs the whole head's output, so it is fused only
@@ -155,7 +175,7 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
-    S0 = tl.load(s_ptrs)
+    S0 = tl.load(s_ptrs).to(tl.float32)  # fp32 or bf16 storage (--gdn-state-dtype), fp32 math
     if PDL:  # kernels/pdl.py: wait for the previous kernel before reading its outputs
         pdl_enter()
     row = conv_ptr + bi * stride_cb
@@ -175,9 +195,12 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
         S, q = _delta_rule_token(S0, row, a_ptr + bi * stride_ab,
                                  b_ptr + bi * stride_bb, A_log_ptr, dt_bias_ptr, h, h // GROUP,
                                  dk, dv, KEY_DIM, scale, DK, DV)
-    tl.store(s_ptrs, S)
-    if SNAP:  # the new state of row bi, also into its snapshot (verify steps)
-        tl.store(snap_ptr + bi * stride_pb + h * DK * DV + dk[:, None] * DV + dv[None, :], S)
+    # the output reads the fp32 state before it is rounded to the storage dtype, as the
+    # chunked prefill's does inside a chunk (vLLM's fused recurrent step stores the same way)
+    Sr = _to_state(S, state_ptr.dtype.element_ty, BITS)
+    tl.store(s_ptrs, Sr)
+    if SNAP:  # the new state of row bi, also into its snapshot (verify steps; same dtype)
+        tl.store(snap_ptr + bi * stride_pb + h * DK * DV + dk[:, None] * DV + dv[None, :], Sr)
     o = tl.sum(S * q[:, None], 0)
     dt = out_ptr.dtype.element_ty
     if FUSE_NORM:
@@ -233,6 +256,8 @@ def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
 # fused (32 programs at B=1: 2 MB of state in 6.7 µs on the H200); 2 or 4 spread the state over
 # more SMs and add a norm launch. 2 since the session-9 A/B on the H200 (kb/0024): B=1 -3.0 %,
 # B=16 -2.4 %, B=32 -4.4 % of the graph step; 4 gained less at every batch size
+# storage dtypes of the recurrent state (EngineConfig.gdn_state_dtype): the math is fp32 either way
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 DV_SPLIT = env_int("TAILORED_GDN_DV_SPLIT", 2, 1, 16, power_of_2=True)
 
 
@@ -253,21 +278,22 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
     """Gates + delta-rule step + gated norm for one token per row; `state` updated in place.
 
     conv_out: [B, 2·HK·Dk + HV·Dv] = [q | k | v] after conv+SiLU; a, b: [B, HV] raw in_proj_a/b
-    outputs; z: [B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32 contiguous per slot;
+    outputs; z: [B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32 or bf16 (`HybridCache`'s
+    state_dtype: loaded to fp32, stored rounded) contiguous per slot;
     slots: [B]; A_log, dt_bias: [HV]; norm_weight: [Dv]. dv_split: programs per (row, head)
     over the value columns (None = DV_SPLIT; > 1 adds a gated-norm launch). Returns [B, HV·Dv]
-    in conv_out.dtype (input of out_proj). snapshot: [B, HV, Dk, Dv] fp32 (contiguous per row)
+    in conv_out.dtype (input of out_proj). snapshot: [B, HV, Dk, Dv] in state's dtype (contiguous per row)
     that also receives each row's new state, = state[slots] after the call (speculative verify
     steps, model/fast_spec.py). Raises ValueError for a split that does not divide Dv into a
     power of 2.
     """
     B = conv_out.shape[0]
     _, HV, DK, DV = state.shape
-    assert state.dtype == torch.float32 and state.stride(1) == DK * DV
+    assert state.dtype in STATE_DTYPES and state.stride(1) == DK * DV
     assert conv_out.stride(1) == 1 and z.stride(1) == 1
     split = value_split(dv_split, DV, "recurrent_step")
     if snapshot is not None:
-        assert (snapshot.shape == (B, HV, DK, DV) and snapshot.dtype == torch.float32
+        assert (snapshot.shape == (B, HV, DK, DV) and snapshot.dtype == state.dtype
                 and snapshot[0].is_contiguous())
     key_dim = num_k_heads * DK
     out = torch.empty(B, HV * DV, dtype=conv_out.dtype, device=conv_out.device)
@@ -278,7 +304,7 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
         0 if snapshot is None else snapshot.stride(0), key_dim, eps, DK ** -0.5,
         HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, BLOCK_V=DV // split,
         FUSE_NORM=split == 1, SNAP=snapshot is not None, num_warps=8 if split == 1 else 4,
-        **pdl_launch(out))
+        BITS=INTERPRETED, **pdl_launch(out))
     if split > 1:
         _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
                                     num_warps=1, **pdl_launch(out))
@@ -309,7 +335,7 @@ def conv_recurrent_step(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: 
         return recurrent_step(conv_step(x, conv_state, conv_weight, slots), a, b, z, state,
                               slots, A_log, dt_bias, norm_weight, num_k_heads, eps, dv_split=1)
     _, HV, DK, DV = state.shape
-    assert state.dtype == torch.float32 and state.stride(1) == DK * DV
+    assert state.dtype in STATE_DTYPES and state.stride(1) == DK * DV
     assert x.stride(1) == 1 and z.stride(1) == 1
     assert conv_state.shape[1:] == (C, W - 1) and conv_state.stride(2) == 1
     assert C == 2 * num_k_heads * DK + HV * DV
@@ -321,7 +347,8 @@ def conv_recurrent_step(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: 
         0, num_k_heads * DK, eps, DK ** -0.5,
         HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, BLOCK_V=DV // split, FUSE_NORM=False,
         cstate_ptr=conv_state, cw_ptr=w, stride_css=conv_state.stride(0),
-        stride_csc=conv_state.stride(1), CONV=True, W=W, num_warps=4, **pdl_launch(out))
+        stride_csc=conv_state.stride(1), CONV=True, W=W, num_warps=4, BITS=INTERPRETED,
+        **pdl_launch(out))
     ch = triton.cdiv(C, HV)  # conv state channels a norm program shifts
     _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
                                 x_ptr=x, cstate_ptr=conv_state, slot_ptr=slots,

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels.gdn_decode import (_delta_rule_token, _gated_norm, _gated_norm_kernel,
-                                         value_split)
+from tailored.kernels.gdn_decode import (INTERPRETED, STATE_DTYPES, _delta_rule_token,
+                                         _gated_norm, _gated_norm_kernel, _to_state, value_split)
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -104,7 +104,8 @@ def _recurrent_verify_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                              stride_pj, stride_pb, KEY_DIM, eps, scale,
                              N: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr,
                              DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                             FUSE_NORM: tl.constexpr, PDL: tl.constexpr = False):
+                             FUSE_NORM: tl.constexpr, PDL: tl.constexpr = False,
+                             BITS: tl.constexpr = False):
     """One (sequence, value head, BLOCK_V state columns) per program, its n tokens in order
     (gdn_decode._delta_rule_token, as the decode kernel runs it per token)."""
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
@@ -115,8 +116,9 @@ def _recurrent_verify_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
-    S = tl.load(s_ptrs)
+    S = tl.load(s_ptrs).to(tl.float32)
     dt = out_ptr.dtype.element_ty
+    sd = state_ptr.dtype.element_ty  # the state's storage dtype (fp32 or bf16)
     for j in tl.static_range(N):
         r = j * B + bi
         S, q = _delta_rule_token(S, conv_ptr + r * stride_cb, a_ptr + r * stride_ab,
@@ -124,14 +126,17 @@ def _recurrent_verify_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                                  dk, dv, KEY_DIM, scale, DK, DV)
         if j < N - 1:
             tl.store(snap_ptr + j * stride_pj + bi * stride_pb + h * DK * DV
-                     + dk[:, None] * DV + dv[None, :], S)
+                     + dk[:, None] * DV + dv[None, :], _to_state(S, sd, BITS))
         o = tl.sum(S * q[:, None], 0)
         if FUSE_NORM:
             _gated_norm(o.to(dt).to(tl.float32), z_ptr + r * stride_zb + h * DV, norm_w_ptr,
                         out_ptr + r * stride_ob + h * DV, eps, DV)
         else:
             tl.store(out_ptr + r * stride_ob + h * DV + dv, o.to(dt))
-    tl.store(s_ptrs, S)
+        # the next token reads the state as a decode step would reload it: rounded to the
+        # storage dtype (a no-op for fp32), so the chunk equals n decode steps bit for bit
+        S = _to_state(S, sd, BITS).to(tl.float32)
+    tl.store(s_ptrs, _to_state(S, sd, BITS))
 
 
 def recurrent_verify(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
@@ -142,8 +147,9 @@ def recurrent_verify(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z
     """Gates + delta rule + gated norm for n tokens per sequence; `state` updated in place.
 
     conv_out: [n·B, 2·HK·Dk + HV·Dv] token-major (`conv_verify`'s output); a, b: [n·B, HV];
-    z: [n·B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32; slots: [B] distinct (pads: 0);
-    snapshot: [n-1, B, HV, Dk, Dv] fp32 (each [j, b] contiguous) receiving the state after
+    z: [n·B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32 or bf16 (math in fp32, the state
+    rounded to its dtype after every token as a decode step stores it); slots: [B] distinct
+    (pads: 0); snapshot: [n-1, B, HV, Dk, Dv] in state's dtype (each [j, b] contiguous) receiving the state after
     token j; dv_split as `gdn_decode.recurrent_step`. Returns [n·B, HV·Dv] in conv_out.dtype,
     equal to n `recurrent_step` calls. Raises ValueError for a split that does not divide Dv
     into a power of 2."""
@@ -152,9 +158,9 @@ def recurrent_verify(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z
     n = T // B
     _, HV, DK, DV = state.shape
     assert T == n * B and n >= 1
-    assert state.dtype == torch.float32 and state.stride(1) == DK * DV
+    assert state.dtype in STATE_DTYPES and state.stride(1) == DK * DV
     assert conv_out.stride(1) == 1 and z.stride(1) == 1
-    assert (snapshot.shape == (n - 1, B, HV, DK, DV) and snapshot.dtype == torch.float32
+    assert (snapshot.shape == (n - 1, B, HV, DK, DV) and snapshot.dtype == state.dtype
             and (n == 1 or snapshot[0, 0].is_contiguous()))
     split = value_split(dv_split, DV, "recurrent_verify")
     out = torch.empty(T, HV * DV, dtype=conv_out.dtype, device=conv_out.device)
@@ -165,7 +171,8 @@ def recurrent_verify(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z
         snapshot.stride(0) if n > 1 else 0, snapshot.stride(1) if n > 1 else 0,
         num_k_heads * DK, eps, DK ** -0.5,
         N=n, HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, BLOCK_V=DV // split,
-        FUSE_NORM=split == 1, num_warps=8 if split == 1 else 4, **pdl_launch(out))
+        FUSE_NORM=split == 1, num_warps=8 if split == 1 else 4, BITS=INTERPRETED,
+        **pdl_launch(out))
     if split > 1:
         _gated_norm_kernel[(T, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
                                     num_warps=1, **pdl_launch(out))

@@ -97,9 +97,12 @@ class HybridCache:
     """KV pages + GDN state slots for all layers (allocated once; pools hand out indices)."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype, device, mtp_layers: int = 0):
+                 dtype: torch.dtype, device, mtp_layers: int = 0,
+                 state_dtype: torch.dtype = torch.float32):
         """mtp_layers: KV for that many MTP layers too (speculative decoding, model/mtp.py),
-        after the decoder's attention layers; MTP layer j is layer num_hidden_layers + j."""
+        after the decoder's attention layers; MTP layer j is layer num_hidden_layers + j.
+        state_dtype: the GDN recurrent states' storage (EngineConfig.gdn_state_dtype), fp32 or
+        bf16; every path loads them to fp32 and rounds what it stores."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_slots
@@ -113,7 +116,7 @@ class HybridCache:
         self.rec = torch.zeros(
             (n_gdn, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
              cfg.linear_value_head_dim),
-            dtype=torch.float32, device=device,
+            dtype=state_dtype, device=device,
         )
         # layer index -> index inside its cache kind
         self.attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
@@ -207,11 +210,13 @@ class HybridCache:
         return 2 * n * page_size * cfg.num_key_value_heads * cfg.head_dim * el
 
     @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype,
+                       state_dtype: torch.dtype = torch.float32) -> int:
         el = torch.tensor([], dtype=dtype).element_size()
         n = len(cfg.gdn_layers)
         conv = n * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * el
-        rec = n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        rec = (n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+               * torch.tensor([], dtype=state_dtype).element_size())
         return conv + rec
 
     @staticmethod

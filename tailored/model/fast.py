@@ -66,11 +66,15 @@ SHARED_IN_MOE_UP_TO = env_int("TAILORED_SHARED_IN_MOE_UP_TO", 1, 1, 128)
 # launches fewer a step; on since the session-9 A/B (-0.4 to -0.9 % at B = 1/16/32, kb/0024)
 COMBINE_NEXT_NORM = env_flag("TAILORED_COMBINE_NEXT_NORM", True)
 # several prompt chunks in one step (the choices of n, requests arriving together) each replay
-# their own prefill or context graph while the step has at most this many tokens
-# (`FastPath._prompts`): an eager forward costs ~100-150 ms of host time whatever its size
-# (kb/0055), a graph its GPU work; above, the batched eager step reads each expert once for
-# all prompts (c=32's 8 × 1024-token waves). 0 = off: not yet measured (kb/0055 §6)
-PROMPTS_IN_GRAPHS_UP_TO = env_int("TAILORED_PROMPTS_IN_GRAPHS_UP_TO", 0, 0, 65536)
+# their own prefill or context graph while the step has at most PROMPTS_IN_GRAPHS_CHUNKS chunks
+# and PROMPTS_IN_GRAPHS_UP_TO tokens (`FastPath._prompts`): an eager forward costs ~60-80 ms of
+# host time whatever its size (kb/0055), a graph its GPU work, but each replay reads the experts
+# again while the batched eager step reads each once for all prompts (c=32's 8 × 1024-token
+# waves). Session 36 (kb/0056, H100 FP8, TTFT of K prompts of L ids together, eager → graphs):
+# K=2 L=128 82.2 → 42.2 ms, L=512 83.3 → 57.9, L=1024 83.7 → 85.5; K=4 L=128 83.2 → 83.4,
+# L=512 85.6 → 114.7. 0 = off
+PROMPTS_IN_GRAPHS_UP_TO = env_int("TAILORED_PROMPTS_IN_GRAPHS_UP_TO", 1024, 0, 65536)
+PROMPTS_IN_GRAPHS_CHUNKS = env_int("TAILORED_PROMPTS_IN_GRAPHS_CHUNKS", 2, 2, 256)
 # decode attention: the output gate's sigmoid and product in the merge kernel's launch
 # (paged_decode_attention(gate=), kb/0036): two launches fewer per attention layer; rounded as
 # the two torch ops are. Session 19 (kb/0037, 3 rounds in one process): B=1 bf16 -3.3 %, FP8
@@ -778,7 +782,7 @@ class FastPath:
                          plan.pre_rows.shape[0], max(s.num_tokens for s in seqs))
         conv_state_update(qkv, conv_cache, w, plan.pre_seq, plan.pre_slots)
         rows, slots, reset = plan.pre_rows, plan.pre_slots, plan.pre_reset
-        h0 = torch.where(reset[:, None, None, None], 0.0, rec_cache[slots])
+        h0 = torch.where(reset[:, None, None, None], 0.0, rec_cache[slots].float())
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         n = y.shape[0]
         o = None
@@ -799,7 +803,7 @@ class FastPath:
                 states.append(sj)
                 off += s.num_tokens
             o, hT = torch.cat(outs), torch.stack(states)
-        rec_cache[slots] = hT.float()
+        rec_cache[slots] = hT.to(rec_cache.dtype)
         out = ref.gated_rms_norm(o.reshape(n, HV, Dv).to(core.dtype), z[rows].view(n, HV, Dv),
                                  m.norm.weight, m.norm.eps)
         core[rows] = out.reshape(n, -1)
@@ -1013,14 +1017,14 @@ class FastPath:
     def _prompts(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of a step's prompt chunks (no decode rows): one chunk from its graph
         when it has one; several, each from its own graph one after another, while the step
-        has at most PROMPTS_IN_GRAPHS_UP_TO tokens and every chunk has a graph (each output
-        is copied out before the next replay, which may reuse the bucket); else eagerly, all
-        together."""
+        has at most PROMPTS_IN_GRAPHS_CHUNKS chunks and PROMPTS_IN_GRAPHS_UP_TO tokens and every
+        chunk has a graph (each output is copied out before the next replay, which may reuse
+        the bucket); else eagerly, all together."""
         if len(batch.seqs) == 1:
             graph = self._one_graph(batch)
             return graph(batch) if graph is not None else self.forward_eager(batch)
         total = batch.input_ids.shape[0]
-        if total <= PROMPTS_IN_GRAPHS_UP_TO:
+        if total <= PROMPTS_IN_GRAPHS_UP_TO and len(batch.seqs) <= PROMPTS_IN_GRAPHS_CHUNKS:
             subs = [_sub_batch(batch, [j]) for j in range(len(batch.seqs))]
             graphs = [self._one_graph(sub) for sub in subs]
             if all(g is not None for g in graphs):
@@ -1282,7 +1286,7 @@ class FastPath:
         g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         if carried:  # the state after the cached context (the eager path's h0 on no reset)
-            h0 = rec_cache.index_select(0, slot)
+            h0 = rec_cache.index_select(0, slot).float()
         else:
             h0 = torch.zeros(1, HV, Dk, Dv, dtype=torch.float32, device=x.device)
         if self.fla is not None:
@@ -1294,7 +1298,7 @@ class FastPath:
         else:
             o, hT = ref.gated_delta_rule_chunked(q.view(n, HK, Dk), k.view(n, HK, Dk),
                                                  v.view(n, HV, Dv), g, beta, h0[0])
-        rec_cache.index_copy_(0, slot, hT.float().reshape(1, HV, Dk, Dv))
+        rec_cache.index_copy_(0, slot, hT.to(rec_cache.dtype).reshape(1, HV, Dk, Dv))
         out = ref.gated_rms_norm(o.reshape(n, HV, Dv).to(x.dtype), z.reshape(n, HV, Dv),
                                  m.norm.weight, m.norm.eps)
         return self.p_out[i](out.reshape(n, -1))

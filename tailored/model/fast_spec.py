@@ -57,10 +57,11 @@ SPEC_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
 GDN_VERIFY_KERNELS = env_flag("TAILORED_GDN_VERIFY_KERNELS", True)
 
 
-def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype) -> int:
+def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype,
+                   state_dtype: torch.dtype = torch.float32) -> int:
     """GPU bytes of the verify graphs' GDN snapshots: N states of every GDN layer for
-    max_batch sequences (full size: 61.5 MB a sequence and draft)."""
-    return num_draft * max_batch * HybridCache.bytes_per_slot(cfg, dtype)
+    max_batch sequences (full size: 61.5 MB a sequence and draft with fp32 states)."""
+    return num_draft * max_batch * HybridCache.bytes_per_slot(cfg, dtype, state_dtype)
 
 
 class SpecGraphs:

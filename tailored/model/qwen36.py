@@ -97,7 +97,7 @@ class GatedDeltaNet(nn.Module):
             o, rs = ref.gated_delta_rule_recurrent(q, k, v, g[rows].unsqueeze(1),
                                                    beta[rows].unsqueeze(1), rs)
             conv_cache[slots] = cs
-            rec_cache[slots] = rs
+            rec_cache[slots] = rs.to(rec_cache.dtype)
             core[rows] = o[:, 0]
             for i, s in enumerate(dec):
                 if s.keep_states:  # a 1-token verify chunk (runner.launch): its only state
@@ -118,7 +118,8 @@ class GatedDeltaNet(nn.Module):
                     q, k, v = split(y, 1)
                     o, rs = ref.gated_delta_rule_recurrent(q, k, v, g[t:t + 1, None],
                                                            beta[t:t + 1, None], rs[None])
-                    rs = rs[0]
+                    # rounded to the storage dtype, as the next decode step reloads it
+                    rs = rs[0].to(rec_cache.dtype)
                     kept.append((cs, rs))
                     core[t] = o[0, 0]
                 conv_cache[s.slot] = cs
