@@ -33,6 +33,24 @@ def _set(module: str, attr: str, value):
     return lambda: setattr(mod, attr, old)
 
 
+_FAST = []  # the FastPath under test (main sets it), for variants that swap its cache tensors
+
+
+def _state_dtype(dtype):
+    """The GDN recurrent states stored in `dtype` (EngineConfig.gdn_state_dtype, kb/0056): the
+    cache's state tensor swapped for a converted copy before the re-capture; returns the
+    undo (the old tensor back)."""
+    import torch
+
+    cache = _FAST[0].cache
+    old = cache.rec
+    cache.rec = old.to(getattr(torch, dtype))
+
+    def undo():
+        cache.rec = old
+    return undo
+
+
 def _set_route_warps(n):
     from tailored.kernels import moe
 
@@ -61,6 +79,9 @@ VARIANTS = {
     # B=32 for two switches that do nothing at B=32, so re-captured graphs (or drift) cost
     # that much; put control first (and last) and read the variants against it, not the first row
     "control": lambda: (lambda: None),
+    # the GDN recurrent states stored in bf16 / fp32 (kb/0056; the engine's default is fp32)
+    "state_bf16": lambda: _state_dtype("bfloat16"),
+    "state_fp32": lambda: _state_dtype("float32"),
     "shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", True),  # kb/0019
     # only for 1-2 rows, where session 9 saw it help (kb/0024); '+' joins: shared_in_moe+moe_up_to2
     "moe_up_to2": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 2),
@@ -269,6 +290,7 @@ def main():
     print(f"stack built in {time.monotonic() - t0:.1f} s", flush=True)
     runner = st.engine.runner
     model, cache, fast = runner.model, runner.cache, runner.model.fast
+    _FAST[:] = [fast]
     ps = cache.page_size
     P = math.ceil((a.ctx + n_dec + 64) / ps)
     g = torch.Generator().manual_seed(0)
