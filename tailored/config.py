@@ -230,6 +230,7 @@ class ModelConfig:
         return replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n])
 
 
+GDN_STATE_DTYPES = ("auto", "float32", "bfloat16")  # EngineConfig.gdn_state_dtype's names
 MAX_SPECULATIVE_TOKENS = 8  # drafts a step at most (vLLM's recipe uses 1-3 with this head)
 
 
@@ -289,15 +290,24 @@ class EngineConfig:
     # slots (with their KV pages) for later prompts that extend them; 0 = off
     prefix_cache_entries: int = 0
     # the GDN recurrent state's storage dtype (`HybridCache.rec`; the kernels' math is fp32
-    # either way): "float32", or "bfloat16" as vLLM stores it by default (its
-    # mamba_ssm_cache_dtype "auto" = the model dtype): half the state's bytes, which every
-    # decode step reads and writes (kb/0056). Its default comes from TAILORED_GDN_STATE_DTYPE
-    # when set, so that the gate, the benches and the side by side can A/B it unchanged
+    # either way): "auto" = bfloat16 for a bf16 model (as vLLM stores it: its
+    # mamba_ssm_cache_dtype "auto" is the model dtype), float32 otherwise; or "float32" /
+    # "bfloat16". bf16 halves the state's bytes, which every decode step reads and writes:
+    # c=32 step -3 to -4 % on the H200, the gates passed (kb/0056). The default comes from
+    # TAILORED_GDN_STATE_DTYPE when set, so the gate, the benches and the side by side can
+    # A/B it unchanged
     gdn_state_dtype: str = field(
-        default_factory=lambda: os.environ.get("TAILORED_GDN_STATE_DTYPE", "float32"))
+        default_factory=lambda: os.environ.get("TAILORED_GDN_STATE_DTYPE", "auto"))
 
     def __post_init__(self) -> None:
         # a bad TAILORED_GDN_STATE_DTYPE says so before the weights load, not after
-        if self.gdn_state_dtype not in ("float32", "bfloat16"):
-            raise ValueError("gdn_state_dtype (TAILORED_GDN_STATE_DTYPE) must be float32 or "
-                             f"bfloat16, got {self.gdn_state_dtype!r}")
+        if self.gdn_state_dtype not in GDN_STATE_DTYPES:
+            raise ValueError(f"gdn_state_dtype (TAILORED_GDN_STATE_DTYPE) must be one of "
+                             f"{', '.join(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
+
+    @property
+    def gdn_state_dtype_name(self) -> str:
+        """gdn_state_dtype with "auto" resolved: bfloat16 for a bfloat16 model, else float32."""
+        if self.gdn_state_dtype != "auto":
+            return self.gdn_state_dtype
+        return "bfloat16" if self.dtype == "bfloat16" else "float32"

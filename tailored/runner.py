@@ -100,17 +100,10 @@ def _mtp_layers(ec: EngineConfig) -> int:
     return 1 if ec.num_speculative_tokens > 0 else 0
 
 
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 def state_dtype(ec: EngineConfig) -> torch.dtype:
-    """The GDN recurrent states' storage dtype (EngineConfig.gdn_state_dtype). Raises
-    ValueError for a name other than float32 / bfloat16."""
-    try:
-        return STATE_DTYPES[ec.gdn_state_dtype]
-    except KeyError:
-        raise ValueError(f"gdn_state_dtype must be one of {sorted(STATE_DTYPES)}, "
-                         f"got {ec.gdn_state_dtype!r}") from None
+    """The GDN recurrent states' storage dtype (EngineConfig.gdn_state_dtype, "auto" resolved:
+    bf16 for a bf16 model, else fp32)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[ec.gdn_state_dtype_name]
 
 
 def kernel_path_asked(ec: EngineConfig, device: torch.device) -> bool:
@@ -174,7 +167,7 @@ class ModelRunner:
                                                            _mtp_layers(ec))
                + all_slots * HybridCache.bytes_per_slot(cfg, dtype, state_dtype(ec))) / 1024**3
         log.info("cache: %d KV pages x %d tokens, %d GDN state slots (%s)%s (%.2f GiB)",
-                 self.num_pages, ec.page_size, self.num_slots, ec.gdn_state_dtype,
+                 self.num_pages, ec.page_size, self.num_slots, ec.gdn_state_dtype_name,
                  f" + {ec.prefix_cache_entries} prefix-cache snapshots"
                  if ec.prefix_cache_entries else "", gib)
         self.fast = self._maybe_fast_path(ec)
@@ -274,7 +267,7 @@ class ModelRunner:
                     from tailored.model import fast_ctx
 
                     # kb/0055; not after a failed prefill capture (likely out of memory)
-                    if fast.prefill_graphs and fast_ctx.ctx_graphs_wanted(ec.prefix_cache_entries):
+                    if fast.prefill_graphs and fast_ctx.ctx_graphs_wanted():
                         fast.ctx = fast_ctx.ContextGraphs(fast)
                         fast.ctx.capture(min(ec.max_num_batched_tokens, ec.max_model_len))
             # TAILORED_TUNING_DUMP=PATH: save the launch configs tuned at this warm-up, for

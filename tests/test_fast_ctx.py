@@ -164,18 +164,20 @@ def test_ctx_splits_fill_the_gpu_and_bound_the_partials():
     assert [ctx_splits(n, 2) for n in (4, 8, 64, 128, 256, 512, 2048)] == [8, 8, 8, 4, 2, 1, 1]
 
 
-def test_ctx_graphs_wanted_with_the_prefix_cache_unless_told(monkeypatch):
+def test_ctx_graphs_wanted_unless_told(monkeypatch):
+    """On by default since kb/0056 (the gates passed with them), with or without the prefix
+    cache; TAILORED_CTX_GRAPHS=0 turns them off; another value is an error."""
     from tailored.model.fast_ctx import ctx_graphs_wanted
 
     monkeypatch.delenv("TAILORED_CTX_GRAPHS", raising=False)
-    assert ctx_graphs_wanted(16) and not ctx_graphs_wanted(0)
+    assert ctx_graphs_wanted()
     monkeypatch.setenv("TAILORED_CTX_GRAPHS", "1")
-    assert ctx_graphs_wanted(0)
+    assert ctx_graphs_wanted()
     monkeypatch.setenv("TAILORED_CTX_GRAPHS", "0")
-    assert not ctx_graphs_wanted(16)
+    assert not ctx_graphs_wanted()
     monkeypatch.setenv("TAILORED_CTX_GRAPHS", "yes")
     with pytest.raises(ValueError, match="TAILORED_CTX_GRAPHS"):
-        ctx_graphs_wanted(16)
+        ctx_graphs_wanted()
 
 
 def test_a_failed_capture_leaves_chunks_eager(pair, monkeypatch, caplog):

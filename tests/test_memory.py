@@ -217,3 +217,38 @@ def test_model_runner_hands_the_kernel_paths_reserve_to_plan_cache(monkeypatch, 
                       kernels="off")
     runner_mod.ModelRunner(tiny_model, tiny_model.config, ec, "cpu", torch.float32)
     assert seen == {"reserve": 12345}
+
+
+def test_gdn_state_dtype_auto_follows_the_model_and_sizes_the_slots(monkeypatch, tiny_model):
+    """EngineConfig.gdn_state_dtype (kb/0056): "auto" (the default) stores the recurrent states
+    in bf16 for a bf16 model, as vLLM does, and in fp32 otherwise; TAILORED_GDN_STATE_DTYPE
+    sets the default; a bad name fails at the config, before any weight loads. A bf16 slot
+    holds half the recurrent bytes, and the runner's cache has the dtype asked for."""
+    from tailored.config import EngineConfig
+    from tailored.model.batch import HybridCache
+    from tailored.runner import ModelRunner, state_dtype
+
+    monkeypatch.delenv("TAILORED_GDN_STATE_DTYPE", raising=False)
+    assert EngineConfig().gdn_state_dtype == "auto"
+    assert state_dtype(EngineConfig(dtype="bfloat16")) == torch.bfloat16
+    assert state_dtype(EngineConfig(dtype="float32")) == torch.float32
+    assert state_dtype(EngineConfig(dtype="bfloat16", gdn_state_dtype="float32")) == torch.float32
+    assert state_dtype(EngineConfig(dtype="float32", gdn_state_dtype="bfloat16")) == torch.bfloat16
+    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "float32")
+    assert state_dtype(EngineConfig(dtype="bfloat16")) == torch.float32
+    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="TAILORED_GDN_STATE_DTYPE"):
+        EngineConfig()
+    with pytest.raises(ValueError, match="gdn_state_dtype"):
+        EngineConfig(gdn_state_dtype="half")
+    monkeypatch.delenv("TAILORED_GDN_STATE_DTYPE")
+    cfg = tiny_model.config
+    conv = HybridCache.bytes_per_slot(cfg, torch.bfloat16, torch.bfloat16) * 2 \
+        - HybridCache.bytes_per_slot(cfg, torch.bfloat16)
+    rec32 = HybridCache.bytes_per_slot(cfg, torch.bfloat16) - conv
+    assert conv > 0 and rec32 == 4 * len(cfg.gdn_layers) * cfg.linear_num_value_heads \
+        * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    ec = EngineConfig(max_num_seqs=2, max_model_len=64, device="cpu", dtype="float32",
+                      kernels="off", gdn_state_dtype="bfloat16")
+    runner = ModelRunner(tiny_model, cfg, ec, "cpu", torch.float32)
+    assert runner.cache.rec.dtype == torch.bfloat16 and runner.cache.conv.dtype == torch.float32

@@ -403,7 +403,7 @@ def _run(args) -> int:
             extra={"options": {k: v for k, v in vars(args).items() if k != "func"},
                    "precision": cfg.precision, "reference_weights": mode,
                    "thresholds_file_sha256": sha256_file(args.thresholds),
-                   "gdn_state_dtype": stack.engine_config.gdn_state_dtype,
+                   "gdn_state_dtype": stack.engine_config.gdn_state_dtype_name,
                    "kernel_switches": _kernel_switches()}),
         "thresholds": {"file": str(args.thresholds), "section": section, **th},  # tie gap as used
         "overall": o,
@@ -450,9 +450,9 @@ def _kernel_switches() -> dict:
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),
             "moe_fp8_down_f16": moe.FP8_DOWN_F16,
             "fp8_dense_splitk_up_to": fast.FP8_DENSE_SPLITK_UP_TO,
-            # context-chunk graphs (kb/0055): the gate runs without the prefix cache, so only
-            # TAILORED_CTX_GRAPHS=1 turns them on for its long prompt's later chunks
-            "ctx_graphs": fast_ctx.ctx_graphs_wanted(0),
+            # context-chunk graphs (kb/0055, on by default since kb/0056): with --prefill-graphs
+            # its long prompt's later chunks replay them when alone in their step
+            "ctx_graphs": fast_ctx.ctx_graphs_wanted(),
             "prompts_in_graphs_up_to": fast.PROMPTS_IN_GRAPHS_UP_TO,
             "prompts_in_graphs_chunks": fast.PROMPTS_IN_GRAPHS_CHUNKS}
 

@@ -47,8 +47,6 @@ the eager path on the GPU.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -59,16 +57,15 @@ from tailored.model.fast import h2d, prefill_static, replay_bucket
 from tailored.ops import reference as ref
 
 
-def ctx_graphs_wanted(prefix_cache_entries: int) -> bool:
+def ctx_graphs_wanted() -> bool:
     """Whether a server with prefill graphs captures context-chunk graphs: TAILORED_CTX_GRAPHS
-    "1" / "0"; unset, with the prefix cache only (`--prefix-cache-entries` > 0), whose hits and
-    save points make such chunks the common case. Without the cache they are the tails of
-    prompts longer than the step's token budget, whose rounding the graphs change (another
-    attention kernel): on there once the accuracy gate (its 8322-token prompt) has passed with
-    them. Raises ValueError for a value other than 0 or 1 (`env_flag`)."""
-    if not os.environ.get("TAILORED_CTX_GRAPHS", "").strip():
-        return prefix_cache_entries > 0
-    return env_flag("TAILORED_CTX_GRAPHS", False)
+    "1" (default) / "0". Such chunks are prefix-cache hits and the chunks after a save point,
+    and without the cache the tails of prompts longer than the step's token budget, whose
+    rounding the graphs change (another attention kernel). Until session 36 they were on with
+    the prefix cache only; the bf16 and FP8 gates (one prompt at a time, prefill graphs: the
+    8322-token prompt's later chunks through these graphs) passed with them (kb/0056). Raises
+    ValueError for a value other than 0 or 1 (`env_flag`)."""
+    return env_flag("TAILORED_CTX_GRAPHS", True)
 
 
 # fine small buckets: a pad row routes to experts of its own, so a 5-token generation prompt
