@@ -32,6 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tailored.kernels.pdl import enter as pdl_enter
+from tailored.kernels.pdl import launch as pdl_launch
+
 GROUP = 128  # activation group = weight block width along K
 E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-10  # an all-zero group's scale (its codes are 0 either way)
@@ -60,8 +63,11 @@ def w8a8_linear_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
 
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                  GROUP_: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr):
+                  GROUP_: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                  PDL: tl.constexpr = False):
     # program (row, group): one 128-wide group's absmax scale and its e4m3 codes
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     m = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1)
     k = gi * GROUP_ + tl.arange(0, GROUP_)
@@ -87,7 +93,7 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M:
         _quant_kernel[(M, G)](x, q, s, K, x.stride(0), q.stride(0), s.stride(0),
                                        GROUP_=GROUP, FMAX=E4M3_MAX, FLOOR=SCALE_FLOOR,
-                                       num_warps=1)
+                                       num_warps=1, **pdl_launch(x))
     return q, s
 
 
@@ -95,7 +101,8 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SPLIT,
                  stride_xm, stride_xsm, stride_wn, stride_wsn, stride_os, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_: tl.constexpr,
-                 QUANT_IN: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr):
+                 QUANT_IN: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+                 PDL: tl.constexpr = False):
     # program (n block, split, m block) over K range [split·K_SPLIT, +K_SPLIT) in 128-wide
     # groups: one fp8 dot a group, scaled by its rows' activation scales and its weight rows'
     # block scales (row layout [N, K/128], `fp8.row_scales`: right for fused linears too),
@@ -104,6 +111,8 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SPLIT,
     # registers: no quantization launch, no codes in memory; the N programs of a row block
     # repeat it, cheap beside the weight tile); else x holds codes and xs their scales
     # (`quant_act`). out: fp32 partials [splits, M, N], or y with one split.
+    if PDL:  # kernels/pdl.py: wait for the previous kernel first
+        pdl_enter()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -182,7 +191,8 @@ def w8a8_linear(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: t
                        0 if quant_in else xs.stride(0), w.stride(0), ws.stride(0),
                        out.stride(0) if splits > 1 else 0, out.stride(-2), BLOCK_M=bm,
                        BLOCK_N=block_n, GROUP_=GROUP, QUANT_IN=quant_in, FMAX=E4M3_MAX,
-                       FLOOR=SCALE_FLOOR, num_warps=num_warps, num_stages=num_stages)
+                       FLOOR=SCALE_FLOOR, num_warps=num_warps, num_stages=num_stages,
+                       **pdl_launch(x))
     if splits > 1:
         y.copy_(out.sum(0))  # a fixed order for a given shape: deterministic
     return y
