@@ -63,7 +63,8 @@ def _serve_parser(sub) -> None:
                    help="with --num-speculative-tokens: requests draft only while at most B "
                         "run (default 8, at most --max-num-seqs); verify steps replay CUDA "
                         "graphs up to B sequences. Each sequence of such a graph keeps N GDN "
-                        "state snapshots of 61.5 MB each at full size")
+                        "state snapshots of ~33 MB each at full size (~64 MB with "
+                        "--gdn-state-dtype float32)")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="benchmarks on random weights only, needs --num-speculative-tokens: "
                         "keep each draft with probability RATE in [0, 1] instead of verifying "

@@ -296,8 +296,9 @@ class EngineConfig:
     # c=32 step -3 to -4 % on the H200, the gates passed (kb/0056). The default comes from
     # TAILORED_GDN_STATE_DTYPE when set, so the gate, the benches and the side by side can
     # A/B it unchanged
+    # (stripped; empty = unset, as the kernels' TAILORED_* switches read theirs)
     gdn_state_dtype: str = field(
-        default_factory=lambda: os.environ.get("TAILORED_GDN_STATE_DTYPE", "auto"))
+        default_factory=lambda: os.environ.get("TAILORED_GDN_STATE_DTYPE", "").strip() or "auto")
 
     def __post_init__(self) -> None:
         # a bad TAILORED_GDN_STATE_DTYPE says so before the weights load, not after

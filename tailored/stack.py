@@ -78,6 +78,23 @@ def prefill_graphs_auto(device: torch.device, kernels: str = "auto",
     return device.type == "cuda" and kernels != "off" and not enforce_eager
 
 
+def check_kernel_switches(ec: EngineConfig, dev) -> None:
+    """Read the kernel path's TAILORED_* switches now, before the weights load, where that path
+    will run: they are module constants of the kernel modules (read at import) and functions
+    read at capture time (`fast_ctx.ctx_graphs_wanted`), so a bad value would otherwise stop
+    the start only after the load, the warm-up and the decode graphs (minutes at full size).
+    Raises ValueError naming the variable; without triton (the plain path only) nothing."""
+    from tailored.runner import kernel_path_asked
+
+    if not kernel_path_asked(ec, torch.device(dev)):
+        return
+    try:
+        from tailored.model import fast, fast_ctx  # noqa: F401  (module-level switches)
+    except ImportError:
+        return
+    fast_ctx.ctx_graphs_wanted()
+
+
 def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
                 num_layers: int | None = None, device: str | None = None, dtype: str | None = None,
                 seed: int = 0, progress: bool = True, dummy_init: str = "default",
@@ -113,6 +130,7 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
         engine_kwargs["prefill_graphs"] = prefill_graphs_auto(
             dev, engine_kwargs.get("kernels", "auto"), engine_kwargs.get("enforce_eager", False))
     ec = EngineConfig(device=str(dev), dtype=dt_name, **engine_kwargs)
+    check_kernel_switches(ec, dev)
     if ec.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {ec.max_model_len} exceeds the model's "
                          f"max_position_embeddings {cfg.max_position_embeddings}")

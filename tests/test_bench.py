@@ -107,7 +107,10 @@ def test_roofline_bf16_batch1_matches_spec_11(full_cfg):
     assert c.dense_weight_bytes + c.routed_expert_bytes == pytest.approx(4.88e9, rel=5e-3)
     assert c.lm_head_bytes == pytest.approx(1.017e9, rel=2e-3)
     assert c.weight_bytes == pytest.approx(5.89e9, rel=3e-3)  # spec §11.3
-    assert c.gdn_state_bytes == pytest.approx(126e6 + 2.9e6, rel=0.01)  # 2 x 60 MiB + conv
+    # bf16 recurrent states (the served default since kb/0056): 2 x 30 MiB + conv; fp32: 2 x 60
+    assert c.gdn_state_bytes == pytest.approx(63e6 + 2.9e6, rel=0.01)
+    c32 = roofline.step_cost(full_cfg, "bf16", batch=1, ctx_len=0, state_bytes_per_elem=4)
+    assert c32.gdn_state_bytes == pytest.approx(126e6 + 2.9e6, rel=0.01)
     assert c.matmul_flops == pytest.approx(5.89e9, rel=3e-3)  # spec §11.2
     assert c.other_flops == pytest.approx(0.112e9, rel=0.03)
     assert c.weights_time_s(4.1e12) * 1e3 == pytest.approx(1.43, abs=0.01)  # issue 3

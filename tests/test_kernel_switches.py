@@ -133,3 +133,35 @@ def test_shared_in_moe_up_to_is_a_strict_integer_switch():
             assert r.returncode == 0 and r.stdout.split()[-1] == (raw or "1"), r.stderr[-300:]
         else:
             assert r.returncode != 0 and "TAILORED_SHARED_IN_MOE_UP_TO" in r.stderr
+
+
+@pytest.mark.parametrize("name,value", [("TAILORED_CTX_GRAPHS", "yes"),
+                                        ("TAILORED_PROMPTS_IN_GRAPHS_CHUNKS", "1")])
+def test_bad_switches_stop_the_start_before_the_weights_load(name, value, monkeypatch, tiny_ckpt):
+    """`stack.check_kernel_switches` (session 36, found by a new-user trial): where the kernel
+    path will run (here `--kernels on`), the switches are read before the model is built, so a
+    typo costs no weight load, warm-up or graph capture; TAILORED_CTX_GRAPHS was read only at
+    the context graphs' capture (never with --enforce-eager). The plain path ignores them. A
+    server process imports the kernel modules there for the first time; here they are
+    imported already, so they are taken out of sys.modules (and the package) for the call
+    (monkeypatch puts the originals back)."""
+    import sys
+
+    import tailored.model as model_pkg
+    from tailored import stack as stack_mod
+
+    monkeypatch.setenv(name, value)
+    for mod in ("fast", "fast_ctx"):
+        monkeypatch.delitem(sys.modules, f"tailored.model.{mod}", raising=False)
+        monkeypatch.delattr(model_pkg, mod, raising=False)
+
+    def no_build(*a, **k):
+        raise AssertionError("the model was built before the switches were read")
+
+    monkeypatch.setattr(stack_mod, "build_empty_model", no_build)
+    with pytest.raises(ValueError, match=name):
+        stack_mod.build_stack(tiny_ckpt, device="cpu", dtype="float32", kernels="on",
+                              progress=False, max_model_len=64, max_num_seqs=2)
+    with pytest.raises(AssertionError, match="built"):  # the plain path does not read them
+        stack_mod.build_stack(tiny_ckpt, device="cpu", dtype="float32", kernels="off",
+                              progress=False, max_model_len=64, max_num_seqs=2)

@@ -236,6 +236,10 @@ def test_gdn_state_dtype_auto_follows_the_model_and_sizes_the_slots(monkeypatch,
     assert state_dtype(EngineConfig(dtype="float32", gdn_state_dtype="bfloat16")) == torch.bfloat16
     monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "float32")
     assert state_dtype(EngineConfig(dtype="bfloat16")) == torch.float32
+    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", " float32 ")  # stripped, as env_flag does
+    assert state_dtype(EngineConfig(dtype="bfloat16")) == torch.float32
+    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "")  # empty = unset
+    assert EngineConfig().gdn_state_dtype == "auto"
     monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "fp16")
     with pytest.raises(ValueError, match="TAILORED_GDN_STATE_DTYPE"):
         EngineConfig()

@@ -316,6 +316,9 @@ def _run(args) -> int:
         twice = sorted({n for n in only if only.count(n) > 1})
         raise ValueError(f"--only {args.only!r} names {', '.join(twice)} more than once")
     ckpt, dev, dtype, mode = resolve(args)
+    # the report's kernel switches, read now: a bad TAILORED_* value must not cost the run
+    # (it was read only when the report was written, after the engine and reference passes)
+    switches = _kernel_switches()
     # checked before anything slow: a wrong --bf16-reference must not cost the engine pass
     bf16_src = check_bf16_source(bf16_source(args, ckpt), ckpt, args)
     prompts = load_prompts(args.prompts, only)
@@ -404,7 +407,7 @@ def _run(args) -> int:
                    "precision": cfg.precision, "reference_weights": mode,
                    "thresholds_file_sha256": sha256_file(args.thresholds),
                    "gdn_state_dtype": stack.engine_config.gdn_state_dtype_name,
-                   "kernel_switches": _kernel_switches()}),
+                   "kernel_switches": switches}),
         "thresholds": {"file": str(args.thresholds), "section": section, **th},  # tie gap as used
         "overall": o,
         "noise_floor": floor,

@@ -17,8 +17,9 @@ prompts): a hit's TTFT was ~185 ms for 38 new tokens after 8194 cached ones, and
 27.6 ms, the next turn 44.8 ms (192.2 before), the cold turn with the cache 286.3 ms (519.9
 before; 330.9 → 270.5 without the cache, whose 40-token tail was eager too). kb/0055.
 
-When (`ctx_graphs_wanted`): with the prefix cache, or TAILORED_CTX_GRAPHS=1; the runner
-captures them after the prefill graphs. Then one sequence whose chunk starts at position
+When (`ctx_graphs_wanted`): with the prefill graphs, unless TAILORED_CTX_GRAPHS=0 (until
+session 36 with the prefix cache only; kb/0056); the runner captures them after the prefill
+graphs. Then one sequence whose chunk starts at position
 start_pos > 0 with its state in its slot (`SeqInfo.reset_state` false) replays a graph of the
 smallest bucket ≥ its T tokens:
 
