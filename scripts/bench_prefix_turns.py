@@ -31,8 +31,9 @@ import time
 
 import torch
 
+from kernel_bench import engine_stack
+
 from tailored.engine.types import SamplingParams
-from tailored.stack import build_stack
 
 IM_START = "<|im_start|>"
 
@@ -98,14 +99,7 @@ def _setting(a, entries: int) -> dict:
     """One engine with `entries` prefix-cache entries (0: off): the conversations' TTFTs."""
     kw = dict(progress=False, max_model_len=a.context + a.new + a.tokens + 64,
               max_num_seqs=4, prefix_cache_entries=entries)
-    if a.nano:
-        from tailored.stack import embedded_checkpoint
-
-        st = build_stack(embedded_checkpoint(), device="cpu", dtype="float32",
-                         kernels="off", **kw)
-    else:  # as `tailored serve` runs on CUDA: 8192-token steps, prefill graphs
-        st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16",
-                         max_num_batched_tokens=8192, prefill_graphs=True, **kw)
+    st = engine_stack(a.ckpt, a.nano, **kw)
     engine = st.engine
     im_start = st.tokenizer.token_to_id(IM_START)
     vocab = min(st.model_config.vocab_size, 240000)

@@ -26,8 +26,9 @@ import time
 
 import torch
 
+from kernel_bench import engine_stack
+
 from tailored.engine.types import SamplingParams
-from tailored.stack import build_stack
 
 
 def _together(engine, tag: str, prompts: list[list[int]], sp: SamplingParams):
@@ -55,14 +56,7 @@ def _setting(a) -> dict:
     ks = [int(x) for x in a.ks.split(",")]
     lens = [int(x) for x in a.lens.split(",")]
     kw = dict(progress=False, max_model_len=max(lens) + a.tokens + 64, max_num_seqs=max(ks))
-    if a.nano:
-        from tailored.stack import embedded_checkpoint
-
-        st = build_stack(embedded_checkpoint(), device="cpu", dtype="float32",
-                         kernels="off", **kw)
-    else:  # as `tailored serve` runs on CUDA: 8192-token steps, prefill graphs
-        st = build_stack(a.ckpt, load_format="dummy", device="cuda", dtype="bfloat16",
-                         max_num_batched_tokens=8192, prefill_graphs=True, **kw)
+    st = engine_stack(a.ckpt, a.nano, **kw)
     engine = st.engine
     vocab = min(st.model_config.vocab_size, 240000)
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,8 @@
 """What the kernel benches share (scripts/bench_moe.py, bench_route.py, bench_moe_gemv.py,
-bench_fp8_gemv.py): timing a step of GPU launches through one CUDA graph, the manifest of a
-run and a row log written as it grows. Imported by name, as the scripts run from scripts/
-(`python3 scripts/bench_x.py`)."""
+bench_fp8_gemv.py, bench_w8a8.py): timing a step of GPU launches through one CUDA graph, the
+manifest of a run and a row log written as it grows; and for the in-process engine benches
+(bench_prefix_turns.py, bench_prompts_together.py) the stack they build. Imported by name, as
+the scripts run from scripts/ (`python3 scripts/bench_x.py`)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,16 @@ def row_log(man: dict, json_path: str | None, line):
                 json.dump({"manifest": man, "rows": rows}, f, indent=1)
 
     return record, rows
+
+
+def engine_stack(ckpt: str | None, nano: bool, **kw):
+    """The in-process engine benches' stack: the embedded nano model on the CPU (plain path,
+    fp32: a dry run), or `ckpt` with dummy weights as `tailored serve` runs on CUDA (bf16,
+    8192-token steps, prefill graphs). kw: more EngineConfig fields."""
+    from tailored.stack import build_stack, embedded_checkpoint
+
+    if nano:
+        return build_stack(embedded_checkpoint(), device="cpu", dtype="float32",
+                           kernels="off", **kw)
+    return build_stack(ckpt, load_format="dummy", device="cuda", dtype="bfloat16",
+                       max_num_batched_tokens=8192, prefill_graphs=True, **kw)

@@ -279,33 +279,23 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots,
             snapshot=torch.zeros(B, 8192, 3, dtype=dt)))
         rec = torch.zeros(S, 32, 128, 128)
-        for split in (1, 4):  # 4: columns over programs + the gated-norm kernel (kb/0022)
-            for snap in (None, torch.zeros(B, 32, 128, 128)):
-                calls.append(lambda split=split, dt=dt, qkv=qkv, snap=snap: recurrent_step(
-                    qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
-                    torch.randn(B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
-                    torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split, snapshot=snap))
+        # GDN states stored in bf16 too (--gdn-state-dtype, the default for bf16 models since
+        # kb/0056): loads converted, stores rounded, verify rounding between tokens
+        r16 = torch.zeros(S, 32, 128, 128, dtype=torch.bfloat16)
+        s16 = torch.zeros(B, 32, 128, 128, dtype=torch.bfloat16)
+        # 4: columns over programs + the gated-norm kernel (kb/0022)
+        for split, st, snap in ((1, rec, None), (1, rec, torch.zeros(B, 32, 128, 128)),
+                                (4, rec, None), (4, rec, torch.zeros(B, 32, 128, 128)),
+                                (2, r16, s16)):
+            calls.append(lambda split=split, dt=dt, qkv=qkv, st=st, snap=snap: recurrent_step(
+                qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
+                torch.randn(B, 4096, dtype=dt), st, slots, torch.zeros(32), torch.zeros(32),
+                torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split, snapshot=snap))
         # the conv inside the recurrent programs, the state shift in the norm (kb/0037)
         calls.append(lambda dt=dt, qkv=qkv, conv_state=conv_state: conv_recurrent_step(
             qkv, conv_state, torch.zeros(8192, 4, dtype=dt), torch.randn(B, 32, dtype=dt),
             torch.randn(B, 32, dtype=dt), torch.randn(B, 4096, dtype=dt), rec, slots,
             torch.zeros(32), torch.zeros(32), torch.ones(128, dtype=dt), 16, 1e-6, dv_split=2))
-        # GDN states stored in bf16 (--gdn-state-dtype, the default for bf16 models: kb/0056):
-        # loads converted, stores rounded; verify rounds between tokens
-        r16 = torch.zeros(S, 32, 128, 128, dtype=torch.bfloat16)
-        calls.append(lambda dt=dt, qkv=qkv, r16=r16: recurrent_step(
-            qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
-            torch.randn(B, 4096, dtype=dt), r16, slots, torch.zeros(32), torch.zeros(32),
-            torch.ones(128, dtype=dt), 16, 1e-6, dv_split=2,
-            snapshot=torch.zeros(B, 32, 128, 128, dtype=torch.bfloat16)))
-        calls.append(lambda dt=dt, conv_state=conv_state, r16=r16: recurrent_verify(
-            conv_verify(torch.randn(3 * B, 8192, dtype=dt), conv_state,
-                        torch.zeros(8192, 4, dtype=dt), slots,
-                        torch.zeros(2, B, 8192, 3, dtype=dt)),
-            torch.randn(3 * B, 32, dtype=dt), torch.randn(3 * B, 32, dtype=dt),
-            torch.randn(3 * B, 4096, dtype=dt), r16, slots, torch.zeros(32), torch.zeros(32),
-            torch.ones(128, dtype=dt), 16, 1e-6,
-            torch.zeros(2, B, 32, 128, 128, dtype=torch.bfloat16), dv_split=1))
         # the W8A8 GEMM (kb/0056 §5, built blind): codes given and split K; quantized inside
         xw, w8 = torch.randn(32, H, dtype=dt), torch.zeros(1024, H, dtype=f8)
         calls.append(lambda xw=xw: quant_act(xw))
@@ -328,15 +318,15 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                 moe.FP8_DOWN_W8A8 = held
         calls.append(down_a8)
         # a verify step's GDN: 3 tokens of B sequences a launch (kernels/gdn_verify.py)
-        for split in (1, 2):
-            calls.append(lambda split=split, dt=dt, conv_state=conv_state: recurrent_verify(
+        for split, st in ((1, rec), (2, rec), (1, r16)):
+            calls.append(lambda split=split, st=st, dt=dt, conv_state=conv_state: recurrent_verify(
                 conv_verify(torch.randn(3 * B, 8192, dtype=dt), conv_state,
                             torch.zeros(8192, 4, dtype=dt), slots,
                             torch.zeros(2, B, 8192, 3, dtype=dt)),
                 torch.randn(3 * B, 32, dtype=dt), torch.randn(3 * B, 32, dtype=dt),
-                torch.randn(3 * B, 4096, dtype=dt), rec, slots, torch.zeros(32), torch.zeros(32),
-                torch.ones(128, dtype=dt), 16, 1e-6, torch.zeros(2, B, 32, 128, 128),
-                dv_split=split))
+                torch.randn(3 * B, 4096, dtype=dt), st, slots, torch.zeros(32), torch.zeros(32),
+                torch.ones(128, dtype=dt), 16, 1e-6,
+                torch.zeros((2, B, 32, 128, 128), dtype=st.dtype), dv_split=split))
         # the verify step's state commits (HybridCache.commit_many): conv (dt) and recurrent
         for st_dt, tail in ((dt, (8192, 3)), (torch.float32, (32, 128, 128))):
             calls.append(lambda st_dt=st_dt, tail=tail: commit_snapshots(
