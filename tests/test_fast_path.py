@@ -420,7 +420,7 @@ def test_mixed_step_sends_a_lone_fresh_prompt_to_the_prefill_graph(pair, monkeyp
     rows and the prefill graph for the prompt (the CPU has no CUDA graphs: the two graph entry
     points are stood in for by the eager forward, which is what a replay computes, and the
     test pins the split: which rows go where, and that the outputs land in batch order). Two
-    prompts, or a prompt continuation, stay eager."""
+    short prompts replay a graph each since kb/0056, or stay eager with that off."""
     plain, fastm, fcache = pair
     fast = fastm.fast
     calls = graph_stand_ins(fast, monkeypatch)
@@ -442,11 +442,17 @@ def test_mixed_step_sends_a_lone_fresh_prompt_to_the_prefill_graph(pair, monkeyp
     assert calls == [("decode", [(1, 20, 1), (1, 9, 2)]), ("prefill", [(33, 0, 3)])], calls
     assert rel_err(hf, hp) < 1e-4
     assert rel_err(fcache.rec[:, 1:4], pcache.rec[:, 1:4]) < 1e-4
-    # two fresh prompts beside a decode row: the prompts run eagerly, together
-    calls.clear()
+    # two fresh prompts beside a decode row: each replays its own prefill graph (at most 2
+    # chunks and 1024 tokens, PROMPTS_IN_GRAPHS_*, kb/0056); with that off they run eagerly,
+    # together (the eager stand-in records nothing)
+    from tailored.model import fast as fastmod
+
     layout = [([7], 21, 1, False, [1, 2]), (p[:10], 0, 2, True, [3]), (p[10:], 0, 3, True, [4, 5])]
-    hf = fastm(ForwardBatch.build(layout, [0, 10, 33], "cpu"), fcache)
-    assert calls == [("decode", [(1, 21, 1)])], calls
+    for bound, want in ((1024, [("prefill", [(10, 0, 2)]), ("prefill", [(23, 0, 3)])]), (0, [])):
+        monkeypatch.setattr(fastmod, "PROMPTS_IN_GRAPHS_UP_TO", bound)
+        calls.clear()
+        fastm(ForwardBatch.build(layout, [0, 10, 33], "cpu"), fcache)
+        assert calls == [("decode", [(1, 21, 1)])] + want, calls
 
 
 def test_warmup_prefill_touches_only_the_sinks(pair):
