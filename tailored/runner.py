@@ -103,7 +103,9 @@ def _mtp_layers(ec: EngineConfig) -> int:
 def state_dtype(ec: EngineConfig) -> torch.dtype:
     """The GDN recurrent states' storage dtype (EngineConfig.gdn_state_dtype, "auto" resolved:
     bf16 for a bf16 model, else fp32)."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[ec.gdn_state_dtype_name]
+    from tailored.stack import DTYPES  # (stack imports this module)
+
+    return DTYPES[ec.gdn_state_dtype_name]
 
 
 def kernel_path_asked(ec: EngineConfig, device: torch.device) -> bool:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tailored.kernels import autotune_enabled, dot_precision, tuning
+from tailored.kernels.fp8_w8a8 import e4m3_rows
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -71,14 +72,12 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
     row (elements below 2^-28 of their row's largest may round: float16 subnormals).
     A_FP8 (FP8 only; the MoE down GEMM with TAILORED_MOE_FP8_DOWN_W8A8, kb/0056 §5): each row
     of a is rounded to e4m3 with its own scale (its absmax over the tile's K columns / 448,
-    `fp8_w8a8.quant_act`'s arithmetic) and the dot takes both operands as e4m3: no weight is
+    `fp8_w8a8.e4m3_rows`) and the dot takes both operands as e4m3: no weight is
     converted; the activation's rounding is added."""
     if W_FP8:
         s = tl.load(s_ptr + (n // S_ROWS) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
         if A_FP8:
-            af = a.to(tl.float32)
-            sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(af), 1), 1e-10), 448.0)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(af, sa[:, None]), -448.0), 448.0)
+            q, sa = e4m3_rows(a.to(tl.float32))
             acc += tl.dot(q.to(w.dtype), w) * (sa[:, None] * s[None, :])
         elif DOT_F16 and A_POW2:
             a16, back = pow2_rows_f16(a)

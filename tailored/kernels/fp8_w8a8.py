@@ -36,8 +36,8 @@ from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
 GROUP = 128  # activation group = weight block width along K
-E4M3_MAX = 448.0
-SCALE_FLOOR = 1e-10  # an all-zero group's scale (its codes are 0 either way)
+E4M3_MAX = 448.0  # (also literal in `e4m3_rows`)
+SCALE_FLOOR = 1e-10  # an all-zero group's scale (its codes are 0 either way; literal there too)
 
 
 def quant_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,22 +62,32 @@ def w8a8_linear_ref(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
 
 
 @triton.jit
+def e4m3_rows(x):
+    """`quant_act_ref`'s arithmetic on an fp32 tile x [R, C] (a group of each row): (codes
+    [R, C] as fp32 within ±448, to be cast to e4m3 by the caller; scales [R]). The one copy
+    for `quant_act`, the GEMM's in-tile quantization and `fp8_linear.tile_dot`'s A_FP8, so
+    their codes are the same bits. IEEE divisions (div_rn): Triton's `/` on fp32 is the
+    approximate one, and a code next to a rounding boundary would then differ from torch's.
+    The literals are E4M3_MAX and SCALE_FLOOR."""
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-10), 448.0)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -448.0), 448.0)
+    return q, s
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                  GROUP_: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    # program (row, group): one 128-wide group's absmax scale and its e4m3 codes
+                  GROUP_: tl.constexpr, PDL: tl.constexpr = False):
+    # program (row, group): one 128-wide group's absmax scale and its e4m3 codes, as a
+    # [1, GROUP] tile
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     m = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1)
-    k = gi * GROUP_ + tl.arange(0, GROUP_)
+    k = gi * GROUP_ + tl.arange(0, GROUP_)[None, :]
     x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    # IEEE divisions (div_rn): Triton's `/` on fp32 is the approximate one, and a code next
-    # to a rounding boundary would then differ from torch's
-    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FLOOR), FMAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FMAX), FMAX)
+    q, s = e4m3_rows(x)
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
-    tl.store(s_ptr + m * stride_sm + gi, s)
+    tl.store(s_ptr + m * stride_sm + gi + tl.arange(0, 1), s)
 
 
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +102,7 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(M, G, dtype=torch.float32, device=x.device)
     if M:
         _quant_kernel[(M, G)](x, q, s, K, x.stride(0), q.stride(0), s.stride(0),
-                                       GROUP_=GROUP, FMAX=E4M3_MAX, FLOOR=SCALE_FLOOR,
-                                       num_warps=1, **pdl_launch(x))
+                              GROUP_=GROUP, num_warps=1, **pdl_launch(x))
     return q, s
 
 
@@ -101,8 +110,7 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SPLIT,
                  stride_xm, stride_xsm, stride_wn, stride_wsn, stride_os, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_: tl.constexpr,
-                 QUANT_IN: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 QUANT_IN: tl.constexpr, PDL: tl.constexpr = False):
     # program (n block, split, m block) over K range [split·K_SPLIT, +K_SPLIT) in 128-wide
     # groups: one fp8 dot a group, scaled by its rows' activation scales and its weight rows'
     # block scales (row layout [N, K/128], `fp8.row_scales`: right for fused linears too),
@@ -128,9 +136,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SPLIT,
         xt = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + (k0 + kk)[None, :],
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if QUANT_IN:  # `quant_act`'s arithmetic on this tile
-            xf = xt.to(tl.float32)
-            sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), 1), FLOOR), FMAX)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(xf, sa[:, None]), -FMAX), FMAX)
+            q, sa = e4m3_rows(xt.to(tl.float32))
             a = q.to(w_ptr.dtype.element_ty)
         else:
             a = xt
@@ -190,9 +196,8 @@ def w8a8_linear(x: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: t
     _w8a8_kernel[grid](x, x if quant_in else xs, w, ws, out, M, N, K, k_split, x.stride(0),
                        0 if quant_in else xs.stride(0), w.stride(0), ws.stride(0),
                        out.stride(0) if splits > 1 else 0, out.stride(-2), BLOCK_M=bm,
-                       BLOCK_N=block_n, GROUP_=GROUP, QUANT_IN=quant_in, FMAX=E4M3_MAX,
-                       FLOOR=SCALE_FLOOR, num_warps=num_warps, num_stages=num_stages,
-                       **pdl_launch(x))
+                       BLOCK_N=block_n, GROUP_=GROUP, QUANT_IN=quant_in, num_warps=num_warps,
+                       num_stages=num_stages, **pdl_launch(x))
     if splits > 1:
         y.copy_(out.sum(0))  # a fixed order for a given shape: deterministic
     return y

@@ -247,7 +247,13 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
                               num_warps=w, num_stages=st)
                 for bn in (16, 32, 64) for bk in (128, 256)
                 for w in (4,) for st in (3, 4)]
-        if fp8 and kernel is _down_kernel:
+        if fp8 and kernel is _down_kernel and down_a8:
+            # W8A8 (FP8_DOWN_W8A8): every config, so the tuner picks tiles only, never the
+            # numerics
+            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": 128, "DOT_F16": False,
+                                   "A8": True}, num_warps=4, num_stages=st)
+                    for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)]
+        elif fp8 and kernel is _down_kernel:
             # FP8 down: the dot kind is part of the config (kb/0045); the float16 dots pay
             # only with 128-wide 4-stage tiles (kb/0044 §4: B=32 62.2 -> 54.7 µs a layer;
             # 64-wide 63.9, 128-wide bf16 64.3), so the tuner weighs both kinds per bucket
@@ -257,11 +263,6 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
                 cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "KB": 128,
                                         "DOT_F16": True}, num_warps=4, num_stages=st)
                          for bn in (64, 128) for st in (3, 4)]
-            if down_a8:  # W8A8 (FP8_DOWN_W8A8): every config, so the tuner picks tiles only
-                cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": 128,
-                                       "DOT_F16": False, "A8": True}, num_warps=4,
-                                      num_stages=st)
-                        for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)]
     else:
         # prefill runs at ~57 % of HBM bandwidth with these (1024 tokens: gate_up 441 µs for
         # 1 GB, H200 session 7): deeper K tiles / pipelines added for the tuner to try (kb/0016)
