@@ -129,7 +129,8 @@ want sbs && for prec in ${SBS_PRECS:-fp8 bf16}; do
     env $envs OUT=/tmp/sbs-out timeout "$(cap 600)" bash logs/gpu/2026-12-01-s12/sbs.sh "$prec" \
         > "$OUT/sbs-$prec.out" 2>&1
     cp /tmp/sbs-out/sbs-call.log "$OUT/sbs-call-$prec.log" 2>/dev/null
-    grep "c=1\|c=32" "$OUT/sbs-$prec.out" | tail -2
+    # its own lines: sbs.sh prints every result file in /tmp/sbs, the other precision's too
+    grep "tailored-$prec.json: c=" "$OUT/sbs-$prec.out" | tail -2
     tar czf "$OUT/sbs.tgz" -C /tmp sbs sbs-out 2>/dev/null
 done
 # run_gate PREC OUTNAME [NAME=VALUE ...]: `scripts/gpu_gate.sh PREC` with those variables set,
