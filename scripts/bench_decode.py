@@ -139,12 +139,6 @@ VARIANTS = {
     "dense_splitk": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 64),
     # the same up to 8 rows only: where session 30's shape sweep found it faster (kb/0047 §2)
     "dense_splitk8": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 8),
-    # FP8 dense projections of 9-64 rows through the W8A8 GEMM, the activation quantized
-    # inside it (kernels/fp8_w8a8.py, kb/0056 §5; built blind)
-    "w8a8": lambda: _set("model.fast", "FP8_W8A8_UP_TO", 64),
-    # the FP8 MoE down GEMM at decode size as W8A8 (moe.FP8_DOWN_W8A8, kb/0056 §5; built blind;
-    # its own launcher, tuned at the re-capture's warm-up)
-    "moe_down_w8a8": lambda: _set("kernels.moe", "FP8_DOWN_W8A8", True),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
     "pdl": lambda: _set("kernels.pdl", "PDL", True),

@@ -1,5 +1,5 @@
 """What the kernel benches share (scripts/bench_moe.py, bench_route.py, bench_moe_gemv.py,
-bench_fp8_gemv.py, bench_w8a8.py): timing a step of GPU launches through one CUDA graph, the
+bench_fp8_gemv.py): timing a step of GPU launches through one CUDA graph, the
 manifest of a run and a row log written as it grows; and for the in-process engine benches
 (bench_prefix_turns.py, bench_prompts_together.py) the stack they build. Imported by name, as
 the scripts run from scripts/ (`python3 scripts/bench_x.py`)."""

@@ -174,45 +174,6 @@ def test_fp8_dense_dequant_matches_plain_path(gemv_up_to, splitk_up_to, tiny_fp8
     assert bool(splitk) == bool(splitk_up_to) and all(gemv_up_to < t <= 64 for t in splitk)
 
 
-def test_w8a8_dense_projections_keep_the_layout(tiny_fp8_ckpt, monkeypatch):
-    """TAILORED_FP8_W8A8_UP_TO (kb/0056 §5, off by default): the FP8 rows of a dense projection
-    through `w8a8_dense` (activation quantized to e4m3 inside the GEMM), its bf16 members
-    (GDN b/a after the FP8 rows; the router and shared-expert gate before them) through cuBLAS
-    beside it, in the fused output's column order: the bf16 columns equal the cuBLAS path's,
-    the FP8 columns are within the activation rounding of it (the interpreter's e4m3 cast
-    truncates: a few %), and steps of more rows than the bound keep cuBLAS."""
-    from tailored.model import fast as fastmod
-
-    monkeypatch.setattr(fastmod, "FP8_DENSE_DEQUANT", True)
-    monkeypatch.setattr(fastmod, "FP8_GEMV_UP_TO", 0)
-    monkeypatch.setattr(fastmod, "FP8_DENSE_SPLITK_UP_TO", 0)
-    _, fastm, _ = _make_pair(tiny_fp8_ckpt)
-    fast = fastm.fast
-    g = torch.Generator().manual_seed(3)
-    calls = []
-    real = fastmod.w8a8_dense
-    monkeypatch.setattr(fastmod, "w8a8_dense", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for group in (fast.p_in[0], fast.p_moe[0]):
-        proj = group.parts[0][0]
-        w8, s8, wb, bf16_first = proj.gemv
-        x = torch.randn(5, proj.weight.shape[1], generator=g)
-        monkeypatch.setattr(fastmod, "FP8_W8A8_UP_TO", 0)
-        want = proj(x)[:, :sum(proj.sizes)]  # cuBLAS over the dequantized copy, pad dropped
-        monkeypatch.setattr(fastmod, "FP8_W8A8_UP_TO", 8)
-        got = proj(x)
-        assert got.shape == want.shape
-        nb = 0 if wb is None else wb.shape[0]
-        cols8 = slice(nb, None) if bf16_first else slice(0, w8.shape[0])
-        colsb = slice(0, nb) if bf16_first else slice(w8.shape[0], None)
-        assert rel_err(got[:, cols8], want[:, cols8]) < 0.08
-        assert torch.allclose(got[:, colsb], want[:, colsb], rtol=1e-5, atol=1e-6)
-        assert nb > 0  # both groups have bf16 members: GDN b/a, router/shared gate
-        assert calls and calls[-1] == 5
-        calls.clear()
-        assert proj(torch.randn(9, x.shape[1], generator=g)).shape[1] >= want.shape[1]
-        assert not calls  # 9 rows > 8: cuBLAS
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_proj_row_align_pads_fused_gemms_and_matches_plain_path(precision, tiny_ckpt,
                                                                 tiny_fp8_ckpt, monkeypatch):

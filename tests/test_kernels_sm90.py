@@ -122,7 +122,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.fp8_splitk import fp8_linear_splitk
-    from tailored.kernels.fp8_w8a8 import quant_act, w8a8_linear
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
     from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
@@ -296,27 +295,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             qkv, conv_state, torch.zeros(8192, 4, dtype=dt), torch.randn(B, 32, dtype=dt),
             torch.randn(B, 32, dtype=dt), torch.randn(B, 4096, dtype=dt), rec, slots,
             torch.zeros(32), torch.zeros(32), torch.ones(128, dtype=dt), 16, 1e-6, dv_split=2))
-        # the W8A8 GEMM (kb/0056 §5, built blind): codes given and split K; quantized inside
-        xw, w8 = torch.randn(32, H, dtype=dt), torch.zeros(1024, H, dtype=f8)
-        calls.append(lambda xw=xw: quant_act(xw))
-        calls.append(lambda xw=xw, w8=w8: w8a8_linear(
-            torch.zeros(32, H, dtype=f8), torch.ones(32, H // 128), w8,
-            torch.ones(1024, H // 128), k_split=512, block_n=128))
-        calls.append(lambda xw=xw, w8=w8: w8a8_linear(xw, None, w8, torch.ones(1024, H // 128),
-                                                      block_n=64, num_warps=8))
-
-        def down_a8(dt=dt):  # the MoE down GEMM as W8A8 at decode size (FP8_DOWN_W8A8)
-            from tailored.kernels import moe
-
-            held, moe.FP8_DOWN_W8A8 = moe.FP8_DOWN_W8A8, True
-            try:
-                fused_moe(torch.randn(4, H, dtype=dt), torch.rand(4, K, dtype=dt),
-                          torch.randint(0, E, (4, K)), torch.zeros(E, 2 * I, H, dtype=f8),
-                          torch.zeros(E, H, I, dtype=f8), None,
-                          torch.ones(E, 2 * I // 128, H // 128), torch.ones(E, H // 128, I // 128))
-            finally:
-                moe.FP8_DOWN_W8A8 = held
-        calls.append(down_a8)
         # a verify step's GDN: 3 tokens of B sequences a launch (kernels/gdn_verify.py)
         for split, st in ((1, rec), (2, rec), (1, r16)):
             calls.append(lambda split=split, st=st, dt=dt, conv_state=conv_state: recurrent_verify(
@@ -355,7 +333,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
            "_dequant_experts_kernel", "_route_gate_up_kernel", "_q_k_norm_rope_kernel",
            "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel", "_splitk_kernel",
-           "_reduce_kernel", "_quant_kernel", "_w8a8_kernel"}
+           "_reduce_kernel"}
 
 
 def _compile(recs) -> list[dict]:

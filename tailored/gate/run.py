@@ -453,7 +453,6 @@ def _kernel_switches() -> dict:
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),
             "moe_fp8_down_f16": moe.FP8_DOWN_F16,
             "fp8_dense_splitk_up_to": fast.FP8_DENSE_SPLITK_UP_TO,
-            "fp8_w8a8_up_to": fast.FP8_W8A8_UP_TO,
             # context-chunk graphs (kb/0055, on by default since kb/0056): with --prefill-graphs
             # its long prompt's later chunks replay them when alone in their step
             "ctx_graphs": fast_ctx.ctx_graphs_wanted(),

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from tailored.kernels import autotune_enabled, dot_precision, tuning
-from tailored.kernels.fp8_w8a8 import e4m3_rows
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -54,7 +53,7 @@ def pow2_rows_f16(a):
 @triton.jit
 def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
              W_FP8: tl.constexpr, S_ROWS: tl.constexpr = 1, DOT_F16: tl.constexpr = False,
-             A_POW2: tl.constexpr = False, A_FP8: tl.constexpr = False):
+             A_POW2: tl.constexpr = False):
     """acc + a·w for one [BLOCK_K, BLOCK_N] weight tile at K offset k0. A bf16/fp32 tile is
     used as is; an FP8 tile is converted to a's dtype (exact) and its partial product scaled by
     its rows' block scale for K block k0 // 128 (so BLOCK_K ≤ 128): weight row n's scales
@@ -69,17 +68,10 @@ def tile_dot(acc, a, w, s_ptr, n, n_ok, stride_sn, k0, DOT_PREC: tl.constexpr,
     A_POW2 (with DOT_F16; the MoE down GEMM, whose input silu(g)·u has no bound below 65504):
     each row of a is first scaled by a power of 2 into float16's range (`pow2_rows_f16`) and
     its partial product scaled back, so the dot is the bf16 one for every finite activation
-    row (elements below 2^-28 of their row's largest may round: float16 subnormals).
-    A_FP8 (FP8 only; the MoE down GEMM with TAILORED_MOE_FP8_DOWN_W8A8, kb/0056 §5): each row
-    of a is rounded to e4m3 with its own scale (its absmax over the tile's K columns / 448,
-    `fp8_w8a8.e4m3_rows`) and the dot takes both operands as e4m3: no weight is
-    converted; the activation's rounding is added."""
+    row (elements below 2^-28 of their row's largest may round: float16 subnormals)."""
     if W_FP8:
         s = tl.load(s_ptr + (n // S_ROWS) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-        if A_FP8:
-            q, sa = e4m3_rows(a.to(tl.float32))
-            acc += tl.dot(q.to(w.dtype), w) * (sa[:, None] * s[None, :])
-        elif DOT_F16 and A_POW2:
+        if DOT_F16 and A_POW2:
             a16, back = pow2_rows_f16(a)
             acc += (tl.dot(a16, w.to(tl.float16)) * back[:, None]) * s[None, :]
         elif DOT_F16:

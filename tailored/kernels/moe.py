@@ -169,7 +169,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  KB: tl.constexpr, DOT_PREC: tl.constexpr, PAIRS_BUCKET, W_FP8: tl.constexpr,
                  COMPACT: tl.constexpr, DOT_F16: tl.constexpr = False,
-                 PDL: tl.constexpr = False, A8: tl.constexpr = False):
+                 PDL: tl.constexpr = False):
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     e, start, end = _program_expert(offsets_ptr, experts_ptr, COMPACT)
@@ -195,7 +195,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                 # float16 dots only with each row scaled into float16's range by a power of
                 # 2 (FP8_DOWN_F16): silu(g)·u has no bound below 65504
                 acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC,
-                               W_FP8, 128, DOT_F16, True, A8)
+                               W_FP8, 128, DOT_F16, True)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc * rw[:, None], mask=m_ok[:, None] & n_ok[None, :])
@@ -232,7 +232,7 @@ def _blocks(num_pairs: int, num_experts: int, fp8: bool = False):
 
 
 def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
-           down_f16: bool = False, down_a8: bool = False):
+           down_f16: bool = False):
     """Autotuned launcher (CUDA only) keyed on the model dims, BLOCK_M and the pair-count
     bucket; tuned when first seen (the runner warms every decode batch size up before CUDA
     graph capture, so no tuning ever happens inside a capture). FP8 weights: dots of KB ≤ 128 (one
@@ -247,13 +247,7 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
                               num_warps=w, num_stages=st)
                 for bn in (16, 32, 64) for bk in (128, 256)
                 for w in (4,) for st in (3, 4)]
-        if fp8 and kernel is _down_kernel and down_a8:
-            # W8A8 (FP8_DOWN_W8A8): every config, so the tuner picks tiles only, never the
-            # numerics
-            cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "KB": 128, "DOT_F16": False,
-                                   "A8": True}, num_warps=4, num_stages=st)
-                    for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)]
-        elif fp8 and kernel is _down_kernel:
+        if fp8 and kernel is _down_kernel:
             # FP8 down: the dot kind is part of the config (kb/0045); the float16 dots pay
             # only with 128-wide 4-stage tiles (kb/0044 §4: B=32 62.2 -> 54.7 µs a layer;
             # 64-wide 63.9, 128-wide bf16 64.3), so the tuner weighs both kinds per bucket
@@ -278,8 +272,7 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
                  for bn, w, st in ((64, 4, 4), (64, 8, 3), (128, 8, 2))]
     # COMPACT in the key: bucket 256 holds both T=17..31 (compact grid) and T=32 (full grid)
     name = (f"moe/{kernel.__name__.strip('_').removesuffix('_kernel')}/"
-            f"{'decode' if decode else 'prefill'}/{'fp8' if fp8 else 'bf16'}"
-            f"{'a8' if down_a8 else ''}")  # its own tuned.json entries
+            f"{'decode' if decode else 'prefill'}/{'fp8' if fp8 else 'bf16'}")
     key = ["H", "I", "BLOCK_M", "PAIRS_BUCKET"] + (["COMPACT"] if compact_key else [])
     return tuning.register(name, triton.autotune(configs=cfgs, key=key, warmup=5,
                                                  rep=20)(kernel))
@@ -316,26 +309,17 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # re-capture). Read at each launch (each setting has its own launcher); the fixed configs
 # (interpreter, TAILORED_AUTOTUNE=0) take float16 dots at decode size when on.
 FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", True)
-# The FP8 decode down GEMM as W8A8 (kb/0056 §5, built blind in session 36): each activation
-# row rounded to e4m3 per 128-wide K tile inside the GEMM (`fp8_linear.tile_dot`'s A_FP8), the
-# dot on e4m3 operands, so the weights are not converted: the ALU bound above (2.3 TB/s, 57 %
-# DRAM) would go. Adds the activation's rounding (vLLM's FP8 MoE quantizes activations per
-# token group too): the FP8 gate decides. Decode-size launches only (BLOCK_M 16), any
-# activation dtype; its launcher has its own name and tuning entries. Off until measured
-# (bench_decode's `moe_down_w8a8`).
-FP8_DOWN_W8A8 = env_flag("TAILORED_MOE_FP8_DOWN_W8A8", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
 
 def _launcher(name: str, decode: bool, fp8: bool = False):
     down_f16 = name == "down" and decode and fp8 and FP8_DOWN_F16
-    down_a8 = name == "down" and decode and fp8 and FP8_DOWN_W8A8
-    key = (name, decode, fp8, down_f16, down_a8)
+    key = (name, decode, fp8, down_f16)
     if key not in _LAUNCHERS:
         kernel = {"gate_up": _gate_up_kernel, "down": _down_kernel,
                   "route_gate_up": _route_gate_up_kernel}[name]
         _LAUNCHERS[key] = _tuned(kernel, decode, fp8, compact_key=name != "route_gate_up",
-                                 down_f16=down_f16, down_a8=down_a8)
+                                 down_f16=down_f16)
     return _LAUNCHERS[key]
 
 
@@ -612,8 +596,7 @@ def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int
     FP8_DOWN_F16 (the tuned launcher's config carries DOT_F16); fp32 activations keep fp32
     dots, larger prefill tiles bf16 dots."""
     decode = bm == 16
-    a8 = fp8 and FP8_DOWN_W8A8 and decode
-    f16 = fp8 and FP8_DOWN_F16 and decode and x.dtype == torch.bfloat16 and not a8
+    f16 = fp8 and FP8_DOWN_F16 and decode and x.dtype == torch.bfloat16
     if tuned:
         launch = _launcher("down", decode, fp8)
         # the FP8 decode configs carry their DOT_F16 (`_tuned`); the others take it here
@@ -627,7 +610,7 @@ def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int
     _down_kernel[(grid_e, triton.cdiv(H, bn))](
         *dn_args, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_dn, KB=min(kb, bk_dn),
         DOT_PREC=prec, PAIRS_BUCKET=bucket, W_FP8=fp8, COMPACT=compact, DOT_F16=f16,
-        A8=a8, num_warps=warps, **pdl_launch(x))
+        num_warps=warps, **pdl_launch(x))
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -34,7 +34,6 @@ from tailored.kernels.fp8_dequant import dequantize_rows
 from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.fp8_splitk import fp8_dense_splitk
-from tailored.kernels.fp8_w8a8 import w8a8_dense
 from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
 from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
@@ -152,15 +151,6 @@ BF16_GEMV_UP_TO = env_int("TAILORED_BF16_GEMV_UP_TO", 1, 0, 4)
 # tied or lost at 32 (kb/0047 §2); in the model B=8 -2.2 % median / -3.2 % min, B=4 -1.5 % /
 # -1.8 %, and the FP8 gate passed with it. 0 = off. Read at call time (A/B).
 FP8_DENSE_SPLITK_UP_TO = env_int("TAILORED_FP8_DENSE_SPLITK_UP_TO", 8, 0, 64)
-# With FP8_DENSE_DEQUANT, projections of more than FP8_DENSE_SPLITK_UP_TO (and FP8_GEMV_UP_TO)
-# and up to this many rows through the W8A8 GEMM (`kernels/fp8_w8a8.py`, kb/0056 §5): the
-# activation quantized to e4m3 per 128-wide group inside the GEMM, FP8 tensor-core dots, so
-# the FP8 weights are read without converting them (the W8A16 kernels' bound at 32 rows); the
-# bf16 members of a fused projection through cuBLAS beside it. Numerics: the activation's e4m3
-# rounding is added (vLLM serves the FP8 checkpoint this way): the FP8 gate decides. Built
-# blind in session 36; 0 = off until `scripts/bench_w8a8.py` and an A/B say otherwise. Read at
-# call time (A/B: bench_decode's `w8a8` variant).
-FP8_W8A8_UP_TO = env_int("TAILORED_FP8_W8A8_UP_TO", 0, 0, 64)
 # Fused bf16 projections (ProjGroup parts of several linears) padded with zero weight rows to a
 # multiple of this: the MoE group router|shared-expert gate|shared gate|up has 256+1+512+512 =
 # 1281 rows, an output row stride of 2562 bytes that no 16-byte-aligned cuBLAS kernel takes; the
@@ -347,13 +337,6 @@ class Proj:
         if self.gemv is not None and 1 <= x.shape[0] <= FP8_DENSE_SPLITK_UP_TO:
             w8, s8, wb, bf16_first = self.gemv
             return fp8_dense_splitk(x, w8, s8, other=wb, other_first=bf16_first)
-        if self.gemv is not None and 1 <= x.shape[0] <= FP8_W8A8_UP_TO:
-            w8, s8, wb, bf16_first = self.gemv
-            y8 = w8a8_dense(x, w8, s8)
-            if wb is None:
-                return y8
-            yb = F.linear(x, wb)  # the router / GDN b,a rows: bf16 weights
-            return torch.cat([yb, y8] if bf16_first else [y8, yb], dim=-1)
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale)
         if (1 <= x.shape[0] <= BF16_GEMV_UP_TO and self.weight.dtype == x.dtype
