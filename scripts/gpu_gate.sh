@@ -40,7 +40,8 @@ for prec in bf16 fp8; do
     stamp "gate full $prec (dummy weights, seed 0)"
     TAILORED_COMMIT=${TAILORED_COMMIT:-unknown} timeout 330 python3 -m tailored gate "$d" \
         --load-format dummy --device cuda --dtype bfloat16 --report "$OUT/gate-$prec.json" \
-        --log-level info $GATE_ARGS 2>&1 | grep -v "Warning\|warn" | tail -40
+        --log-level info $GATE_ARGS 2>&1 | grep -v "Warning\|warn" | tee "$OUT/gate-$prec.log" \
+        | tail -40  # the whole log kept: a gate cut by a timeout printed nothing (session 37)
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
 if [[ " $PARTS " == *" soak "* ]]; then

@@ -485,6 +485,39 @@ def test_a_compile_that_fails_or_runs_too_long_fails_only_its_request(engine, mo
     assert got["fine"].finish_reason is FinishReason.LENGTH
 
 
+def test_guide_marks_a_grammar_no_text_satisfies(grammars):
+    """An empty mask (nothing can follow) marks the guide dead: at the start ("[^\\s\\S]")
+    and after a prefix ("ab" then such a class); a satisfiable grammar never is."""
+    g, tok = grammars
+    for pattern, prefix in (("[^\\s\\S]", ""), ("ab[^\\s\\S]", "ab"), ("(ab)+", "abab")):
+        guide = g.guide(StructuredOutput("regex", pattern), tok.encode("hi"))
+        _feed(guide, tok, prefix)
+        assert not guide.dead
+        guide.mask()
+        assert guide.dead == (pattern != "(ab)+"), pattern
+
+
+def test_a_grammar_no_text_satisfies_is_a_bad_request_and_harms_no_one(engine):
+    """The sampler falls back past the empty mask (as on NaN logits), the grammar refuses that
+    token, and the request fails as the request's fault (a 400 in the server), naming its
+    field; a plain request beside it runs as alone (new-user attack, session 37: this was a
+    500 that blamed the model's logits)."""
+    engine.add_request("dead", [1, 2], SamplingParams(max_tokens=5, structured=StructuredOutput(
+        "regex", "q[^\\s\\S]")))
+    engine.add_request("fine", [1, 2], SamplingParams(max_tokens=3, temperature=0.0))
+    done, fine_ids = {}, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == "fine":
+                fine_ids += o.delta_token_ids
+            if o.finished:
+                done[o.request_id] = o
+    assert done["fine"].finish_reason is FinishReason.LENGTH and len(fine_ids) == 3
+    dead = done["dead"]
+    assert dead.finish_reason is FinishReason.ERROR and dead.bad_request
+    assert dead.error.startswith("structured_outputs: the grammar allows no next token after 1 ")
+
+
 def test_abort_while_compiling(engine, monkeypatch):
     _slow_compile(monkeypatch, 0.5)
     engine.add_request("gone", [1, 2], SamplingParams(max_tokens=5, structured=_fresh()))
@@ -506,6 +539,8 @@ def test_abort_while_compiling(engine, monkeypatch):
     ({"type": "object", "properties": {"x": {"if": {}, "then": {}}}}, "schema.properties.x"),
     ({"type": "object", "patternProperties": {"x": {"type": "integer"}}}, "patternProperties"),
     ({"type": []}, "empty list"),
+    ({"anyOf": []}, "'anyOf' must not be an empty list"),
+    ({"type": "object", "properties": {"a": {"oneOf": []}}}, "schema.properties.a"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "pattern"),
     ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5}, "beside"),

@@ -425,7 +425,13 @@ class Engine:
             for t in new:
                 guide.accept(t)
             error = None
-            if guide.failed:
+            if guide.failed and guide.dead:
+                # the mask allowed no token: no text satisfies the grammar (the request's
+                # fault, a 400; it was a 500 blaming the model's logits before session 37)
+                error = (f"{sp.structured.field}: the grammar allows no next token after "
+                         f"{len(req.output_ids) - len(new)} generated tokens: no text can "
+                         "satisfy it")
+            elif guide.failed:
                 # a token the grammar refused: the sampler fell back past the mask on NaN
                 # logits; the answer could not follow the grammar
                 error = ("structured output: the model's logits held NaN; the answer could "
@@ -438,7 +444,7 @@ class Engine:
                 self.scheduler.finish(req.request_id, FinishReason.ERROR)
                 self._forget(req.request_id)
                 out = _output(req, "", [], FinishReason.ERROR, error)
-                out.bad_request = guide.too_slow is not None and not guide.failed
+                out.bad_request = guide.dead or (guide.too_slow is not None and not guide.failed)
                 return out
             if guide.done and req.finish_reason is None:
                 # complete: the grammar took a stop token (ignore_eos let it through), which

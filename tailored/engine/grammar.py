@@ -406,7 +406,8 @@ def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | No
     of several schemas, `uniqueItems`, non-local or escaped `$ref`, constraints beside a `$ref`
     or a one-schema `allOf`, lookaround in `pattern`, `pattern` with a length bound,
     `multipleOf` on non-integers, enum / const values of another `type`, a `required` property
-    the schema's own `properties` forbid, an empty `type` list. `oneOf` is enforced as
+    the schema's own `properties` forbid, an empty `type`, `anyOf`, `oneOf` or `allOf` list.
+    `oneOf` is enforced as
     `anyOf` (exact for discriminated unions, as pydantic writes them)."""
     if depth > 64:
         return f"{path}: nested too deeply"
@@ -439,6 +440,11 @@ def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | No
     types = schema.get("type")
     if types == []:
         return f"{path}: 'type' must not be an empty list"
+    for key in ("anyOf", "oneOf", "allOf"):
+        # no value matches an empty anyOf / oneOf; xgrammar let whitespace alone through
+        # (new-user attack, session 37)
+        if schema.get(key) == []:
+            return f"{path}: '{key}' must not be an empty list"
     type_list = [types] if isinstance(types, str) else types if isinstance(types, list) else []
     if "multipleOf" in schema and type_list != ["integer"]:
         return f"{path}: 'multipleOf' is only supported with type 'integer'"
@@ -493,6 +499,10 @@ class Guide:
         self._wait_for = wait_for  # a token before which the grammar is not applied
         self._bitmask = bitmask  # [1, ceil(V / 32)] int32, xgrammar's allocate_token_bitmask
         self.failed = False  # a token the grammar refused (only if the mask was bypassed)
+        # the grammar allowed no token at all (a grammar no text satisfies, e.g. the regex
+        # "[^\\s\\S]", or "abc" then such a class): the sampler then falls back past the
+        # empty mask like on NaN logits, and the request is the one at fault
+        self.dead = False
         self.too_slow: float | None = None  # seconds of a mask over the engine's limit
 
     @property
@@ -509,6 +519,8 @@ class Guide:
         if not self.active:
             return None
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        if not bool(self._bitmask.any()) and not self._matcher.is_terminated():
+            self.dead = True
         return self._bitmask[0].clone()
 
     def accept(self, token: int) -> None:
