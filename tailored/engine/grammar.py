@@ -45,6 +45,7 @@ from concurrent.futures import Future
 
 import torch
 
+from tailored.engine.grammar_text import safe_grammar
 from tailored.engine.types import StructuredOutput
 # the tool-call format as its parser reads it: the grammar must agree with it
 from tailored.server.tool_calls import TOOL_END, TOOL_START, VALUE_ENDS
@@ -157,8 +158,17 @@ class Grammars:
     def parse(self, spec: StructuredOutput):
         """`spec` as an xgrammar Grammar, not yet compiled against the vocabulary: fast (a
         JSON schema with a long pattern ~70 ms; a regex ~0.2 ms), so the engine thread does it
-        and a bad grammar is a 400 at once. Raises ValueError (one line)."""
+        and a bad grammar is a 400 at once. Characters U+0080-U+00FF before a hex digit are
+        kept as written (`grammar_text.safe_grammar`: xgrammar 0.2.9 would compile "é" + "a"
+        as U+0E9A). Raises ValueError (one line)."""
         xgr = self._xgr(spec.field)
+        grammar = self._parse(xgr, spec)
+        try:
+            return safe_grammar(xgr, grammar)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad input
+            raise _one_line(spec.kind, e) from None
+
+    def _parse(self, xgr, spec: StructuredOutput):
         kind, text = spec.kind, spec.schema
         try:
             if kind == "tool_calls":
