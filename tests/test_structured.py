@@ -825,6 +825,26 @@ def test_forced_tool_call_grammar(grammars, choice, parallel, text, ok):
     assert _takes(g, tok, _tool_spec(choice, tools=tools, parallel=parallel), text) is ok
 
 
+def test_accented_choice_schema_and_tool_names_are_kept_as_written(grammars):
+    """engine/grammar_text.py (xgrammar 0.2.9 misreads "é" + a hex digit), through the
+    engine's grammars and the real tokenizer: a choice, a json_schema enum and a forced call
+    of a tool named "fée" with a parameter "données" take the text as written only."""
+    g, tok = grammars
+    choice = StructuredOutput("choice", json.dumps(["Montréal", "Québec"]))
+    assert _takes(g, tok, choice, "Québec") and not _takes(g, tok, choice, "Qu\u0e9bec")
+    enum = StructuredOutput("json_schema", json.dumps({"enum": ["décembre"]}), compact=True)
+    assert _takes(g, tok, enum, '"décembre"') and not _takes(g, tok, enum, '"d\u0e9cembre"')
+    tool = {"type": "function", "function": {"name": "fée", "parameters": {
+        "type": "object", "properties": {"données": {"type": "boolean"}},
+        "required": ["données"]}}}
+    spec = StructuredOutput("tool_calls", json.dumps(
+        {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": True}))
+    call = ("<tool_call>\n<function={}>\n<parameter={}>\ntrue\n</parameter>\n</function>\n"
+            "</tool_call>")
+    assert _takes(g, tok, spec, call.format("fée", "données"))
+    assert not _takes(g, tok, spec, call.format("f\u0ee0", "donn\u0e9as"))
+
+
 def test_forced_tool_calls_cannot_spell_the_markers(grammars):
     """After a call only a newline and the `<tool_call>` token may follow: text spelling
     `<tool_call>` (which the parser would read as a call of any name) is refused."""
