@@ -10,7 +10,6 @@ import json
 import pytest
 
 from tailored.engine import grammar_text
-from tailored.engine.types import StructuredOutput
 
 xgr = pytest.importorskip("xgrammar")
 
