@@ -928,6 +928,20 @@ def test_request_body_size_cap():
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
 
 
+def test_a_compressed_body_is_a_415_naming_its_encoding():
+    import gzip
+
+    app, _, engine, _ = make_app()
+    with TestClient(app) as client:
+        body = gzip.compress(json.dumps({"model": MODEL, "prompt": "SAY:x"}).encode())
+        err = assert_openai_error(post_raw(client, "c", body, **{"content-encoding": "gzip"}),
+                                  415, "'gzip' is not supported")
+        assert err["code"] == "unsupported_media_type" and not engine.reqs
+        ok = post_raw(client, "c", {"model": MODEL, "prompt": "SAY:fine"},
+                      **{"content-encoding": "identity"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
+
+
 def test_default_body_cap_scales_with_the_context():
     """Without max_body_bytes the cap is 256 bytes a token of max_model_len, 2 to 32 MiB
     (session 26: a 27 MB body of 2.2M unknown keys held the event loop, and every stream, for

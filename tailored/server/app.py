@@ -37,6 +37,7 @@ tool-call format by a grammar (engine/grammar.py; needs xgrammar, as response_fo
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
 unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
+415 compressed body (Content-Encoding other than identity),
 500 engine or server fault, 503 engine loop dead. A streaming request that fails after the
 headers were sent gets `data: {"error": {...}}` and then `data: [DONE]`. Error bodies are
 rendered with ensure_ascii and messages quote user input escaped and shortened.
@@ -197,7 +198,14 @@ class _Server:
 
     # ---- parsing and validation ----------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
-        """The body, or OpenAIError(413) as soon as it exceeds max_body_bytes."""
+        """The body, or OpenAIError(413) as soon as it exceeds max_body_bytes; 415 for a
+        compressed body (a gzip body read as JSON said "malformed JSON: 'utf-8' codec", which
+        names the wrong fault; new-user attack, session 37)."""
+        coding = request.headers.get("content-encoding", "").strip().lower()
+        if coding not in ("", "identity"):
+            raise OpenAIError(
+                f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body "
+                "uncompressed", status=415, code="unsupported_media_type")
         limit = self.max_body_bytes
         too_large = OpenAIError(
             f"request body too large: the limit is {limit} bytes",
