@@ -79,7 +79,8 @@ VARIANTS = {
     # B=32 for two switches that do nothing at B=32, so re-captured graphs (or drift) cost
     # that much; put control first (and last) and read the variants against it, not the first row
     "control": lambda: (lambda: None),
-    # the GDN recurrent states stored in bf16 / fp32 (kb/0056; the engine's default is fp32)
+    # the GDN recurrent states stored in bf16 / fp32 (kb/0056; the engine's default, "auto", is
+    # bf16 for a bf16 or FP8 checkpoint served in bf16)
     "state_bf16": lambda: _state_dtype("bfloat16"),
     "state_fp32": lambda: _state_dtype("float32"),
     "shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", True),  # kb/0019

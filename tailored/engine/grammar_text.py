@@ -62,6 +62,8 @@ def _class(text: str, i: int) -> tuple[str, int]:
         end = _escape(text, j) if text[j] == "\\" else j + 1
         units.append(text[j:end])
         j = end
+    if not any(_ends_in_x(u) and len(v) == 1 and v in _HEX for u, v in zip(units, units[1:])):
+        return text[i:j + 1], j + 1  # unambiguous as written
     elements, k = [], 0  # a char, or a range "a-z" (a '-' between two chars)
     while k < len(units):
         if k + 2 < len(units) and units[k + 1] == "-":
@@ -73,9 +75,6 @@ def _class(text: str, i: int) -> tuple[str, int]:
 
     def starts_hex(e):
         return len(e[0]) == 1 and e[0] in _HEX
-
-    if not any(_ends_in_x(u) and len(v) == 1 and v in _HEX for u, v in zip(units, units[1:])):
-        return text[i:j + 1], j + 1  # unambiguous as written
 
     # elements opening with a raw hex digit first, the one of them that ends in an escape
     # last among them (two such elements cannot both be safe), then the rest: after an
