@@ -193,8 +193,8 @@ def _ahead_down_kernel(act_ptr, w_ptr, ws_ptr, logits_ptr, seg_ptr, rw_ptr, ids_
             n = (pid % NB) * ROWS + r
             w_ahead = _tile(w_ptr + e_ahead * stride_we, n, n < H, stride_wn, k, k_ok,
                             pid < units)
-        if L2:
-            for v in range(pid + nprog, units, nprog):
+        if L2:  # every unit not loaded above
+            for v in range(pid + nprog if AHEAD else pid, units, nprog):
                 ev = _expert_of(it, t, c, v // NB, S).to(tl.int64)
                 nv = (v % NB) * ROWS
                 nbytes = (tl.minimum(H - nv, ROWS) * I
