@@ -59,7 +59,7 @@ AHEAD_DN = [(4, 4, True, False), (8, 4, True, False), (16, 4, True, False), (8, 
 
 
 def _sweep_ahead(prec, T, run, row, a, best_t1):
-    """Time route_gemv_ahead_moe: at T=1 gate_up configs × programs a SM (1-4) with down
+    """Time route_gemv_ahead_moe: at T=1 gate_up configs × programs a SM (1, 2, 4) with down
     fixed, then down configs × (2, 4, 8) with the best gate_up; at T > 1 the T=1 best only.
     Returns the best (gate_up cfg, down cfg)."""
     def one(gu, dn):
@@ -80,7 +80,7 @@ def _sweep_ahead(prec, T, run, row, a, best_t1):
         return best_t1
     dn = (8, 4, 4, True, False)
     gu_best = min(((one((r, w, n, ah, l2), dn), (r, w, n, ah, l2))
-                   for r, w, ah, l2 in AHEAD_GU for n in (1, 2, 3, 4)), key=lambda v: v[0])
+                   for r, w, ah, l2 in AHEAD_GU for n in (1, 2, 4)), key=lambda v: v[0])
     best = min(((one(gu_best[1], (r, w, n, ah, l2)), (r, w, n, ah, l2))
                 for r, w, ah, l2 in AHEAD_DN for n in (2, 4, 8)), key=lambda v: v[0])
     return (gu_best[1], best[1])
