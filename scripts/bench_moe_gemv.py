@@ -58,10 +58,21 @@ AHEAD_DN = [(4, 4, True, False), (8, 4, True, False), (16, 4, True, False), (8, 
             (8, 4, True, True)]
 
 
-def _sweep_ahead(prec, T, run, row, a, best_t1):
+def _write_best(path, best_cfgs):
+    """The best (gate_up, down) configs by precision as TAILORED_MOE_AHEAD_CFG's JSON."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({f"{p},{t}": list(c) for p, c in best_cfgs.items() for t in (1, 2)}, f)
+        print(f"best configs -> {path}: {best_cfgs}", flush=True)
+
+
+def _sweep_ahead(prec, T, run, row, a, best_t1, save):
     """Time route_gemv_ahead_moe: at T=1 gate_up configs × programs a SM (1, 2, 4) with down
-    fixed, then down configs × (2, 4, 8) with the best gate_up; at T > 1 the T=1 best only.
-    Returns the best (gate_up cfg, down cfg)."""
+    fixed, then down configs × (2, 4, 8) with the best gate_up, the L2 prefetch configs last
+    (a bad address would end the process: the register-only results are saved first, through
+    save(best)); at T > 1 the T=1 best only. Returns the best (gate_up cfg, down cfg)."""
     def one(gu, dn):
         name = f"ahead gu {gu} dn {dn}"
         try:
@@ -74,16 +85,30 @@ def _sweep_ahead(prec, T, run, row, a, best_t1):
         return us
 
     ref_of = [None]
-    us0, ref_of[0] = time_graph(run(moe.route_fused_moe), LAYERS, a.reps, a.rounds)
+    _, ref_of[0] = time_graph(run(moe.route_fused_moe), LAYERS, a.reps, a.rounds)
     if T > 1 and best_t1:
         one(*best_t1)
         return best_t1
     dn = (8, 4, 4, True, False)
-    gu_best = min(((one((r, w, n, ah, l2), dn), (r, w, n, ah, l2))
-                   for r, w, ah, l2 in AHEAD_GU for n in (1, 2, 4)), key=lambda v: v[0])
-    best = min(((one(gu_best[1], (r, w, n, ah, l2)), (r, w, n, ah, l2))
-                for r, w, ah, l2 in AHEAD_DN for n in (2, 4, 8)), key=lambda v: v[0])
-    return (gu_best[1], best[1])
+    regs = [c for c in AHEAD_GU if not c[3]]
+    gu_us, gu = min(((one((r, w, n, ah, l2), dn), (r, w, n, ah, l2))
+                     for r, w, ah, l2 in regs for n in (1, 2, 4)), key=lambda v: v[0])
+    best = min(((one(gu, (r, w, n, ah, l2)), (gu, (r, w, n, ah, l2)))
+                for r, w, ah, l2 in AHEAD_DN if not l2 for n in (2, 4, 8)),
+               key=lambda v: v[0])
+    save(best[1])
+    for r, w, ah, l2 in AHEAD_GU:  # the L2 prefetch: gate_up with the best down, then down
+        if l2:
+            for n in (1, 2, 4):
+                best = min(best, (one((r, w, n, ah, l2), best[1][1]),
+                                  ((r, w, n, ah, l2), best[1][1])), key=lambda v: v[0])
+    for r, w, ah, l2 in AHEAD_DN:
+        if l2:
+            for n in (2, 4, 8):
+                best = min(best, (one(best[1][0], (r, w, n, ah, l2)),
+                                  (best[1][0], (r, w, n, ah, l2))), key=lambda v: v[0])
+    save(best[1])
+    return best[1]
 
 
 def main() -> None:
@@ -129,9 +154,11 @@ def main() -> None:
             if a.sweep == "ahead":
                 us, ys = time_graph(run(moe_gemv.route_gemv_moe), LAYERS, a.reps, a.rounds)
                 row("gemv (CFG)", us, ys, ref)
-                best = _sweep_ahead(prec, T, run, row, a, best_cfgs.get(prec))
-                if T == 1 and best:
+                def save(best, prec=prec):
                     best_cfgs[prec] = best
+                    _write_best(a.best_out, best_cfgs)
+
+                _sweep_ahead(prec, T, run, row, a, best_cfgs.get(prec), save)
                 continue
             best_gu, best_us = None, float("inf")
             dn_fixed = moe_gemv.CFG[prec, min(T, 2)][1]
@@ -159,12 +186,6 @@ def main() -> None:
                     row(f"gemv gu {best_gu[0]}x{best_gu[1]} dn {r}x{w}", us, ys, ref)
         del layers
         torch.cuda.empty_cache()
-    if a.best_out and best_cfgs:
-        import json
-
-        with open(a.best_out, "w") as f:
-            json.dump({f"{p},{t}": list(c) for p, c in best_cfgs.items() for t in (1, 2)}, f)
-        print(f"best configs -> {a.best_out}: {best_cfgs}")
     print("\n| precision | T | variant | µs/layer | TB/s | rel |\n|---|---|---|---|---|---|")
     for p in a.precisions.split(","):
         for T in sorted({r["T"] for r in rows}):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 38, call 1 (kb/0058): the sweep of the ahead GEMV experts (its rel column checks them against the tiled kernels at full size; the GPU tests wait, device time is short), the sweep that picks
+# Session 38, call 1 (kb/0058): the sweep of the ahead GEMV experts (its rel column checks them
+# against the tiled kernels at full size; the GPU tests wait, device time is short), which picks
 # their configs (written to /tmp/ahead_best.json) and the in-model A/B with those configs:
 # bf16 on an H200, FP8 on an H100 (a bf16 model and its graphs do not fit 80 GB).
 # Usage: TAILORED_COMMIT=<sha> OUT=$OUT bash logs/gpu/2026-12-06-s38/call1.sh
