@@ -99,10 +99,6 @@ VARIANTS = {
     # only (bf16's measured no gain, kb/0043)
     "no_moe_gemv": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 0),
     "moe_gemv1": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 1),
-    # the persistent GEMV experts that start their streams ahead at 1 / 2 rows (kb/0058; their
-    # configs: moe_gemv_ahead.CFG, or the file TAILORED_MOE_AHEAD_CFG names)
-    "moe_ahead1": lambda: _set("model.fast", "MOE_AHEAD_UP_TO", 1),
-    "moe_ahead2": lambda: _set("model.fast", "MOE_AHEAD_UP_TO", 2),
     # FP8 dense projections of 1-2 rows through the FP8 GEMV (kernels/fp8_gemv.py, kb/0039 §4;
     # fp8_gemv is the default since 64846c1, i.e. the same as control now)
     "fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 2),

@@ -10,13 +10,7 @@ token. The GEMV sweep: gate_up's config with down fixed, then down's with the be
 Prints each row as it completes and a table last; rel = relative difference to the tiled
 pair terms (different fp32 summation order).
 
---sweep ahead (kb/0058) times the persistent GEMVs that start their streams ahead
-(`moe_gemv_ahead.route_gemv_ahead_moe`) instead: gate_up's (ROWS, warps, AHEAD, L2) × programs
-a SM with down fixed, then down's with the best gate_up, at T=1; the best pair at every T; and
---best-out writes the best pair by precision as the JSON TAILORED_MOE_AHEAD_CFG reads.
-
 Usage (GPU): python3 scripts/bench_moe_gemv.py [--precisions bf16,fp8] [--batches 1,2] [--json F]
-             [--sweep gemv|ahead] [--best-out F]
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ import argparse
 import torch
 from kernel_bench import manifest, row_log, time_graph
 
-from tailored.kernels import moe, moe_gemv, moe_gemv_ahead
+from tailored.kernels import moe, moe_gemv
 
 E, K, H, I, LAYERS = 256, 8, 2048, 512, 8
 
@@ -49,68 +43,6 @@ def _experts(fp8: bool, g):
     return out
 
 
-# (ROWS, warps, AHEAD, L2) without spills on sm_90 (ptxas through Triton 3.9: 8 rows at 4
-# warps ahead spill, 8 × 8 ahead takes 254 registers, i.e. one program a SM)
-AHEAD_GU = [(4, 8, True, False), (8, 8, True, False), (8, 8, False, False),
-            (8, 8, False, True), (16, 8, False, True), (4, 8, True, True)]
-AHEAD_DN = [(4, 4, True, False), (8, 4, True, False), (16, 4, True, False), (8, 8, True, False),
-            (16, 8, True, False), (8, 4, False, False), (16, 8, False, True),
-            (8, 4, True, True)]
-
-
-def _write_best(path, best_cfgs):
-    """The best (gate_up, down) configs by precision as TAILORED_MOE_AHEAD_CFG's JSON."""
-    if path:
-        import json
-
-        with open(path, "w") as f:
-            json.dump({f"{p},{t}": list(c) for p, c in best_cfgs.items() for t in (1, 2)}, f)
-        print(f"best configs -> {path}: {best_cfgs}", flush=True)
-
-
-def _sweep_ahead(prec, T, run, row, a, best_t1, save):
-    """Time route_gemv_ahead_moe: at T=1 gate_up configs × programs a SM (1, 2, 4) with down
-    fixed, then down configs × (2, 4, 8) with the best gate_up, the L2 prefetch configs last
-    (a bad address would end the process: the register-only results are saved first, through
-    save(best)); at T > 1 the T=1 best only. Returns the best (gate_up cfg, down cfg)."""
-    def one(gu, dn):
-        name = f"ahead gu {gu} dn {dn}"
-        try:
-            us, ys = time_graph(run(moe_gemv_ahead.route_gemv_ahead_moe, gate_up_cfg=gu,
-                                    down_cfg=dn), LAYERS, a.reps, a.rounds)
-        except Exception as e:  # a config that does not compile or run: say so, go on
-            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-            return float("inf")
-        row(name, us, ys, ref_of[0])
-        return us
-
-    ref_of = [None]
-    _, ref_of[0] = time_graph(run(moe.route_fused_moe), LAYERS, a.reps, a.rounds)
-    if T > 1 and best_t1:
-        one(*best_t1)
-        return best_t1
-    dn = (8, 4, 4, True, False)
-    regs = [c for c in AHEAD_GU if not c[3]]
-    gu_us, gu = min(((one((r, w, n, ah, l2), dn), (r, w, n, ah, l2))
-                     for r, w, ah, l2 in regs for n in (1, 2, 4)), key=lambda v: v[0])
-    best = min(((one(gu, (r, w, n, ah, l2)), (gu, (r, w, n, ah, l2)))
-                for r, w, ah, l2 in AHEAD_DN if not l2 for n in (2, 4, 8)),
-               key=lambda v: v[0])
-    save(best[1])
-    for r, w, ah, l2 in AHEAD_GU:  # the L2 prefetch: gate_up with the best down, then down
-        if l2:
-            for n in (1, 2, 4):
-                best = min(best, (one((r, w, n, ah, l2), best[1][1]),
-                                  ((r, w, n, ah, l2), best[1][1])), key=lambda v: v[0])
-    for r, w, ah, l2 in AHEAD_DN:
-        if l2:
-            for n in (2, 4, 8):
-                best = min(best, (one(best[1][0], (r, w, n, ah, l2)),
-                                  (best[1][0], (r, w, n, ah, l2))), key=lambda v: v[0])
-    save(best[1])
-    return best[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--precisions", default="bf16,fp8")
@@ -118,10 +50,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--sweep", choices=("gemv", "ahead"), default="gemv")
-    ap.add_argument("--best-out", default=None)
     a = ap.parse_args()
-    best_cfgs = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     record, rows = row_log(
         manifest(a, "random (seed 0), 8 layers of 256+1 experts, H=2048, I=512, k=8"), a.json,
@@ -151,15 +80,6 @@ def main() -> None:
 
             us, ref = time_graph(run(moe.route_fused_moe), LAYERS, a.reps, a.rounds)
             row("tiled", us, ref, ref)
-            if a.sweep == "ahead":
-                us, ys = time_graph(run(moe_gemv.route_gemv_moe), LAYERS, a.reps, a.rounds)
-                row("gemv (CFG)", us, ys, ref)
-                def save(best, prec=prec):
-                    best_cfgs[prec] = best
-                    _write_best(a.best_out, best_cfgs)
-
-                _sweep_ahead(prec, T, run, row, a, best_cfgs.get(prec), save)
-                continue
             best_gu, best_us = None, float("inf")
             dn_fixed = moe_gemv.CFG[prec, min(T, 2)][1]
             for r in (2, 4, 8, 16):
@@ -192,8 +112,8 @@ def main() -> None:
             sel = [r for r in rows if r["precision"] == p and r["T"] == T]
             if not sel:
                 continue
-            tiled = [r for r in sel if r["variant"] in ("tiled", "gemv (CFG)")]
-            best = min((r for r in sel if r not in tiled), key=lambda r: r["us"],
+            tiled = [r for r in sel if r["variant"] == "tiled"]
+            best = min((r for r in sel if r["variant"] != "tiled"), key=lambda r: r["us"],
                        default=None)
             for r in tiled + ([best] if best else []):
                 print(f"| {p} | {T} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | "

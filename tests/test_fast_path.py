@@ -90,8 +90,7 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     GDN step over 4 programs a head. (The FP8 experts' float16 gate_up dots, on by default,
     apply to bf16 activations only: these fp32 steps keep fp32 dots; test_kernels.py covers
     them.) Routing inside the gate_up programs (kb/0036) up to 4 rows: with the shared
-    expert in switches, without it in route_in_gate_up, whose experts then run as the GEMVs
-    that start ahead (kb/0058; the tiled ones are the defaults' at 1-2 rows).
+    expert in switches, without it in route_in_gate_up.
     The previous defaults (the fused GDN step, separate norms) stay reachable through the
     environment; their kernels keep their own tests (test_kernels.py)."""
     from tailored.kernels import attention_decode, gdn_decode, moe
@@ -106,8 +105,6 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
     if variant != "defaults":
         monkeypatch.setattr(fastmod, "ROUTE_IN_GATE_UP_UP_TO", 4)
-    if variant == "route_in_gate_up":
-        monkeypatch.setattr(fastmod, "MOE_AHEAD_UP_TO", 4)
     if variant == "switches":
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
         monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037

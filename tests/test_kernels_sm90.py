@@ -35,8 +35,7 @@ TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32",
 # kernels that read what no kernel of the step writes (weights, the GDN state) before their
 # PDL wait (kb/0040): their PTX loads before the wait; every other kernel's first global load
 # and store come after it
-PDL_PREFETCH = {"_fp8_gemv_kernel", "_recurrent_kernel", "_splitk_kernel",
-                "_ahead_down_kernel"}
+PDL_PREFETCH = {"_fp8_gemv_kernel", "_recurrent_kernel", "_splitk_kernel"}
 NO_FMA = {"_qk_norm_rope_kernel", "_q_k_norm_rope_kernel", "_moe_combine_kernel",
           "_silu_mul_kernel"}
 
@@ -202,16 +201,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                         torch.empty(E + 1, H, I, dtype=wdt), torch.randn(1, 1, dtype=dt),
                         *((torch.ones(E + 1, 2 * I // 128, H // 128),
                            torch.ones(E + 1, H // 128, I // 128)) if wdt == f8 else ())))
-                    # the persistent GEMVs whose streams start ahead (kb/0058), with the
-                    # L2 bulk prefetch forced on (the CPU tensors would turn it off)
-                    for l2 in (False, True):
-                        calls.append(lambda x=x, wdt=wdt, dt=dt, l2=l2: _ahead_moe(
-                            x, torch.randn(1, E, dtype=dt), K,
-                            torch.empty(E + 1, 2 * I, H, dtype=wdt),
-                            torch.empty(E + 1, H, I, dtype=wdt), torch.randn(1, 1, dtype=dt),
-                            *((torch.ones(E + 1, 2 * I // 128, H // 128),
-                               torch.ones(E + 1, H // 128, I // 128)) if wdt == f8 else ()),
-                            l2=l2))
             if T == 1:  # FP8 weight -> activation dtype for the prefill GEMMs (kb/0026)
                 calls.append(lambda wl=wl, dt=dt: dequantize_rows(
                     wl, torch.ones(1024, H // 128), dtype=dt))
@@ -344,21 +333,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
            "_dequant_experts_kernel", "_route_gate_up_kernel", "_q_k_norm_rope_kernel",
            "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel", "_splitk_kernel",
-           "_reduce_kernel", "_ahead_gate_up_kernel", "_ahead_down_kernel"}
-
-
-def _ahead_moe(*args, l2: bool):
-    """moe_gemv_ahead.route_gemv_ahead_moe with AHEAD on and the L2 prefetch on or off in
-    both launches."""
-    from tailored.kernels import moe_gemv_ahead
-
-    held = moe_gemv_ahead._bulk_ok
-    moe_gemv_ahead._bulk_ok = lambda *a: True
-    try:
-        return moe_gemv_ahead.route_gemv_ahead_moe(*args, gate_up_cfg=(8, 8, 2, True, l2),
-                                                   down_cfg=(16, 4, 4, True, l2))
-    finally:
-        moe_gemv_ahead._bulk_ok = held
+           "_reduce_kernel"}
 
 
 def _compile(recs) -> list[dict]:

@@ -448,7 +448,6 @@ def _kernel_switches() -> dict:
             "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
             "moe_fp8_dot_f16": moe.FP8_DOT_F16, "proj_row_align": fast.PROJ_ROW_ALIGN,
             "pdl": pdl.PDL, "moe_gemv_up_to": fast.MOE_GEMV_UP_TO,
-            "moe_ahead_up_to": fast.MOE_AHEAD_UP_TO,
             "fp8_gemv_up_to": fast.FP8_GEMV_UP_TO,
             "bf16_gemv_up_to": fast.BF16_GEMV_UP_TO,
             "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),

@@ -325,13 +325,11 @@ def _launcher(name: str, decode: bool, fp8: bool = False):
 
 @triton.jit
 def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, store_ok, stride_l, stride_s,
-               E: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr,
-               STORE: tl.constexpr = True):
+               E: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr, SHARED: tl.constexpr):
     """Routing of the token rows t (spec §7.2): softmax over the E experts (fp32), top-k by
     repeated max (largest first, ties to the lowest id), renormalised over the k, stored as
     w/ids [T, S] (S = k, or k+1 with the shared expert as expert E in slot k, weight
-    sigmoid(shared gate)), in the rows where store_ok (no store at all without STORE: a kernel
-    that routes before its PDL wait must not write there). Returns (sel [rows, E]: slot+1 of each
+    sigmoid(shared gate)), in the rows where store_ok. Returns (sel [rows, E]: slot+1 of each
     chosen expert, 0 elsewhere; the expert ids by slot [rows, BLOCK_S] int64)."""
     e = tl.arange(0, E)
     S: tl.constexpr = K + 1 if SHARED else K  # pair slots per token
@@ -361,10 +359,9 @@ def _topk_tile(logits_ptr, seg_ptr, w_ptr, ids_ptr, t, t_ok, store_ok, stride_l,
         s = tl.load(seg_ptr + t * stride_s, mask=t_ok, other=0.0).to(tl.float32)
         wt = tl.where(c[None, :] == K, tl.math.div_rn(1.0, 1.0 + tl.exp(-s))[:, None], wt)
         it = tl.where(c[None, :] == K, E, it)
-    if STORE:
-        out_ok = store_ok[:, None] & (c[None, :] < S)
-        tl.store(w_ptr + t[:, None] * S + c[None, :], wt.to(w_ptr.dtype.element_ty), mask=out_ok)
-        tl.store(ids_ptr + t[:, None] * S + c[None, :], it, mask=out_ok)
+    out_ok = store_ok[:, None] & (c[None, :] < S)
+    tl.store(w_ptr + t[:, None] * S + c[None, :], wt.to(w_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(ids_ptr + t[:, None] * S + c[None, :], it, mask=out_ok)
     return sel, it
 
 

@@ -40,7 +40,6 @@ from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
 from tailored.kernels.moe_gemv import route_gemv_moe
-from tailored.kernels.moe_gemv_ahead import route_gemv_ahead_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
 from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
@@ -110,11 +109,6 @@ ROUTE_IN_GATE_UP_UP_TO = env_int("TAILORED_MOE_ROUTE_IN_GATE_UP_UP_TO", 2, 0,
 # 24.2 → 23.0 µs at T=1 but the step +0.9 % min / +3.2 % median, kb/0039; with PDL, session 26,
 # +5.6 % median / −1.5 % min, kb/0043); their switch was deleted in session 27.
 MOE_GEMV_UP_TO = env_int("TAILORED_MOE_GEMV_UP_TO", 2, 0, moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
-# MoE inputs of up to this many rows that route inside the gate_up programs, any weight dtype,
-# run the persistent GEMVs whose weight streams start ahead (`moe_gemv_ahead`, kb/0058): gate_up
-# routes once a program and loads a unit ahead; down routes and loads before its PDL wait.
-# route_gemv_moe's numerics. 0 = off until measured on the H200. Read at call time (A/B).
-MOE_AHEAD_UP_TO = env_int("TAILORED_MOE_AHEAD_UP_TO", 0, 0, moe_kernels.ROUTE_ONE_PROGRAM_UP_TO)
 # FP8 checkpoints: the dense projections (GDN, attention, shared expert) dequantized once at
 # start and run through cuBLAS in every step above FP8_GEMV_UP_TO rows (at 1-2 rows the FP8
 # GEMV reads the FP8 weights, kb/0039); the routed experts stay FP8 (kb/0026). The
@@ -641,10 +635,8 @@ class FastPath:
     @staticmethod
     def _route_experts(T: int, experts: torch.Tensor):
         """The kernels for a T-row MoE input that routes inside the gate_up launch, by the
-        experts' weight dtype: the GEMVs that start ahead up to MOE_AHEAD_UP_TO rows, FP8
-        experts as GEMVs up to MOE_GEMV_UP_TO rows, else the tiled GEMMs (same contract)."""
-        if T <= MOE_AHEAD_UP_TO:
-            return route_gemv_ahead_moe
+        experts' weight dtype: FP8 experts as GEMVs up to MOE_GEMV_UP_TO rows, else the tiled
+        GEMMs (same contract)."""
         gemv = experts.dtype == torch.float8_e4m3fn
         return route_gemv_moe if gemv and T <= MOE_GEMV_UP_TO else route_fused_moe
 
