@@ -68,8 +68,11 @@ def _prefetch_bulk_kernel(w_ptr, n_bytes, CHUNK_BYTES: tl.constexpr, STEP: tl.co
         off = p * CHUNK_BYTES + s
         size = tl.minimum(n_bytes - off, STEP).to(tl.int32)
         if size > 0:
+            # a scalar asm runs in every thread of the program: thread 0 alone issues it
+            # (before session 38 each of the warp's 32 threads issued every prefetch, kb/0058)
             tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
                 [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
