@@ -447,14 +447,12 @@ def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | No
             return f"{path}: lookaround in 'pattern' is not supported"
         if "minLength" in schema or "maxLength" in schema:
             return f"{path}: 'pattern' together with 'minLength' / 'maxLength' is not supported"
-    types = schema.get("type")
-    if types == []:
-        return f"{path}: 'type' must not be an empty list"
-    for key in ("anyOf", "oneOf", "allOf"):
-        # no value matches an empty anyOf / oneOf; xgrammar let whitespace alone through
-        # (new-user attack, session 37)
+    for key in ("type", "anyOf", "oneOf", "allOf"):
+        # no value matches an empty type list, anyOf or oneOf; xgrammar let whitespace alone
+        # through for the last three (new-user attack, session 37)
         if schema.get(key) == []:
             return f"{path}: '{key}' must not be an empty list"
+    types = schema.get("type")
     type_list = [types] if isinstance(types, str) else types if isinstance(types, list) else []
     if "multipleOf" in schema and type_list != ["integer"]:
         return f"{path}: 'multipleOf' is only supported with type 'integer'"
