@@ -135,10 +135,6 @@ VARIANTS = {
     # the decode down GEMM's bf16-dot configs only (FP8_DOWN_F16 off, kb/0045): a new launcher,
     # tuned at the re-capture's warm-up where tuned.json's float16 picks no longer apply
     "down_bf16dot": lambda: _set("kernels.moe", "FP8_DOWN_F16", False),
-    # FP8 decode down GEMMs as one-expert-a-program GEMVs (moe_down_gemv, kb/0059; its
-    # config: moe_down_gemv.CFG, TAILORED_MOE_DOWN_GEMV_CFG)
-    "down_gemv": lambda: _set("kernels.moe", "FP8_DOWN_GEMV", True),
-    "no_down_gemv": lambda: _set("kernels.moe", "FP8_DOWN_GEMV", False),
     # FP8 dense projections of 3-64 rows through the split-K W8A16 GEMM over their FP8 weights
     # instead of cuBLAS over the bf16 copy (kb/0045 §4; its configs: fp8_splitk.CFGS)
     "dense_splitk": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 64),

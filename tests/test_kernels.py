@@ -309,39 +309,6 @@ def test_fused_moe_compact_grid_is_bitwise_the_full_grid(T, E, k, monkeypatch):
     assert torch.equal(compact, full) and torch.equal(compact2, full)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,E,k,H,I,cfg", [(1, 8, 2, 200, 160, (16, 4, 2)),
-                                           (5, 8, 2, 200, 160, (8, 2, 3)),  # full grid
-                                           (3, 32, 4, 136, 48, (128, 4, 1)),  # ROWS > H
-                                           (9, 16, 4, 256, 160, (32, 8, 4)),
-                                           (32, 256, 8, 2048, 512, None)])
-def test_fp8_down_gemv_matches_the_tiled_down(dtype, T, E, k, H, I, cfg, monkeypatch):
-    """FP8_DOWN_GEMV (kb/0059): the decode down GEMM as one-expert-a-program GEMVs gives the
-    tiled `_down_kernel`'s pair terms up to fp32 summation order, on the compact and the full
-    grid, for odd H/I (masked rows, partial scale blocks) and any (ROWS, warps, PAIRS);
-    NaN-poisoned pair buffers are all overwritten (experts without pairs read and write
-    nothing); a bad ROWS is refused."""
-    from tailored.kernels import moe, moe_down_gemv
-
-    if DEV == "cpu" and E == 256:
-        pytest.skip("full-size case: GPU only (minutes in the interpreter)")
-    g = torch.Generator().manual_seed(T * 13 + E + H)
-    x = torch.randn(T, H, generator=g).to(DEV, dtype)
-    qgu, qd, _, (rgu, rd) = _fp8_experts(E, H, I, g)
-    qgu, qd, rgu, rd = qgu.to(DEV), qd.to(DEV), rgu.to(DEV), rd.to(DEV)
-    w, ids, *aligned = moe.route_align(torch.randn(T, E, generator=g).to(DEV, dtype), k)
-    want = moe.fused_moe(x, w, ids, qgu, qd, aligned, rgu, rd, reduce=False)
-    monkeypatch.setattr(moe, "FP8_DOWN_GEMV", True)
-    if cfg is not None:
-        monkeypatch.setattr(moe_down_gemv, "CFG", cfg)
-    with nan_empty():
-        got = moe.fused_moe(x, w, ids, qgu, qd, aligned, rgu, rd, reduce=False)
-    assert torch.isfinite(got).all()
-    assert rel_err(got, want) < TOL[dtype]
-    with pytest.raises(ValueError, match="ROWS"):
-        moe_down_gemv.launch((), 1, H, I, True, False, {}, cfg=(256, 4, 1))
-
-
 def _routed_call_inputs(dtype, T, E, H, I, shared, fp8, g):
     """(x [T, H] with strided rows, router logits [T, E], shared gate [T, 1] view or None,
     gate_up, down (E+1 experts with the shared one; FP8 with block scales), scales) for the

@@ -243,20 +243,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                     moe.FP8_DOT_F16, moe.FP8_DOWN_F16 = held
             calls.append(f16_moe)
 
-            def down_gemv(x=torch.randn(32, H, dtype=dt)):  # FP8_DOWN_GEMV (kb/0059), B=32
-                from tailored.kernels import moe
-
-                held = moe.FP8_DOWN_GEMV
-                moe.FP8_DOWN_GEMV = True
-                try:
-                    fused_moe(x, torch.rand(32, K, dtype=dt), torch.randint(0, E, (32, K)),
-                              torch.zeros(E, 2 * I, H, dtype=f8), torch.zeros(E, H, I, dtype=f8),
-                              None, torch.ones(E, 2 * I // 128, H // 128),
-                              torch.ones(E, H // 128, I // 128))
-                finally:
-                    moe.FP8_DOWN_GEMV = held
-            calls.append(down_gemv)
-
             def down_shipped(dt=dt):  # tuned.json's float16 pick for B=8 / 32 (kb/0045)
                 from tailored.kernels import dot_precision, moe
                 from tailored.kernels.pdl import launch as pdl_launch

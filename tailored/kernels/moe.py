@@ -309,10 +309,6 @@ FP8_DOT_F16 = env_flag("TAILORED_MOE_FP8_DOT_F16", True)
 # re-capture). Read at each launch (each setting has its own launcher); the fixed configs
 # (interpreter, TAILORED_AUTOTUNE=0) take float16 dots at decode size when on.
 FP8_DOWN_F16 = env_flag("TAILORED_MOE_FP8_DOWN_F16", True)
-# FP8 experts' decode-size down GEMMs (BLOCK_M 16: ≤ 4 pairs an expert) as GEMVs, one expert
-# a program (`moe_down_gemv`, kb/0059) instead of the tiled `_down_kernel`. Read at each
-# launch (A/B: bench_decode's down_gemv variant). Off until measured on the GPU.
-FP8_DOWN_GEMV = env_flag("TAILORED_MOE_FP8_DOWN_GEMV", False)
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
 
@@ -600,11 +596,6 @@ def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int
     FP8_DOWN_F16 (the tuned launcher's config carries DOT_F16); fp32 activations keep fp32
     dots, larger prefill tiles bf16 dots."""
     decode = bm == 16
-    if fp8 and decode and FP8_DOWN_GEMV:
-        from tailored.kernels import moe_down_gemv  # imports this module: no cycle at load
-
-        moe_down_gemv.launch(dn_args, grid_e, H, I, fp8, compact, pdl_launch(x))
-        return
     f16 = fp8 and FP8_DOWN_F16 and decode and x.dtype == torch.bfloat16
     if tuned:
         launch = _launcher("down", decode, fp8)
