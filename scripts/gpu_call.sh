@@ -6,6 +6,8 @@
 #  tests    pytest on the GPU: each ';'-separated entry of TESTS is one pytest run (its own
 #           log, tests-N.log; shell words, quotes kept), e.g.
 #           TESTS="tests/test_tuning.py;tests/test_gpu.py -k 'pdl or full_width'".
+#           TESTS_CAP: seconds an entry may run (default 300); TESTS_ARGS: more pytest words
+#           for every entry after its -q, e.g. "-vv --durations=8" (a line a test).
 #  tune     Re-tune launchers from scratch (kernels/tuning.py): a copy of tuned.json without
 #           the TUNE_DROP launchers (space-separated names) is loaded, an in-process decode
 #           run at TUNE_BATCHES (TUNE_PREC bf16|fp8) warms every decode graph size up to the
@@ -23,6 +25,8 @@
 #           of SBS_PRECS with SBS_ENV in front (FP8 only).
 #  gate     `tailored gate` for each of GATE_PRECS with GATE_ENV in front.
 #  onegate  The bf16 gate with the prompts one at a time (the one-row paths alone).
+# STAMP_LINES=1: every line of a tests/bench log starts with the seconds since the call began,
+# so an entry cut by its limit still tells how long each test it reached took (with -v).
 # SBS_ENV / GATE_ENV are NAME=VALUE words split at spaces (no value may hold a space).
 # The device returns a few files only: at the end everything in $OUT but this log and
 # tuned.json is packed into $OUT/logs.tgz.
@@ -59,6 +63,14 @@ if [ -s /tmp/tuned.json ]; then  # an earlier call's `tune` on this (warm) machi
     export TAILORED_TUNING=/tmp/tuned.json
     stamp "loading the tuning table of an earlier call: /tmp/tuned.json"
 fi
+# a log's lines, each after the seconds since the call began with STAMP_LINES=1
+stamp_lines() {
+    if [ "${STAMP_LINES:-0}" = 1 ]; then
+        while IFS= read -r l; do echo "[+$(( $(date +%s) - T0 ))s] $l"; done
+    else
+        cat
+    fi
+}
 # each_entry NAME LIST LIMIT PREFIX TAIL: run every ';'-separated entry of LIST as shell words
 # after PREFIX (eval: quotes kept, e.g. -k "a or b"), each under its own timeout of at most LIMIT
 # s with its log NAME-N.log; prints the log's failures (tests) or its last TAIL lines (benches)
@@ -68,11 +80,13 @@ each_entry() {
         n=$((n + 1))
         enough 60 "$1 $e" || break
         stamp "$1 $n: $e ($(left) s left)"
-        eval "timeout $(cap "$3") $4 $e" > "$OUT/$1-$n.log" 2>&1 < /dev/null
-        grep "^FAILED\|^ERROR" "$OUT/$1-$n.log" | head -5; tail -"$5" "$OUT/$1-$n.log"
+        eval "timeout $(cap "$3") $4 $e" < /dev/null 2>&1 | stamp_lines > "$OUT/$1-$n.log"
+        grep "^\(\[+[0-9]*s\] \)\?\(FAILED\|ERROR\)" "$OUT/$1-$n.log" | head -5
+        tail -"$5" "$OUT/$1-$n.log"
     done < <(entries "$2")
 }
-want tests && each_entry tests "$TESTS" 300 "python3 -m pytest -q -p no:cacheprovider -rf" 1
+want tests && each_entry tests "$TESTS" "${TESTS_CAP:-300}" \
+    "python3 -m pytest -q -p no:cacheprovider -rf ${TESTS_ARGS:-}" 1
 want tune && enough 120 "tune" && {
     prec=${TUNE_PREC:-fp8}
     stamp "tune $prec from scratch: $TUNE_DROP ($(left) s left)"
