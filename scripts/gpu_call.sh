@@ -8,6 +8,11 @@
 #           TESTS="tests/test_tuning.py;tests/test_gpu.py -k 'pdl or full_width'".
 #           TESTS_CAP: seconds an entry may run (default 300); TESTS_ARGS: more pytest words
 #           for every entry after its -q, e.g. "-vv --durations=8" (a line a test).
+#           TESTS_JOBS: entries run at once (default 1), each its own pytest process on the
+#           one GPU: the GPU tests spend most of their time compiling Triton kernels on the
+#           CPU (16 cores there), so a list that takes ~3 calls one at a time fits in one.
+#           Keep the entries' GPU memory together under the card's (a full-width 4-layer
+#           model in fp32 is ~17 GB, twice that with transformers' copy).
 #  tune     Re-tune launchers from scratch (kernels/tuning.py): a copy of tuned.json without
 #           the TUNE_DROP launchers (space-separated names) is loaded, an in-process decode
 #           run at TUNE_BATCHES (TUNE_PREC bf16|fp8) warms every decode graph size up to the
@@ -71,22 +76,32 @@ stamp_lines() {
         cat
     fi
 }
-# each_entry NAME LIST LIMIT PREFIX TAIL: run every ';'-separated entry of LIST as shell words
-# after PREFIX (eval: quotes kept, e.g. -k "a or b"), each under its own timeout of at most LIMIT
-# s with its log NAME-N.log; prints the log's failures (tests) or its last TAIL lines (benches)
+# each_entry NAME LIST LIMIT PREFIX TAIL [JOBS]: run every ';'-separated entry of LIST as shell
+# words after PREFIX (eval: quotes kept, e.g. -k "a or b"), each under its own timeout of at most
+# LIMIT s with its log NAME-N.log, up to JOBS (default 1) at once; prints each log's failures
+# (tests) or its last TAIL lines (benches), in entry order once all have ended
 each_entry() {
-    local n=0 e
+    local n=0 e jobs=${6:-1} pids=()
     while IFS= read -r e; do
         n=$((n + 1))
+        while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
         enough 60 "$1 $e" || break
         stamp "$1 $n: $e ($(left) s left)"
-        eval "timeout $(cap "$3") $4 $e" < /dev/null 2>&1 | stamp_lines > "$OUT/$1-$n.log"
-        grep "^\(\[+[0-9]*s\] \)\?\(FAILED\|ERROR\)" "$OUT/$1-$n.log" | head -5
-        tail -"$5" "$OUT/$1-$n.log"
+        { eval "timeout $(cap "$3") $4 $e" < /dev/null 2>&1 | stamp_lines > "$OUT/$1-$n.log"
+          stamp "$1 $n ended"; } &
+        pids+=($!)
     done < <(entries "$2")
+    # these pids only: a bare `wait` would also wait for the log's tee (device_env.sh)
+    [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+    for ((i = 1; i <= n; i++)); do
+        [ -f "$OUT/$1-$i.log" ] || continue
+        [ "$jobs" -gt 1 ] && echo "$1 $i:"
+        grep "^\(\[+[0-9]*s\] \)\?\(FAILED\|ERROR\)" "$OUT/$1-$i.log" | head -5
+        tail -"$5" "$OUT/$1-$i.log"
+    done
 }
 want tests && each_entry tests "$TESTS" "${TESTS_CAP:-300}" \
-    "python3 -m pytest -q -p no:cacheprovider -rf ${TESTS_ARGS:-}" 1
+    "python3 -m pytest -q -p no:cacheprovider -rf ${TESTS_ARGS:-}" 1 "${TESTS_JOBS:-1}"
 want tune && enough 120 "tune" && {
     prec=${TUNE_PREC:-fp8}
     stamp "tune $prec from scratch: $TUNE_DROP ($(left) s left)"
