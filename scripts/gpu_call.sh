@@ -180,6 +180,9 @@ if want onegate && [ "$(left)" -gt 100 ]; then
     stamp "bf16 gate, prompts one at a time ($(left) s left)"
     run_gate bf16 gate-bf16-one GATE_ARGS=--one-at-a-time
 fi
+# the compiled-kernel cache's size: whether it could come back and travel in carry to start
+# the next call's tests warm (files back: 16 MiB each; carry: 64 MiB with the wheels)
+stamp "Triton cache: $(du -sh "$TRITON_CACHE_DIR" 2>/dev/null | cut -f1) in $TRITON_CACHE_DIR"
 stamp done
 # the device returns a few files: this log and the table as they are, the rest in one archive
 (cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu_call.log ! -name tuned.json \
