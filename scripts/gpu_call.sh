@@ -10,7 +10,8 @@
 #           for every entry after its -q, e.g. "-vv --durations=8" (a line a test).
 #           TESTS_JOBS: entries run at once (default 1), each its own pytest process on the
 #           one GPU: the GPU tests spend most of their time compiling Triton kernels on the
-#           CPU (16 cores there), so a list that takes ~3 calls one at a time fits in one.
+#           CPU (16 cores there), so a list that takes ~3 calls one at a time should need
+#           fewer (not yet measured; processes at once compile a shared kernel each).
 #           Keep the entries' GPU memory together under the card's (a full-width 4-layer
 #           model in fp32 is ~17 GB, twice that with transformers' copy).
 #  tune     Re-tune launchers from scratch (kernels/tuning.py): a copy of tuned.json without
@@ -50,6 +51,7 @@ for part in $PARTS; do
 done
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 # the settings each wanted part needs, checked before anything runs
+[[ "${TESTS_JOBS:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "TESTS_JOBS: a whole number >= 1"; exit 2; }
 for need in "tests TESTS" "tune TUNE_DROP" "bench BENCHES" "ab AB_VARIANTS"; do
     set -- $need
     if want "$1" && [ -z "${!2:-}" ]; then echo "PARTS has $1: set $2"; exit 2; fi
@@ -58,7 +60,8 @@ ckpt() { [ "$1" = fp8 ] && echo /tmp/full-fp8 || echo /tmp/full; }
 # ';'-separated entries of $1, blank ones dropped (a blank pytest entry would run everything)
 entries() {
     local -a raw
-    IFS=';' read -ra raw <<< "$1"
+    # newlines count as spaces: a list copied from a wrapped README line keeps its entries
+    IFS=';' read -ra raw <<< "${1//$'\n'/ }"
     for e in "${raw[@]}"; do [ -n "${e// /}" ] && printf '%s\n' "$e"; done
 }
 full_configs > /dev/null
@@ -79,26 +82,32 @@ stamp_lines() {
 # each_entry NAME LIST LIMIT PREFIX TAIL [JOBS]: run every ';'-separated entry of LIST as shell
 # words after PREFIX (eval: quotes kept, e.g. -k "a or b"), each under its own timeout of at most
 # LIMIT s with its log NAME-N.log, up to JOBS (default 1) at once; prints each log's failures
-# (tests) or its last TAIL lines (benches), in entry order once all have ended
+# (tests) or its last TAIL lines (benches): one at a time after each entry, else in entry order
+# once all have ended
 each_entry() {
-    local n=0 e jobs=${6:-1} pids=()
+    local n=0 e i jobs=${6:-1} pids=()
     while IFS= read -r e; do
         n=$((n + 1))
         while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
         enough 60 "$1 $e" || break
         stamp "$1 $n: $e ($(left) s left)"
         { eval "timeout $(cap "$3") $4 $e" < /dev/null 2>&1 | stamp_lines > "$OUT/$1-$n.log"
-          stamp "$1 $n ended"; } &
+          rc=${PIPESTATUS[0]}  # timeout's: 124 when it cut the entry
+          stamp "$1 $n ended, rc $rc$([ "$rc" = 124 ] && echo ' (cut by its time limit)')"
+          [ "$jobs" -gt 1 ] || summary "$1" "$n" "$5"; } &
         pids+=($!)
     done < <(entries "$2")
     # these pids only: a bare `wait` would also wait for the log's tee (device_env.sh)
     [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+    [ "$jobs" -gt 1 ] || return 0
     for ((i = 1; i <= n; i++)); do
-        [ -f "$OUT/$1-$i.log" ] || continue
-        [ "$jobs" -gt 1 ] && echo "$1 $i:"
-        grep "^\(\[+[0-9]*s\] \)\?\(FAILED\|ERROR\)" "$OUT/$1-$i.log" | head -5
-        tail -"$5" "$OUT/$1-$i.log"
+        [ -f "$OUT/$1-$i.log" ] && echo "$1 $i:" && summary "$1" "$i" "$5"
     done
+}
+# summary NAME N TAIL: the failures and the last TAIL lines of NAME-N.log
+summary() {
+    grep "^\(\[+[0-9]*s\] \)\?\(FAILED\|ERROR\)" "$OUT/$1-$2.log" | head -5
+    tail -"$3" "$OUT/$1-$2.log"
 }
 want tests && each_entry tests "$TESTS" "${TESTS_CAP:-300}" \
     "python3 -m pytest -q -p no:cacheprovider -rf ${TESTS_ARGS:-}" 1 "${TESTS_JOBS:-1}"
@@ -182,7 +191,9 @@ if want onegate && [ "$(left)" -gt 100 ]; then
 fi
 # the compiled-kernel cache's size: whether it could come back and travel in carry to start
 # the next call's tests warm (files back: 16 MiB each; carry: 64 MiB with the wheels)
-stamp "Triton cache: $(du -sh "$TRITON_CACHE_DIR" 2>/dev/null | cut -f1) in $TRITON_CACHE_DIR"
+# (du counts blocks: an archive of it weighs less)
+size=$(du -sh "$TRITON_CACHE_DIR" 2>/dev/null | cut -f1)
+stamp "Triton cache: ${size:-none} in $TRITON_CACHE_DIR"
 stamp done
 # the device returns a few files: this log and the table as they are, the rest in one archive
 (cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu_call.log ! -name tuned.json \
