@@ -10,10 +10,11 @@
 #           for every entry after its -q, e.g. "-vv --durations=8" (a line a test).
 #           TESTS_JOBS: entries run at once (default 1), each its own pytest process on the
 #           one GPU: the GPU tests spend most of their time compiling Triton kernels on the
-#           CPU (16 cores there), so a list that takes ~3 calls one at a time should need
-#           fewer (not yet measured; processes at once compile a shared kernel each).
-#           Keep the entries' GPU memory together under the card's (a full-width 4-layer
-#           model in fp32 is ~17 GB, twice that with transformers' copy).
+#           CPU (16 cores there): 3 jobs ran the whole GPU list in 570 s, ~2.5x one at a
+#           time (kb/0060). Memory is the limit: keep the entries' GPU memory together under
+#           the card's (on an H100 the full-width entries, test_gpu / test_gpu_spec /
+#           test_gpu_ctx, held 30-55 GiB each before tests/conftest.py freed each test's model).
+#           One -k an entry: pytest keeps only the last.
 #  tune     Re-tune launchers from scratch (kernels/tuning.py): a copy of tuned.json without
 #           the TUNE_DROP launchers (space-separated names) is loaded, an in-process decode
 #           run at TUNE_BATCHES (TUNE_PREC bf16|fp8) warms every decode graph size up to the
