@@ -13,7 +13,7 @@ message, another question and the generation prompt (hits the system message's e
 request decodes --tokens greedy tokens. Both settings run the same ids; the greedy tokens of
 turn 2 and of the new chat are compared (reported: in bf16 the hit's prefill splits where
 the cold one does not, and random weights' near-ties may follow; the exact check is the fp32
-tests/test_gpu_invariance.py -k prefix). Each setting runs in a process of its own (`--one`).
+tests/gpu/test_gpu_invariance.py -k prefix). Each setting runs in a process of its own (`--one`).
 
 Usage (GPU): python3 scripts/bench_prefix_turns.py /tmp/full [--context 8192] [--new 256]
              [--convs 4] [--tokens 8] [--json F]

@@ -5,7 +5,7 @@
 # PARTS picks sections, run in this order:
 #  tests    pytest on the GPU: each ';'-separated entry of TESTS is one pytest run (its own
 #           log, tests-N.log; shell words, quotes kept), e.g.
-#           TESTS="tests/test_tuning.py;tests/test_gpu.py -k 'pdl or full_width'".
+#           TESTS="tests/kernels/test_tuning.py;tests/gpu/test_gpu.py -k 'pdl or full_width'".
 #           TESTS_CAP: seconds an entry may run (default 300); TESTS_ARGS: more pytest words
 #           for every entry after its -q, e.g. "-vv --durations=8" (a line a test).
 #           TESTS_JOBS: entries run at once (default 1), each its own pytest process on the

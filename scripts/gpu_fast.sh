@@ -29,7 +29,7 @@ ckpt() { [ "$1" = fp8 ] && echo /tmp/full-fp8 || echo /tmp/full; }
 
 if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels, fast path, graphs"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_kernels.py tests/gpu/test_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 \
         | grep -v "^$" | grep -v "Warning\|warn" | tail -40
 fi
 

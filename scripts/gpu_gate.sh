@@ -7,7 +7,7 @@
 # Prepare here: bash scripts/fetch_wheels.sh   (.whl/, git-ignored; fla-core for bf16 prefill)
 # Run there:    device run, carry [".whl"],
 #               command: TAILORED_COMMIT=<sha> bash scripts/gpu_gate.sh [tests] [invariance] [probe] [bf16] [fp8] [soak] [golden]
-# invariance: tests/test_gpu_invariance.py (engine-level invariances, kernel path + graphs).
+# invariance: tests/gpu/test_gpu_invariance.py (engine-level invariances, kernel path + graphs).
 # golden: scripts/make_golden.py on the full-size gate fixture → $OUT/golden-full/ (reason: GOLDEN_REASON).
 # soak: tailored.bench.soak against a served fp32 full-width model (failure-cases §9).
 # probe: scripts/gate_chaos_probe.py (transformers SDPA vs eager on the same bf16 weights, per
@@ -21,12 +21,12 @@ full_configs
 
 if [[ " $PARTS " == *" tests "* ]]; then
     stamp "GPU tests: kernels (fp8 too), fast path vs plain (bf16 + fp8), graphs"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_gpu.py \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_kernels.py tests/gpu/test_gpu.py \
         ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | grep -v "^$" | grep -v "Warning\|warn" | tail -30
 fi
 if [[ " $PARTS " == *" invariance "* ]]; then
     stamp "GPU invariance suite (engine, kernel path, full width 4 layers fp32)"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_invariance.py 2>&1 \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_invariance.py 2>&1 \
         | grep -v "^$" | grep -v "Warning\|warn" | tail -20
 fi
 if [[ " $PARTS " == *" probe "* ]]; then

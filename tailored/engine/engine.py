@@ -1,6 +1,6 @@
 """The engine loop: add_request / abort_request / step() = schedule -> execute -> update -> detok.
 
-    python -m pytest -q tests/test_engine.py
+    python -m pytest -q tests/engine/test_engine.py
 
 Synchronous and not thread-safe: one thread (server/async_engine.py) makes every call. The
 engine never touches tensors; the runner is the only stage that does.

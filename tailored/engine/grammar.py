@@ -1,6 +1,6 @@
 """Structured output: hold a request's tokens to a JSON grammar (OpenAI `response_format`).
 
-    python -m pytest -q tests/test_structured.py
+    python -m pytest -q tests/engine/test_structured.py
 
 xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured Generation Engine for
 Large Language Models"; the library vLLM and SGLang use) compiles a JSON Schema, or its builtin

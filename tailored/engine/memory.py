@@ -1,6 +1,6 @@
 """Index pools for the hybrid cache: KV pages (attention layers) and GDN state slots.
 
-    python -m pytest -q tests/test_memory.py
+    python -m pytest -q tests/engine/test_memory.py
 
 Pure Python, no torch: the pools hand out *indices* into tensors that the runner owns.
 Index 0 of each pool is reserved as the pad sink (padding rows of a batch / CUDA graph write

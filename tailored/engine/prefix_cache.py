@@ -1,7 +1,7 @@
 """Prefix cache for the hybrid model: a prompt's KV pages and its GDN state, kept for the next
 prompt that starts with it.
 
-    python -m pytest -q tests/test_prefix_cache.py
+    python -m pytest -q tests/engine/test_prefix_cache.py
 
 Why it differs from a transformer's prefix cache: KV pages can be shared from any page
 boundary, but a Gated DeltaNet layer's state is one matrix per request that each token

@@ -1,6 +1,6 @@
 """Batched token sampling from last-position logits.
 
-    python -m pytest -q tests/test_sampler.py
+    python -m pytest -q tests/worker/test_sampler.py
 
 Order of operations per row (each rule's source in brackets):
   0. logit_bias: each listed token's bias added to its logit  [OpenAI API reference; vLLM

@@ -1,6 +1,6 @@
 """Token-budget scheduler: continuous batching, chunked prefill, admission, preemption, stops.
 
-    python -m pytest -q tests/test_scheduler.py
+    python -m pytest -q tests/engine/test_scheduler.py
 
 One rule drives every case: a request has `num_tokens` known tokens (prompt + output) of which
 `num_computed_tokens` are in the cache; each step computes the next chunk

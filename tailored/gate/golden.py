@@ -14,7 +14,7 @@ Layout of a golden directory (eval/golden/tiny/, written by scripts/make_golden.
 Tolerances of `check_engine` (fp32 engine vs fp32 goldens; measured engine vs reference on the
 tiny preset: max |logit err| ≈ 1e-4, so logprobs agree to ~2e-4):
   LOGPROB_TOL = 1e-3 nats for each golden top-5 id — 5× margin for another CPU / BLAS build
-    summing in another order, still well below what a real change moves (tests/test_gate.py's
+    summing in another order, still well below what a real change moves (tests/tools/test_gate.py's
     nudged weight moves logits by > 1e-2);
   TIE_GAP = 2e-3: a greedy or top-1 disagreement is excused only where the golden's own top-2
     logit gap is ≤ 2 · 1e-3 (two values each off by ≤ 1e-3 can swap only then); positions after

@@ -4,11 +4,11 @@ Two ways to give it weights (`load_reference`):
   * shared      — the HF module is built on the meta device and `load_state_dict(assign=True)`
                   adopts the engine model's parameter tensors: no second copy (needed for the
                   full model on one H200: 67 GB of bf16 weights fit once, not twice). It checks
-                  the compute path only; weight loading is checked by tests/test_loader.py and
+                  the compute path only; weight loading is checked by tests/model/test_loader.py and
                   by the goldens.
   * checkpoint  — a second, independent load of the checkpoint files (our loader into a fresh
                   model, then adopted the same way): a weight changed in the engine's model after
-                  loading (a quantization pass, a bug, tests/test_gate.py's nudge) shows up.
+                  loading (a quantization pass, a bug, tests/tools/test_gate.py's nudge) shows up.
   * FP8 engines: both modes hand the reference the FP8 weights dequantized to the model dtype
     (`fp8.dequantized_state_dict`, new tensors: ≈ 67 GB at full size) — "the FP8 weights
     dequantized into the reference" of issue 4. The other FP8 reference, the bf16 checkpoint

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the H200 fast path.
 
 Each kernel has a plain-PyTorch twin in `tailored.ops.reference` and a test that compares them on
-fresh random inputs (tests/test_kernels.py). On a machine without a GPU the tests run the same
+fresh random inputs (tests/kernels/test_kernels.py). On a machine without a GPU the tests run the same
 kernels in Triton's interpreter (TRITON_INTERPRET=1, fp32 only: its bf16 `tl.dot` is wrong).
 
 `available()` says whether the kernels can run here; the model falls back to the reference ops

@@ -8,7 +8,7 @@ the session-11 A/B matched holding them dequantized at prefill and lost at decod
 
 The rounding is the reference's (`tailored.model.fp8.dequantize_block`): q · scale in fp32,
 rounded once to the output dtype, so the GEMM that follows computes exactly what the plain
-PyTorch path of an FP8 checkpoint computes. Tests: tests/test_fp8_kernels.py.
+PyTorch path of an FP8 checkpoint computes. Tests: tests/kernels/test_fp8_kernels.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ row, best config by shape, `FP8_CFGS`): GDN in 15.9 µs (cuBLAS bf16) → 8.7, G
 
 Per-row scales (`fp8.row_scales`, [N, ceil(K/128)] fp32) as `fp8_linear` takes them: each
 128-wide K block of a row is summed, scaled, then added. Reference:
-`fp8.dequantize_block` then `F.linear` (tests/test_fp8_kernels.py).
+`fp8.dequantize_block` then `F.linear` (tests/kernels/test_fp8_kernels.py).
 """
 
 from __future__ import annotations

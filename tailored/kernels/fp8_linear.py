@@ -13,7 +13,7 @@ dots with power-of-2 row scales for the dense projections lost to cuBLAS over th
 bf16 copy, kb/0043, and were removed in session 27; the FP8 MoE group through this GEMM with
 its bf16 rows in the same launch gained nothing in the model, kb/0044, and went in session 28.)
 
-Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_fp8_kernels.py);
+Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/kernels/test_fp8_kernels.py);
 the idea as in vLLM's block-FP8 Triton GEMM, with bf16 activations instead of FP8 ones.
 """
 

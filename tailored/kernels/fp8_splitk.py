@@ -25,7 +25,7 @@ summation order (cuBLAS over bf16(q·s) rounds the weights first). DOT_F16: floa
 each activation row scaled by a power of 2 first (`fp8_linear.pow2_rows_f16`, as the MoE
 down GEMM): the bf16 dots' products for bf16 activations.
 
-Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/test_fp8_kernels.py).
+Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/kernels/test_fp8_kernels.py).
 Split-K as in CUTLASS's "split-K serial/parallel" GEMMs (parallel: partials + a reduction).
 """
 

@@ -7,7 +7,7 @@ instead of storing and reloading it between launches, and writes the state after
 j < n-1 into the snapshot (for `HybridCache.commit_many`) and the state after the last token
 into the slot. Same arithmetic, in the same order, as n `gdn_decode` steps: in bf16 the
 outputs, snapshots and final states are those of the token-by-token launches bit for bit
-(H200 and interpreter, tests/test_kernels.py); fp32 inputs differ in the conv's last bit on
+(H200 and interpreter, tests/kernels/test_kernels.py); fp32 inputs differ in the conv's last bit on
 the H200 (the compiler contracts its products differently). At n = 3 this saves 2·(2 or 3)
 launches a GDN layer, ~150 of a verify step's ~780 (kb/0033).
 

@@ -18,7 +18,7 @@ program. Numerics: products and sums in fp32 like the tiled kernels, summed in a
 (a tree over K instead of tl.dot's), so results differ from `route_fused_moe` at fp32 rounding
 level; FP8 weights: x·scale is formed per 128-wide K block and multiplied with the e4m3 value
 converted to fp32 (exact), i.e. (x·s)·q instead of (x·q)·s.
-Reference: `ref.moe_experts` (tests/test_kernels.py); the computation is spec §7.
+Reference: `ref.moe_experts` (tests/kernels/test_kernels.py); the computation is spec §7.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ Block-FP8 experts are first dequantized to bf16 (`dequantize_experts`, q · scal
 The model takes this path in eager prefill steps only, never inside a CUDA graph capture
 (`fast.grouped_applies`). On sm90/sm100 torch's grouped GEMM reads the group offsets on the
 device; elsewhere it falls back to a loop that copies them to the host per GEMM (slow, not
-capture-safe), so the path is for the H200. Tests: tests/test_moe_grouped.py (CPU: torch's
-CPU grouped_mm and the interpreter; the same file on the H200), tests/test_gpu.py (the fast
+capture-safe), so the path is for the H200. Tests: tests/kernels/test_moe_grouped.py (CPU: torch's
+CPU grouped_mm and the interpreter; the same file on the H200), tests/gpu/test_gpu.py (the fast
 path with it against the plain path).
 """
 

@@ -4,7 +4,7 @@ one launch (`HybridCache.commit_many`, spec §8.4).
 dst[g, slot[m]] = src[g, j[m], b[m]] for every layer g and move m, without the temporary that
 torch's advanced indexing builds (`src[:, j, b]` is a full copy: 1.9 GiB at 32 sequences for
 the recurrent states) and without one copy launch per sequence (64 at 32 sequences).
-Reference: that indexing expression (tests/test_kernels.py).
+Reference: that indexing expression (tests/kernels/test_kernels.py).
 """
 
 from __future__ import annotations

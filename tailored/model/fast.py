@@ -13,8 +13,8 @@ Same computation as the plain path in `qwen36.py` (spec §3–§7), arranged for
     size: no Python, launch or host sync inside the step.
 
 Anything the graphs cannot hold (prefill chunks, mixed steps, batches over the largest size)
-runs the same kernels eagerly. Checked against the plain path in tests/test_fast_path.py (CPU,
-Triton interpreter, fp32) and tests/test_gpu.py (H200, bf16 and fp32, graphs vs eager).
+runs the same kernels eagerly. Checked against the plain path in tests/worker/test_fast_path.py (CPU,
+Triton interpreter, fp32) and tests/gpu/test_gpu.py (H200, bf16 and fp32, graphs vs eager).
 """
 
 from __future__ import annotations
@@ -1228,7 +1228,7 @@ class FastPath:
     # ~58 ms of GPU work at 1024 tokens, kb/0010). Pad rows come after the real ones, so every
     # causal operation leaves the real rows exact; pads write KV into the sink page 0, and have
     # g = 0, β = 0 in the delta rule (decay 1, no write), so the state after the bucket is the
-    # state after the prompt (tests/test_ops_reference.py pins that property).
+    # state after the prompt (tests/kernels/test_ops_reference.py pins that property).
     def prefill_graph_fits(self, batch: ForwardBatch) -> bool:
         """One sequence, a fresh prompt (position 0, state reset) of 2..largest-bucket tokens."""
         if len(batch.seqs) != 1:

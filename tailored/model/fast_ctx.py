@@ -41,8 +41,8 @@ CTX_GRAPH_MAX_PAIRS, else the chunk stays eager (where SDPA shares the reads). T
 
 Numerics: the attention sums in another order than the eager path's SDPA over gathered keys
 (H100, session 35: fp32 per-token rel. error ≤ 2.3e-7 against the eager chunk; bf16 rounding,
-within the prefill graphs' bounds). tests/test_fast_ctx.py runs the body eagerly against the
-eager forward on the CPU; tests/test_gpu_ctx.py replays the graphs against their bodies and
+within the prefill graphs' bounds). tests/worker/test_fast_ctx.py runs the body eagerly against the
+eager forward on the CPU; tests/gpu/test_gpu_ctx.py replays the graphs against their bodies and
 the eager path on the GPU.
 """
 

@@ -6,7 +6,7 @@ and the cache holds its KV as one more attention layer (`HybridCache(mtp_layers=
 layer runs through the same kernels: fused residual-add + RMSNorm, the q|k|v GEMM with q/k norm
 and RoPE, paged attention, the routed + shared experts and their combine, which applies
 `mtp.norm` in its launch. Checked against the plain `MTPDrafter` path in
-tests/test_fast_path.py.
+tests/worker/test_fast_path.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Attribute names mirror the checkpoint (`model.language_model.*` → `self.model.*`, `lm_head`,
 `mtp.*`) so the loader maps names one to one. Computation: model spec §3–§8, checked against
-transformers' `Qwen3_5MoeForCausalLM` in tests/test_model_vs_transformers.py.
+transformers' `Qwen3_5MoeForCausalLM` in tests/model/test_model_vs_transformers.py.
 
 The forward works on a flattened varlen batch (`ForwardBatch`) and a `HybridCache`: projections
 and MoE run over all T tokens at once; the GDN recurrence and attention run per sequence

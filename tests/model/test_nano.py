@@ -183,7 +183,7 @@ def test_embedded_default_is_nano():
 def test_mtp_draft_chain_matches_brute_force():
     """scripts/nano/evaluate.py's chained drafts (spec §8.2) equal running the MTP layer over an
     explicitly extended row sequence, on the packaged weights."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     from nano import evaluate as ev
     from nano import model as nm
 

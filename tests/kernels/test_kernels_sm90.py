@@ -342,7 +342,7 @@ def _compile(recs) -> list[dict]:
     # the repository first, then the caller's path: a Triton of the GPU's version (3.6)
     # installed apart compiles with PYTHONPATH=<its dir> (kb/0038: 3.9 here accepted a kernel
     # that 3.6 refused)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent)]
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                         + [p for p in [os.environ.get("PYTHONPATH")] if p])
     p = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(recs), text=True,
                        capture_output=True, env=env, timeout=900)
