@@ -25,7 +25,7 @@ false; `_calls_only`), a named function exactly one call of it.
 The vocabulary given to xgrammar is the tokenizer's token bytes, with every added token
 (`<|im_end|>`, `<think>`, ...; `Tokenizer.is_added`) given as empty bytes so no grammar can
 allow it, bar the stop tokens (EOS ids) xgrammar allows at the end, and `<tool_call>` /
-`</tool_call>` (tool_calls.TOOL_START / TOOL_END), which keep their text: the tool-call grammar names them (a
+`</tool_call>` (engine/tool_format.py), which keep their text: the tool-call grammar names them (a
 JSON string may then hold them too: plain text there). Bits past the tokenizer's vocabulary, up
 to the model's (padded) vocab size, are 0.
 
@@ -48,7 +48,7 @@ import torch
 from tailored.engine.grammar_text import safe_grammar
 from tailored.engine.types import StructuredOutput
 # the tool-call format as its parser reads it: the grammar must agree with it
-from tailored.server.tool_calls import TOOL_END, TOOL_START, VALUE_ENDS
+from tailored.engine.tool_format import TOOL_END, TOOL_START, VALUE_ENDS
 
 logger = logging.getLogger(__name__)
 

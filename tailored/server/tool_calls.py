@@ -69,22 +69,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailored.engine.detokenizer import prefix_hold
+from tailored.engine.tool_format import (FUNCTION_END, FUNCTION_START, PARAM_END, PARAM_START,
+                                         TOOL_END, TOOL_START, VALUE_ENDS)
 from tailored.server.arg_types import FIXED, OTHER, param_types
 
-TOOL_START = "<tool_call>"
-TOOL_END = "</tool_call>"
-FUNCTION_START = "<function="
-FUNCTION_END = "</function>"
-PARAM_START = "<parameter="
-PARAM_END = "</parameter>"
 # a function or parameter name longer than this, or one with a newline or '<' in it, means the
 # text is not a call (a name ends at the first '>')
 MAX_NAME_CHARS = 256
 # whitespace after <tool_call> longer than this means the text is no call (and bounds the
 # whitespace the head re-reads while it waits for <function=)
 MAX_GAP_CHARS = 256
-# texts that end a parameter value (engine/grammar.py keeps them out of forced calls' strings)
-VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, TOOL_END)
 _WS = " \t\r\n"
 _WS_RUN = re.compile(r"[ \t\r\n]*")
 
