@@ -429,7 +429,7 @@ def _kernel_switches() -> dict:
     """Module switches that change the kernel path's numerics or launch shapes (recorded so a
     report says which variant it gated: kb/0016, kb/0017, kb/0019–0023, kb/0026)."""
     try:
-        from tailored.kernels import attention_decode, fp8_gemv, gdn_decode, moe, pdl
+        from tailored.kernels import fp8_gemv, gdn_decode, moe, pdl
         from tailored.model import fast, fast_ctx
     except ImportError:  # no triton: the plain path ran
         return {}
@@ -438,10 +438,6 @@ def _kernel_switches() -> dict:
             "shared_in_moe": fast.SHARED_IN_MOE, "shared_in_moe_up_to": fast.SHARED_IN_MOE_UP_TO,
             "route_in_gate_up_up_to": fast.ROUTE_IN_GATE_UP_UP_TO,
             "attn_gate_in_merge": fast.ATTN_GATE_IN_MERGE,
-            "gdn_conv_in_recurrent": fast.GDN_CONV_IN_RECURRENT,
-            "qk_norm_one_launch": fast.QK_NORM_ONE_LAUNCH,
-            "attention_adaptive_splits":
-            attention_decode.ADAPTIVE_SPLITS,
             "gdn_dv_split": gdn_decode.DV_SPLIT,
             "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
             "combine_next_norm": fast.COMBINE_NEXT_NORM,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import dot_precision, env_flag
+from tailored.kernels import dot_precision
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -106,23 +106,9 @@ def _attn_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, gat
              o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
-# splits by batch (kb/0019): enough (sequence, KV head, split) programs to fill the H200's 132
-# SMs at small batches (B=1 had 16 programs for 12.8 µs), 8 from B=8 up; off = always 8
-ADAPTIVE_SPLITS = env_flag("TAILORED_ATTN_SPLITS", False)
-
-
-# Fewer key ranges at large batches (4 or 2 from 16 sequences, to write and merge fewer fp32
-# partials) measured no gain on the H200 (session 26, kb/0043 §0: FP8 B=32 step +0.3 / +0.8 %);
-# the switch was deleted in session 27, 8 everywhere.
-def splits_for(batch: int, kv_heads: int) -> int:
-    """Key ranges per (sequence, KV head): 8, or with ADAPTIVE_SPLITS the power of 2 in 8..32
-    that brings batch·kv_heads·splits to ≥ 128 programs."""
-    if not ADAPTIVE_SPLITS:
-        return 8
-    s = 8
-    while s < 32 and batch * kv_heads * s < 128:
-        s *= 2
-    return s
+# key ranges per (sequence, KV head) of a decode query. Splits by batch size (more at small
+# batches to fill the SMs, fewer at large ones) measured no gain on the H200 (kb/0019, kb/0043)
+DECODE_SPLITS = 8
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,7 +120,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q: [B, Hq, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D] (one layer; the new token's
     K/V already written); page_table: [B, max_pages] int32; seq_lens: [B] int32 (≥ 1);
     num_splits: key ranges per (sequence, KV head), each ⌈len/num_splits⌉ rounded up to BLOCK_N
-    (computed on the device, so one captured graph serves every length); None = `splits_for`.
+    (computed on the device, so one captured graph serves every length); None = DECODE_SPLITS.
     BLOCK_N (keys per iteration) is 64, or 32 with ≥ 16 splits so that a 1024-token context
     still reaches 32 splits. Returns [B, Hq, D] in q.dtype.
     gate: [B, Hq, D] (unit stride in D, other strides free; the attention gate rows of the
@@ -150,7 +136,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = Hq // Hkv
     block_g = max(16, triton.next_power_of_2(group))
     if num_splits is None:
-        num_splits = splits_for(B, Hkv)
+        num_splits = DECODE_SPLITS
     block_n = 32 if num_splits >= 16 else 64  # keys per iteration; may span several pages
     m = torch.empty(B * Hkv * num_splits * block_g, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)

@@ -112,19 +112,6 @@ def _delta_rule(S, q, k, v, a_row, b_row, A_log_ptr, dt_bias_ptr, h, scale):
     return S, q
 
 
-@triton.jit
-def _conv_silu(x_row, cstate_row, cw_ptr, c, stride_csc, dt, W: tl.constexpr):
-    """silu(causal conv) of channels c of one token (x_row: its in_proj [q | k | v] row;
-    cstate_row: its slot's conv state, W-1 inputs a channel), rounded to dt and back to fp32:
-    the fp32 operations of `_conv_step_kernel` in its order, so the value it stores, bitwise."""
-    x = tl.load(x_row + c).to(tl.float32)
-    acc = x * tl.load(cw_ptr + c * W + (W - 1)).to(tl.float32)
-    for j in tl.static_range(W - 1):
-        s = tl.load(cstate_row + c * stride_csc + j).to(tl.float32)
-        acc += s * tl.load(cw_ptr + c * W + j).to(tl.float32)
-    return (acc * tl.sigmoid(acc)).to(dt).to(tl.float32)
-
-
 # Triton's interpreter (the CPU tests) truncates fp32 -> bf16 casts, where the GPU rounds to
 # nearest even as torch does; there the state's rounding is spelled out in integer bits
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -149,25 +136,18 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                       stride_pb, KEY_DIM, eps, scale,
                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BLOCK_V: tl.constexpr, FUSE_NORM: tl.constexpr, SNAP: tl.constexpr = False,
-                      PDL: tl.constexpr = False, cstate_ptr=None, cw_ptr=None, stride_css=0,
-                      stride_csc=0, CONV: tl.constexpr = False, W: tl.constexpr = 4,
-                      BITS: tl.constexpr = False):
+                      PDL: tl.constexpr = False, BITS: tl.constexpr = False):
     """One (sequence, value head, BLOCK_V columns of the state) per program. The state's value
     columns update independently (S[:, j] depends on v_j only), so a head may be split over
     DV // BLOCK_V programs; the gated norm needs the whole head's output, so it is fused only
     when BLOCK_V == DV (FUSE_NORM) and otherwise `_gated_norm_kernel` follows, reading the
-    rounded output from out_ptr.
-
-    CONV (`conv_recurrent_step`): conv_ptr holds the in_proj rows instead, and each program
-    computes the conv + SiLU of the channels it reads from the slot's conv state (read only:
-    the programs of one key head share channels, so `_gated_norm_kernel` shifts the state
-    after them)."""
+    rounded output from out_ptr."""
     bi = tl.program_id(0)
     h = tl.program_id(1)
     # the slot and its state before the PDL wait (kb/0040), so the state's DRAM latency overlaps
     # the kernel before. Safe because with PDL only the kernel launched just before this one
     # can still be running (it waited for all before it), and that kernel never writes the
-    # state: it is the conv step (or, GDN_CONV_IN_RECURRENT, the in_proj GEMV) in decode and in
+    # state: it is the conv step in decode and in
     # the verify loops; verify's commits are followed by the MTP head; prefill writes states
     # with stream-ordered torch ops and slots come from host copies. Keep it so: no launch
     # that writes the state may come directly before this kernel (review, kb/0041).
@@ -179,22 +159,8 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     if PDL:  # kernels/pdl.py: wait for the previous kernel before reading its outputs
         pdl_enter()
     row = conv_ptr + bi * stride_cb
-    if CONV:
-        crow = cstate_ptr + slot * stride_css
-        dt = out_ptr.dtype.element_ty
-        hk = h // GROUP
-        S, q = _delta_rule(S0,
-                           _conv_silu(row, crow, cw_ptr, hk * DK + dk, stride_csc, dt, W),
-                           _conv_silu(row, crow, cw_ptr, KEY_DIM + hk * DK + dk, stride_csc,
-                                      dt, W),
-                           _conv_silu(row, crow, cw_ptr, 2 * KEY_DIM + h * DV + dv, stride_csc,
-                                      dt, W),
-                           a_ptr + bi * stride_ab, b_ptr + bi * stride_bb, A_log_ptr,
-                           dt_bias_ptr, h, scale)
-    else:
-        S, q = _delta_rule_token(S0, row, a_ptr + bi * stride_ab,
-                                 b_ptr + bi * stride_bb, A_log_ptr, dt_bias_ptr, h, h // GROUP,
-                                 dk, dv, KEY_DIM, scale, DK, DV)
+    S, q = _delta_rule_token(S0, row, a_ptr + bi * stride_ab, b_ptr + bi * stride_bb, A_log_ptr,
+                             dt_bias_ptr, h, h // GROUP, dk, dv, KEY_DIM, scale, DK, DV)
     # the output reads the fp32 state before it is rounded to the storage dtype, as the
     # chunked prefill's does inside a chunk (vLLM's fused recurrent step stores the same way)
     Sr = _to_state(S, state_ptr.dtype.element_ty, BITS)
@@ -225,14 +191,9 @@ def _gated_norm(o, z_ptr, norm_w_ptr, out_ptr, eps, DV: tl.constexpr):
 
 @triton.jit
 def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
-                       DV: tl.constexpr,
-                       PDL: tl.constexpr = False, x_ptr=None, cstate_ptr=None, slot_ptr=None,
-                       stride_xb=0, stride_css=0, stride_csc=0, C=0, CH=0,
-                       CONV: tl.constexpr = False, W: tl.constexpr = 4,
-                       BLOCK_C: tl.constexpr = 16):
+                       DV: tl.constexpr, PDL: tl.constexpr = False):
     """The gated norm of one (sequence, head) after a split `_recurrent_kernel`, in place on
-    its rounded output. CONV: also shifts channels [h·CH, (h+1)·CH) of the row's conv state
-    by one input (its in_proj row x), which the CONV recurrent kernel read before."""
+    its rounded output."""
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     bi = tl.program_id(0)
@@ -240,16 +201,6 @@ def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
     base = out_ptr + bi * stride_ob + h * DV
     o = tl.load(base + tl.arange(0, DV)).to(tl.float32)
     _gated_norm(o, z_ptr + bi * stride_zb + h * DV, norm_w_ptr, base, eps, DV)
-    if CONV:
-        i = tl.arange(0, BLOCK_C)
-        c = h * CH + i
-        ok = (i < CH) & (c < C)
-        slot = tl.load(slot_ptr + bi).to(tl.int64)
-        s_base = cstate_ptr + slot * stride_css + c * stride_csc
-        for j in tl.static_range(1, W - 1):  # shift the window left by one
-            tl.store(s_base + (j - 1), tl.load(s_base + j, mask=ok), mask=ok)
-        x = tl.load(x_ptr + bi * stride_xb + c, mask=ok)
-        tl.store(s_base + (W - 2), x.to(cstate_ptr.dtype.element_ty), mask=ok)
 
 
 # value-column programs per (sequence, head) (kb/0022): 1 = one program per head with the norm
@@ -308,52 +259,4 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
     if split > 1:
         _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
                                     num_warps=1, **pdl_launch(out))
-    return out
-
-
-def conv_recurrent_step(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                        a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, state: torch.Tensor,
-                        slots: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                        norm_weight: torch.Tensor, num_k_heads: int, eps: float,
-                        dv_split: int | None = None) -> torch.Tensor:
-    """`conv_step` then `recurrent_step` in the launches of the split recurrence alone (kb/0037):
-    each recurrent program computes the conv + SiLU of the channels it reads (the q and k of
-    its key head, its value columns) from the in_proj row and the conv state, and the gated
-    norm's launch then shifts the conv state by the new input. One launch fewer per GDN layer,
-    bitwise the same outputs and states (the conv's fp32 operations in `_conv_step_kernel`'s
-    order, rounded to x's dtype before the recurrence reads them, as there).
-
-    x: [B, C] in_proj [q | k | v] rows (row stride free); conv_state: [num_slots, C, W−1]
-    (unit stride on the last dim); conv_weight: [C, W]; the other arguments and the result as
-    `recurrent_step`. A split of 1 (no norm launch) runs the two functions instead. Rows
-    sharing a slot race: only the pad sink may. Raises ValueError for a bad split.
-    """
-    B, C = x.shape
-    W = conv_weight.shape[-1]
-    split = value_split(dv_split, state.shape[-1], "conv_recurrent_step")
-    if split == 1:
-        return recurrent_step(conv_step(x, conv_state, conv_weight, slots), a, b, z, state,
-                              slots, A_log, dt_bias, norm_weight, num_k_heads, eps, dv_split=1)
-    _, HV, DK, DV = state.shape
-    assert state.dtype in STATE_DTYPES and state.stride(1) == DK * DV
-    assert x.stride(1) == 1 and z.stride(1) == 1
-    assert conv_state.shape[1:] == (C, W - 1) and conv_state.stride(2) == 1
-    assert C == 2 * num_k_heads * DK + HV * DV
-    w = conv_weight.contiguous()
-    out = torch.empty(B, HV * DV, dtype=x.dtype, device=x.device)
-    _recurrent_kernel[(B, HV, split)](
-        x, a, b, z, state, slots, A_log, dt_bias, norm_weight, out, state,
-        x.stride(0), a.stride(0), b.stride(0), z.stride(0), state.stride(0), out.stride(0),
-        0, num_k_heads * DK, eps, DK ** -0.5,
-        HV=HV, GROUP=HV // num_k_heads, DK=DK, DV=DV, BLOCK_V=DV // split, FUSE_NORM=False,
-        cstate_ptr=conv_state, cw_ptr=w, stride_css=conv_state.stride(0),
-        stride_csc=conv_state.stride(1), CONV=True, W=W, num_warps=4, BITS=INTERPRETED,
-        **pdl_launch(out))
-    ch = triton.cdiv(C, HV)  # conv state channels a norm program shifts
-    _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
-                                x_ptr=x, cstate_ptr=conv_state, slot_ptr=slots,
-                                stride_xb=x.stride(0), stride_css=conv_state.stride(0),
-                                stride_csc=conv_state.stride(1), C=C, CH=ch, CONV=True, W=W,
-                                BLOCK_C=triton.next_power_of_2(ch), num_warps=1,
-                                **pdl_launch(out))
     return out

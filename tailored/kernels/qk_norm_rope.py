@@ -67,37 +67,6 @@ def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr, v_pt
         tl.store(v_out_ptr + o * stride_vot + h * stride_voh + d, vv)
 
 
-@triton.jit
-def _q_k_norm_rope_kernel(q_ptr, qw_ptr, q_out_ptr, k_ptr, kw_ptr, k_out_ptr, v_ptr, v_out_ptr,
-                          cos_ptr, sin_ptr, rows_ptr, eps_q, eps_k,
-                          stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh,
-                          stride_kot, stride_koh, stride_vt, stride_vh, stride_vot, stride_voh,
-                          stride_ct, HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                          PDL: tl.constexpr = False):
-    """Programs (t, h < HQ): query head h of token t; (t, HQ + j): key head j, written with
-    value head j to the token's KV cache row. The same per-head code as `_qk_norm_rope_kernel`."""
-    if PDL:  # kernels/pdl.py: wait for the previous kernel first
-        pdl_enter()
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, D)
-    dt = q_out_ptr.dtype.element_ty
-    cos_row = cos_ptr + t * stride_ct
-    sin_row = sin_ptr + t * stride_ct
-    if h < HQ:
-        y = _norm_rope_head(q_ptr + t * stride_qt + h * stride_qh, qw_ptr, cos_row, sin_row,
-                            eps_q, dt, D, R)
-        tl.store(q_out_ptr + t * stride_qot + h * stride_qoh + d, y)
-    else:
-        j = h - HQ
-        o = tl.load(rows_ptr + t).to(tl.int64)  # KV cache row of this token
-        y = _norm_rope_head(k_ptr + t * stride_kt + j * stride_kh, kw_ptr, cos_row, sin_row,
-                            eps_k, dt, D, R)
-        tl.store(k_out_ptr + o * stride_kot + j * stride_koh + d, y)
-        vv = tl.load(v_ptr + t * stride_vt + j * stride_vh + d)
-        tl.store(v_out_ptr + o * stride_vot + j * stride_voh + d, vv)
-
-
 def _check_heads(who: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x [T, H, D] with unit stride on D, D a power of 2; cos, sin [T, R] alike with R even,
     ≤ D; else ValueError naming `who`."""
@@ -158,40 +127,4 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
                                  num_warps=2 if D <= 256 else 4,
                                  enable_fp_fusion=False,  # no FMA: keep each rounding
                                  **pdl_launch(x))
-    return out
-
-
-def q_k_norm_rope(q: torch.Tensor, q_weight: torch.Tensor, q_eps: float, k: torch.Tensor,
-                  k_weight: torch.Tensor, k_eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                  rows: torch.Tensor, k_out: torch.Tensor, v: torch.Tensor,
-                  v_out: torch.Tensor) -> torch.Tensor:
-    """`qk_norm_rope` of q and of k (with its KV store) in one launch (decode, kb/0037): the
-    same results bit for bit as the two calls
-
-        qk_norm_rope(q, q_weight, cos, sin, q_eps)
-        qk_norm_rope(k, k_weight, cos, sin, k_eps, rows=rows, out=k_out, v=v, v_out=v_out)
-
-    q: [T, Hq, D], k, v: [T, Hkv, D] (unit stride on D, other strides free); rows: [T] int64
-    KV cache rows; k_out, v_out: [N, Hkv, D] (a layer's flat K and V cache). Returns q's result,
-    a contiguous [T, Hq, D] tensor. Raises ValueError as `qk_norm_rope` does.
-    """
-    T, Hq, D = q.shape
-    R = cos.shape[-1]
-    _check_heads("q_k_norm_rope", q, cos, sin)
-    _check_heads("q_k_norm_rope", k, cos, sin)
-    if k.shape[::2] != q.shape[::2] or k.dtype != q.dtype:
-        raise ValueError(f"q_k_norm_rope: k{tuple(k.shape)} {k.dtype} for "
-                         f"q{tuple(q.shape)} {q.dtype}")
-    Hkv = k.shape[1]
-    _check_store("q_k_norm_rope", k, rows, k_out, v, v_out)
-    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    if T == 0:
-        return out
-    _q_k_norm_rope_kernel[(T, Hq + Hkv)](
-        q, q_weight, out, k, k_weight, k_out, v, v_out, cos, sin, rows, q_eps, k_eps,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1),
-        k_out.stride(0), k_out.stride(1), v.stride(0), v.stride(1), v_out.stride(0),
-        v_out.stride(1), cos.stride(0), HQ=Hq, D=D, R=R, num_warps=2 if D <= 256 else 4,
-        enable_fp_fusion=False,  # no FMA: keep each rounding (as qk_norm_rope)
-        **pdl_launch(q))
     return out

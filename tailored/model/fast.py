@@ -35,14 +35,14 @@ from tailored.kernels.fp8_gemv import bf16_gemv, fp8_gemv
 from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.fp8_splitk import fp8_dense_splitk
 from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
-from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
+from tailored.kernels.gdn_decode import conv_step, recurrent_step
 from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_grouped
 from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
 from tailored.kernels.moe_gemv import route_gemv_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.norm import add_rms_norm_1p
-from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
+from tailored.kernels.qk_norm_rope import qk_norm_rope
 from tailored.model import fp8
 from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo, pinned, to_device
 from tailored.model.fp8 import Fp8Linear
@@ -80,18 +80,6 @@ PROMPTS_IN_GRAPHS_CHUNKS = env_int("TAILORED_PROMPTS_IN_GRAPHS_CHUNKS", 2, 2, 25
 # the two torch ops are. Session 19 (kb/0037, 3 rounds in one process): B=1 bf16 -3.3 %, FP8
 # -3.6 %, B=2 bf16 -3.9 %; the bf16 gate passed with it (its numbers equal to the last digit).
 ATTN_GATE_IN_MERGE = env_flag("TAILORED_ATTN_GATE_IN_MERGE", True)
-# GDN decode: the causal conv inside the recurrent programs and its state shift in the gated
-# norm's launch (`gdn_decode.conv_recurrent_step`, kb/0037): one launch fewer per GDN layer
-# (30 a step), bitwise the same in bf16 (GPU tests passed in session 20). Read at call time
-# (A/B). Session 19 (run6, 3 rounds): bf16 B=1 -4.5 % median / -2.0 % min, not resolved;
-# session 20 (5 rounds, with QK_NORM_ONE_LAUNCH): bf16 B=1 -0.8 % / -0.0 %: no gain, so off
-# (kb/0038: launch cuts inside the graph do not pay).
-GDN_CONV_IN_RECURRENT = env_flag("TAILORED_GDN_CONV_IN_RECURRENT", False)
-# decode attention: q's and k's norm + RoPE (with the KV store) in one launch instead of two
-# (`qk_norm_rope.q_k_norm_rope`, kb/0037): 10 launches fewer a step, bitwise the same (GPU
-# tests passed in session 20). Read at call time (A/B). Measured with GDN_CONV_IN_RECURRENT
-# (kb/0038): bf16 B=1 -0.8 % median / -0.0 % min: no gain, so off.
-QK_NORM_ONE_LAUNCH = env_flag("TAILORED_QK_NORM_ONE_LAUNCH", False)
 # MoE inputs of up to this many rows route inside the gate_up GEMM's programs
 # (`moe.route_fused_moe`, kb/0036): the routing launch leaves the chain of every MoE layer
 # (route_align took ~4.9 µs a layer at B=1, kb/0029 §4), each gate_up program repeating the
@@ -727,9 +715,6 @@ class FastPath:
         w = m.conv1d.weight[:, 0, :]
         conv_cache, rec_cache = self.cache.conv[li], self.cache.rec[li]
         def decode(qkv, a, b, z):  # the decode rows' conv and recurrence
-            if GDN_CONV_IN_RECURRENT:
-                return conv_recurrent_step(qkv, conv_cache, w, a, b, z, rec_cache, dec_slots,
-                                           m.A_log, m.dt_bias, m.norm.weight, HK, m.norm.eps)
             return recurrent_step(conv_step(qkv, conv_cache, w, dec_slots), a, b, z, rec_cache,
                                   dec_slots, m.A_log, m.dt_bias, m.norm.weight, HK, m.norm.eps)
 
@@ -846,8 +831,7 @@ class FastPath:
         q, gate = qg[..., :D], qg[..., D:]
         k = k.view(T, Hkv, D)
         v = v.view(T, Hkv, D)
-        # per-head norm + partial RoPE: one launch per tensor, or one for both at decode with
-        # QK_NORM_ONE_LAUNCH (kernels/qk_norm_rope.py)
+        # per-head norm + partial RoPE: one launch per tensor (kernels/qk_norm_rope.py)
         if kv_rows is None:
             q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
             k = qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps)
@@ -855,13 +839,9 @@ class FastPath:
         li = self.cache.attn_index[i]
         kc, vc = self.cache.k[li], self.cache.v[li]
         kf, vf = kc.view(-1, *kc.shape[-2:]), vc.view(-1, *vc.shape[-2:])  # flat cache rows
-        if QK_NORM_ONE_LAUNCH:  # q's and k's in one launch, bitwise the same (kb/0037)
-            q = q_k_norm_rope(q, m.q_norm.weight, m.q_norm.eps, k, m.k_norm.weight,
-                              m.k_norm.eps, cos, sin, kv_rows, kf, v, vf)
-        else:
-            q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
-            qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps, rows=kv_rows, out=kf, v=v,
-                         v_out=vf)
+        q = qk_norm_rope(q, m.q_norm.weight, cos, sin, m.q_norm.eps)
+        qk_norm_rope(k, m.k_norm.weight, cos, sin, m.k_norm.eps, rows=kv_rows, out=kf, v=v,
+                     v_out=vf)
         return q, kc, vc, gate
 
     def _attn_decode(self, i, x, cos, sin, kv_rows, table, lens):

@@ -138,18 +138,17 @@ def _steps(T_a=130, T_b=77):
 def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypatch):
     """Published dims, 4 layers: prefill (FLA when installed), mixed steps, graph decode steps.
     fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul).
-    switches "new": every kernel switch on — the shared expert inside the fused MoE and
-    attention splits by batch (kb/0019), both off by default; route_align up to 64 rows
+    switches "new": every kernel switch on — the shared expert inside the fused MoE
+    (kb/0019); route_align up to 64 rows
     (kb/0021) and the MoE combine with the next norm (kb/0023), on by default; the GDN step
     over 4 programs a head (kb/0022; default 2); the grouped-GEMM prefill experts from 64
     tokens (kb/0031; bf16 activations only, so the fp32 runs keep fused_moe)."""
-    from tailored.kernels import attention_decode, gdn_decode, moe
+    from tailored.kernels import gdn_decode, moe
     from tailored.model import fast as fastmod
     from tailored.model.fast import FastPath
 
     if switches == "new":  # "default": the module defaults, as served
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE", True)
-        monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", True)
         monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)
         monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", True)
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
@@ -157,8 +156,6 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
         monkeypatch.setattr(fastmod, "MOE_GROUPED_FROM", 64)  # both _steps prefills
         monkeypatch.setattr(fastmod, "ROUTE_IN_GATE_UP_UP_TO", 4)  # kb/0036
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
-        monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
-        monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
         monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039
         monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)
         monkeypatch.setattr(fastmod, "FP8_DENSE_SPLITK_UP_TO", 64)  # kb/0045 §4

@@ -42,17 +42,16 @@ def test_session9_defaults():
     """The A/B winners of session 9 (kb/0024) are the defaults when the environment is silent."""
     import os
 
-    from tailored.kernels import attention_decode, gdn_decode, moe
+    from tailored.kernels import gdn_decode, moe
     from tailored.model import fast
 
     for name in ("TAILORED_ROUTE_ALIGN_UP_TO", "TAILORED_GDN_DV_SPLIT",
-                 "TAILORED_COMBINE_NEXT_NORM", "TAILORED_ATTN_SPLITS"):
+                 "TAILORED_COMBINE_NEXT_NORM"):
         if os.environ.get(name):
             pytest.skip(f"{name} is set in this environment")
     assert moe.ROUTE_ALIGN_USE_UP_TO == moe.ROUTE_ALIGN_MAX_TOKENS == 64
     assert gdn_decode.DV_SPLIT == 2
     assert fast.COMBINE_NEXT_NORM is True
-    assert attention_decode.ADAPTIVE_SPLITS is False
 
 
 def test_session18_defaults():
@@ -104,17 +103,6 @@ def test_session25_defaults():
     assert not hasattr(fast, "FP8_MOE_GROUP_TILED_UP_TO")  # deleted: no gain (kb/0044)
     assert not hasattr(moe, "DECODE_CFG")  # the A/B hook went once its config became a candidate
     assert fast.FP8_DENSE_SPLITK_UP_TO == 8  # kb/0049: A/B -2.2 % at B=8, FP8 gate passed
-
-
-def test_attention_splits_by_batch_size(monkeypatch):
-    """splits_for: 8 key ranges at every batch (kb/0043: fewer at large batches did not pay);
-    ADAPTIVE_SPLITS (kb/0019) more at small batches when on."""
-    from tailored.kernels import attention_decode as ad
-
-    monkeypatch.setattr(ad, "ADAPTIVE_SPLITS", False)
-    assert [ad.splits_for(b, 2) for b in (1, 15, 16, 32, 64)] == [8] * 5
-    monkeypatch.setattr(ad, "ADAPTIVE_SPLITS", True)
-    assert ad.splits_for(32, 2) == 8 and ad.splits_for(1, 2) == 32
 
 
 def test_shared_in_moe_up_to_is_a_strict_integer_switch():

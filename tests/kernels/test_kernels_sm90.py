@@ -36,7 +36,7 @@ TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32",
 # PDL wait (kb/0040): their PTX loads before the wait; every other kernel's first global load
 # and store come after it
 PDL_PREFETCH = {"_fp8_gemv_kernel", "_recurrent_kernel", "_splitk_kernel"}
-NO_FMA = {"_qk_norm_rope_kernel", "_q_k_norm_rope_kernel", "_moe_combine_kernel",
+NO_FMA = {"_qk_norm_rope_kernel", "_moe_combine_kernel",
           "_silu_mul_kernel"}
 
 COMPILE = r'''
@@ -123,7 +123,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.fp8_linear import fp8_linear
     from tailored.kernels.fp8_splitk import fp8_linear_splitk
     from tailored.kernels.gdn_conv import conv_prefill, conv_state_update
-    from tailored.kernels.gdn_decode import conv_recurrent_step, conv_step, recurrent_step
+    from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
     from tailored.kernels.state_commit import commit_snapshots
     from tailored.kernels import moe_grouped
@@ -131,7 +131,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.moe_gemv import route_gemv_moe
     from tailored.kernels.norm import add_rms_norm_1p
-    from tailored.kernels.qk_norm_rope import q_k_norm_rope, qk_norm_rope
+    from tailored.kernels.qk_norm_rope import qk_norm_rope
     from tailored.ops import reference as ref
 
     f8 = torch.float8_e4m3fn
@@ -149,11 +149,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             calls.append(lambda qg=qg, cos=cos, sin=sin, kvc=kvc, T=T, dt=dt: qk_norm_rope(
                 qg[:, :2, :256], torch.zeros(256, dtype=dt), cos, sin, 1e-6,
                 rows=torch.arange(T), out=kvc, v=qg[:, :2, 256:], v_out=kvc))
-            # q's and k's in one launch (kb/0037)
-            calls.append(lambda qg=qg, cos=cos, sin=sin, kvc=kvc, T=T, dt=dt: q_k_norm_rope(
-                qg[..., :256], torch.zeros(256, dtype=dt), 1e-6, qg[:, :2, 256:],
-                torch.zeros(256, dtype=dt), 1e-6, cos, sin, torch.arange(T), kvc,
-                qg[:, 2:4, 256:], kvc))
             r = torch.randn(T, E + 2 * I + 1, dtype=dt)
             calls.append(lambda r=r: silu_mul(r[:, E:E + I], r[:, E + I:E + 2 * I]))
             calls.append(lambda r=r, T=T, dt=dt: moe_combine(torch.zeros(T * K, H), K, r[:, -1:],
@@ -290,11 +285,6 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
                 qkv, torch.randn(B, 32, dtype=dt), torch.randn(B, 32, dtype=dt),
                 torch.randn(B, 4096, dtype=dt), st, slots, torch.zeros(32), torch.zeros(32),
                 torch.ones(128, dtype=dt), 16, 1e-6, dv_split=split, snapshot=snap))
-        # the conv inside the recurrent programs, the state shift in the norm (kb/0037)
-        calls.append(lambda dt=dt, qkv=qkv, conv_state=conv_state: conv_recurrent_step(
-            qkv, conv_state, torch.zeros(8192, 4, dtype=dt), torch.randn(B, 32, dtype=dt),
-            torch.randn(B, 32, dtype=dt), torch.randn(B, 4096, dtype=dt), rec, slots,
-            torch.zeros(32), torch.zeros(32), torch.ones(128, dtype=dt), 16, 1e-6, dv_split=2))
         # a verify step's GDN: 3 tokens of B sequences a launch (kernels/gdn_verify.py)
         for split, st in ((1, rec), (2, rec), (1, r16)):
             calls.append(lambda split=split, st=st, dt=dt, conv_state=conv_state: recurrent_verify(
@@ -331,7 +321,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
            "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
-           "_dequant_experts_kernel", "_route_gate_up_kernel", "_q_k_norm_rope_kernel",
+           "_dequant_experts_kernel", "_route_gate_up_kernel",
            "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel", "_splitk_kernel",
            "_reduce_kernel"}
 

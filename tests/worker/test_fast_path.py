@@ -86,29 +86,26 @@ def test_steps_match_plain_path(pair, variant, monkeypatch):
     the GDN step over 2 programs a head, kb/0022; the combine doing the next add + norm,
     kb/0023). switches: every kernel switch on at once (one variant, since each costs minutes
     in the interpreter): also the shared expert as routed expert E (kb/0019; threshold raised
-    so that the 80-row mixed steps take it too), attention splits by batch (kb/0019), and the
+    so that the 80-row mixed steps take it too), and the
     GDN step over 4 programs a head. (The FP8 experts' float16 gate_up dots, on by default,
     apply to bf16 activations only: these fp32 steps keep fp32 dots; test_kernels.py covers
     them.) Routing inside the gate_up programs (kb/0036) up to 4 rows: with the shared
     expert in switches, without it in route_in_gate_up.
     The previous defaults (the fused GDN step, separate norms) stay reachable through the
     environment; their kernels keep their own tests (test_kernels.py)."""
-    from tailored.kernels import attention_decode, gdn_decode, moe
+    from tailored.kernels import gdn_decode, moe
     from tailored.model import fast as fastmod
 
     if variant == "switches":
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE", True)
         monkeypatch.setattr(fastmod, "SHARED_IN_MOE_UP_TO", 4096)
         monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", True)
-        monkeypatch.setattr(attention_decode, "ADAPTIVE_SPLITS", True)
         monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)
         monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
     if variant != "defaults":
         monkeypatch.setattr(fastmod, "ROUTE_IN_GATE_UP_UP_TO", 4)
     if variant == "switches":
         monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
-        monkeypatch.setattr(fastmod, "GDN_CONV_IN_RECURRENT", True)  # kb/0037
-        monkeypatch.setattr(fastmod, "QK_NORM_ONE_LAUNCH", True)  # kb/0037
         monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039: the GEMVs at 3-4 rows too
         monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)  # dense projections too (kb/0039)
     plain, fastm, fcache = pair
