@@ -206,6 +206,11 @@ def async_scheduling_on(mode: str, checkpoint_dir, device: str) -> bool:
 
 
 def cmd_serve(args) -> int:
+    from tailored import flags
+
+    # every TAILORED_* switch parsed once, strictly, before anything slow; the engine process
+    # receives this record (tailored/flags.py)
+    switches = flags.activate(flags.Flags.from_env())
     _check_serve_args(args)
     import uvicorn
 
@@ -240,7 +245,7 @@ def cmd_serve(args) -> int:
         kw["gdn_state_dtype"] = args.gdn_state_dtype
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,
-                        dtype=args.dtype, seed=args.seed, **kw)
+                        dtype=args.dtype, seed=args.seed, switches=switches, **kw)
     if args.engine_process == "on":
         from tailored.server.engine_process import EngineProcess
         from tailored.stack import build_engine, embedded_checkpoint
@@ -277,6 +282,10 @@ def cmd_serve(args) -> int:
         f"process {async_engine.pid}" if args.engine_process == "on" else "a thread",
         f", GIL switch interval {sys.getswitchinterval() * 1e3:g} ms"
         if args.gil_switch_interval_ms is not None else "")
+    changed = switches.changed()
+    logging.getLogger("tailored").info(
+        "switches: %s", ", ".join(f"{k}={v}" for k, v in changed.items()) if changed
+        else "all at their defaults (docs/switches.md)")
     logging.getLogger("tailored").info("serving on http://%s:%d/v1", args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False,

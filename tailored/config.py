@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tailored import flags
 
 ACCEPTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -243,7 +244,7 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one engine step (decode + prefill chunks).
     max_model_len: longest prompt + completion accepted.
     num_pages: KV pages; None = sized from memory (GPU) or from max_num_seqs*max_model_len (CPU).
-    kernels: 'auto' runs the Triton kernel path (model/fast.py) on CUDA and the plain PyTorch
+    kernels: 'auto' runs the Triton kernel path (model/kernel_model.py) on CUDA and the plain PyTorch
       path on the CPU; 'on' forces the kernel path (on the CPU through Triton's interpreter:
       TRITON_INTERPRET=1 and fp32 only, for tests); 'off' forces the plain path.
     enforce_eager: never replay CUDA graphs (kernel path only).
@@ -254,7 +255,7 @@ class EngineConfig:
         read, its input ids fed on the device (kb/0015): the host's detokenize/stream/schedule
         work of step N overlaps the device's step N+1. Other steps run synchronously.
     num_speculative_tokens: drafts the MTP head proposes per decode step of a greedy request
-        without penalties (0 = off; spec §8, model/mtp.py). Each step verifies them with the
+        without penalties (0 = off; spec §8, worker/drafter.py). Each step verifies them with the
         target and keeps the matching prefix plus one token of its own, so the output is the
         greedy output either way. Such steps run synchronously (the next step's drafts come
         from this one).
@@ -263,7 +264,7 @@ class EngineConfig:
         rejection sampler, used by the baseline kit's `serve mtp`); the output is then not the
         greedy output. None = real verification.
     spec_max_running: requests draft only while at most this many run; verify steps are
-        captured in CUDA graphs up to this batch size (model/fast_spec.py), with GDN snapshots
+        captured in CUDA graphs up to this batch size (worker/spec_graphs.py), with GDN snapshots
         of num_speculative_tokens states a sequence. Whether drafting pays at large batches
         is a measurement (kb/0033): the experts' reads grow less than the tokens verified.
     """
@@ -293,12 +294,10 @@ class EngineConfig:
     # either way): "auto" = bfloat16 for a bf16 model (as vLLM stores it: its
     # mamba_ssm_cache_dtype "auto" is the model dtype), float32 otherwise; or "float32" /
     # "bfloat16". bf16 halves the state's bytes, which every decode step reads and writes:
-    # c=32 step -3 to -4 % on the H200, the gates passed (kb/0056). The default comes from
-    # TAILORED_GDN_STATE_DTYPE when set, so the gate, the benches and the side by side can
-    # A/B it unchanged
-    # (stripped; empty = unset, as the kernels' TAILORED_* switches read theirs)
-    gdn_state_dtype: str = field(
-        default_factory=lambda: os.environ.get("TAILORED_GDN_STATE_DTYPE", "").strip() or "auto")
+    # c=32 step -3 to -4 % on the H200, the gates passed (kb/0056). The default is the
+    # `gdn_state_dtype` switch (TAILORED_GDN_STATE_DTYPE), so the gate, the benches and the
+    # side by side can A/B it unchanged
+    gdn_state_dtype: str = field(default_factory=lambda: flags.current().gdn_state_dtype)
 
     def __post_init__(self) -> None:
         # a bad TAILORED_GDN_STATE_DTYPE says so before the weights load, not after

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
+from tailored import flags
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.engine import Engine
 from tailored.model.loader import load_checkpoint
-from tailored.runner import ModelRunner
 from tailored.synth import build_empty_model, init_dummy_weights, write_synthetic_checkpoint
 from tailored.tokenizer import Tokenizer, load_tokenizer
+from tailored.worker.runner import ModelRunner
 
 log = logging.getLogger("tailored")
 
@@ -35,12 +36,13 @@ class Stack:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TAILORED_CACHE", Path.home() / ".cache" / "tailored"))
+    """Where generated files go: the `cache` switch (TAILORED_CACHE), else ~/.cache/tailored."""
+    return Path(flags.current().cache or Path.home() / ".cache" / "tailored")
 
 
 def embedded_checkpoint() -> Path:
     """The embedded default: the packaged nano checkpoint (tailored/data/nano, a small trained
-    model of this architecture, scripts/train_nano.py) when present, else a tiny synthetic
+    model of this architecture, lab/train_nano.py) when present, else a tiny synthetic
     checkpoint (random weights) generated once into the cache dir."""
     nano = Path(__file__).resolve().parent / "data" / "nano"
     if (nano / "config.json").is_file() and (nano / "model.safetensors").is_file():
@@ -68,37 +70,20 @@ def prefill_graphs_auto(device: torch.device, kernels: str = "auto",
                         enforce_eager: bool = False) -> bool:
     """What `--prefill-graphs auto` means: on where the kernel path runs with CUDA graphs (on
     CUDA, not --kernels off, not --enforce-eager), for bf16 and FP8 alike; else off, so that
-    no activation reserve is kept for graphs that are never captured (runner.plan_cache).
+    no activation reserve is kept for graphs that are never captured (worker/memory_plan.py).
 
     Both precisions passed the accuracy gate with prefill graphs (kb/0024), and a 1024-token
     bf16 prompt takes 59 ms replayed against ~90-155 ms eager (kb/0013: the eager prefill is
-    host-bound). FP8 was off until session 10: its prefill GEMM tunings are one per shape, not
-    per token bucket (M > 64 rows share a key), and `tuned.json` holds them, so capturing its
-    buckets costs what bf16's does (kb/0026)."""
+    host-bound). FP8's prefill GEMM tunings are one per shape, not per token bucket (M > 64
+    rows share a key), and `tuned.json` holds them, so capturing its buckets costs what
+    bf16's does (kb/0026)."""
     return device.type == "cuda" and kernels != "off" and not enforce_eager
-
-
-def check_kernel_switches(ec: EngineConfig, dev) -> None:
-    """Read the kernel path's TAILORED_* switches now, before the weights load, where that path
-    will run: they are module constants of the kernel modules (read at import) and functions
-    read at capture time (`fast_ctx.ctx_graphs_wanted`), so a bad value would otherwise stop
-    the start only after the load, the warm-up and the decode graphs (minutes at full size).
-    Raises ValueError naming the variable; without triton (the plain path only) nothing."""
-    from tailored.runner import kernel_path_asked
-
-    if not kernel_path_asked(ec, torch.device(dev)):
-        return
-    try:
-        from tailored.model import fast, fast_ctx  # noqa: F401  (module-level switches)
-    except ImportError:
-        return
-    fast_ctx.ctx_graphs_wanted()
 
 
 def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
                 num_layers: int | None = None, device: str | None = None, dtype: str | None = None,
                 seed: int = 0, progress: bool = True, dummy_init: str = "default",
-                **engine_kwargs) -> Stack:
+                switches: flags.Flags | None = None, **engine_kwargs) -> Stack:
     """Build model, runner, engine and tokenizer.
 
     checkpoint_dir None → the embedded tiny synthetic model on the CPU.
@@ -108,7 +93,12 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
     engine_kwargs: EngineConfig fields (max_model_len, max_num_seqs, page_size, ...);
     prefill_graphs may also be "auto": on where the kernel path runs with CUDA graphs
     (`prefill_graphs_auto`).
+    switches: the switch record to activate (tailored/flags.py); None keeps the active one
+    (parsed from the environment on first use).
     """
+    if switches is not None:
+        flags.activate(switches)
+    flags.current()  # a bad TAILORED_* variable stops here, before any weight is loaded
     if checkpoint_dir is None:
         checkpoint_dir = embedded_checkpoint()
         device = device or "cpu"
@@ -130,7 +120,6 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
         engine_kwargs["prefill_graphs"] = prefill_graphs_auto(
             dev, engine_kwargs.get("kernels", "auto"), engine_kwargs.get("enforce_eager", False))
     ec = EngineConfig(device=str(dev), dtype=dt_name, **engine_kwargs)
-    check_kernel_switches(ec, dev)
     if ec.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len {ec.max_model_len} exceeds the model's "
                          f"max_position_embeddings {cfg.max_position_embeddings}")

@@ -16,21 +16,40 @@ if not _torch.cuda.is_available():
 import pytest
 import torch
 
+from tailored import flags
 from tailored.config import ModelConfig
-from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.model.batch import ForwardBatch
+from tailored.worker.cache import HybridCache
 from tailored.model.loader import load_checkpoint
 from tailored.synth import build_empty_model, write_synthetic_checkpoint
+
+
+# every test starts from the switches' defaults, whatever TAILORED_* the shell has set (a test
+# that needs another value sets it with the `switches` fixture or `flags.override`)
+flags.activate(flags.Flags())
+
+
+@pytest.fixture
+def switches():
+    """Set switches (tailored/flags.py) for one test: `switches(name=value, ...)` replaces
+    them on the active record; the record before the test is restored after it."""
+    before = flags.current()
+
+    def set_(**changes):
+        return flags.activate(flags.current().replace(**changes))
+
+    yield set_
+    flags.activate(before)
 
 
 def _free_gpu_memory() -> None:
     """Collects reference cycles and returns the CUDA cache, when a GiB or more is held.
 
-    A model served by the kernel path holds its FastPath (`model.fast`), which holds the model
-    back, so a test's model, caches and CUDA graph pools outlive it until the cyclic collector
-    happens to run. Session 41 (H100, 79 GiB): test_gpu.py's full-width tests in one process
-    reached 69.5 GiB allocated and ran out of memory; each passed alone (kb/0060). A failed
-    test's frames stay reachable from sys.last_traceback (pytest keeps it for post-mortem
-    debugging) until the next test's call, so they are dropped first. A full collection costs
+    A test's model, caches and CUDA graph pools can outlive it in reference cycles until the
+    cyclic collector happens to run: test_gpu.py's full-width tests in one process reached
+    69.5 GiB on an H100 and ran out of memory; each passed alone (kb/0060). A failed test's
+    frames stay reachable from sys.last_traceback (pytest keeps it for post-mortem debugging)
+    until the next test's call, so they are dropped first. A full collection costs
     ~0.2 s with torch imported, hence the GiB threshold; nothing at all without CUDA."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return

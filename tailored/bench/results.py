@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tailored import flags
+
 SCHEMA = "tailored-bench/1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,8 +71,9 @@ def _run(cmd: list[str], cwd: Path | None = None, timeout: float = 10.0) -> str 
 
 
 def git_commit() -> dict[str, Any]:
-    """TAILORED_COMMIT wins (trees copied without .git); else `git rev-parse HEAD` (read-only)."""
-    env = os.environ.get("TAILORED_COMMIT")
+    """The `commit` switch (TAILORED_COMMIT) wins (trees copied without .git); else `git
+    rev-parse HEAD` (read-only)."""
+    env = flags.current().commit
     if env:
         return {"commit": env, "source": "TAILORED_COMMIT"}
     head = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)

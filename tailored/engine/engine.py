@@ -24,15 +24,16 @@ import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
 from tailored.engine.grammar import Grammars, Guide
-from tailored.engine.scheduler import PENDING_TOKEN, Scheduler
+from tailored.engine.scheduler import Scheduler
 from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
     MAX_LOGPROBS,
+    PENDING_TOKEN,
     FinishReason,
     ModelOutput,
     Request,
@@ -40,9 +41,7 @@ from tailored.engine.types import (
     SamplingParams,
     SchedulerOutput,
 )
-
-if TYPE_CHECKING:
-    from tailored.runner import LaunchedStep
+from tailored.engine.worker import StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +58,14 @@ MASK_LIMIT_S = 0.05
 class Engine:
     """Continuous-batching engine over one runner.
 
-    runner: has `num_pages`, `num_slots` (pool sizes incl. the reserved index 0) and
-        `execute(SchedulerOutput) -> ModelOutput` (a token for every seq with sample=True).
+    runner: a `StepRunner` (engine/worker.py): `num_pages`, `num_slots` (pool sizes incl. the
+        reserved index 0) and `execute(SchedulerOutput) -> ModelOutput` (a token for every seq
+        with sample=True); an `AsyncStepRunner` also launches steps ahead.
     tokenizer: `decode`, `token_bytes`, `is_special`, `eos_token_ids` (used by the detokenizer).
     """
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, runner, tokenizer):
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
+                 runner: StepRunner, tokenizer):
         self.model_config = model_config
         self.engine_config = engine_config
         self.runner = runner
@@ -406,7 +407,7 @@ class Engine:
             # and of those found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
             "prefix_cache_queries": s.prefix.queries if s.prefix else 0,
             "prefix_cache_hits": s.prefix.hits if s.prefix else 0,
-            # speculative decoding (model/mtp.py): verify steps, drafts verified, drafts kept
+            # speculative decoding (worker/drafter.py): verify steps, drafts verified, drafts kept
             "spec_verify_steps": verify,
             "spec_drafts": drafts,
             "spec_drafts_kept": kept,
@@ -505,7 +506,7 @@ class _InFlight:
 
     sched: SchedulerOutput
     owners: dict
-    launched: LaunchedStep | None = None
+    launched: Any = None  # the runner's launched step (worker/runner.py LaunchedStep)
     model_out: ModelOutput | None = None
     # indices in sched.seqs of structured rows launched unmasked (`_resample_deferred`)
     deferred: list = field(default_factory=list)

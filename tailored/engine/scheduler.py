@@ -35,6 +35,7 @@ from tailored.config import EngineConfig
 from tailored.engine.memory import PagePool, SlotPool
 from tailored.engine.prefix_cache import PrefixCache
 from tailored.engine.types import (
+    PENDING_TOKEN,
     FinishReason,
     ModelOutput,
     Request,
@@ -44,9 +45,6 @@ from tailored.engine.types import (
 )
 
 
-# the output id of a step whose result the host has not read yet (async scheduling: the
-# runner feeds the device-side id into the next step; Scheduler.resolve fills it in)
-PENDING_TOKEN = -1
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-GREEDY_TEMPERATURE = 1e-5  # the sampler picks greedily below this temperature (sampler.py)
+GREEDY_TEMPERATURE = 1e-5  # the sampler picks greedily below this temperature (worker/sampler.py)
 MAX_LOGPROBS = 20  # most likely alternatives a token's logprobs may list (OpenAI's limit)
+# the output id of a step whose result the host has not read yet (async scheduling: the
+# worker feeds the device-side id into the next step; Scheduler.resolve fills it in)
+PENDING_TOKEN = -1
 
 
 class FinishReason(str, enum.Enum):
@@ -83,7 +86,7 @@ class SamplingParams:
 
     @property
     def can_draft(self) -> bool:
-        """Whether speculative decoding may draft for this request (model/mtp.py): the sampler
+        """Whether speculative decoding may draft for this request (worker/drafter.py): the sampler
         picks greedily (temperature below GREEDY_TEMPERATURE), no penalty reads the token
         history, which drafts would extend before they are verified, and no logprobs are asked
         (the sampler gives them for one token a row; a request that drafts gets several), and
@@ -201,7 +204,7 @@ class ScheduledSeq:
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
     num_generated: int = 0  # tokens already generated (seeds the per-request RNG stream)
-    # speculative decoding (model/mtp.py), for requests that draft:
+    # speculative decoding (worker/drafter.py), for requests that draft:
     num_draft: int = 0  # the last num_draft of token_ids are MTP drafts to verify
     mtp: bool = False  # run the MTP head over this chunk (its KV cache) after the target
     num_propose: int = 0  # drafts to propose for the next step (when sample)

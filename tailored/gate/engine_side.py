@@ -110,5 +110,5 @@ def engine_teacher_forced(engine, ids: list[int], chunk: int) -> torch.Tensor:
         e = min(s + chunk, len(ids))
         b = ForwardBatch.build([(ids[s:e], s, 1, s == 0, pages[:math.ceil(e / ps)])], [],
                                runner.device)
-        out.append(runner.model(b, runner.cache))
+        out.append(runner.forward(b))
     return torch.cat(out)

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import torch
 
+from tailored import flags
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> dict:
-    """{'commit': sha or None, 'dirty': bool or None}; env TAILORED_COMMIT wins (CI, GPU copy)."""
-    env = os.environ.get("TAILORED_COMMIT")
+    """{'commit': sha or None, 'dirty': bool or None}; the `commit` switch (TAILORED_COMMIT)
+    wins (CI, GPU copy)."""
+    env = flags.current().commit
     if env:
         return {"commit": env, "dirty": None, "from": "TAILORED_COMMIT"}
     try:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tailored import flags
 from tailored.gate import metrics as M
 from tailored.gate.engine_side import engine_greedy, engine_teacher_forced, gate_engine_kwargs
 from tailored.gate.manifest import manifest
@@ -318,7 +319,7 @@ def _run(args) -> int:
     ckpt, dev, dtype, mode = resolve(args)
     # the report's kernel switches, read now: a bad TAILORED_* value must not cost the run
     # (it was read only when the report was written, after the engine and reference passes)
-    switches = _kernel_switches()
+    switches = flags.current().snapshot()  # every TAILORED_* switch (tailored/flags.py)
     # checked before anything slow: a wrong --bf16-reference must not cost the engine pass
     bf16_src = check_bf16_source(bf16_source(args, ckpt), ckpt, args)
     prompts = load_prompts(args.prompts, only)
@@ -407,7 +408,7 @@ def _run(args) -> int:
                    "precision": cfg.precision, "reference_weights": mode,
                    "thresholds_file_sha256": sha256_file(args.thresholds),
                    "gdn_state_dtype": stack.engine_config.gdn_state_dtype_name,
-                   "kernel_switches": switches}),
+                   "switches": switches}),
         "thresholds": {"file": str(args.thresholds), "section": section, **th},  # tie gap as used
         "overall": o,
         "noise_floor": floor,
@@ -423,37 +424,6 @@ def _run(args) -> int:
         Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False))
     _print_summary(report)
     return 0 if passed else 1
-
-
-def _kernel_switches() -> dict:
-    """Module switches that change the kernel path's numerics or launch shapes (recorded so a
-    report says which variant it gated: kb/0016, kb/0017, kb/0019–0023, kb/0026)."""
-    try:
-        from tailored.kernels import fp8_gemv, gdn_decode, moe, pdl
-        from tailored.model import fast, fast_ctx
-    except ImportError:  # no triton: the plain path ran
-        return {}
-    return {"moe_compact_grid": moe.COMPACT_GRID, "route_one_program_up_to":
-            moe.ROUTE_ONE_PROGRAM_UP_TO,
-            "shared_in_moe": fast.SHARED_IN_MOE, "shared_in_moe_up_to": fast.SHARED_IN_MOE_UP_TO,
-            "route_in_gate_up_up_to": fast.ROUTE_IN_GATE_UP_UP_TO,
-            "attn_gate_in_merge": fast.ATTN_GATE_IN_MERGE,
-            "gdn_dv_split": gdn_decode.DV_SPLIT,
-            "route_align_up_to": moe.ROUTE_ALIGN_USE_UP_TO,
-            "combine_next_norm": fast.COMBINE_NEXT_NORM,
-            "fp8_dense_dequant": fast.FP8_DENSE_DEQUANT,
-            "moe_fp8_dot_f16": moe.FP8_DOT_F16, "proj_row_align": fast.PROJ_ROW_ALIGN,
-            "pdl": pdl.PDL, "moe_gemv_up_to": fast.MOE_GEMV_UP_TO,
-            "fp8_gemv_up_to": fast.FP8_GEMV_UP_TO,
-            "bf16_gemv_up_to": fast.BF16_GEMV_UP_TO,
-            "bf16_gemv_fp8_cfgs": bool(fp8_gemv.BF16_CFGS),
-            "moe_fp8_down_f16": moe.FP8_DOWN_F16,
-            "fp8_dense_splitk_up_to": fast.FP8_DENSE_SPLITK_UP_TO,
-            # context-chunk graphs (kb/0055, on by default since kb/0056): with --prefill-graphs
-            # its long prompt's later chunks replay them when alone in their step
-            "ctx_graphs": fast_ctx.ctx_graphs_wanted(),
-            "prompts_in_graphs_up_to": fast.PROMPTS_IN_GRAPHS_UP_TO,
-            "prompts_in_graphs_chunks": fast.PROMPTS_IN_GRAPHS_CHUNKS}
 
 
 def _free(dev) -> None:

@@ -1,13 +1,13 @@
 """W8A16 GEMV for block-FP8 dense weights at 1–4 rows (kb/0039 §4): y = x · (W_fp8 ⊙ s)ᵀ.
 
-Why: FP8 checkpoints hold their dense projections dequantized to bf16 (`FastPath`,
+Why: FP8 checkpoints hold their dense projections dequantized to bf16 (the kernel path,
 `FP8_DENSE_DEQUANT`, kb/0026) because the tiled W8A16 GEMM (`fp8_linear`) had an ~11 µs floor
 at decode; cuBLAS over the bf16 copy then reads twice the bytes of FP8 in every decode step.
 Here each program loads [ROWS, BLOCK_K] weight tiles (BLOCK_K of 1024 covers half of K = 2048
 in one load), multiplies them with the rows of x in fp32 on the CUDA cores and reduces, no
 tl.dot — the design of `moe_gemv`. On the H200 (scripts/bench_fp8_gemv.py, session 21, one
 row, best config by shape, `FP8_CFGS`): GDN in 15.9 µs (cuBLAS bf16) → 8.7, GDN out 9.5 → 4.8;
-`FastPath` uses it up to
+The kernel path uses it up to
 `FP8_GEMV_UP_TO` rows, a fused projection's bf16 members (GDN b/a, router) in the same launch.
 
 Per-row scales (`fp8.row_scales`, [N, ceil(K/128)] fp32) as `fp8_linear` takes them: each
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import env_flag
+from tailored import flags
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -58,8 +58,8 @@ def fp8_cfgs_for_bf16() -> dict[tuple[int, int, int], tuple[int, int, int]]:
 # bf16_gemv's table by (N, K, rows), the fused weight's pad rows included: the FP8 GEMV's
 # (session 25 run1, bf16 B=1 graph step: -7.7 % median / -7.1 % min against cuBLAS with them,
 # -8.3 / -5.6 with `CFG` alone; both gates passed with them, kb/0042);
-# TAILORED_BF16_GEMV_FP8_CFGS=0 runs every shape with `CFG`
-BF16_CFGS = fp8_cfgs_for_bf16() if env_flag("TAILORED_BF16_GEMV_FP8_CFGS", True) else {}
+# switch `bf16_gemv_fp8_cfgs` off: every shape with `CFG`
+BF16_CFGS = fp8_cfgs_for_bf16()
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor,
               cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [T, K], T ≤ 4 · weightᵀ → [T, N] in x.dtype, for a weight [N, K] in x's dtype (bf16
     served, fp32 in the CPU tests; unit column stride): the kernel's second branch alone, the
-    same GEMV without scales (kb/0039 §7.3; `FastPath` up to `BF16_GEMV_UP_TO` rows, 1 by
+    same GEMV without scales (kb/0039 §7.3; the kernel path up to `bf16_gemv_up_to` rows, 1 by
     default since kb/0042). cfg as `fp8_gemv`'s (its table: `BF16_CFGS`). Raises ValueError
     on other T, shapes or dtypes."""
     T, K = x.shape
@@ -190,7 +190,8 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor,
             or weight.stride(1) != 1):
         raise ValueError(f"bf16_gemv: x{tuple(x.shape)} {x.dtype} weight{tuple(weight.shape)} "
                          f"{weight.dtype} (T ≤ 4, the weight in x's dtype, unit column stride)")
-    cfg = cfg or BF16_CFGS.get((weight.shape[0], K, T))
+    if cfg is None and flags.current().bf16_gemv_fp8_cfgs:
+        cfg = BF16_CFGS.get((weight.shape[0], K, T))
     return _launch(x, weight, weight, weight, 0, weight.shape[0], cfg, False)
 
 

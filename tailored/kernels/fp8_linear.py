@@ -116,7 +116,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _block_m(M: int) -> int:
+def block_m(M: int) -> int:
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
@@ -162,7 +162,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor) 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    bm = _block_m(M)
+    bm = block_m(M)
     bucket = triton.next_power_of_2(M) if M <= 64 else 0
     args = (x, weight, scale_rows, y, M, N, K, x.stride(0), weight.stride(0),
             scale_rows.stride(0), y.stride(0), bucket)

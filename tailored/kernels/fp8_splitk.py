@@ -1,11 +1,11 @@
 """W8A16 GEMM for block-FP8 dense weights at decode rows, wide N tiles and split K (kb/0045 §4):
-y = x · (W_fp8 ⊙ s)ᵀ. FastPath takes it for the FP8 dense projections of
+y = x · (W_fp8 ⊙ s)ᵀ. The kernel path takes it for the FP8 dense projections of
 (FP8_GEMV_UP_TO, FP8_DENSE_SPLITK_UP_TO] rows (default 3-8: measured by shape, kb/0047 §2, in
 the model kb/0049; bench: `scripts/bench_fp8_gemv.py --splitk`, in the model: bench_decode's
 `dense_splitk8` / `dense_splitk`).
 
 Why: at 3–64 rows FP8 serving runs its dense projections through cuBLAS over a dequantized bf16
-copy (`FastPath`, `FP8_DENSE_DEQUANT`, kb/0026): ~1.4 ms of the 10.4 ms FP8 B=32 step reads
+copy (the kernel path, `fp8_dense_dequant`, kb/0026): ~1.4 ms of the 10.4 ms FP8 B=32 step reads
 2.8 GB where the FP8 weights are 1.4 GB. The tiled W8A16 GEMM (`fp8_linear`) lost to it at 8
 and 32 rows (0.3–1.5 TB/s, kb/0043 §0). Hypothesis (session 28): not its K loop's latency but
 the activation tile it re-reads for every N block — at 32 rows a [32, 128] bf16 x tile (8 KB)
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from tailored.kernels import dot_precision
 from tailored.kernels.fp8_linear import SCALE_BLOCK, tile_dot
-from tailored.kernels.fp8_linear import _block_m as _linear_block_m
+from tailored.kernels.fp8_linear import block_m as _linear_block_m
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -132,7 +132,7 @@ def _reduce_kernel(p_ptr, y_ptr, MN, SPLITS: tl.constexpr, stride_ps, BLOCK: tl.
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _block_m(M: int) -> int:
+def block_m(M: int) -> int:
     """`fp8_linear`'s M tile, at most 64 (decode rows; the partials stay small)."""
     return min(64, _linear_block_m(M))
 
@@ -214,7 +214,7 @@ def fp8_linear_splitk(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.T
     splits = triton.cdiv(K, k_split)
     out = y if splits == 1 else torch.empty(splits, M, N + NB, dtype=torch.float32,
                                             device=x.device)
-    bm = _block_m(M)
+    bm = block_m(M)
     f16 = dot_f16 and x.dtype == torch.bfloat16
     wb = x if other is None else other  # never read when NB = 0 (no program takes that branch)
     col8, colb = (NB, 0) if other_first else (0, N)
@@ -234,7 +234,7 @@ def fp8_linear_splitk(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.T
 
 def fp8_dense_splitk(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
                      other: torch.Tensor | None = None, other_first: bool = False) -> torch.Tensor:
-    """`fp8_linear_splitk` at the shape's config (`config`): FastPath's FP8 dense projections
+    """`fp8_linear_splitk` at the shape's config (`config`): the kernel path's FP8 dense projections
     (a fused projection's bf16 rows in other, as `fp8_gemv` takes them). Same contract."""
     n_total = weight.shape[0] + (0 if other is None else other.shape[0])
     ks, bn, warps, stages, f16 = config(n_total, x.shape[1], x.shape[0])

@@ -13,13 +13,13 @@ read on the device). References: `ref.causal_conv1d_step`, `ref.gdn_gates`,
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import env_int
+from tailored import flags
+from tailored.kernels import interpreted
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -61,7 +61,7 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     x: [B, C] projection outputs (row stride free); state: [num_slots, C, W-1] (one layer's conv
     cache, unit stride on the last dim); weight: [C, W]; slots: [B] int32/int64 slot per row.
     snapshot: [B, C, W-1] (contiguous per row, state's dtype) that also receives each row's new
-    state, = state[slots] after the call (speculative verify steps, model/fast_spec.py).
+    state, = state[slots] after the call (speculative verify steps, worker/spec_graphs.py).
     Returns out [B, C] in x.dtype = silu(conv). Rows sharing a slot race: only the pad sink may.
     """
     B, C = x.shape
@@ -81,7 +81,7 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _delta_rule_token(S, row, a_row, b_row, A_log_ptr, dt_bias_ptr, h, hk, dk, dv, KEY_DIM,
+def delta_rule_token(S, row, a_row, b_row, A_log_ptr, dt_bias_ptr, h, hk, dk, dv, KEY_DIM,
                       scale, DK: tl.constexpr, DV: tl.constexpr):
     """One token of the gated delta rule on one head's state columns S [DK, BLOCK_V] (fp32):
     the gates, q/k L2 norm, decay, delta update. row: the token's [q | k | v] conv output;
@@ -95,7 +95,7 @@ def _delta_rule_token(S, row, a_row, b_row, A_log_ptr, dt_bias_ptr, h, hk, dk, d
 
 @triton.jit
 def _delta_rule(S, q, k, v, a_row, b_row, A_log_ptr, dt_bias_ptr, h, scale):
-    """`_delta_rule_token` on its loaded q, k [DK] and v [BLOCK_V] (fp32 holding model-dtype
+    """`delta_rule_token` on its loaded q, k [DK] and v [BLOCK_V] (fp32 holding model-dtype
     values)."""
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # l2norm (FLA eps 1e-6), then Dk^-½
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
@@ -114,11 +114,11 @@ def _delta_rule(S, q, k, v, a_row, b_row, A_log_ptr, dt_bias_ptr, h, scale):
 
 # Triton's interpreter (the CPU tests) truncates fp32 -> bf16 casts, where the GPU rounds to
 # nearest even as torch does; there the state's rounding is spelled out in integer bits
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = interpreted()
 
 
 @triton.jit
-def _to_state(x, dt: tl.constexpr, BITS: tl.constexpr):
+def to_state(x, dt: tl.constexpr, BITS: tl.constexpr):
     """fp32 x rounded to the state's storage dtype dt (fp32: x itself), to nearest even.
     BITS (the interpreter only): bf16 by integer ops, since its cast truncates; on the GPU
     the conversion instruction, which rounds the same way."""
@@ -140,7 +140,7 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     """One (sequence, value head, BLOCK_V columns of the state) per program. The state's value
     columns update independently (S[:, j] depends on v_j only), so a head may be split over
     DV // BLOCK_V programs; the gated norm needs the whole head's output, so it is fused only
-    when BLOCK_V == DV (FUSE_NORM) and otherwise `_gated_norm_kernel` follows, reading the
+    when BLOCK_V == DV (FUSE_NORM) and otherwise `gated_norm_kernel` follows, reading the
     rounded output from out_ptr."""
     bi = tl.program_id(0)
     h = tl.program_id(1)
@@ -159,25 +159,25 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     if PDL:  # kernels/pdl.py: wait for the previous kernel before reading its outputs
         pdl_enter()
     row = conv_ptr + bi * stride_cb
-    S, q = _delta_rule_token(S0, row, a_ptr + bi * stride_ab, b_ptr + bi * stride_bb, A_log_ptr,
+    S, q = delta_rule_token(S0, row, a_ptr + bi * stride_ab, b_ptr + bi * stride_bb, A_log_ptr,
                              dt_bias_ptr, h, h // GROUP, dk, dv, KEY_DIM, scale, DK, DV)
     # the output reads the fp32 state before it is rounded to the storage dtype, as the
     # chunked prefill's does inside a chunk (vLLM's fused recurrent step stores the same way)
-    Sr = _to_state(S, state_ptr.dtype.element_ty, BITS)
+    Sr = to_state(S, state_ptr.dtype.element_ty, BITS)
     tl.store(s_ptrs, Sr)
     if SNAP:  # the new state of row bi, also into its snapshot (verify steps; same dtype)
         tl.store(snap_ptr + bi * stride_pb + h * DK * DV + dk[:, None] * DV + dv[None, :], Sr)
     o = tl.sum(S * q[:, None], 0)
     dt = out_ptr.dtype.element_ty
     if FUSE_NORM:
-        _gated_norm(o.to(dt).to(tl.float32), z_ptr + bi * stride_zb + h * DV, norm_w_ptr,
+        gated_norm(o.to(dt).to(tl.float32), z_ptr + bi * stride_zb + h * DV, norm_w_ptr,
                     out_ptr + bi * stride_ob + h * DV, eps, DV)
     else:
         tl.store(out_ptr + bi * stride_ob + h * DV + dv, o.to(dt))
 
 
 @triton.jit
-def _gated_norm(o, z_ptr, norm_w_ptr, out_ptr, eps, DV: tl.constexpr):
+def gated_norm(o, z_ptr, norm_w_ptr, out_ptr, eps, DV: tl.constexpr):
     """Gated RMSNorm of one head's output o [DV] (fp32 holding model-dtype values) with the
     reference's casts: normalise in fp32, round, scale by w in the model dtype, times silu(z)
     in fp32, round (ref.gated_rms_norm)."""
@@ -190,7 +190,7 @@ def _gated_norm(o, z_ptr, norm_w_ptr, out_ptr, eps, DV: tl.constexpr):
 
 
 @triton.jit
-def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
+def gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
                        DV: tl.constexpr, PDL: tl.constexpr = False):
     """The gated norm of one (sequence, head) after a split `_recurrent_kernel`, in place on
     its rounded output."""
@@ -200,7 +200,7 @@ def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
     h = tl.program_id(1)
     base = out_ptr + bi * stride_ob + h * DV
     o = tl.load(base + tl.arange(0, DV)).to(tl.float32)
-    _gated_norm(o, z_ptr + bi * stride_zb + h * DV, norm_w_ptr, base, eps, DV)
+    gated_norm(o, z_ptr + bi * stride_zb + h * DV, norm_w_ptr, base, eps, DV)
 
 
 # value-column programs per (sequence, head) (kb/0022): 1 = one program per head with the norm
@@ -209,13 +209,13 @@ def _gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
 # B=16 -2.4 %, B=32 -4.4 % of the graph step; 4 gained less at every batch size
 # storage dtypes of the recurrent state (EngineConfig.gdn_state_dtype): the math is fp32 either way
 STATE_DTYPES = (torch.float32, torch.bfloat16)
-DV_SPLIT = env_int("TAILORED_GDN_DV_SPLIT", 2, 1, 16, power_of_2=True)
 
 
 def value_split(dv_split: int | None, DV: int, caller: str) -> int:
-    """Programs per (row, head) over the value columns: dv_split, None = DV_SPLIT. Raises
+    """Programs per (row, head) over the value columns: dv_split, None = the `gdn_dv_split`
+    switch. Raises
     ValueError for a split that does not divide DV into a power of 2."""
-    split = DV_SPLIT if dv_split is None else dv_split
+    split = flags.current().gdn_dv_split if dv_split is None else dv_split
     if split < 1 or DV % split or (DV // split) & (DV // split - 1):
         raise ValueError(f"{caller}: dv_split={split} must divide DV={DV} into a power of 2")
     return split
@@ -232,10 +232,10 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
     outputs; z: [B, HV·Dv]; state: [num_slots, HV, Dk, Dv] fp32 or bf16 (`HybridCache`'s
     state_dtype: loaded to fp32, stored rounded) contiguous per slot;
     slots: [B]; A_log, dt_bias: [HV]; norm_weight: [Dv]. dv_split: programs per (row, head)
-    over the value columns (None = DV_SPLIT; > 1 adds a gated-norm launch). Returns [B, HV·Dv]
+    over the value columns (None = `gdn_dv_split`; > 1 adds a gated-norm launch). Returns [B, HV·Dv]
     in conv_out.dtype (input of out_proj). snapshot: [B, HV, Dk, Dv] in state's dtype (contiguous per row)
     that also receives each row's new state, = state[slots] after the call (speculative verify
-    steps, model/fast_spec.py). Raises ValueError for a split that does not divide Dv into a
+    steps, worker/spec_graphs.py). Raises ValueError for a split that does not divide Dv into a
     power of 2.
     """
     B = conv_out.shape[0]
@@ -257,6 +257,6 @@ def recurrent_step(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: 
         FUSE_NORM=split == 1, SNAP=snapshot is not None, num_warps=8 if split == 1 else 4,
         BITS=INTERPRETED, **pdl_launch(out))
     if split > 1:
-        _gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
+        gated_norm_kernel[(B, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
                                     num_warps=1, **pdl_launch(out))
     return out

@@ -1,7 +1,7 @@
 """Gated DeltaNet over a speculative verify chunk: n tokens of each sequence in one launch each
 of the conv and the recurrence (spec §5.2–§5.7, §8.4), where `kernels.gdn_decode` needs n.
 
-The verify graph (model/fast_spec.py) lays its B·n rows out token-major (row j·B + b is token
+The verify graph (worker/spec_graphs.py) lays its B·n rows out token-major (row j·B + b is token
 j of sequence b). Each program keeps its sequence's state in registers across the n tokens
 instead of storing and reloading it between launches, and writes the state after every token
 j < n-1 into the snapshot (for `HybridCache.commit_many`) and the state after the last token
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels.gdn_decode import (INTERPRETED, STATE_DTYPES, _delta_rule_token,
-                                         _gated_norm, _gated_norm_kernel, _to_state, value_split)
+from tailored.kernels.gdn_decode import (INTERPRETED, STATE_DTYPES, delta_rule_token,
+                                         gated_norm, gated_norm_kernel, to_state, value_split)
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -107,7 +107,7 @@ def _recurrent_verify_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
                              FUSE_NORM: tl.constexpr, PDL: tl.constexpr = False,
                              BITS: tl.constexpr = False):
     """One (sequence, value head, BLOCK_V state columns) per program, its n tokens in order
-    (gdn_decode._delta_rule_token, as the decode kernel runs it per token)."""
+    (gdn_decode.delta_rule_token, as the decode kernel runs it per token)."""
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     bi = tl.program_id(0)
@@ -121,22 +121,22 @@ def _recurrent_verify_kernel(conv_ptr, a_ptr, b_ptr, z_ptr, state_ptr, slot_ptr,
     sd = state_ptr.dtype.element_ty  # the state's storage dtype (fp32 or bf16)
     for j in tl.static_range(N):
         r = j * B + bi
-        S, q = _delta_rule_token(S, conv_ptr + r * stride_cb, a_ptr + r * stride_ab,
+        S, q = delta_rule_token(S, conv_ptr + r * stride_cb, a_ptr + r * stride_ab,
                                  b_ptr + r * stride_bb, A_log_ptr, dt_bias_ptr, h, h // GROUP,
                                  dk, dv, KEY_DIM, scale, DK, DV)
         if j < N - 1:
             tl.store(snap_ptr + j * stride_pj + bi * stride_pb + h * DK * DV
-                     + dk[:, None] * DV + dv[None, :], _to_state(S, sd, BITS))
+                     + dk[:, None] * DV + dv[None, :], to_state(S, sd, BITS))
         o = tl.sum(S * q[:, None], 0)
         if FUSE_NORM:
-            _gated_norm(o.to(dt).to(tl.float32), z_ptr + r * stride_zb + h * DV, norm_w_ptr,
+            gated_norm(o.to(dt).to(tl.float32), z_ptr + r * stride_zb + h * DV, norm_w_ptr,
                         out_ptr + r * stride_ob + h * DV, eps, DV)
         else:
             tl.store(out_ptr + r * stride_ob + h * DV + dv, o.to(dt))
         # the next token reads the state as a decode step would reload it: rounded to the
         # storage dtype (a no-op for fp32), so the chunk equals n decode steps bit for bit
-        S = _to_state(S, sd, BITS).to(tl.float32)
-    tl.store(s_ptrs, _to_state(S, sd, BITS))
+        S = to_state(S, sd, BITS).to(tl.float32)
+    tl.store(s_ptrs, to_state(S, sd, BITS))
 
 
 def recurrent_verify(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
@@ -174,6 +174,6 @@ def recurrent_verify(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z
         FUSE_NORM=split == 1, num_warps=8 if split == 1 else 4, BITS=INTERPRETED,
         **pdl_launch(out))
     if split > 1:
-        _gated_norm_kernel[(T, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
+        gated_norm_kernel[(T, HV)](out, z, norm_weight, z.stride(0), out.stride(0), eps, DV=DV,
                                     num_warps=1, **pdl_launch(out))
     return out

@@ -10,7 +10,7 @@ where dt is the model dtype and the maths between roundings is fp32. Compiled wi
 `enable_fp_fusion=False` (an FMA would skip the rounding of `dt(sigmoid)·shared` before the add)
 and exact division; `tl.exp` is the fast approximation where PyTorch uses `expf`, which can
 flip a bf16 rounding rarely. Reference:
-`tailored.model.fast.FastPath._moe` before fusion = `ref` ops; tests/kernels/test_kernels.py.
+`model/kernel_moe.py` before fusion = `ref` ops; tests/kernels/test_kernels.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ loop, so one DRAM latency a program instead of a chain of them), multiplies it w
 activations in fp32 on the CUDA cores and reduces over K. With ~1000 such programs the loads
 of every SM are in flight together.
 
-  1. gate_up: program (p, nb) routes the ≤ 4 rows itself (`moe._topk_tile`, as
+  1. gate_up: program (p, nb) routes the ≤ 4 rows itself (`moe_route.topk_tile`, as
      `route_fused_moe` does), takes pair p = t·S + slot and its expert e, and writes
      act[p, n] = silu(x[t]·G_e[n]) · (x[t]·U_e[n]) for its ROWS rows n.
   2. down:    y[p, n] = w_p · (act[p] · D_e[n])   (fp32 pair terms, for `moe_combine`).
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import moe
+from tailored.kernels import moe, moe_route
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
@@ -65,7 +65,7 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, logits_ptr, seg_ptr, rw_
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     store = t_ok & ((t * 0 + p + tl.program_id(1)) == 0)  # program (0, 0) stores the routing
-    _, it = moe._topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store, stride_l,
+    _, it = moe_route.topk_tile(logits_ptr, seg_ptr, rw_ptr, ids_ptr, t, t_ok, store, stride_l,
                            stride_s, E, K, BLOCK_S, SHARED)
     c = tl.arange(0, BLOCK_S)
     e = tl.sum(tl.where((t[:, None] == p // S) & (c[None, :] == p % S), it, 0))
@@ -115,7 +115,7 @@ def route_gemv_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
     """`moe.route_fused_moe`'s contract through the two GEMV kernels above (two launches).
 
     x: [T, H] normed hidden states (bf16/fp32, unit column stride), 1 ≤ T ≤
-    `moe.ROUTE_ONE_PROGRAM_UP_TO`; router_logits [T, E], E a power of 2; shared_gate [T, 1] or
+    `moe_route.ROUTE_ONE_PROGRAM_UP_TO`; router_logits [T, E], E a power of 2; shared_gate [T, 1] or
     None; gate_up [En, 2I, H], down [En, H, I] (bf16/fp32, or float8_e4m3fn with their block
     scales, `fp8.expert_block_scales`), En = E (+1 with the shared expert stacked as expert E).
     gate_up_cfg / down_cfg: (ROWS, num_warps) instead of `CFG`'s (benchmarks), ROWS a power

@@ -6,7 +6,7 @@ grouped GEMM, TMA + warp specialisation) ran the gate_up GEMM of the same rows a
 the H200 (scripts/bench_moe_prefill.py, session 13, kb/0031). The MoE was ~134 ms of a 314 ms
 8 × 1024-token FP8 step (kb/0029 §6), the step every wave of a c=32 benchmark waits on.
 
-The path, for the (token, slot) pairs sorted by expert (`moe.moe_align`):
+The path, for the (token, slot) pairs sorted by expert (`moe_route.moe_align`):
   xs   = x[token of each sorted pair]                    [P, H]  bf16 (a gather)
   h    = grouped_mm(xs, gate_upᵀ per expert)             [P, 2I] bf16
   act  = silu_mul(h[:, :I], h[:, I:])                    [P, I]  bf16, PyTorch's roundings
@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from tailored.kernels.fp8_linear import SCALE_BLOCK
-from tailored.kernels.moe import expert_shapes, moe_align
+from tailored.kernels.moe import expert_shapes
+from tailored.kernels.moe_route import moe_align
 from tailored.kernels.moe_combine import silu_mul
 from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels (on; `TAILORED_PDL=0`: off).
+"""Programmatic dependent launch (PDL) for the Triton kernels (on; the `pdl` switch: off).
 
 Why: a B=1 decode step is ~660 kernels, most of them 1–5 µs long (kb/0029 §4): each pays its
 launch, block scheduling and first loads after the previous kernel has drained. With PDL
@@ -21,7 +21,7 @@ Kernels launched without PDL (cuBLAS, torch) keep full stream serialization, and
 PDL kernel completes only after its wait, ordering stays transitive across the whole step.
 
 `launch(t)` gives a launch's keyword arguments: `PDL` (the kernels' constexpr) and Triton's
-`launch_pdl` launch option, on for CUDA tensors of an sm_90+ device unless `TAILORED_PDL=0`;
+`launch_pdl` launch option, on for CUDA tensors of an sm_90+ device unless the `pdl` switch is off;
 `{"PDL": False}` otherwise (the interpreter never sees the PTX). Read at each launch: a bench
 can flip `PDL` and re-capture its graphs. Reference: Triton's tutorial
 `11-programmatic-dependent-launch.py` (its `gdc_wait` / `gdc_launch_dependents` emit the same
@@ -31,20 +31,13 @@ two instructions).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from tailored.kernels import env_flag
-
-# On since session 24 (kb/0041): bitwise (test_gpu.py::test_pdl_changes_no_bit); served FP8
-# c=1 400.5 -> 429.2 / 428.2 tok/s once the GEMV's loop no longer carried the next tile
-# (in-process B=1 -4.9 %, B=2 -6.1 %); bf16 c=1 305.9 (s22) -> 320.5. Built in session 12,
-# kb/0030; measured inside the noise while every kernel waited at its first instruction.
-PDL = env_flag("TAILORED_PDL", True)
-
+from tailored import flags
+from tailored.kernels import interpreted
 
 @triton.jit
 def enter():
@@ -68,15 +61,15 @@ def _on_sm90(t: torch.Tensor) -> bool:
     """t lives on a GPU with PDL (compute capability 9.0 or newer), and the kernels compile:
     Triton's interpreter (TRITON_INTERPRET=1) has no inline PTX, so an interpreted run on a GPU
     machine launches without PDL."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if not t.is_cuda or interpreted():
         return False
     return _sm90(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def launch(t: torch.Tensor) -> dict:
     """Keyword arguments for launching a kernel that takes the `PDL` constexpr on t's device:
-    {"PDL": True, "launch_pdl": True} on sm_90+ (unless TAILORED_PDL=0 or Triton's interpreter),
+    {"PDL": True, "launch_pdl": True} on sm_90+ (unless the `pdl` switch is off or Triton's interpreter runs),
     else {"PDL": False}."""
-    if PDL and _on_sm90(t):
+    if flags.current().pdl and _on_sm90(t):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

@@ -26,6 +26,8 @@ import logging
 import os
 from pathlib import Path
 
+from tailored import flags
+
 log = logging.getLogger("tailored.tuning")
 
 DEFAULT_TABLE = Path(__file__).with_name("tuned.json")
@@ -49,7 +51,7 @@ def _load_table() -> dict:
     global _TABLE
     if _TABLE is not None:
         return _TABLE
-    env = os.environ.get("TAILORED_TUNING", "")
+    env = flags.current().tuning
     path = None if env == "off" else Path(env) if env else DEFAULT_TABLE
     _TABLE = {}
     if path is None or not path.is_file():
@@ -135,8 +137,9 @@ def dump(path: str | os.PathLike, manifest: dict | None = None) -> int:
 
 
 def dump_if_requested(manifest: dict | None = None) -> None:
-    """TAILORED_TUNING_DUMP=PATH: write the table there (called once warm-up is done)."""
-    path = os.environ.get("TAILORED_TUNING_DUMP")
+    """The `tuning_dump` switch (TAILORED_TUNING_DUMP=PATH): write the table there (called
+    once warm-up is done)."""
+    path = flags.current().tuning_dump
     if path:
         n = dump(path, manifest)
         log.info("wrote %d tuned launch configs to %s", n, path)

@@ -5,7 +5,7 @@ and in this model the shared expert has the routed experts' shape (intermediate 
 decode step the shared expert cost three launches of its own below bandwidth (its gate/up rows
 in the router GEMM, silu·mul, a 0.5 TB/s cuBLAS GEMV for down: ~6 µs a layer at B=1, H200
 profile in kb/0017); as expert E it is one more (token, expert) pair per token in the fused
-MoE kernels, read at their bandwidth. This file builds the stacks; `FastPath._moe` uses them.
+MoE kernels, read at their bandwidth. This file builds the stacks; `model/kernel_moe.py` uses them.
 
 Memory: the routed experts' storage grows in place by one expert (`UntypedStorage.resize_`:
 the parameters keep pointing at it, nothing else holds a second copy), and the shared
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tailored.model import fp8
 
 
 @dataclass

@@ -11,14 +11,19 @@ and MoE run over all T tokens at once; the GDN recurrence and attention run per 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tailored.config import ModelConfig
 from tailored.model import fp8
-from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.model.batch import ForwardBatch
 from tailored.ops import reference as ref
+
+if TYPE_CHECKING:  # the worker owns the cache; the model only reads and writes it
+    from tailored.worker.cache import HybridCache
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -271,7 +276,6 @@ class Qwen36ForCausalLM(nn.Module):
         self.model = TextModel(cfg)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTP(cfg) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
-        self.fast = None  # a FastPath (model/fast.py) bound to the runner's cache, set by the runner
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
@@ -279,11 +283,9 @@ class Qwen36ForCausalLM(nn.Module):
 
         Returns the final-normed hidden states [T, H] (model dtype). Every slot with
         reset_state=True is zeroed before use; slots and pages not named in the batch are
-        never written. With a FastPath bound to this cache the kernel path runs instead (same
-        contract; CUDA-graph replay for decode-only steps).
+        never written. The kernel path (`kernel_model.py`, run by the worker) keeps this
+        contract.
         """
-        if self.fast is not None and cache is self.fast.cache:
-            return self.fast.forward(batch)
         cfg = self.config
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = ref.rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)

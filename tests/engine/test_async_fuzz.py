@@ -15,7 +15,7 @@ from tailored.config import EngineConfig
 from tailored.engine.engine import Engine
 from tailored.engine.scheduler import PENDING_TOKEN
 from tailored.engine.types import SamplingParams
-from tailored.runner import ModelRunner
+from tailored.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,7 +176,7 @@ NAN = {"on": False}
 
 @pytest.fixture
 def nan_injection(monkeypatch):
-    import tailored.runner as R
+    import tailored.worker.runner as R
     orig = R.sample_on_device
 
     def sod(logits, seqs):

@@ -4,7 +4,7 @@ being preempted and recomputed every other token."""
 
 import pytest
 
-import tailored.runner as R
+import tailored.worker.runner as R
 from tailored.engine.types import SamplingParams
 from test_async_fuzz import ids, make, run
 

@@ -24,7 +24,7 @@ from tailored.engine.types import (
     ScheduledSeq,
     SchedulerOutput,
 )
-from tailored.runner import ModelRunner
+from tailored.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

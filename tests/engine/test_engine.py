@@ -14,7 +14,7 @@ import torch
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.engine import Engine
-from tailored.engine.sampler import sample
+from tailored.worker.sampler import sample
 from tailored.engine.types import FinishReason, ModelOutput, SamplingParams, SchedulerOutput
 
 V = 64

@@ -19,7 +19,7 @@ from tailored.config import EngineConfig
 from tailored.engine.engine import Engine
 from tailored.engine.types import SamplingParams
 from tailored.gate.engine_side import engine_greedy
-from tailored.runner import ModelRunner
+from tailored.worker.runner import ModelRunner
 from tailored.tokenizer import load_tokenizer
 
 TOL = 1e-5

@@ -89,8 +89,8 @@ def test_plan_cache_keeps_the_kernel_paths_reserve_out_of_the_gpu_budget(monkeyp
     the kernel path allocates after the cache (FP8 dense weights dequantized, kb/0026), so
     that allocation cannot run out of memory after the cache took everything."""
     from tailored.config import EngineConfig, ModelConfig
-    from tailored.model.batch import HybridCache
-    from tailored.runner import plan_cache
+    from tailored.worker.cache import HybridCache
+    from tailored.worker.memory_plan import plan_cache
 
     cfg = ModelConfig.from_dir(tiny_ckpt)
     ec = EngineConfig(max_num_seqs=64, max_model_len=4096, max_num_batched_tokens=256,
@@ -112,8 +112,8 @@ def test_plan_cache_keeps_speculative_headroom(monkeypatch, tiny_ckpt):
     the memory-bound spec serve ran out of memory without it, session 15); the CPU's does
     not change."""
     from tailored.config import EngineConfig, ModelConfig
-    from tailored.model.batch import HybridCache
-    from tailored.runner import SPEC_HEADROOM_BYTES, plan_cache
+    from tailored.worker.cache import HybridCache
+    from tailored.worker.memory_plan import SPEC_HEADROOM_BYTES, plan_cache
 
     cfg = ModelConfig.from_dir(tiny_ckpt)
     gib = 1024**3
@@ -133,75 +133,75 @@ def test_plan_cache_keeps_speculative_headroom(monkeypatch, tiny_ckpt):
     assert cpu_on == pytest.approx(cpu_off * per_off / per_on, abs=2)
 
 
-def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, tiny_fp8_ckpt):
+def test_kernel_path_reserve_only_where_the_kernel_path_runs(monkeypatch, switches, tiny_fp8_ckpt):
     """runner.kernel_path_reserve: the FP8 dense-dequant bytes on CUDA with the kernel path;
     0 on the CPU, with --kernels off, and without Triton (that start falls back to the plain
     path and must not import the kernels, review of session 10)."""
     from tailored import kernels
     from tailored.config import EngineConfig, ModelConfig
-    from tailored.model import fast
     from tailored.model.loader import load_checkpoint
-    from tailored.runner import kernel_path_reserve
+    from tailored.model.projections import dense_dequant_bytes
     from tailored.synth import build_empty_model
+    from tailored.worker.memory_plan import kernel_path_reserve
 
     model = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.float32)
     load_checkpoint(model, tiny_fp8_ckpt, progress=False)
-    monkeypatch.setattr(fast, "FP8_DENSE_DEQUANT", True)
-    monkeypatch.setattr(fast, "MOE_GROUPED", False)  # its own test below
+    switches(fp8_dense_dequant=True, moe_grouped=False)  # the grouped path: its own test below
     ec = EngineConfig()
     cuda = torch.device("cuda")
     monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
-    want = fast.dense_dequant_bytes(model, torch.float32)
+    want = dense_dequant_bytes(model, torch.float32)
     assert want > 0 and kernel_path_reserve(model, ec, cuda) == want
     assert kernel_path_reserve(model, ec, torch.device("cpu")) == 0
     assert kernel_path_reserve(model, EngineConfig(kernels="off"), cuda) == 0
     monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: "triton is not installed")
     assert kernel_path_reserve(model, ec, cuda) == 0
-    monkeypatch.setattr(fast, "FP8_DENSE_DEQUANT", False)
+    switches(fp8_dense_dequant=False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
     assert kernel_path_reserve(model, ec, cuda) == 0
 
 
-def test_kernel_path_reserve_holds_the_grouped_experts_scratch(monkeypatch, tiny_fp8_ckpt):
-    """fast.MOE_GROUPED (kb/0031): the reserve adds, for a step budget that reaches the grouped
-    experts, k rows per token of gathered input, gate|up, activation and output, and for FP8
-    experts one layer's bf16 copy of them; nothing below MOE_GROUPED_FROM or when off."""
+def test_kernel_path_reserve_holds_the_grouped_experts_scratch(monkeypatch, switches, tiny_fp8_ckpt):
+    """The `moe_grouped` switch (kb/0031): the reserve adds, for a step budget that reaches the
+    grouped experts, k rows per token of gathered input, gate|up, activation and output, and
+    for FP8 experts one layer's bf16 copy of them; nothing below `moe_grouped_from` or when
+    off."""
     from tailored import kernels
     from tailored.config import EngineConfig, ModelConfig
-    from tailored.model import fast
+    from tailored.model.kernel_moe import moe_grouped_reserve_bytes
     from tailored.model.loader import load_checkpoint
-    from tailored.runner import kernel_path_reserve
+    from tailored.model.projections import dense_dequant_bytes
     from tailored.synth import build_empty_model
+    from tailored.worker.memory_plan import kernel_path_reserve
 
     model = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.float32)
     load_checkpoint(model, tiny_fp8_ckpt, progress=False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda *a: None)
-    monkeypatch.setattr(fast, "MOE_GROUPED", True)
-    monkeypatch.setattr(fast, "MOE_GROUPED_FROM", 64)
+    switches(moe_grouped=True, moe_grouped_from=64)
     cfg, ex = model.config, model.model.layers[0].mlp.experts
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     scratch = (ex.gate_up_proj.numel() + ex.down_proj.numel()) * 2
-    assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == \
+    assert moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == \
         100 * k * (2 * H + 3 * I) * 2 + scratch
-    assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 63) == 0
+    assert moe_grouped_reserve_bytes(model, torch.bfloat16, 63) == 0
     # the path is bf16 only: an fp32 model reserves nothing for it
-    assert fast.moe_grouped_reserve_bytes(model, torch.float32, 100) == 0
+    assert moe_grouped_reserve_bytes(model, torch.float32, 100) == 0
     ec = EngineConfig(max_num_batched_tokens=100)
     assert kernel_path_reserve(model, ec, torch.device("cuda")) == \
-        fast.dense_dequant_bytes(model, torch.float32)
+        dense_dequant_bytes(model, torch.float32)
     bf = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.bfloat16)
     assert kernel_path_reserve(bf, ec, torch.device("cuda")) == \
-        fast.dense_dequant_bytes(bf, torch.bfloat16) + \
-        fast.moe_grouped_reserve_bytes(bf, torch.bfloat16, 100)
-    monkeypatch.setattr(fast, "MOE_GROUPED", False)
-    assert fast.moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == 0
+        dense_dequant_bytes(bf, torch.bfloat16) + \
+        moe_grouped_reserve_bytes(bf, torch.bfloat16, 100)
+    switches(moe_grouped=False)
+    assert moe_grouped_reserve_bytes(model, torch.bfloat16, 100) == 0
 
 
 def test_model_runner_hands_the_kernel_paths_reserve_to_plan_cache(monkeypatch, tiny_model):
     """The wiring: ModelRunner sizes its cache with plan_cache(..., kernel_path_reserve(...))
     (without it the FP8 dense-dequant copies would be allocated out of the activation
     reserve after the cache took its share)."""
-    from tailored import runner as runner_mod
+    from tailored.worker import runner as runner_mod
     from tailored.config import EngineConfig
 
     seen = {}
@@ -219,33 +219,30 @@ def test_model_runner_hands_the_kernel_paths_reserve_to_plan_cache(monkeypatch, 
     assert seen == {"reserve": 12345}
 
 
-def test_gdn_state_dtype_auto_follows_the_model_and_sizes_the_slots(monkeypatch, tiny_model):
+def test_gdn_state_dtype_auto_follows_the_model_and_sizes_the_slots(switches, tiny_model):
     """EngineConfig.gdn_state_dtype (kb/0056): "auto" (the default) stores the recurrent states
     in bf16 for a bf16 model, as vLLM does, and in fp32 otherwise; TAILORED_GDN_STATE_DTYPE
     sets the default; a bad name fails at the config, before any weight loads. A bf16 slot
     holds half the recurrent bytes, and the runner's cache has the dtype asked for."""
     from tailored.config import EngineConfig
-    from tailored.model.batch import HybridCache
-    from tailored.runner import ModelRunner, state_dtype
+    from tailored.worker.cache import HybridCache
+    from tailored.worker.memory_plan import state_dtype
+    from tailored.worker.runner import ModelRunner
 
-    monkeypatch.delenv("TAILORED_GDN_STATE_DTYPE", raising=False)
+    from tailored.flags import Flags
+
     assert EngineConfig().gdn_state_dtype == "auto"
     assert state_dtype(EngineConfig(dtype="bfloat16")) == torch.bfloat16
     assert state_dtype(EngineConfig(dtype="float32")) == torch.float32
     assert state_dtype(EngineConfig(dtype="bfloat16", gdn_state_dtype="float32")) == torch.float32
     assert state_dtype(EngineConfig(dtype="float32", gdn_state_dtype="bfloat16")) == torch.bfloat16
-    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "float32")
+    switches(gdn_state_dtype="float32")  # the default's switch (TAILORED_GDN_STATE_DTYPE)
     assert state_dtype(EngineConfig(dtype="bfloat16")) == torch.float32
-    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", " float32 ")  # stripped, as env_flag does
-    assert state_dtype(EngineConfig(dtype="bfloat16")) == torch.float32
-    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "")  # empty = unset
-    assert EngineConfig().gdn_state_dtype == "auto"
-    monkeypatch.setenv("TAILORED_GDN_STATE_DTYPE", "fp16")
+    switches(gdn_state_dtype="auto")
     with pytest.raises(ValueError, match="TAILORED_GDN_STATE_DTYPE"):
-        EngineConfig()
+        Flags.from_env({"TAILORED_GDN_STATE_DTYPE": "fp16"})
     with pytest.raises(ValueError, match="gdn_state_dtype"):
         EngineConfig(gdn_state_dtype="half")
-    monkeypatch.delenv("TAILORED_GDN_STATE_DTYPE")
     cfg = tiny_model.config
     conv = HybridCache.bytes_per_slot(cfg, torch.bfloat16, torch.bfloat16) * 2 \
         - HybridCache.bytes_per_slot(cfg, torch.bfloat16)

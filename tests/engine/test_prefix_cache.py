@@ -17,7 +17,7 @@ from tailored.engine.engine import Engine
 from tailored.engine.memory import PagePool
 from tailored.engine.prefix_cache import MIN_TOKENS, PrefixCache
 from tailored.engine.types import SamplingParams
-from tailored.runner import ModelRunner
+from tailored.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -411,7 +411,7 @@ def test_too_many_entries_for_the_memory_names_the_flag(tiny_cfg):
     """Snapshot slots come out of the cache's memory first: too many leave no room for one
     request, and the error says which flag did it (a new user's finding: it read '-126238
     pages fit ... lower --max-model-len or --max-num-seqs')."""
-    from tailored.runner import plan_cache
+    from tailored.worker.memory_plan import plan_cache
 
     ec = EngineConfig(page_size=PS, max_model_len=512, device="cpu", dtype="float32",
                       prefix_cache_entries=10**7)

@@ -17,7 +17,7 @@ from test_server import MODEL, assert_openai_error, chat, completion, srv  # noq
 
 import tailored
 from tailored.engine import grammar as grammar_mod
-from tailored.engine.sampler import sample_on_device
+from tailored.worker.sampler import sample_on_device
 from tailored.engine.types import FinishReason, SamplingParams, StructuredOutput
 
 xgr = pytest.importorskip("xgrammar")

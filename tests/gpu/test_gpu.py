@@ -10,7 +10,8 @@ import torch
 
 from conftest import new_cache, rel_err, run_seq
 from tailored.config import ModelConfig
-from tailored.model.batch import ForwardBatch, HybridCache
+from tailored.model.batch import ForwardBatch
+from tailored.worker.cache import HybridCache
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
 
 pytestmark = [

@@ -22,7 +22,7 @@ def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     recurrent state), bf16 within the prefill graph test's bounds (another attention kernel,
     FLA fixed-length vs varlen, a random-weight model's near-ties: kb/0001). Also a chunk
     beside a decode row (`FastPath._split`)."""
-    from tailored.model.fast_ctx import ContextGraphs
+    from tailored.worker.ctx_graphs import ContextGraphs
 
     model, cache, fast = _with_graphs(dtype, precision, 3, [1024])
     fast.ctx = ContextGraphs(fast)
@@ -92,7 +92,7 @@ def test_several_prompts_replay_their_own_graphs(dtype, monkeypatch):
     graph, and tracks the eager step of both (fp32 within 1e-4; bf16 within the prefill graph
     test's bound)."""
     from tailored.model import fast as fastmod
-    from tailored.model.fast_ctx import ContextGraphs
+    from tailored.worker.ctx_graphs import ContextGraphs
 
     model, cache, fast = _with_graphs(dtype, "bf16", 3, [128, 1024])
     fast.ctx = ContextGraphs(fast)

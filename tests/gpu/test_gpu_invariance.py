@@ -20,7 +20,7 @@ from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.engine import Engine
 from tailored.engine.types import SamplingParams
 from tailored.gate.engine_side import engine_greedy
-from tailored.runner import ModelRunner
+from tailored.worker.runner import ModelRunner
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
 from tailored.tokenizer import load_tokenizer
 

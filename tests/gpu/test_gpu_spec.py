@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tailored.config import ModelConfig
-from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
+from tailored.model.batch import ForwardBatch, SeqInfo
+from tailored.worker.cache import HybridCache
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
 
 pytestmark = [
@@ -34,7 +35,7 @@ def _spec_setup(precision, seed):
     """The 4-layer model with a FastPath (decode graph of 4) and SpecGraphs (2 drafts, up to 4
     sequences) captured, after 40-token prompts in slots 1..3 (pages 1-3, 4-6, 7-9)."""
     from tailored.model.fast import FastPath
-    from tailored.model.fast_spec import SpecGraphs
+    from tailored.worker.spec_graphs import SpecGraphs
 
     model = _model(torch.bfloat16, precision)
     cache = HybridCache(model.config, 64, 16, 5, torch.bfloat16, "cuda", mtp_layers=1)
@@ -53,7 +54,7 @@ def _spec_setup(precision, seed):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @torch.no_grad()
 def test_spec_graphs_replay_equal_their_bodies_bitwise(precision):
-    from tailored.model.mtp import DraftRow, MTPDrafter
+    from tailored.worker.drafter import DraftRow, MTPDrafter
 
     model, cache, spec, pages = _spec_setup(precision, 4)
     assert sorted(spec.verify) == sorted(spec.mtp) == [1, 2, 4]
@@ -179,7 +180,7 @@ def test_spec_chain_graph_equals_its_body_and_the_host_path(precision):
     """The chain graph (acceptance, commits and MTP on the device after a whole verify step,
     kb/0034) against its body run eagerly and against the host path it replaces (commit_many
     + propose through the MTP graph), bitwise: kept counts, next drafts, GDN states, KV."""
-    from tailored.model.mtp import DraftRow, MTPDrafter, accept
+    from tailored.worker.drafter import DraftRow, MTPDrafter, accept
 
     model, cache, spec, pages = _spec_setup(precision, 5)
     assert sorted(spec.chains) == [1, 2, 4]
@@ -234,7 +235,7 @@ def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, monkeypatc
     hidden states, kept counts, next drafts and cache, three replays each (a race need not
     show in every one)."""
     from tailored.kernels import pdl
-    from tailored.model.fast_spec import SpecGraphs
+    from tailored.worker.spec_graphs import SpecGraphs
 
     monkeypatch.setattr(pdl, "PDL", False)
     model, cache, spec, pages = _spec_setup(precision, 6)

@@ -210,7 +210,7 @@ def test_fused_moe_fp8_wide_k_iterations_are_bitwise_the_128_ones(monkeypatch):
 
 
 def test_moe_align_groups_pairs_by_expert():
-    from tailored.kernels.moe import moe_align
+    from tailored.kernels.moe_route import moe_align
 
     ids = torch.tensor([[3, 0], [0, 2], [3, 1]], device=DEV)
     order, offsets = moe_align(ids, 5)
@@ -222,7 +222,7 @@ def test_moe_align_groups_pairs_by_expert():
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4), (12, 256, 8), (33, 256, 8), (64, 256, 8)])
 def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
     """T ≤ 8: one program; above: top-k programs + the sorting align program (kb/0021)."""
-    from tailored.kernels.moe import expert_partition_ref, moe_align, route_align
+    from tailored.kernels.moe_route import expert_partition_ref, moe_align, route_align
 
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * E)).to(DEV, dtype)
     w, ids, order, offsets, experts = route_align(logits, k)
@@ -254,7 +254,7 @@ def test_route_align_two_launch_path_at_few_rows(dtype, T, E, k, monkeypatch):
 def test_route_align_with_the_shared_expert(dtype, T, E, k):
     """shared_gate: expert E joins as slot k of every token with weight sigmoid(gate) — what
     route_topk with that extra column gives through moe_align(ids, E+1) and the partition."""
-    from tailored.kernels.moe import expert_partition_ref, moe_align, route_align
+    from tailored.kernels.moe_route import expert_partition_ref, moe_align, route_align
 
     g = torch.Generator().manual_seed(T + E + 1)
     logits = torch.randn(T, E, generator=g).to(DEV, dtype)
@@ -277,7 +277,7 @@ def test_route_align_with_the_shared_expert(dtype, T, E, k):
 @pytest.mark.parametrize("E,T,k", [(8, 1, 2), (16, 3, 4), (200, 5, 8), (256, 1, 8), (256, 40, 8)])
 def test_expert_partition(E, T, k):
     """Active experts first, then the empty ones, each ascending; a permutation of 0..E-1."""
-    from tailored.kernels.moe import expert_partition, expert_partition_ref, moe_align
+    from tailored.kernels.moe_route import expert_partition, expert_partition_ref, moe_align
 
     ids = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(E + T)).to(DEV)
     _, offsets = moe_align(ids, E)
@@ -294,14 +294,14 @@ def test_fused_moe_compact_grid_is_bitwise_the_full_grid(T, E, k, monkeypatch):
     """The compact grid (T·k programs over the active-first experts) changes which program
     computes an expert, never how: results are bitwise those of one program per expert, with
     the experts from route_align or from expert_partition."""
-    from tailored.kernels import moe
+    from tailored.kernels import moe, moe_route
 
     g = torch.Generator().manual_seed(T + E)
     H, I = 64, 32
     x = torch.randn(T, H, generator=g).to(DEV)
     gate_up = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(DEV)
     down = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(DEV)
-    w, ids, *aligned = moe.route_align(torch.randn(T, E, generator=g).to(DEV), k)
+    w, ids, *aligned = moe_route.route_align(torch.randn(T, E, generator=g).to(DEV), k)
     compact = moe.fused_moe(x, w, ids, gate_up, down, aligned, reduce=False)
     compact2 = moe.fused_moe(x, w, ids, gate_up, down, None, reduce=False)
     monkeypatch.setattr(moe, "COMPACT_GRID", False)
@@ -336,7 +336,7 @@ def test_route_fused_moe_is_bitwise_route_align_then_fused_moe(dtype, T, E, k, s
     """The gate_up programs that route the tokens themselves (kb/0036) give bitwise the
     routing, alignment and pair terms of route_align + fused_moe(reduce=False); the act and
     pair rows poisoned with NaN beforehand may not survive; other T are refused."""
-    from tailored.kernels import moe
+    from tailored.kernels import moe, moe_route
     from tailored.model import fp8 as fp8m
 
     if DEV == "cpu" and E == 256:
@@ -345,7 +345,7 @@ def test_route_fused_moe_is_bitwise_route_align_then_fused_moe(dtype, T, E, k, s
     H, I = (2048, 512) if E == 256 else (256, 160) if fp8 else (64, 48)
     x, logits, seg, gate_up, down, scales = _routed_call_inputs(
         dtype, T, E, H, I, shared, fp8, torch.Generator().manual_seed(T * 31 + E + shared))
-    w0, ids0, *aligned = moe.route_align(logits, k, shared_gate=seg)
+    w0, ids0, *aligned = moe_route.route_align(logits, k, shared_gate=seg)
     want = moe.fused_moe(x, w0, ids0, gate_up, down, aligned, *scales, reduce=False)
     pairs, w, ids = moe.route_fused_moe(x, logits, k, gate_up, down, seg, *scales)
     assert torch.isfinite(pairs).all()
@@ -406,7 +406,7 @@ def test_routing_of_a_nan_row_picks_distinct_experts(fused):
     in range, so the alignment writes every pair the expert GEMMs read (on the GPU the top-k
     rounds would all pick one expert otherwise, and the shared expert's down program read
     unwritten pair ids, kb/0036); the other rows route as without it."""
-    from tailored.kernels import moe
+    from tailored.kernels import moe, moe_route
 
     T, E, k, H, I = 3, 16, 4, 64, 48
     g = torch.Generator().manual_seed(5)
@@ -423,11 +423,11 @@ def test_routing_of_a_nan_row_picks_distinct_experts(fused):
             pairs, w, ids = moe.route_fused_moe(x, lg, k, gate_up, down, seg)
             assert torch.isfinite(pairs[:k + 1]).all()  # row 0's pairs
         else:
-            w, ids, order, offsets, experts = moe.route_align(lg, k, shared_gate=seg)
+            w, ids, order, offsets, experts = moe_route.route_align(lg, k, shared_gate=seg)
             assert sorted(order.tolist()) == list(range(T * (k + 1)))
         for t in range(T):
             assert len(set(ids[t].tolist())) == k + 1 and int(ids[t].max()) == E
-    w0, ids0, *_ = moe.route_align(logits, k, shared_gate=seg)
+    w0, ids0, *_ = moe_route.route_align(logits, k, shared_gate=seg)
     assert torch.equal(ids[0], ids0[0]) and torch.equal(w[0], w0[0])
 
 

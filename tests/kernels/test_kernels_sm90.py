@@ -127,7 +127,8 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
     from tailored.kernels.state_commit import commit_snapshots
     from tailored.kernels import moe_grouped
-    from tailored.kernels.moe import fused_moe, route_align, route_fused_moe
+    from tailored.kernels.moe import fused_moe, route_fused_moe
+    from tailored.kernels.moe_route import route_align
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
     from tailored.kernels.moe_gemv import route_gemv_moe
     from tailored.kernels.norm import add_rms_norm_1p
@@ -319,7 +320,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_attn_merge_kernel", "_route_align_kernel", "_conv_step_kernel",
            "_conv_prefill_kernel", "_conv_state_kernel",
            "_recurrent_kernel", "_route_rows_kernel", "_align_sort_kernel",
-           "_gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
+           "gated_norm_kernel", "_dequant_kernel", "_unsort_weighted_kernel",
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
            "_dequant_experts_kernel", "_route_gate_up_kernel",
            "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel", "_splitk_kernel",

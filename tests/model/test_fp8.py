@@ -161,7 +161,7 @@ def test_scales_keep_the_checkpoints_exact_values(tiny_fp8_ckpt, tmp_path):
     file's bit for bit (fp32 on disk, and bf16 on disk — the release's scale dtype is
     unconfirmed, spec §9.1), none is a power of two by accident, and the kernel path's per-row
     scales are the same numbers."""
-    from tailored.model.fast import Proj
+    from tailored.model.projections import Proj
 
     pre = "model.language_model.layers.0."
     name = pre + "linear_attn.out_proj.weight_scale_inv"

@@ -103,7 +103,8 @@ def test_official_tensor_names_bf16():
 def test_engine_matches_transformers_fp32(stack):
     transformers = pytest.importorskip("transformers")
     from tailored.gate.reference import reference_from_files
-    from tailored.model.batch import ForwardBatch, HybridCache
+    from tailored.model.batch import ForwardBatch
+    from tailored.worker.cache import HybridCache
 
     ids = stack.tokenizer.encode(CODE)
     assert len(ids) > 64  # crosses a GDN chunk boundary

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tailored.model.draft_head import DraftHead, dequantize_rows, draft_argmax, quantize_rows
+from tailored.worker.draft_head import DraftHead, dequantize_rows, draft_argmax, quantize_rows
 
 
 def _weight(N=300, K=200, seed=0):

@@ -12,7 +12,7 @@ import torch
 
 from conftest import rel_err
 from tailored.model.batch import ForwardBatch
-from tailored.model.fast_ctx import ContextGraphs, ctx_splits
+from tailored.worker.ctx_graphs import ContextGraphs, ctx_splits
 from test_fast_path import _ids, _make_pair, graph_stand_ins
 
 
@@ -167,7 +167,7 @@ def test_ctx_splits_fill_the_gpu_and_bound_the_partials():
 def test_ctx_graphs_wanted_unless_told(monkeypatch):
     """On by default since kb/0056 (the gates passed with them), with or without the prefix
     cache; TAILORED_CTX_GRAPHS=0 turns them off; another value is an error."""
-    from tailored.model.fast_ctx import ctx_graphs_wanted
+    from tailored.worker.ctx_graphs import ctx_graphs_wanted
 
     monkeypatch.delenv("TAILORED_CTX_GRAPHS", raising=False)
     assert ctx_graphs_wanted()

@@ -571,9 +571,10 @@ def test_mtp_layer_matches_plain_path(tiny_ckpt):
     """The MTP head on the kernel path (model/fast_mtp.py) against the plain path: the layer's
     hidden rows over a prompt and a chained proposal of 3 drafts."""
     from tailored.config import ModelConfig
-    from tailored.model.batch import HybridCache, SeqInfo
+    from tailored.model.batch import SeqInfo
+    from tailored.worker.cache import HybridCache
     from tailored.model.fast import FastPath
-    from tailored.model.mtp import DraftRow, MTPDrafter
+    from tailored.worker.drafter import DraftRow, MTPDrafter
 
     cfg = ModelConfig.from_dir(tiny_ckpt)
     models, caches = [], []
@@ -608,7 +609,7 @@ def test_spec_graph_bodies_match_the_eager_verify_step(tiny_ckpt):
     N), a lone decode row, and the batch padded to a larger size; hidden rows, committed GDN
     states at several kept lengths, the MTP KV and the proposed drafts."""
     from tailored.model.batch import SeqInfo
-    from tailored.model.mtp import DraftRow, MTPDrafter
+    from tailored.worker.drafter import DraftRow, MTPDrafter
 
     m, cache, fp, spec = _spec_model(tiny_ckpt, 3)  # forward() routes to it with graphs only
     p1, p2, p3 = _ids(11, 21), _ids(6, 22), _ids(9, 25)
@@ -661,7 +662,7 @@ def test_verify_chunks_beside_a_prompt_split_like_the_eager_step(tiny_ckpt):
     FastPath._split replays the verify graph (its body here, eagerly) for the chunks and runs
     the prompt after it; hidden rows, the committed states and the prompt's state equal the
     whole step through the eager kernel path."""
-    from tailored.model.fast import _sub_batch
+    from tailored.model.batch import sub_batch as _sub_batch
 
     m, cache, fp, spec = _spec_model(tiny_ckpt, 2)
     m(ForwardBatch.build([(_ids(7, 41), 0, 1, True, [1]), (_ids(5, 42), 0, 2, True, [2])], [],
@@ -697,7 +698,7 @@ def test_step_plan_views_are_16_byte_aligned():
     the conv kernels' sequence meta at an 8-byte offset, a compile inside session 15's c=32
     benchmark window. Odd sizes everywhere; the views' values are what the plan says."""
     from tailored.model.batch import SeqInfo
-    from tailored.model.fast import build_plan
+    from tailored.model.step_plan import build_plan
 
     pre = [SeqInfo(0, 3, 0, 5, True, [1]), SeqInfo(3, 7, 16, 2, False, [3, 4])]
     dec = [SeqInfo(10, 1, 9, 1, False, [6]), SeqInfo(11, 1, 3, 7, False, [8]),
@@ -723,7 +724,7 @@ def test_spec_chain_on_the_device_equals_the_host_acceptance(tiny_ckpt, syntheti
     next drafts, committed GDN states and the MTP KV of the emitted rows. synthetic: drawn
     kept counts instead (capped at each chunk's drafts)."""
     from tailored.model.batch import SeqInfo
-    from tailored.model.mtp import DraftRow, MTPDrafter, accept, emitted
+    from tailored.worker.drafter import DraftRow, MTPDrafter, accept, emitted
 
     m, cache, fp, spec = _spec_model(tiny_ckpt, 3)
     m(ForwardBatch.build([(_ids(11, 51), 0, 1, True, [1]), (_ids(6, 52), 0, 2, True, [2]),
@@ -783,7 +784,7 @@ def test_warmup_prefill_runs_the_mtp_over_the_sinks_only(tiny_ckpt):
     over each prompt length, as every prompt chunk does (FastPath._warm_mtp): its KV goes to
     page 0 only, every other page and slot of the cache is bit-identical."""
     from tailored.config import ModelConfig
-    from tailored.model.batch import HybridCache
+    from tailored.worker.cache import HybridCache
     from tailored.model.fast import FastPath
 
     cfg = ModelConfig.from_dir(tiny_ckpt)
@@ -806,9 +807,9 @@ def _spec_model(ckpt, num_draft: int):
     """The tiny model (fp32) with an MTP cache (16 pages of 16, 4 slots), an eager FastPath
     and its SpecGraphs (num_draft drafts, up to 4 sequences; bodies run eagerly)."""
     from tailored.config import ModelConfig
-    from tailored.model.batch import HybridCache
+    from tailored.worker.cache import HybridCache
     from tailored.model.fast import FastPath
-    from tailored.model.fast_spec import SpecGraphs
+    from tailored.worker.spec_graphs import SpecGraphs
 
     cfg = ModelConfig.from_dir(ckpt)
     m = build_empty_model(cfg, "cpu", torch.float32)
@@ -828,9 +829,9 @@ def test_engine_device_chain_with_drafts_left_on_the_device_equals_the_host_path
     tokens, greedy (random weights: most drafts rejected) and at synthetic acceptance 0.5
     (the same draws), with the device's kept counts checked against the host's at every
     read (ChainDrafts.read). One request is short, so later steps mix a lone chunk."""
-    from tailored.chain_drafts import ChainDrafts
+    from tailored.worker.chain_drafts import ChainDrafts
     from tailored.engine.types import SamplingParams
-    from tailored.model.fast_spec import SpecGraphs
+    from tailored.worker.spec_graphs import SpecGraphs
     from tailored.stack import build_stack
 
     reads = []

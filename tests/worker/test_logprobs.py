@@ -12,7 +12,7 @@ import torch
 from test_sampler import seq
 
 import tailored
-from tailored.engine.sampler import sample_on_device
+from tailored.worker.sampler import sample_on_device
 from tailored.engine.types import MAX_LOGPROBS, SamplingParams
 from tailored.stack import build_stack
 

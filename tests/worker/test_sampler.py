@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tailored.engine.sampler import _apply_penalties, sample
+from tailored.worker.sampler import _apply_penalties, sample
 from tailored.engine.types import SamplingParams, ScheduledSeq
 
 
@@ -267,7 +267,7 @@ def test_patch_replaces_rows_and_their_host_copy():
     """Sampled.patch (runner.resample, a structured row launched ahead): the patched rows'
     ids and NaN flags replace the first draw's on the device and in what tolist() reads;
     raw_rows gives the step's logits; a step with logprobs or mismatched rows is refused."""
-    from tailored.engine.sampler import sample_on_device
+    from tailored.worker.sampler import sample_on_device
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 40, generator=g)

@@ -19,8 +19,9 @@ import tailored
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.scheduler import Scheduler
 from tailored.engine.types import FinishReason, Request, SamplingParams
-from tailored.model.batch import ForwardBatch, HybridCache, SeqInfo
-from tailored.model.mtp import MTPDrafter, accept, emitted
+from tailored.model.batch import ForwardBatch, SeqInfo
+from tailored.worker.cache import HybridCache
+from tailored.worker.drafter import MTPDrafter, accept, emitted
 from tailored.stack import build_stack
 from tailored.tokenizer import load_tokenizer
 
@@ -142,7 +143,7 @@ def test_drafter_matches_the_training_chain():
         want, _ = ev.mtp_drafts(model, seq, 3)
         cache = HybridCache(model.config, 8, 16, 2, torch.float32, "cpu", mtp_layers=1)
         hidden = model(ForwardBatch.build([(ids, 0, 1, True, [1, 2, 3, 4])], [], "cpu"), cache)
-    from tailored.model.mtp import DraftRow
+    from tailored.worker.drafter import DraftRow
 
     drafter = MTPDrafter(model, cache)
     assert len(ids) > 12

@@ -12,7 +12,7 @@ The copy is e4m3 with one fp32 scale per row and 128 columns (amax / 448), the l
 argmax moves less. On the GPU it runs through that kernel (W8A16: half the bytes read); on the
 CPU (tests) as its reference, the dequantized weight through F.linear.
 
-TAILORED_MTP_FP8_HEAD=0 drafts with the bf16 lm_head itself.
+With the `mtp_fp8_head` switch off the MTP drafts with the bf16 lm_head itself.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tailored.kernels import env_flag
 from tailored.model.fp8 import BLOCK as COLS  # columns a scale covers: fp8_linear's SCALE_BLOCK
 from tailored.model.fp8 import FP8, FP8_MAX
-ENABLED = env_flag("TAILORED_MTP_FP8_HEAD", True)
 
 
 @torch.no_grad()
@@ -71,12 +69,12 @@ class DraftHead:
         return F.linear(h, dequantize_rows(self.q, self.scale, h.dtype))
 
 
-def draft_argmax(model, h: torch.Tensor) -> torch.Tensor:
+def draft_argmax(model, head: DraftHead | None, h: torch.Tensor) -> torch.Tensor:
     """The MTP's drafts from its final-normed hidden rows h [B, H]: int64 [B], the argmax of
-    the model's `draft_head` logits when it has one (runner: CUDA, speculative decoding on),
-    else of its lm_head's (`compute_logits`). Used by every drafting path (MTPDrafter, the
-    MTP and chain graphs), so the host and device paths draft the same tokens."""
-    head = getattr(model, "draft_head", None)
+    the FP8 `head`'s logits when there is one (the runner makes it on CUDA with speculative
+    decoding on), else of the model's lm_head (`compute_logits`). Used by every drafting path
+    (MTPDrafter, the MTP and chain graphs), so the host and device paths draft the same
+    tokens."""
     if head is None:
         return model.compute_logits(h).argmax(-1)
     return head.logits(h).argmax(-1)

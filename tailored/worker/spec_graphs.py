@@ -1,4 +1,4 @@
-"""CUDA graphs of speculative decode steps (model/mtp.py): a verify graph and an MTP graph.
+"""CUDA graphs of speculative decode steps (worker/drafter.py): verify, MTP and chain graphs.
 
 A step whose every sequence is a verify chunk (a drafting request's last token and up to N
 drafts, or a lone decode row of the same step; `SeqInfo.keep_states`) is the c ≤
@@ -10,7 +10,7 @@ two graphs per padded batch size B (SPEC_BATCH_SIZES):
     sequence b). Every row is a decode row of its own: attention reads keys 0..its position
     (the chunk's keys are all stored in the k-norm launch before it), projections and experts
     are row-wise. The GDN layers run the n tokens of all B sequences in one launch each of
-    the verify conv and recurrence (kernels/gdn_verify.py; TAILORED_GDN_VERIFY_KERNELS=0:
+    the verify conv and recurrence (kernels/gdn_verify.py; the `gdn_verify_kernels` switch off:
     token j at a time through the decode kernels), in place on the slots; the state after
     each token j < n-1 also goes into a snapshot (`snap_conv`, `snap_rec`; no extra launch or
     read): `HybridCache.commit_many` takes the one after the last kept token from there. A
@@ -26,7 +26,7 @@ two graphs per padded batch size B (SPEC_BATCH_SIZES):
     replay the runner replays it right after the sampler: no sync until the tokens and the
     next drafts are read, together. Output [B, 1 + N]: kept drafts, then the next drafts.
 
-Steps where the verify graph ran beside other work (prompt chunks, `FastPath._split`) take the
+Steps where the verify graph ran beside other work (prompt chunks, `KernelForward.forward`) take the
 host path instead: the runner reads the verified tokens, keeps the matching drafts and commits
 the states (one sync), then fills and replays the mtp graph (the second). Rows of pad
 sequences use slot 0 and page 0 (the sinks). Checked on the CPU by running the bodies eagerly
@@ -41,20 +41,16 @@ import logging
 import numpy as np
 import torch
 
-from tailored.kernels import env_flag
-from tailored.kernels.gdn_decode import conv_step, recurrent_step
-from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
-from tailored.model.batch import ForwardBatch, HybridCache, pinned, to_device
-from tailored.model.draft_head import draft_argmax
-from tailored.model.fast_mtp import mtp_input, mtp_layer
+from tailored.model.batch import ForwardBatch, pinned, to_device
+from tailored.model.kernel_mtp import mtp_input, mtp_layer
 from tailored.ops import reference as ref
+from tailored.worker.cache import HybridCache
+from tailored.worker.draft_head import draft_argmax
+from tailored.worker.graphs import GraphPool
 
-log = logging.getLogger("tailored.fast")
+log = logging.getLogger("tailored.worker")
 
 SPEC_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
-# the GDN layers of a verify step through kernels/gdn_verify.py (n tokens a launch, in bf16 the
-# same bits as the token-by-token decode kernels); 0: token by token (the A/B of kb/0033)
-GDN_VERIFY_KERNELS = env_flag("TAILORED_GDN_VERIFY_KERNELS", True)
 
 
 def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype,
@@ -65,18 +61,21 @@ def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype,
 
 
 class SpecGraphs:
-    """The verify and MTP graphs of one FastPath (`FastPath.spec`). num_draft: N drafts a
-    step; max_batch: the largest padded batch captured."""
+    """The verify, MTP and chain graphs of one kernel path. num_draft: N drafts a step;
+    max_batch: the largest padded batch captured; max_pages: page-table width; draft_head:
+    the FP8 lm_head copy the MTP drafts with (worker/draft_head.py) or None."""
 
-    def __init__(self, fp, num_draft: int, max_batch: int):
-        if fp.mtp_layer is None:
-            raise ValueError("SpecGraphs: the FastPath has no MTP layer (cache mtp_layers=1)")
-        self.fp = fp
+    def __init__(self, km, pool: GraphPool, num_draft: int, max_batch: int, max_pages: int,
+                 draft_head=None):
+        if km.mtp_layer is None:
+            raise ValueError("SpecGraphs: the kernel path has no MTP layer (cache "
+                             "mtp_layers=1)")
+        self.km, self.pool, self.max_pages, self.draft_head = km, pool, max_pages, draft_head
         self.N, self.n = num_draft, num_draft + 1
         self.sizes = tuple(b for b in SPEC_BATCH_SIZES if b < max_batch) + (max_batch,)
         self.max_batch = max_batch
-        cache, dev = fp.cache, fp.device
-        R, P, G = max_batch * self.n, fp.max_pages, cache.conv.shape[0]
+        cache, dev = km.cache, km.device
+        R, P, G = max_batch * self.n, max_pages, cache.conv.shape[0]
         self.st = {
             "ids": torch.zeros(R, dtype=torch.long, device=dev),
             "pos": torch.zeros(R, dtype=torch.long, device=dev),
@@ -125,67 +124,39 @@ class SpecGraphs:
 
     # ---- bodies (what the graphs capture; eager on the CPU in tests) --------------------------
     def verify_body(self, B: int) -> torch.Tensor:
-        fp, st, cfg = self.fp, self.st, self.fp.cfg
+        km, st = self.km, self.st
         R = B * self.n
-        ids, pos, kv, table, lens = (st["ids"][:R], st["pos"][:R], st["kv"][:R],
-                                     st["table"][:R], st["lens"][:R])
-        x = fp.model.model.embed_tokens(ids)
-        cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        kv, table, lens = st["kv"][:R], st["table"][:R], st["lens"][:R]
+        x, cos, sin = km.embed(st["ids"][:R], st["pos"][:R])
+        slots = st["slots"][:B]
 
         def mixer(i, hn):
-            if fp.layers[i].layer_type == "linear_attention":
-                return self._gdn(i, hn, B)
-            return fp._attn_decode(i, hn, cos, sin, kv, table, lens)
+            if km.is_gdn(i):
+                li = km.cache.gdn_index[i]
+                return km.gdn.verify_graph(i, hn, slots, self.n, self.snap_conv[li, :, :B],
+                                           self.snap_rec[li, :, :B])
+            return km.attn.decode(i, hn, cos, sin, kv, table, lens)
 
-        return fp._layers(x, cos, sin, mixer)
-
-    def _gdn(self, i: int, x: torch.Tensor, B: int) -> torch.Tensor:
-        """The B sequences' n tokens through the verify kernels (or token j of the B at a
-        time through the decode kernels); the state after each token j < n-1 also goes into
-        the snapshot."""
-        fp = self.fp
-        m = fp.layers[i].linear_attn
-        li = fp.cache.gdn_index[i]
-        HK = fp.cfg.linear_num_key_heads
-        qkv, z, b, a = fp.p_in[i](x)
-        w = m.conv1d.weight[:, 0, :]
-        conv, rec = fp.cache.conv[li], fp.cache.rec[li]
-        slots = self.st["slots"][:B]
-        # the n tokens in one launch each (kernels/gdn_verify.py: conv width 4, the model's)
-        if GDN_VERIFY_KERNELS and conv.shape[-1] == 3:
-            y = conv_verify(qkv, conv, w, slots, self.snap_conv[li, :, :B])
-            core = recurrent_verify(y, a, b, z, rec, slots, m.A_log, m.dt_bias, m.norm.weight,
-                                    HK, m.norm.eps, self.snap_rec[li, :, :B])
-            return fp.p_out[i](core)
-        core = torch.empty(x.shape[0], fp.cfg.value_dim, dtype=x.dtype, device=x.device)
-        for j in range(self.n):
-            r = slice(j * B, (j + 1) * B)
-            # the kernels write the states after token j into the snapshot as well: no copies
-            last = j == self.n - 1
-            y = conv_step(qkv[r], conv, w, slots,
-                          snapshot=None if last else self.snap_conv[li, j, :B])
-            core[r] = recurrent_step(y, a[r], b[r], z[r], rec, slots, m.A_log, m.dt_bias,
-                                     m.norm.weight, HK, m.norm.eps,
-                                     snapshot=None if last else self.snap_rec[li, j, :B])
-        return fp.p_out[i](core)
+        return km.layers_forward(x, mixer)
 
     def mtp_body(self, B: int) -> torch.Tensor:
-        fp, st, cfg = self.fp, self.st, self.fp.cfg
+        km, st, cfg = self.km, self.st, self.km.cfg
         R = B * self.n
         hidden = self.verify[B][1] if B in self.verify else self._eager_hidden
         pos, kv, table, lens = st["pos"][:R], st["kv"][:R], st["table"][:R], st["lens"][:R]
         cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, hidden.dtype)
-        out = mtp_layer(fp, mtp_input(fp, hidden, st["m_ids"][:R]),
-                        lambda i, hn: fp._attn_decode(i, hn, cos, sin, kv, table, lens))
+        out = mtp_layer(km, mtp_input(km, hidden, st["m_ids"][:R]),
+                        lambda i, hn: km.attn.decode(i, hn, cos, sin, kv, table, lens))
         h = out.index_select(0, st["m_sel"][:B])
-        tok = draft_argmax(fp.model, h)
+        tok = draft_argmax(km.model, self.draft_head, h)
         drafts = [tok]
         for k in range(self.N - 1):  # chain: own hidden, previous draft, one position on
             c_pos, c_kv, c_lens = st["c_pos"][k, :B], st["c_kv"][k, :B], st["c_lens"][k, :B]
             cos, sin = ref.rope_cos_sin(c_pos, cfg.rotary_dim, cfg.rope_theta, h.dtype)
-            h = mtp_layer(fp, mtp_input(fp, h, tok),
-                          lambda i, hn: fp._attn_decode(i, hn, cos, sin, c_kv, table[:B], c_lens))
-            tok = draft_argmax(fp.model, h)
+            h = mtp_layer(km, mtp_input(km, h, tok),
+                          lambda i, hn: km.attn.decode(i, hn, cos, sin, c_kv, table[:B],
+                                                       c_lens))
+            tok = draft_argmax(km.model, self.draft_head, h)
             drafts.append(tok)
         return torch.stack(drafts, 1)
 
@@ -194,14 +165,14 @@ class SpecGraphs:
         the target's tokens at the verify rows (`st["y"]`): what `ModelRunner._speculate`,
         `HybridCache.commit_many` and `propose` do on the host, without the sync between the
         verify graph and the MTP (kb/0034). Per sequence b: kept_b = the synthetic count
-        (capped at its drafts), else the longest prefix with d_{j+1} == y_j (`mtp.accept`);
-        it emits d_1..d_kept, y_kept (`mtp.emitted`: with the greedy rule the same tokens);
+        (capped at its drafts), else the longest prefix with d_{j+1} == y_j (`drafter.accept`);
+        it emits d_1..d_kept, y_kept (`drafter.emitted`: with the greedy rule the same tokens);
         its GDN state becomes the one after token kept_b (snapshot kept_b, none when it kept
         every token of an n-long chunk). Returns [B, 1 + N] int64: kept_b, then the N drafts
         from its last emitted row (`mtp_body`)."""
         st, n, N = self.st, self.n, self.N
         dev = st["y"].device
-        ps = self.fp.cache.page_size
+        ps = self.km.cache.page_size
         R = B * n
         y = st["y"][:R].view(n, B)
         ids = st["ids"][:R].view(n, B)  # row j: token j of the chunk (d_j for j ≥ 1)
@@ -233,7 +204,7 @@ class SpecGraphs:
         # the state after token kept: from snapshot kept, unless it is the chunk's last token
         # (n tokens, already in place); pads move nothing
         move = torch.where((kept < n - 1) & (live > 0), kept, -1)
-        self.fp.cache.commit_moves(self.snap_conv, self.snap_rec,
+        self.km.cache.commit_moves(self.snap_conv, self.snap_rec,
                                    torch.stack([move, b, st["slots"][:B].long()]))
         return torch.cat([kept.unsqueeze(1), self.mtp_body(B)], 1)
 
@@ -264,14 +235,14 @@ class SpecGraphs:
         else:
             syn = np.full(Bp, -1, dtype=np.int64)
             syn[:B] = synthetic
-            st["syn"][:Bp].copy_(to_device(torch.from_numpy(syn), self.fp.device))
+            st["syn"][:Bp].copy_(to_device(torch.from_numpy(syn), self.km.device))
         if Bp in self.chains:
             g, out = self.chains[Bp]
             g.replay()
         else:
             out = self.chain_body(Bp)
         self._layout = self._back = None
-        self.fp.cache.kept_batch = None
+        self.km.cache.kept_batch = None
         return out[:B]
 
     # ---- steps --------------------------------------------------------------------------------
@@ -280,11 +251,11 @@ class SpecGraphs:
 
     def fill_verify(self, batch: ForwardBatch) -> tuple[int, torch.Tensor]:
         """Static buffers of a verify step: returns (padded B, graph row of every batch row)."""
-        ps, n = self.fp.cache.page_size, self.n
+        ps, n = self.km.cache.page_size, self.n
         B = len(batch.seqs)
         Bp = self._padded(B)
         R = Bp * n
-        table = np.zeros((R, self.fp.max_pages), dtype=np.int32)
+        table = np.zeros((R, self.max_pages), dtype=np.int32)
         meta = np.zeros((4, R), dtype=np.int64)  # pos, kv rows, lens, id source (-1: pad)
         meta[2] = 1
         meta[3] = -1
@@ -307,7 +278,7 @@ class SpecGraphs:
                     meta[3, row] = s.q_start + j
                     back[s.q_start + j] = row
                 # else a pad token: KV into the sink row, its state never committed
-        st, dev = self.st, self.fp.device
+        st, dev = self.st, self.km.device
         st["table"][:R].copy_(pinned(torch.from_numpy(table), dev), non_blocking=True)
         m = to_device(torch.from_numpy(np.concatenate([meta.reshape(-1), slots,
                                                        seq.reshape(-1), back])), dev)
@@ -332,7 +303,7 @@ class SpecGraphs:
             g.replay()
         else:
             hidden = self._eager_hidden = self.verify_body(Bp)
-        cache = self.fp.cache
+        cache = self.km.cache
         cache.kept_states.clear()
         cache.kept_batch = (self.snap_conv, self.snap_rec,
                             {slot: b for slot, (b, _) in self._layout[1].items()}, self.n)
@@ -348,7 +319,7 @@ class SpecGraphs:
             return None
         # sequences of the step without a row (they draft no more, or hit a NaN) keep pad
         # inputs: their MTP rows compute garbage that nobody reads
-        ps, n = self.fp.cache.page_size, self.n
+        ps, n = self.km.cache.page_size, self.n
         R = Bp * n
         ids = np.zeros(R, dtype=np.int64)
         sel = np.zeros(Bp, dtype=np.int64)
@@ -369,7 +340,7 @@ class SpecGraphs:
                     chain[0, k, b] = p
                     chain[1, k, b] = s.page_ids[p // ps] * ps + p % ps
                     chain[2, k, b] = p + 1
-        st, dev = self.st, self.fp.device
+        st, dev = self.st, self.km.device
         m = to_device(torch.from_numpy(np.concatenate([ids, sel, chain.reshape(-1)])), dev)
         st["m_ids"][:R].copy_(m[:R])
         st["m_sel"][:Bp].copy_(m[R:R + Bp])
@@ -390,20 +361,20 @@ class SpecGraphs:
     @torch.no_grad()
     def capture(self) -> None:
         """Capture the verify graphs, then the MTP graphs and the chain graphs (both read the
-        verify graphs' outputs), largest batch first, in the FastPath's memory pool."""
+        verify graphs' outputs), largest batch first, in the worker's graph pool."""
         st = self.st
         for name in ("ids", "pos", "kv", "table", "slots", "m_ids", "m_sel", "c_pos", "c_kv"):
             st[name].zero_()
         st["lens"].fill_(1)
         st["c_lens"].fill_(1)
         sizes = sorted(self.sizes, reverse=True)
-        self.fp._capture_into(self.verify, sizes, self.verify_body)
-        self.fp._capture_into(self.mtp, sizes, self.mtp_body)
+        self.pool.capture(self.verify, sizes, self.verify_body)
+        self.pool.capture(self.mtp, sizes, self.mtp_body)
         # every sequence a pad (st["seq"] zero): the bodies the capture runs commit nothing.
-        # Their warm-up also compiles the commit kernel for both state dtypes (session 16's
-        # first verify step compiled it inside a request: 0.4 s)
+        # Their warm-up also compiles the commit kernel for both state dtypes (else the first
+        # verify step compiled it inside a request: 0.4 s)
         st["seq"].zero_()
         st["syn"].fill_(-1)
-        self.fp._capture_into(self.chains, sizes, self.chain_body)
+        self.pool.capture(self.chains, sizes, self.chain_body)
         log.info("captured speculative-decoding CUDA graphs (%d drafts) for batch sizes %s",
                  self.N, sorted(self.verify))

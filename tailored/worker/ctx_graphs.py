@@ -1,6 +1,6 @@
 """CUDA graphs for a prompt chunk that continues a cached context (kb/0055).
 
-A prefill graph (`FastPath.capture_prefill`, kb/0013) serves a *fresh* prompt only: position
+A prefill graph (`graphs.PrefillGraphs`, kb/0013) serves a *fresh* prompt only: position
 0, zero states, causal attention over the chunk itself. Every other prompt chunk ran eagerly,
 and an eager forward of this model is host-bound at ~100-150 ms whatever its size (~800
 launches and FLA's Python; kb/0010). That chunk is common:
@@ -11,19 +11,17 @@ launches and FLA's Python; kb/0010). That chunk is common:
     generation prompt (a few tokens) is a chunk of its own;
   - a prompt longer than the step's token budget (8192) prefills in several chunks.
 
-Session 35 measured it on an H100 (FP8, `scripts/bench_prefix_turns.py`, 8192-token system
-prompts): a hit's TTFT was ~185 ms for 38 new tokens after 8194 cached ones, and the cache
-*added* ~190 ms to a cold chat turn (three eager chunks more). With these graphs: the hit
-27.6 ms, the next turn 44.8 ms (192.2 before), the cold turn with the cache 286.3 ms (519.9
-before; 330.9 → 270.5 without the cache, whose 40-token tail was eager too). kb/0055.
+Measured on an H100 (FP8, 8192-token system prompts, kb/0055): a hit's TTFT was ~185 ms
+for 38 new tokens after 8194 cached ones, and the cache *added* ~190 ms to a cold chat turn
+(three eager chunks more). With these graphs: the hit 27.6 ms, the next turn 44.8 ms (192.2
+before), the cold turn with the cache 286.3 ms (519.9 before).
 
-When (`ctx_graphs_wanted`): with the prefill graphs, unless TAILORED_CTX_GRAPHS=0 (until
-session 36 with the prefix cache only; kb/0056); the runner captures them after the prefill
-graphs. Then one sequence whose chunk starts at position
+When: with the prefill graphs, unless the `ctx_graphs` switch is off (kb/0056); the worker
+captures them after the prefill graphs. Then one sequence whose chunk starts at position
 start_pos > 0 with its state in its slot (`SeqInfo.reset_state` false) replays a graph of the
 smallest bucket ≥ its T tokens:
 
-  - GDN layers: `FastPath._gdn_prefill_static(carried=True)`: the conv continues the slot's
+  - GDN layers: `GdnBlocks.chunk(carried=True)`: the conv continues the slot's
     conv state (meta "no reset") and the chunked delta rule starts from the slot's recurrent
     state, as the eager `_gdn_prefill` does; pad rows have g = 0, β = 0 (no state change).
   - attention layers: the chunk's K/V go into the cache first, then every row t is one
@@ -36,14 +34,14 @@ smallest bucket ≥ its T tokens:
 Each row re-reads the context's keys (from L2 while they fit: 2 KB a key a layer, so ~16k
 keys; beyond, only as far as the rows running together share them), so the attention costs
 ~T·(start_pos + T) key reads a layer: the graph is taken while that product is at most
-CTX_GRAPH_MAX_PAIRS, else the chunk stays eager (where SDPA shares the reads). Timed up to
+`ctx_graph_max_pairs`, else the chunk stays eager (where SDPA shares the reads). Timed up to
 8k-token contexts only (kb/0055); the bound itself is an estimate.
 
 Numerics: the attention sums in another order than the eager path's SDPA over gathered keys
-(H100, session 35: fp32 per-token rel. error ≤ 2.3e-7 against the eager chunk; bf16 rounding,
-within the prefill graphs' bounds). tests/worker/test_fast_ctx.py runs the body eagerly against the
-eager forward on the CPU; tests/gpu/test_gpu_ctx.py replays the graphs against their bodies and
-the eager path on the GPU.
+(H100: fp32 per-token rel. error ≤ 2.3e-7 against the eager chunk; bf16 rounding, within the
+prefill graphs' bounds). tests/worker/test_fast_ctx.py runs the body eagerly against the eager
+forward on the CPU; tests/gpu/test_gpu_ctx.py replays the graphs against their bodies and the
+eager path on the GPU.
 """
 
 from __future__ import annotations
@@ -51,32 +49,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tailored.kernels import env_flag, env_int
-from tailored.kernels.attention_decode import paged_decode_attention
-from tailored.model.batch import ForwardBatch, HybridCache
-from tailored.model.fast import h2d, prefill_static, replay_bucket
-from tailored.ops import reference as ref
-
-
-def ctx_graphs_wanted() -> bool:
-    """Whether a server with prefill graphs captures context-chunk graphs: TAILORED_CTX_GRAPHS
-    "1" (default) / "0". Such chunks are prefix-cache hits and the chunks after a save point,
-    and without the cache the tails of prompts longer than the step's token budget, whose
-    rounding the graphs change (another attention kernel). Until session 36 they were on with
-    the prefix cache only; the bf16 and FP8 gates (one prompt at a time, prefill graphs: the
-    8322-token prompt's later chunks through these graphs) passed with them (kb/0056). Raises
-    ValueError for a value other than 0 or 1 (`env_flag`)."""
-    return env_flag("TAILORED_CTX_GRAPHS", True)
-
+from tailored import flags
+from tailored.model.batch import ForwardBatch, h2d, kv_rows
+from tailored.worker.graphs import GraphPool, prefill_static, replay_bucket
 
 # fine small buckets: a pad row routes to experts of its own, so a 5-token generation prompt
 # padded to 64 rows would read ~3x the expert weights of its own 5 rows
 CTX_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-# T·(start_pos + T) key reads a layer at most (see the module docstring): 16M is 2048 new
-# tokens after 6k, or 38 after 420k. At the bound, 32 GB of key reads a layer (320 GB a step):
-# ~30 ms from L2, ~80-100 ms from HBM if the rows shared nothing (untimed), against ~100-150 ms
-# of eager host time
-CTX_GRAPH_MAX_PAIRS = env_int("TAILORED_CTX_GRAPH_MAX_PAIRS", 16 * 1024 * 1024, 0, 1 << 40)
+# `ctx_graph_max_pairs` (T·(start_pos + T) key reads a layer at most, see the module
+# docstring): its default 16M is 2048 new tokens after 6k, or 38 after 420k. At the bound,
+# 32 GB of key reads a layer (320 GB a step): ~30 ms from L2, ~80-100 ms from HBM if the rows
+# shared nothing (untimed), against ~100-150 ms of eager host time
 
 
 def ctx_splits(n: int, kv_heads: int) -> int:
@@ -92,39 +75,38 @@ def ctx_splits(n: int, kv_heads: int) -> int:
 class ContextGraphs:
     """Graphs of one sequence's prompt chunk after a cached context, per bucket of rows.
 
-    `fits(batch)` says whether a batch (or a step's prompt part, `FastPath._split`) is such a
-    chunk; `forward(batch)` fills the static buffers and replays, returning hidden states
-    [T, H] (the contract of `FastPath.forward`). `capture(max_tokens)` captures every bucket
-    ≤ max_tokens in the FastPath's graph pool; a failed capture logs a warning and leaves such
-    chunks eager, never an error."""
+    `fits(batch)` says whether a batch (or a step's prompt part) is such a chunk;
+    `forward(batch)` fills the static buffers and replays, returning hidden states [T, H].
+    `capture(max_tokens)` captures every bucket ≤ max_tokens in the pool; a failed capture
+    logs a warning and leaves such chunks eager, never an error."""
 
-    def __init__(self, fast) -> None:
-        self.fast = fast
+    def __init__(self, km, pool: GraphPool, max_pages: int) -> None:
+        self.km, self.pool, self.max_pages = km, pool, max_pages
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.st: dict | None = None
 
     # -- static buffers ---------------------------------------------------------------------------
     def alloc(self, n_max: int) -> None:
-        dev = self.fast.device
+        dev = self.km.device
         # the fresh prefill graph's inputs, continuing the slot's conv state (reset 0), and
         # the keys of row t: 0..lens[t]-1 through the sequence's page table
         self.st = prefill_static(n_max, dev, reset=False)
         self.st["lens"] = torch.ones(n_max, dtype=torch.int32, device=dev)
-        self.st["table"] = torch.zeros(1, self.fast.max_pages, dtype=torch.int32, device=dev)
+        self.st["table"] = torch.zeros(1, self.max_pages, dtype=torch.int32, device=dev)
 
     def fill(self, batch: ForwardBatch, n: int) -> None:
         """The chunk's ids/positions (device-to-device) and one host-to-device copy of the
         rest: KV rows of its positions (pads → the sink page 0), the slot, the valid mask,
         the conv state meta, the rows' key counts and the sequence's page table."""
         s = batch.seqs[0]
-        T, ps, st = s.num_tokens, self.fast.cache.page_size, self.st
+        T, ps, st = s.num_tokens, self.km.cache.page_size, self.st
         P = len(s.page_ids)
         st["ids"][:T].copy_(batch.input_ids)
         st["pos"][:T].copy_(batch.positions)
         st["ids"][T:n].zero_()
         st["pos"][T:n].zero_()
         meta = np.zeros(3 * n + 5 + P, dtype=np.int64)
-        meta[:T] = HybridCache.kv_rows(s.page_ids, s.start_pos, s.end_pos, ps)
+        meta[:T] = kv_rows(s.page_ids, s.start_pos, s.end_pos, ps)
         meta[n] = s.slot
         meta[n + 1:n + 1 + T] = 1
         meta[2 * n + 1:2 * n + 5] = [0, T, 0, 0]  # state_meta [4, 1]: continue the state
@@ -132,7 +114,7 @@ class ContextGraphs:
         lens[:] = 1
         lens[:T] = np.arange(s.start_pos + 1, s.end_pos + 1)
         meta[3 * n + 5:] = s.page_ids
-        m = h2d(meta, self.fast.device)
+        m = h2d(meta, self.km.device)
         st["kv"][:n].copy_(m[:n])
         st["slot"].copy_(m[n:n + 1])
         st["valid"][:n].copy_(m[n + 1:2 * n + 1] != 0)
@@ -141,44 +123,33 @@ class ContextGraphs:
         st["table"][0, :P].copy_(m[3 * n + 5:])
 
     # -- body -------------------------------------------------------------------------------------
-    def _attn(self, i: int, x, cos, sin, kv_rows, table, lens):
-        """Attention of the bucket's rows: K/V stored by device rows (pads into the sink),
-        then one paged-decode query a row over its keys (module docstring)."""
-        f = self.fast
-        q, k, v, gate = f._attn_qkv(i, x, cos, sin)
-        kc, vc = f._store_kv(i, kv_rows, k, v)
-        o = paged_decode_attention(q.contiguous(), kc, vc, table, lens,
-                                   num_splits=ctx_splits(x.shape[0], kc.shape[2]))
-        return f._attn_out(i, o, gate)
-
     def body(self, n: int) -> torch.Tensor:
         """Final-normed hidden states [n, H] of the static buffers' first n rows."""
-        f, st = self.fast, self.st
-        cfg = f.cfg
-        ids, pos, valid, kv = st["ids"][:n], st["pos"][:n], st["valid"][:n], st["kv"][:n]
+        km, st = self.km, self.st
+        x, cos, sin = km.embed(st["ids"][:n], st["pos"][:n])
+        valid, kv = st["valid"][:n], st["kv"][:n]
         table = st["table"].expand(n, -1)  # stride 0: every row reads the sequence's table
         lens = st["lens"][:n]
-        x = f.model.model.embed_tokens(ids)
-        cos, sin = ref.rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        splits = ctx_splits(n, km.cache.k.shape[3])
 
         def mixer(i, hn):
-            if f.layers[i].layer_type == "linear_attention":
-                return f._gdn_prefill_static(i, hn, valid, st["slot"], st=st, carried=True)
-            return self._attn(i, hn, cos, sin, kv, table, lens)
+            if km.is_gdn(i):
+                return km.gdn.chunk(i, hn, valid, st["slot"], st, carried=True)
+            return km.attn.context_chunk(i, hn, cos, sin, kv, table, lens, splits)
 
-        return f._layers(x, cos, sin, mixer)
+        return km.layers_forward(x, mixer)
 
     # -- dispatch ---------------------------------------------------------------------------------
     def fits(self, batch: ForwardBatch) -> bool:
         """One sequence, 2..largest-bucket tokens continuing its slot's state from position
-        start_pos > 0 (not a verify chunk), within CTX_GRAPH_MAX_PAIRS and the page table."""
+        start_pos > 0 (not a verify chunk), within `ctx_graph_max_pairs` and the page table."""
         if not self.graphs or len(batch.seqs) != 1:
             return False
         s = batch.seqs[0]
         return (s.start_pos > 0 and not s.reset_state and not s.keep_states
                 and 1 < s.num_tokens <= max(self.graphs)
-                and s.num_tokens * s.end_pos <= CTX_GRAPH_MAX_PAIRS
-                and len(s.page_ids) <= self.fast.max_pages)
+                and s.num_tokens * s.end_pos <= flags.current().ctx_graph_max_pairs
+                and len(s.page_ids) <= self.max_pages)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] of the chunk, replayed from the smallest bucket ≥ T."""
@@ -186,11 +157,10 @@ class ContextGraphs:
 
     @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def capture(self, max_tokens: int, buckets=None) -> None:
-        """Capture one graph per bucket ≤ max_tokens (largest first) in the FastPath's pool.
-        The warm-up and capture content reads and writes the sinks only (slot 0, page 0)."""
-        f = self.fast
+        """Capture one graph per bucket ≤ max_tokens (largest first) in the pool. The warm-up
+        and capture content reads and writes the sinks only (slot 0, page 0)."""
         sizes = sorted({b for b in (buckets or CTX_BUCKETS) if b <= max_tokens}, reverse=True)
-        if not f.use_graphs or not sizes:
+        if not sizes:
             return
         if self.st is None:
             self.alloc(sizes[0])
@@ -201,5 +171,5 @@ class ContextGraphs:
         st["lens"].fill_(1)
         st["table"].zero_()
         st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
-        f._capture_guarded(self.graphs, sizes, self.body, "context-chunk",
-                           "such chunks stay eager")
+        self.pool.capture_guarded(self.graphs, sizes, self.body, "context-chunk",
+                                  "such chunks stay eager")

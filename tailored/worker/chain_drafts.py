@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tailored.engine.sampler import HostCopy
-from tailored.engine.scheduler import PENDING_TOKEN
+from tailored.engine.types import PENDING_TOKEN
 from tailored.model.batch import index_on
+from tailored.worker.sampler import HostCopy
 
 
 @dataclass

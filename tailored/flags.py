@@ -1,0 +1,309 @@
+"""The switch table: every `TAILORED_*` environment variable, declared once, read once.
+
+A switch is a setting an operator or a benchmark may flip without a code change: a kernel
+variant kept for its A/B, a threshold measured on one GPU, a path for a cache. Each field of
+`Flags` below is one switch: its type, default, allowed values, one line of why and the kb
+note that measured it. Nothing else in the package reads a `TAILORED_*` variable.
+
+The record is parsed strictly, once: `Flags.from_env()` refuses an unknown `TAILORED_*` name
+(a typo would otherwise measure the default), a value of the wrong type or outside its range,
+naming the variable. `tailored serve` and `build_stack` parse it at start and `activate` it;
+the engine process receives the parent's record. Code reads the active record with
+`current()` where it decides (at construction for layouts, at each call for per-step
+choices), so a test or an in-process A/B flips a switch with `override(...)` and re-runs.
+
+`docs/switches.md` is generated from this table (`python -m tailored.flags`); a test checks
+that it is current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+PREFIX = "TAILORED_"
+
+
+def _switch(env: str, default, why: str, kb: str = "", layer: str = "kernel path", *,
+            lo: int | None = None, hi: int | None = None, power_of_2: bool = False,
+            choices: tuple[str, ...] | None = None):
+    """A dataclass field carrying its switch's declaration in the field metadata."""
+    meta = {"env": PREFIX + env, "why": why, "kb": kb, "layer": layer, "lo": lo, "hi": hi,
+            "power_of_2": power_of_2, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+# upper bounds shared with the kernels (kernels/moe.py asserts them at import)
+ROUTE_ONE_PROGRAM_UP_TO = 4  # MoE inputs routed and aligned by one program (kb/0024)
+ROUTE_ALIGN_MAX_TOKENS = 64  # one align program per step (a [T, E] tile or T·k sort keys)
+
+
+@dataclass(frozen=True)
+class Flags:
+    """One value per switch; construct with `from_env`, change with `replace`."""
+
+    # --- the kernel path's layout and per-step choices (model/kernel_*.py) ---
+    shared_in_moe: bool = _switch(
+        "SHARED_IN_MOE", True,
+        "the shared expert runs as routed expert E of the fused MoE at few rows", "kb/0036")
+    shared_in_moe_up_to: int = _switch(
+        "SHARED_IN_MOE_UP_TO", 1,
+        "largest MoE input (rows) that takes the shared expert as expert E: one row gains, "
+        "two lose", "kb/0036", lo=1, hi=128)
+    combine_next_norm: bool = _switch(
+        "COMBINE_NEXT_NORM", True,
+        "the MoE combine also adds the residual and applies the next norm: one launch fewer "
+        "a layer", "kb/0023")
+    attn_gate_in_merge: bool = _switch(
+        "ATTN_GATE_IN_MERGE", True,
+        "decode attention applies the output gate in its merge launch: -3.3 % at B=1",
+        "kb/0037")
+    moe_route_in_gate_up_up_to: int = _switch(
+        "MOE_ROUTE_IN_GATE_UP_UP_TO", 2,
+        "MoE inputs of up to this many rows route inside the gate_up programs (no routing "
+        "launch); 0 = off", "kb/0036", lo=0, hi=ROUTE_ONE_PROGRAM_UP_TO)
+    moe_gemv_up_to: int = _switch(
+        "MOE_GEMV_UP_TO", 2,
+        "FP8 experts of inputs up to this many rows run as GEMVs, one (token, expert) pair a "
+        "program; 0 = tiled GEMMs", "kb/0039", lo=0, hi=ROUTE_ONE_PROGRAM_UP_TO)
+    fp8_dense_dequant: bool = _switch(
+        "FP8_DENSE_DEQUANT", True,
+        "FP8 dense projections are also held dequantized (2.8 GB) for cuBLAS above the GEMV "
+        "sizes: faster prefill and B=32", "kb/0029")
+    fp8_gemv_up_to: int = _switch(
+        "FP8_GEMV_UP_TO", 2,
+        "projections of up to this many rows read their FP8 weights through the FP8 GEMV "
+        "(-13 % B=1 step); 0 = off", "kb/0040", lo=0, hi=4)
+    bf16_gemv_up_to: int = _switch(
+        "BF16_GEMV_UP_TO", 1,
+        "bf16 projections of up to this many rows through the GEMV instead of cuBLAS, which "
+        "takes no part in PDL; 0 = cuBLAS", "kb/0042", lo=0, hi=4)
+    fp8_dense_splitk_up_to: int = _switch(
+        "FP8_DENSE_SPLITK_UP_TO", 8,
+        "projections above the GEMV's rows and up to this many read FP8 weights through the "
+        "split-K GEMM (-2.2 % at B=8); 0 = off", "kb/0049", lo=0, hi=64)
+    proj_row_align: int = _switch(
+        "PROJ_ROW_ALIGN", 64,
+        "fused bf16 projections are padded with zero rows to a multiple of this, so cuBLAS "
+        "takes an aligned kernel (1 = none)", "kb/0030", lo=1, hi=256, power_of_2=True)
+    moe_grouped: bool = _switch(
+        "MOE_GROUPED", True,
+        "routed experts of large eager prefill steps through torch's grouped GEMM "
+        "(CUTLASS) instead of the Triton expert GEMMs", "kb/0031")
+    moe_grouped_from: int = _switch(
+        "MOE_GROUPED_FROM", 6144,
+        "smallest eager prefill step (tokens) that takes the grouped experts", "kb/0031",
+        lo=1, hi=1 << 20)
+
+    # --- the worker: graphs, dispatch, speculative decoding (worker/) ---
+    prompts_in_graphs_up_to: int = _switch(
+        "PROMPTS_IN_GRAPHS_UP_TO", 1024,
+        "several prompt chunks of a step each replay their own graph while the step has at "
+        "most this many tokens; 0 = eager", "kb/0056", "worker", lo=0, hi=65536)
+    prompts_in_graphs_chunks: int = _switch(
+        "PROMPTS_IN_GRAPHS_CHUNKS", 2,
+        "... and at most this many chunks: each replay reads the experts again", "kb/0056",
+        "worker", lo=2, hi=256)
+    ctx_graphs: bool = _switch(
+        "CTX_GRAPHS", True,
+        "a prompt chunk after a cached context (prefix-cache hit, long prompt's tail) "
+        "replays a CUDA graph instead of an eager step", "kb/0055", "worker")
+    ctx_graph_max_pairs: int = _switch(
+        "CTX_GRAPH_MAX_PAIRS", 16 * 1024 * 1024,
+        "such a chunk takes its graph while new tokens x context keys stay at most this "
+        "(each row re-reads the keys)", "kb/0055", "worker", lo=0, hi=1 << 40)
+    gdn_verify_kernels: bool = _switch(
+        "GDN_VERIFY_KERNELS", True,
+        "a verify step's GDN layers run all its tokens in one launch each instead of token "
+        "by token", "kb/0033", "worker")
+    mtp_fp8_head: bool = _switch(
+        "MTP_FP8_HEAD", True,
+        "the MTP drafts through an FP8 copy of lm_head (half the bytes; verify keeps bf16)",
+        "kb/0035", "worker")
+    spec_drafts_on_device: bool = _switch(
+        "SPEC_DRAFTS_ON_DEVICE", True,
+        "after a whole verify step the next drafts stay on the device and the next step "
+        "launches under the chain", "kb/0035", "worker")
+
+    # --- Triton kernels (kernels/) ---
+    gdn_dv_split: int = _switch(
+        "GDN_DV_SPLIT", 2,
+        "programs per (row, head) of the GDN decode step over the state's value columns "
+        "(-3 to -4 % at B=1..32)", "kb/0024", "kernels", lo=1, hi=16, power_of_2=True)
+    moe_fp8_dot_f16: bool = _switch(
+        "MOE_FP8_DOT_F16", True,
+        "FP8 experts' gate_up dots in float16 instead of bf16 (exact for e4m3 values): "
+        "faster decode and prefill", "kb/0030", "kernels")
+    moe_fp8_down_f16: bool = _switch(
+        "MOE_FP8_DOWN_F16", True,
+        "FP8 experts' down dots in float16 at decode size where the tuned config says so",
+        "kb/0045", "kernels")
+    route_align_up_to: int = _switch(
+        "ROUTE_ALIGN_UP_TO", ROUTE_ALIGN_MAX_TOKENS,
+        "MoE inputs of up to this many rows route + align in one or two launches instead "
+        "of ~10 torch kernels", "kb/0024", "kernels", lo=0, hi=ROUTE_ALIGN_MAX_TOKENS)
+    pdl: bool = _switch(
+        "PDL", True,
+        "programmatic dependent launch for every Triton kernel on sm_90 (bitwise the same; "
+        "FP8 c=1 +7 %)", "kb/0041", "kernels")
+    bf16_gemv_fp8_cfgs: bool = _switch(
+        "BF16_GEMV_FP8_CFGS", True,
+        "the bf16 GEMV takes the FP8 GEMV's launch configs by shape", "kb/0042", "kernels")
+    autotune: bool = _switch(
+        "AUTOTUNE", True,
+        "Triton autotuning on CUDA; 0 = the fixed configs the interpreter uses (GPU kernel "
+        "tests: tuning odd shapes took longer than the tests)", "kb/0020", "kernels")
+    tuning: str = _switch(
+        "TUNING", "",
+        "launch-config table to pre-fill the autotuners from: empty = the shipped "
+        "kernels/tuned.json, a path, or 'off'", "kb/0020", "kernels")
+    tuning_dump: str = _switch(
+        "TUNING_DUMP", "",
+        "write the launch configs tuned at warm-up to this path (merged with a table of the "
+        "same GPU there)", "kb/0020", "kernels")
+
+    # --- settings ---
+    gdn_state_dtype: str = _switch(
+        "GDN_STATE_DTYPE", "auto",
+        "default of --gdn-state-dtype: the GDN recurrent states' storage (auto = bf16 for a "
+        "bf16 model)", "kb/0056", "settings", choices=("auto", "float32", "bfloat16"))
+    cache: str = _switch(
+        "CACHE", "",
+        "directory for generated files (the embedded tiny checkpoint); empty = "
+        "~/.cache/tailored", "", "settings")
+    commit: str = _switch(
+        "COMMIT", "",
+        "the commit manifests record when the tree has no git (a copy on the GPU machine)",
+        "", "settings")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check(f, getattr(self, f.name))
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Flags":
+        """The record from `environ` (default os.environ): unset or empty variables keep
+        their defaults. Raises ValueError naming the variable for an unknown TAILORED_* name
+        or a bad value."""
+        env = os.environ if environ is None else environ
+        known = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
+        for name in env:
+            if name.startswith(PREFIX) and name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                raise ValueError(f"{name}: not a tailored switch{hint}; docs/switches.md "
+                                 "lists them")
+        values = {}
+        for name, f in known.items():
+            raw = env.get(name, "").strip()
+            if raw:
+                values[f.name] = _parse(f, raw)
+        return cls(**values)
+
+    def replace(self, **changes) -> "Flags":
+        """A copy with fields changed (validated; unknown names raise TypeError)."""
+        return dataclasses.replace(self, **changes)
+
+    def snapshot(self) -> dict:
+        """{variable name: value} of every switch: what manifests record."""
+        return {f.metadata["env"]: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def changed(self) -> dict:
+        """{variable name: value} of the switches away from their defaults."""
+        return {f.metadata["env"]: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+
+def _check(f: dataclasses.Field, v) -> None:
+    m, name = f.metadata, f.metadata["env"]
+    if f.type in ("bool", bool):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name}={v!r}: expected 0 or 1")
+    elif f.type in ("int", int):
+        if (isinstance(v, bool) or not isinstance(v, int) or not m["lo"] <= v <= m["hi"]
+                or (m["power_of_2"] and v & (v - 1))):
+            kind = "a power of 2" if m["power_of_2"] else "an integer"
+            raise ValueError(f"{name}={v!r}: expected {kind} in [{m['lo']}, {m['hi']}]")
+    elif not isinstance(v, str) or (m["choices"] and v not in m["choices"]):
+        raise ValueError(f"{name}={v!r}: expected one of {', '.join(m['choices'] or ())}")
+
+
+def _parse(f: dataclasses.Field, raw: str):
+    name = f.metadata["env"]
+    if f.type in ("bool", bool):
+        if raw not in ("0", "1"):
+            raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+        return raw == "1"
+    if f.type in ("int", int):
+        try:
+            return int(raw)
+        except ValueError:
+            _check(f, raw)  # raises, naming the range
+    return raw
+
+
+_active: Flags | None = None
+
+
+def current() -> Flags:
+    """The active record; the first call without an `activate` parses the environment."""
+    global _active
+    if _active is None:
+        _active = Flags.from_env()
+    return _active
+
+
+def activate(flags: Flags) -> Flags:
+    """Make `flags` the active record (start-up: the CLI, build_stack, the engine process)."""
+    global _active
+    if not isinstance(flags, Flags):
+        raise TypeError(f"activate: a Flags record, got {type(flags).__name__}")
+    _active = flags
+    return flags
+
+
+@contextmanager
+def override(**changes):
+    """The active record with `changes` for the duration of a `with` block (tests, A/Bs)."""
+    global _active
+    before = current()
+    _active = before.replace(**changes)
+    try:
+        yield _active
+    finally:
+        _active = before
+
+
+def markdown() -> str:
+    """docs/switches.md: the table, grouped by layer."""
+    out = ["# Switches", "",
+           "Every `TAILORED_*` environment variable `tailored` reads, generated from "
+           "`tailored/flags.py` (`python -m tailored.flags > docs/switches.md`). An unknown "
+           "`TAILORED_*` name or a bad value stops the start with a message naming it. "
+           "Manifests of the gate and the benchmarks record every value.", ""]
+    groups: dict[str, list] = {}
+    for f in dataclasses.fields(Flags):
+        groups.setdefault(f.metadata["layer"], []).append(f)
+    for layer, fs in groups.items():
+        out += [f"## {layer}", "", "| variable | default | values | why | kb |", "|---|---|---|---|---|"]
+        for f in fs:
+            m = f.metadata
+            if f.type in ("bool", bool):
+                values, default = "0 / 1", str(int(f.default))
+            elif f.type in ("int", int):
+                values = f"{m['lo']}..{m['hi']}" + (", power of 2" if m["power_of_2"] else "")
+                default = str(f.default)
+            else:
+                values = " / ".join(m["choices"]) if m["choices"] else "text"
+                default = f.default or "(empty)"
+            out.append(f"| `{m['env']}` | {default} | {values} | {m['why']} | {m['kb']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())

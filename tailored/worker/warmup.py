@@ -1,0 +1,87 @@
+"""Start-up forwards into the pad sinks, so that no user request compiles or tunes a kernel.
+
+Triton compiles a kernel variant per shape class and per integer argument class (1, a
+multiple of 16, or neither), FLA and the MoE autotune per new shape. A cold server did all of
+that inside its first requests (~3 s of a c=32 benchmark, kb/0030; new MoE tiles, kb/0031).
+These prefills write only slot 0 and page 0, which no request owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tailored.kernels import moe as moe_kernels
+from tailored.model.batch import ForwardBatch, SeqInfo
+from tailored.model.kernel_moe import grouped_applies
+from tailored.model.kernel_mtp import mtp_eager
+
+
+def warmup_lengths(km, batch_tokens: int) -> list[int]:
+    """Prompt lengths (≤ batch_tokens) whose prefills reach every MoE launch class a prefill
+    can pick: fused_moe's pair-count buckets of few-row steps (33..128 tokens: a prompt's last
+    chunk), each prefill M tile (`moe._blocks`: tuned per tile when first seen; `warmup_prefill`
+    runs every length through fused_moe, as a prefill graph of that size would), the grouped
+    path, 1024 and batch_tokens itself."""
+    from tailored import flags
+
+    E, k = km.cfg.num_experts, km.cfg.num_experts_per_tok
+
+    def fewest(per_expert):  # fewest tokens with more than per_expert rows an expert
+        return int(per_expert * E / k) + 1
+
+    want = {40, 100, fewest(4), fewest(moe_kernels.BM64_ABOVE),
+            fewest(moe_kernels.BM64_ABOVE_FP8), fewest(moe_kernels.BM128_ABOVE), 1024,
+            batch_tokens}
+    grouped_from = flags.current().moe_grouped_from
+    if grouped_applies(grouped_from, km.dtype, km.device):
+        want.add(grouped_from)
+    return sorted(n for n in want if 1 < n <= batch_tokens)
+
+
+def sink_prefill(km, lengths: list[int]) -> ForwardBatch:
+    """Fresh prompts of zero tokens, all in the pad sinks (slot 0, page 0)."""
+    seqs, q = [], 0
+    for n in lengths:
+        seqs.append(SeqInfo(q, n, 0, 0, True, [0] * (n // km.cache.page_size + 1)))
+        q += n
+    ids = torch.zeros(q, dtype=torch.long, device=km.device)
+    pos = torch.cat([torch.arange(n, device=km.device) for n in lengths])
+    return ForwardBatch(ids, pos, seqs, [])
+
+
+@torch.no_grad()  # startup forwards: never keep autograd's saved activations
+def warmup_prefill(km, lengths, batch_tokens: int = 0) -> None:
+    """Run prefills of these lengths into the pad sinks so that Triton compiles and FLA/MoE
+    autotuning happen at start-up. batch_tokens > 4: also one prefill of three sequences with
+    an odd token total up to that many, the shape of a mixed step (single prompts of even
+    lengths reach only the 1 and multiple-of-16 argument classes, kb/0030). With the MTP
+    layer in the cache, each length through it too (`warm_mtp`)."""
+    for n in sorted(set(int(x) for x in lengths if x > 1)):
+        # every length through fused_moe (a prefill graph of that size would launch it),
+        # and through the grouped experts too where an eager step would take them
+        km.moe.fused_only = True
+        try:
+            km.forward_eager(sink_prefill(km, [n]))
+        finally:
+            km.moe.fused_only = False
+        if grouped_applies(n, km.dtype, km.device):
+            km.forward_eager(sink_prefill(km, [n]))
+        if km.mtp_layer is not None:
+            warm_mtp(km, n)
+    if batch_tokens > 4:
+        m = min(int(batch_tokens), 1024)
+        a, b = m // 2, m // 4
+        c = (m if m % 2 else m - 1) - a - b  # an odd total, at most m (c ≥ 1 for m ≥ 5)
+        km.forward_eager(sink_prefill(km, [a, b, c]))
+    if km.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def warm_mtp(km, n: int) -> None:
+    """The MTP layer over an n-token prompt in the sinks, eagerly, as speculative decoding
+    runs it over every prompt chunk. Its experts are bf16 in the FP8 checkpoint, and nothing
+    else launches bf16 prefill experts in an FP8 serve (else two MoE compiles happened inside
+    the first request of the FP8 speculative serve)."""
+    b = sink_prefill(km, [n])
+    h = torch.zeros(n, km.cfg.hidden_size, dtype=km.dtype, device=km.device)
+    mtp_eager(km, h, b.input_ids, b.positions, b.seqs)
