@@ -15,104 +15,124 @@ DEFAULT_MODEL_NAME = "qwen36-35b-a3b"
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API")
     p.add_argument("checkpoint_dir", nargs="?", default=None,
-                   help="Hugging Face checkpoint directory (default: the embedded nano model, CPU)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+                   help="Hugging Face checkpoint directory: config.json, safetensors shards, "
+                        "tokenizer files (default: the embedded nano model, on the CPU)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 to expose the server (default: "
+                        "%(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
-                   help=f"model name in the API (default {DEFAULT_MODEL_NAME})")
+                   help=f"model name in the API (default: {DEFAULT_MODEL_NAME})")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: read only config.json and tokenizer files, draw random weights")
-    p.add_argument("--num-layers", type=int, default=None, help="run only the first N layers")
-    p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
+                   help="auto: read the weights from the checkpoint; dummy: read only "
+                        "config.json and the tokenizer files, draw random weights on the device "
+                        "(default: %(default)s)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="run only the first N decoder layers, full width (default: all)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda if present; the embedded model runs on the CPU), cuda or "
+                        "cpu (default: %(default)s)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
-                   help="default bfloat16 on cuda, float32 on cpu")
+                   help="the model's compute dtype; an FP8 checkpoint keeps its FP8 weights "
+                        "(default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + completion limit (default 16384 on cuda, 4096 on cpu)")
+                   help="prompt + completion limit in tokens (default: 16384 on cuda, 4096 on "
+                        "cpu)")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most concurrent running requests (default 64 on cuda, 16 on cpu)")
+                   help="most concurrent running requests (default: 64 on cuda, 16 on cpu)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step (default 8192 on cuda, as the vLLM "
+                   help="token budget of one engine step (default: 8192 on cuda, as the vLLM "
                         "baseline; 2048 on cpu)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens per KV cache page (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="share of GPU memory for weights, KV pages and GDN state slots "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of --load-format dummy weights (default: %(default)s)")
     p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="Triton kernel path: auto = on CUDA only; off = plain PyTorch path")
+                   help="Triton kernel path with decode CUDA graphs. auto: on CUDA only; off: "
+                        "the plain PyTorch path everywhere; on: also on the CPU, in Triton's "
+                        "interpreter (tests only: needs TRITON_INTERPRET=1 and --dtype "
+                        "float32, very slow) (default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (kernel path only)")
+                   help="kernel path without decode CUDA graphs; no effect on the plain path "
+                        "(default: off, graphs are used)")
     p.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
                    help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
-                        "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kb/0013; "
-                        "kernel path with graphs only). auto (default): on where the kernel "
-                        "path runs CUDA graphs (CUDA, bf16 and FP8, kb/0026), else off")
+                        "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kernel "
+                        "path with graphs only). auto: on where the kernel path runs CUDA "
+                        "graphs, bf16 and FP8, else off (default: %(default)s)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="launch each pure decode step before the previous step's tokens are "
-                        "read, feeding them on the device, so host work overlaps the GPU "
-                        "(kb/0025). auto (default): on CUDA; on the CPU the forward runs at "
-                        "launch, so there is nothing to overlap and each token would only "
-                        "arrive a step later")
+                        "read, feeding them on the device, so host work overlaps the GPU. "
+                        "auto: on on CUDA, off on the CPU (there the forward runs at launch, so "
+                        "nothing overlaps and each token would arrive a step later) (default: "
+                        "%(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="N",
-                   help="speculative decoding, 0..8 (0 = off, default): the checkpoint's MTP "
-                        "head drafts N tokens per decode step of each greedy request without "
+                   help="speculative decoding, N in 0..8 (0 = off): the checkpoint's MTP head "
+                        "drafts N tokens per decode step of each greedy request without "
                         "penalties, and the model verifies them in the same step, so the output "
                         "stays the greedy output. Drafting pauses while more than "
                         "--spec-max-running requests run. On CUDA the verify and drafting steps "
                         "replay CUDA graphs. Every 10 s the log reports the share of drafts "
-                        "kept since start")
+                        "kept since start (default: %(default)s)")
     p.add_argument("--spec-max-running", type=int, default=None, metavar="B",
                    help="with --num-speculative-tokens: requests draft only while at most B "
-                        "run (default 8, at most --max-num-seqs); verify steps replay CUDA "
-                        "graphs up to B sequences. Each sequence of such a graph keeps N GDN "
-                        "state snapshots of ~33 MB each at full size (~64 MB with "
-                        "--gdn-state-dtype float32)")
+                        "run; verify steps replay CUDA graphs up to B sequences. Each sequence "
+                        "of such a graph keeps N GDN state snapshots of ~33 MB each at full "
+                        "size (~64 MB with --gdn-state-dtype float32) (default: 8, at most "
+                        "--max-num-seqs)")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="benchmarks on random weights only, needs --num-speculative-tokens: "
                         "keep each draft with probability RATE in [0, 1] instead of verifying "
                         "it (as vLLM's synthetic rejection sampler in the baseline kit's "
-                        "`serve mtp`); the text is then not the model's")
+                        "`serve mtp`); the text is then not the model's (default: none, drafts "
+                        "are verified)")
     p.add_argument("--gdn-state-dtype", choices=["auto", "float32", "bfloat16"], default=None,
                    help="storage of the GDN layers' recurrent states (the kernels compute in "
-                        "float32 either way). auto (default, or TAILORED_GDN_STATE_DTYPE when "
-                        "set): bfloat16 for a bfloat16 model, as vLLM stores them by default, "
-                        "else float32. bfloat16 halves the state bytes every decode step reads "
-                        "and writes (c=32 step 3-4%% faster on the H200) and each request's "
-                        "state memory; float32 keeps the states unrounded between steps")
+                        "float32 either way). auto: bfloat16 for a bfloat16 model, as vLLM "
+                        "stores them, else float32. bfloat16 halves the state bytes every "
+                        "decode step reads and writes (c=32 step 3-4%% faster on the H200) and "
+                        "each request's state memory; float32 keeps the states unrounded "
+                        "between steps (default: auto, or TAILORED_GDN_STATE_DTYPE when set)")
     p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
-                   help="prefix caching (0 = off, default): keep the KV pages and GDN state of "
-                        "the last N prompts (least recently used dropped first), so a "
-                        "prompt that extends one of them (the next turn of a chat or agent "
-                        "loop) computes only its new tokens. Each entry costs one GDN state "
-                        "(~33 MB at full size, ~64 MB with fp32 states, taken from the KV "
-                        "cache's memory) plus its pages while kept; size N above the "
-                        "conversations in flight (~2x). Prompts "
-                        "are saved up to their last chat message, and up to a leading system "
-                        "message of 64+ tokens, so a new chat with the same system prompt hits "
-                        "there too. On CUDA with prefill graphs, the rest of a prompt after "
-                        "a cached prefix (up to 2048 tokens) replays CUDA graphs (README)")
+                   help="prefix caching (0 = off): keep the KV pages and GDN state of the last "
+                        "N prompts (least recently used dropped first), so a prompt that "
+                        "extends one of them (the next turn of a chat or agent loop) computes "
+                        "only its new tokens. Each entry costs one GDN state (~33 MB at full "
+                        "size, ~64 MB with float32 states, taken from the KV cache's memory) "
+                        "plus its pages while kept; size N above the conversations in flight "
+                        "(~2x). Prompts are saved up to their last chat message, and up to a "
+                        "leading system message of 64+ tokens, so a new chat with the same "
+                        "system prompt hits there too. On CUDA with prefill graphs, the rest "
+                        "of a prompt after a cached prefix (up to 2048 tokens) replays CUDA "
+                        "graphs (docs/serving.md) (default: %(default)s)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
-                   help="sys.setswitchinterval in the server and engine processes (Python's "
-                        "default 5 ms): how long the engine loop may wait for the GIL held by "
-                        "the HTTP side after each GPU sync (an experiment knob, kb/0011)")
+                   help="sys.setswitchinterval in the server and engine processes: how long "
+                        "the engine loop may wait for the GIL held by the HTTP side after each "
+                        "GPU sync; an experiment knob (default: Python's 5 ms)")
     p.add_argument("--engine-process", choices=["on", "off"], default="on",
                    help="on: the engine loop runs in its own process, so the HTTP server's "
-                        "Python and the engine's do not share one GIL (kb/0014); off: a thread "
-                        "of the server process (default on)")
+                        "Python and the engine's do not share one GIL; off: a thread of the "
+                        "server process (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that SIGTERM or a first Ctrl-C lets in-flight requests run "
-                        "before they end with an error event (default 30; a second Ctrl-C "
-                        "exits at once)")
+                        "before they end with an error event; a second Ctrl-C exits at once "
+                        "(default: %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="largest request body in bytes, else 413 (default 256 a token of "
-                        "--max-model-len, 2 to 32 MiB: 4 MiB at 16k; bodies are parsed on the "
+                   help="largest request body in bytes, else 413. Bodies are parsed on the "
                         "event loop, so a larger cap lets one huge body stall every stream "
-                        "longer)")
+                        "longer (default: 256 a token of --max-model-len, within 2 to 32 MiB: "
+                        "4 MiB at 16k)")
     p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
                    help="qwen3: chat answers split into reasoning / reasoning_content (the "
                         "thinking, up to </think>, under both names) and content (the answer "
-                        "after it), streamed too, as vLLM's parser of that name; default: "
-                        "content is the raw text")
+                        "after it), streamed too, as vLLM's parser of that name (default: none, "
+                        "content is the raw text)")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="Python log level (default: %(default)s)")
 
 
 def _synth_parser(sub) -> None:

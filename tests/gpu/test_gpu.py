@@ -1,6 +1,6 @@
 """GPU checks (skipped without CUDA): the same model code on the device vs the CPU and vs transformers.
 
-Run on the H200 by scripts/gpu_issue2.sh.
+Run on the GPU by lab/gpu_call.sh (PARTS=tests).
 """
 
 from __future__ import annotations

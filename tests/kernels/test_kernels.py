@@ -242,7 +242,7 @@ def test_route_align_equals_route_topk_then_align(dtype, T, E, k):
 @pytest.mark.parametrize("T,E,k", [(1, 256, 8), (3, 16, 4), (7, 256, 8)])
 def test_route_align_two_launch_path_at_few_rows(dtype, T, E, k, monkeypatch):
     """The two-launch path below its default threshold (an odd T leaves the last top-k
-    program half empty): scripts/bench_route.py --one-program-up-to times both paths there."""
+    program half empty): lab/bench_route.py --one-program-up-to times both paths there."""
     from tailored.kernels import moe
 
     monkeypatch.setattr(moe, "ROUTE_ONE_PROGRAM_UP_TO", 0)

@@ -1,4 +1,4 @@
-"""The packaged nano checkpoint (tailored/data/nano, trained by scripts/train_nano.py, issue 5).
+"""The packaged nano checkpoint (tailored/data/nano, trained by lab/train_nano.py, issue 5).
 
 It is an ordinary HF checkpoint of the Qwen3.6 architecture (≤ 8 MB, official tensor names incl.
 mtp.*) that loads through the serving stack, matches transformers in fp32, has a working
@@ -182,9 +182,9 @@ def test_embedded_default_is_nano():
 
 
 def test_mtp_draft_chain_matches_brute_force():
-    """scripts/nano/evaluate.py's chained drafts (spec §8.2) equal running the MTP layer over an
+    """lab/nano/evaluate.py's chained drafts (spec §8.2) equal running the MTP layer over an
     explicitly extended row sequence, on the packaged weights."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab"))
     from nano import evaluate as ev
     from nano import model as nm
 

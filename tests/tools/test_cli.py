@@ -129,3 +129,44 @@ def test_serve_refuses_an_unknown_log_level(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--log-level", "bogus"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def _serve_help_entries(capsys) -> dict[str, str]:
+    """`tailored serve --help` as {option or positional: its help text, whitespace joined}."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    body = text[text.index("positional arguments:"):]
+    entries: dict[str, str] = {}
+    name = None
+    for line in body.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):  # a new entry: "  --opt X  help"
+            head, _, rest = line.strip().partition("  ")
+            name = head.split()[0].rstrip(",")
+            entries[name] = rest.strip()
+        elif line.startswith("   ") and name is not None:  # its help, continued
+            entries[name] = f"{entries[name]} {line.strip()}".strip()
+    entries.pop("-h", None)
+    return entries
+
+
+def test_every_serve_option_shows_help_and_its_default(capsys):
+    """Every `tailored serve` option explains itself in --help and names its default."""
+    import argparse
+
+    from tailored import cli
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers())
+    actions = [a for a in parser._subparsers._group_actions[0].choices["serve"]._actions
+               if not isinstance(a, argparse._HelpAction)]
+    entries = _serve_help_entries(capsys)
+    assert len(entries) == len(actions)
+    for a in actions:
+        name = a.option_strings[0] if a.option_strings else a.dest
+        text = entries[name]
+        assert "(default: " in text, f"{name}: no default in its help: {text!r}"
+        assert len(text.split("(default: ")[0].split()) >= 2, f"{name}: help too short: {text!r}"
+        if a.default not in (None, False):
+            assert f"(default: {a.default}" in text, f"{name}: help does not name {a.default!r}"

@@ -176,7 +176,7 @@ def test_prompt_set_is_frozen_and_complete():
     assert len(next(p for p in ps if p.name == "long_context").encode(tok)) >= 8192
     golden = json.loads((REPO / "eval/golden/tiny/manifest.json").read_text())
     assert golden["prompt_set"]["sha256"] == sha256_file(DEFAULT_PROMPTS), \
-        "prompt set changed: regenerate goldens (scripts/make_golden.py, reason in kb/)"
+        "prompt set changed: regenerate goldens (lab/make_golden.py, reason in kb/)"
 
 
 def test_shared_reference_adopts_the_engine_tensors(tiny_model, hf_model):

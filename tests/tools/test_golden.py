@@ -1,7 +1,7 @@
 """The engine reproduces the committed goldens (eval/golden/tiny; policy kb/0002).
 
 No transformers needed: the goldens are the reference's outputs (greedy ids, top-5 logprobs at
-teacher-forced positions) stored once by scripts/make_golden.py. Tolerances and why:
+teacher-forced positions) stored once by lab/make_golden.py. Tolerances and why:
 tailored/gate/golden.py (1e-3 nats per logprob; a divergence only where the golden top-2 gap is
 ≤ 2e-3).
 """

@@ -130,9 +130,9 @@ def test_verify_chunk_commits_the_state_of_its_kept_prefix():
 
 # ---- the drafter -------------------------------------------------------------------------------
 def test_drafter_matches_the_training_chain():
-    """MTPDrafter.propose from rows 0..t equals scripts/nano/evaluate.py's teacher-forced drafts
+    """MTPDrafter.propose from rows 0..t equals lab/nano/evaluate.py's teacher-forced drafts
     of position t (drafts 1-3, spec §8.1-§8.2), which test_nano checks against brute force."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab"))
     from nano import evaluate as ev
 
     st = _stack(0)

@@ -1,0 +1,28 @@
+"""Print what a device call produced, last in its console: each gate report in OUT (PASSED or
+FAILED, with the kernel switches it ran) and each side-by-side tailored result (c, tok/s, TTFT
+and TPOT p50).
+
+    python3 lab/device_results.py OUT_DIR [SBS_DIR]
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dirs = [f"{out}/sbs"] + sys.argv[2:]
+    for f in sorted(glob.glob(f"{out}/gate-*.json")):
+        r = json.load(open(f))
+        print(f, "PASSED" if r.get("passed") else "FAILED", r.get("kernel_switches", {}))
+    for f in sorted({p for d in dirs for p in glob.glob(f"{d}/tailored-*.json")}):
+        for x in json.load(open(f))["runs"]:
+            print(f"{f}: c={x['max_concurrency']}: {x['output_throughput']:.1f} tok/s, TTFT p50 "
+                  f"{x['p50_ttft_ms']:.1f} ms, TPOT p50 {x.get('p50_tpot_ms', 0):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,0 @@
-"""Helpers of scripts/train_nano.py: corpus, tokenizer, training model, evaluation, export."""
