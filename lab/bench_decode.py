@@ -18,13 +18,14 @@ import time
 
 import torch
 
+from tailored import flags
 from tailored.model.batch import ForwardBatch
 from tailored.stack import build_stack
 
 
 def _set(module: str, attr: str, value):
-    """Set tailored.<module>.<attr> = value (read by the kernel path at call time); returns
-    the undo."""
+    """Set tailored.<module>.<attr> = value (a kernel's launch-config table, read at launch
+    time); returns the undo."""
     import importlib
 
     mod = importlib.import_module(f"tailored.{module}")
@@ -33,7 +34,15 @@ def _set(module: str, attr: str, value):
     return lambda: setattr(mod, attr, old)
 
 
-_FAST = []  # the FastPath under test (main sets it), for variants that swap its cache tensors
+def _flag(**changes):
+    """Switch fields of the active flags record (tailored/flags.py; the kernel path reads the
+    per-step ones at each call, so a re-capture bakes them in); returns the undo."""
+    before = flags.current()
+    flags.activate(before.replace(**changes))
+    return lambda: flags.activate(before)
+
+
+_RUNNER = []  # the ModelRunner under test (main sets it): variants swap its cache tensors
 
 
 def _state_dtype(dtype):
@@ -42,7 +51,7 @@ def _state_dtype(dtype):
     undo (the old tensor back)."""
     import torch
 
-    cache = _FAST[0].cache
+    cache = _RUNNER[0].cache
     old = cache.rec
     cache.rec = old.to(getattr(torch, dtype))
 
@@ -52,143 +61,133 @@ def _state_dtype(dtype):
 
 
 def _set_route_warps(n):
-    from tailored.kernels import moe
+    from tailored.kernels import moe_route
 
-    warps = {**moe.ROUTE_ALIGN_WARPS, **{bt: n for bt in (1, 2, 4, 8)}}
-    return _set("kernels.moe", "ROUTE_ALIGN_WARPS", warps)
+    warps = {**moe_route.ROUTE_ALIGN_WARPS, **{bt: n for bt in (1, 2, 4, 8)}}
+    return _set("kernels.moe_route", "ROUTE_ALIGN_WARPS", warps)
 
 
 def _set_old_tiles():
-    """fused_moe's prefill M tiles as before session 13; returns the undo of both settings."""
+    """fused_moe's prefill M tiles as before kb/0031; returns the undo of both settings."""
     undos = [_set("kernels.moe", "BM64_ABOVE", 32), _set("kernels.moe", "BM128_ABOVE", 1 << 30)]
-    return lambda: [u() for u in reversed(undos)]
-
-
-def _bf16_gemv_fp8_cfgs():
-    """bf16_gemv at 1-2 rows with the FP8 GEMV's configs by shape; returns the undo of both."""
-    from tailored.kernels import fp8_gemv
-
-    undos = [_set("model.fast", "BF16_GEMV_UP_TO", 2),
-             _set("kernels.fp8_gemv", "BF16_CFGS", fp8_gemv.fp8_cfgs_for_bf16())]
     return lambda: [u() for u in reversed(undos)]
 
 
 # kernel switches an A/B can flip (each returns its undo); the graphs bake in what they captured
 VARIANTS = {
-    # a re-capture with nothing changed: the H200 run of session 8 measured +1.0 % and +2.3 % at
-    # B=32 for two switches that do nothing at B=32, so re-captured graphs (or drift) cost
-    # that much; put control first (and last) and read the variants against it, not the first row
+    # a re-capture with nothing changed: an H200 run measured +1.0 % and +2.3 % at B=32 for two
+    # switches that do nothing at B=32 (kb/0019), so re-captured graphs (or drift) cost that
+    # much; put control first (and last) and read the variants against it, not the first row
     "control": lambda: (lambda: None),
     # the GDN recurrent states stored in bf16 / fp32 (kb/0056; the engine's default, "auto", is
     # bf16 for a bf16 or FP8 checkpoint served in bf16)
     "state_bf16": lambda: _state_dtype("bfloat16"),
     "state_fp32": lambda: _state_dtype("float32"),
-    "shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", True),  # kb/0019
-    # only for 1-2 rows, where session 9 saw it help (kb/0024); '+' joins: shared_in_moe+moe_up_to2
-    "moe_up_to2": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 2),
-    "no_shared_in_moe": lambda: _set("model.fast", "SHARED_IN_MOE", False),
+    "shared_in_moe": lambda: _flag(shared_in_moe=True),  # kb/0019
+    # only for 1-2 rows, where it helped (kb/0024); '+' joins: shared_in_moe+moe_up_to2
+    "moe_up_to2": lambda: _flag(shared_in_moe_up_to=2),
+    "no_shared_in_moe": lambda: _flag(shared_in_moe=False),
     # routing inside the gate_up GEMM's programs at 1 / 2 rows (moe.route_fused_moe, kb/0036)
-    "route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 1),
-    "route_in_gate_up2": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 2),
-    "shared_up_to1": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 1),
+    "route_in_gate_up": lambda: _flag(moe_route_in_gate_up_up_to=1),
+    "route_in_gate_up2": lambda: _flag(moe_route_in_gate_up_up_to=2),
+    "shared_up_to1": lambda: _flag(shared_in_moe_up_to=1),
     # the shared expert as expert E up to 32 rows: FP8 reads its weights as FP8 there (the
     # bf16 copy through cuBLAS + `_silu_mul` otherwise, 3 launches; kb/0042 §3)
-    "shared_up_to32": lambda: _set("model.fast", "SHARED_IN_MOE_UP_TO", 32),
-    "no_route_in_gate_up": lambda: _set("model.fast", "ROUTE_IN_GATE_UP_UP_TO", 0),
-    # the experts of 1-2 row MoE inputs as GEMVs (moe_gemv.route_gemv_moe, kb/0039): FP8 by
+    "shared_up_to32": lambda: _flag(shared_in_moe_up_to=32),
+    "no_route_in_gate_up": lambda: _flag(moe_route_in_gate_up_up_to=0),
+    # the experts of 1-2 row MoE inputs as GEMVs (moe_gemv.route_gemv_moe, kb/0039): FP8
     # only (bf16's measured no gain, kb/0043)
-    "no_moe_gemv": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 0),
-    "moe_gemv1": lambda: _set("model.fast", "MOE_GEMV_UP_TO", 1),
+    "no_moe_gemv": lambda: _flag(moe_gemv_up_to=0),
+    "moe_gemv1": lambda: _flag(moe_gemv_up_to=1),
     # FP8 dense projections of 1-2 rows through the FP8 GEMV (kernels/fp8_gemv.py, kb/0039 §4;
     # fp8_gemv is the default since 64846c1, i.e. the same as control now)
-    "fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 2),
-    "no_fp8_gemv": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 0),
-    "fp8_gemv1": lambda: _set("model.fast", "FP8_GEMV_UP_TO", 1),
+    "fp8_gemv": lambda: _flag(fp8_gemv_up_to=2),
+    "no_fp8_gemv": lambda: _flag(fp8_gemv_up_to=0),
+    "fp8_gemv1": lambda: _flag(fp8_gemv_up_to=1),
     # the FP8 GEMV with its one config for every shape (fp8_gemv.CFG) instead of FP8_CFGS
     "fp8_gemv_one_cfg": lambda: _set("kernels.fp8_gemv", "FP8_CFGS", {}),
-    # bf16 projections of 1-2 rows through the same GEMV without scales (kb/0039 §7.3)
-    "bf16_gemv": lambda: _set("model.fast", "BF16_GEMV_UP_TO", 2),
-    "bf16_gemv_fp8_cfgs": lambda: _bf16_gemv_fp8_cfgs(),  # with the FP8 GEMV's configs
+    # bf16 projections of 1-2 rows through the same GEMV without scales (kb/0039 §7.3), with
+    # the FP8 GEMV's configs by shape (the `bf16_gemv_fp8_cfgs` default, kb/0042)
+    "bf16_gemv": lambda: _flag(bf16_gemv_up_to=2),
+    "bf16_gemv_one_cfg": lambda: _flag(bf16_gemv_fp8_cfgs=False),  # fp8_gemv.CFG everywhere
     # one row's through cuBLAS again (the bf16 GEMV is the default at one row since kb/0042)
-    "no_bf16_gemv": lambda: _set("model.fast", "BF16_GEMV_UP_TO", 0),
-    # the attention output gate in the merge kernel (kb/0036)
-    "attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", True),
-    "no_attn_gate_in_merge": lambda: _set("model.fast", "ATTN_GATE_IN_MERGE", False),
-    # the GDN conv inside the recurrent programs, its state shift in the norm launch (kb/0037)
-    "gdn_conv_fused": lambda: _set("model.fast", "GDN_CONV_IN_RECURRENT", True),
-    # q's and k's norm + RoPE in one launch at decode (kb/0037)
-    "qk_one_launch": lambda: _set("model.fast", "QK_NORM_ONE_LAUNCH", True),
-    "attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", True),  # kb/0019
-    "no_attn_splits": lambda: _set("kernels.attention_decode", "ADAPTIVE_SPLITS", False),
-    # GDN state columns over 2 / 4 programs (kb/0022)
-    "gdn_split2": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 2),
-    "gdn_split4": lambda: _set("kernels.gdn_decode", "DV_SPLIT", 4),
+    "no_bf16_gemv": lambda: _flag(bf16_gemv_up_to=0),
+    # the attention output gate in the merge kernel (kb/0037)
+    "attn_gate_in_merge": lambda: _flag(attn_gate_in_merge=True),
+    "no_attn_gate_in_merge": lambda: _flag(attn_gate_in_merge=False),
+    # GDN state columns over 1 / 2 / 4 programs (kb/0022)
+    "gdn_split1": lambda: _flag(gdn_dv_split=1),
+    "gdn_split2": lambda: _flag(gdn_dv_split=2),
+    "gdn_split4": lambda: _flag(gdn_dv_split=4),
     # the MoE combine does the next add + norm (kb/0023)
-    "next_norm": lambda: _set("model.fast", "COMBINE_NEXT_NORM", True),
-    # route_align's two-launch path up to 64 rows (kb/0021)
-    "route64": lambda: _set("kernels.moe", "ROUTE_ALIGN_USE_UP_TO", 64),
+    "next_norm": lambda: _flag(combine_next_norm=True),
+    "no_next_norm": lambda: _flag(combine_next_norm=False),
+    # route_align's two-launch path up to 64 rows (kb/0021; the default)
+    "route64": lambda: _flag(route_align_up_to=64),
     "route_warps1": lambda: _set_route_warps(1),  # route_align program of 1 / 2 warps
     "route_warps2": lambda: _set_route_warps(2),
-    # FP8 experts' gate_up dots in bf16, as before session 12's default float16 (kb/0029, 0030;
+    # FP8 experts' gate_up dots in bf16 instead of the default float16 (kb/0029, 0030;
     # decode and prefill: also a --prefill-variants one)
-    "fp8_bf16dot": lambda: _set("kernels.moe", "FP8_DOT_F16", False),
-    # the decode down GEMM's bf16-dot configs only (FP8_DOWN_F16 off, kb/0045): a new launcher,
-    # tuned at the re-capture's warm-up where tuned.json's float16 picks no longer apply
-    "down_bf16dot": lambda: _set("kernels.moe", "FP8_DOWN_F16", False),
+    "fp8_bf16dot": lambda: _flag(moe_fp8_dot_f16=False),
+    # the decode down GEMM's bf16-dot configs only (`moe_fp8_down_f16` off, kb/0045): a new
+    # launcher, tuned at the re-capture's warm-up where tuned.json's float16 picks no longer apply
+    "down_bf16dot": lambda: _flag(moe_fp8_down_f16=False),
     # FP8 dense projections of 3-64 rows through the split-K W8A16 GEMM over their FP8 weights
     # instead of cuBLAS over the bf16 copy (kb/0045 §4; its configs: fp8_splitk.CFGS)
-    "dense_splitk": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 64),
-    # the same up to 8 rows only: where session 30's shape sweep found it faster (kb/0047 §2)
-    "dense_splitk8": lambda: _set("model.fast", "FP8_DENSE_SPLITK_UP_TO", 8),
+    "dense_splitk": lambda: _flag(fp8_dense_splitk_up_to=64),
+    # the same up to 8 rows only (the default): where the shape sweep found it faster
+    # (kb/0047 §2)
+    "dense_splitk8": lambda: _flag(fp8_dense_splitk_up_to=8),
+    "no_dense_splitk": lambda: _flag(fp8_dense_splitk_up_to=0),
     # programmatic dependent launch of every Triton kernel (kernels/pdl.py, kb/0030; on by
     # default since kb/0041; decode and prefill: also --prefill-variants ones)
-    "pdl": lambda: _set("kernels.pdl", "PDL", True),
-    "no_pdl": lambda: _set("kernels.pdl", "PDL", False),
-    # routed experts of eager prefill steps of >= fast.MOE_GROUPED_FROM (6144) tokens through
+    "pdl": lambda: _flag(pdl=True),
+    "no_pdl": lambda: _flag(pdl=False),
+    # routed experts of eager prefill steps of >= `moe_grouped_from` (6144) tokens through
     # torch's grouped GEMM (kernels/moe_grouped.py, kb/0031; a --prefill-variants one: the
     # batched step). Turned on after start it allocates the FP8 scratch outside the reserve.
-    "moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", True),
-    "no_moe_grouped": lambda: _set("model.fast", "MOE_GROUPED", False),
+    "moe_grouped": lambda: _flag(moe_grouped=True),
+    "no_moe_grouped": lambda: _flag(moe_grouped=False),
     # FP8 experts' 64-row prefill tiles from 16 rows an expert, as bf16 (kb/0031 §3: worth a
     # try once the FP8 64-row tuned.json entry holds the bench's better config)
     "fp8_tiles16": lambda: _set("kernels.moe", "BM64_ABOVE_FP8", 16),
-    # prefill M tiles as before session 13 (32 rows up to 32 an expert, never 128; kb/0031)
+    # prefill M tiles as before kb/0031 (32 rows up to 32 an expert, never 128)
     "old_tiles": lambda: _set_old_tiles(),
 }
 
 
-def switch(spec: str, fast):
-    """Apply the '+'-joined switches in spec, re-capture the decode graphs; returns the undo
-    (which re-captures with the previous settings)."""
+def switch(spec: str, kf):
+    """Apply the '+'-joined switches in spec, re-capture the decode graphs of the runner's
+    KernelForward `kf`; returns the undo (which re-captures with the previous settings)."""
     undos = [VARIANTS[p]() for p in spec.split("+")]
-    fast.drop_decode_graphs()
-    fast.capture()
+    kf.drop_decode_graphs()
+    kf.decode.capture()
 
     def undo():
         for u in reversed(undos):
             u()
-        fast.drop_decode_graphs()
-        fast.capture()
+        kf.drop_decode_graphs()
+        kf.decode.capture()
     return undo
 
 
-def prefill_ab(a, variants, fast, pre, pre_b):
+def prefill_ab(a, variants, kf, pre, pre_b):
     """Time the ctx-token prefill `pre` (and the batched prefill step `pre_b`) under each
     '+'-joined switch set, a.rounds times round-robin; medians by variant. With prefill graphs
     the ctx bucket is re-captured for each variant (the graph bakes its switches in), so the
     time is the replay's, which is the GPU's (the eager prefill is host-bound, kb/0010)."""
-    graphs = bool(fast.prefill_graphs)
-    bucket = min((b for b in fast.prefill_graphs if b >= a.ctx), default=None)
+    graphs = bool(kf.prefill.graphs)
+    bucket = min((b for b in kf.prefill.graphs if b >= a.ctx), default=None)
     if graphs and bucket is None:
         raise SystemExit(f"--ctx {a.ctx} is above the largest prefill graph bucket "
-                         f"({max(fast.prefill_graphs)}): the A/B would time eager prefills")
+                         f"({max(kf.prefill.graphs)}): the A/B would time eager prefills")
 
     def recapture():
         # a capture that fails leaves prefill eager, which must not be timed as a replay
         if graphs:
-            fast.prefill_graphs.pop(bucket, None)
-            fast.capture_prefill(bucket, buckets=[bucket])
-            if bucket not in fast.prefill_graphs:
+            kf.prefill.graphs.pop(bucket, None)
+            kf.prefill.capture(bucket, buckets=[bucket])
+            if bucket not in kf.prefill.graphs:
                 raise SystemExit(f"prefill graph {bucket} not captured under this variant "
                                  "(see the warning above)")
 
@@ -290,8 +289,10 @@ def main():
                      prefill_graphs=a.prefill_graphs)
     print(f"stack built in {time.monotonic() - t0:.1f} s", flush=True)
     runner = st.engine.runner
-    model, cache, fast = runner.model, runner.cache, runner.model.fast
-    _FAST[:] = [fast]
+    model, cache, kf = runner.model, runner.cache, runner.kernel
+    if kf is None:
+        raise SystemExit("the kernel path did not start (see the log): nothing to time")
+    _RUNNER[:] = [runner]
     ps = cache.page_size
     P = math.ceil((a.ctx + n_dec + 64) / ps)
     g = torch.Generator().manual_seed(0)
@@ -303,7 +304,7 @@ def main():
         batch = ForwardBatch.build([(ids, 0, b + 1, True, pages)], [a.ctx - 1], "cuda")
 
         def pre(batch=batch):  # bound now: the loop rebinds batch
-            h = model(batch, cache)
+            h = runner.forward(batch)
             return model.compute_logits(h[batch.logits_rows]).argmax(-1).tolist()
 
         if b == 0:
@@ -311,12 +312,12 @@ def main():
             pre()  # warm (triton compiles, fla autotune)
             res["prefill_ms"] = timed(pre, 3)
             print(f"prefill {a.ctx} tokens: {res['prefill_ms']:.1f} ms", flush=True)
-            if fast.prefill_graphs:
+            if kf.prefill.graphs:
                 def pre_eager():
-                    h = fast.forward_eager(batch)
+                    h = kf.km.forward_eager(batch)
                     return model.compute_logits(h[batch.logits_rows]).argmax(-1).tolist()
 
-                res["prefill_graph_buckets"] = sorted(fast.prefill_graphs)
+                res["prefill_graph_buckets"] = sorted(kf.prefill.graphs)
                 res["prefill_eager_ms"] = timed(pre_eager, 3)
                 res["prefill_graph_equals_eager_token"] = pre() == pre_eager()
                 print(f"prefill {a.ctx} tokens: graph {res['prefill_ms']:.1f} ms, eager "
@@ -334,7 +335,7 @@ def main():
         bb = ForwardBatch.build(layout, [(b + 1) * a.ctx - 1 for b in range(nb)], "cuda")
 
         def pre_b():
-            h = model(bb, cache)
+            h = runner.forward(bb)
             return model.compute_logits(h[bb.logits_rows]).argmax(-1).tolist()
 
         pre_b()
@@ -350,7 +351,7 @@ def main():
             print(f"prefill step {nb} x {a.ctx} tokens, kernels by CUDA time:")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
     if prefill_variants:
-        res["prefill_variants"] = prefill_ab(a, prefill_variants, fast, pre0,
+        res["prefill_variants"] = prefill_ab(a, prefill_variants, kf, pre0,
                                              pre_b if a.prefill_batch else None)
     if a.profile_host:
         import cProfile
@@ -363,7 +364,7 @@ def main():
         pr = cProfile.Profile()
         t0 = time.perf_counter()
         pr.enable()
-        model(hb, cache)
+        runner.forward(hb)
         pr.disable()
         t_host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
@@ -376,14 +377,14 @@ def main():
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
         print("\n".join(line[:150] for line in buf.getvalue().splitlines()[:45]))
-        del h
         # restore sequence 0's state for the decode timings
         ids0 = torch.randint(0, 248044, (a.ctx,), generator=g).tolist()
-        model(ForwardBatch.build([(ids0, 0, 1, True, list(range(1, 1 + P)))], [a.ctx - 1], "cuda"), cache)
+        runner.forward(ForwardBatch.build([(ids0, 0, 1, True, list(range(1, 1 + P)))],
+                                          [a.ctx - 1], "cuda"))
 
     def step_fn(B):
-        # a fresh random token per row and step: the same token in every row (what this did
-        # before session 7) routes the rows' first layer alike and likely reads fewer experts:
+        # a fresh random token per row and step: the same token in every row (what this once
+        # did) routes the rows' first layer alike and likely reads fewer experts:
         # B=32 timed 12.6 ms in here against 17.4 ms of GPU time per 32-row step when served
         # (not yet re-measured with random tokens)
         tg = torch.Generator().manual_seed(B)
@@ -392,7 +393,7 @@ def main():
             toks_in = torch.randint(0, 248044, (B,), generator=tg).tolist()
             layout = [([t], s[0], s[1], False, s[2]) for t, s in zip(toks_in, seqs[:B])]
             batch = ForwardBatch.build(layout, list(range(B)), "cuda")
-            h = model(batch, cache)
+            h = runner.forward(batch)
             toks = model.compute_logits(h).argmax(-1).tolist()
             for s in seqs[:B]:
                 s[0] += 1
@@ -404,10 +405,10 @@ def main():
         f = step_fn(B)
         f()
         ms_graph = timed(f, a.steps)
-        fast.use_graphs = False
+        kf.use_graphs = False
         f()
         ms_eager = timed(f, 3)
-        fast.use_graphs = True
+        kf.use_graphs = True
         rows.append((B, ms_graph, 1e3 * B / ms_graph, ms_eager))
         print(f"B={B}: graph {ms_graph:.2f} ms/step ({1e3 * B / ms_graph:.0f} tok/s), "
               f"eager kernels {ms_eager:.2f} ms/step", flush=True)
@@ -416,7 +417,7 @@ def main():
     samples: dict[str, dict[int, list[float]]] = {v: {B: [] for B in batches} for v in variants}
     for rnd in range(a.rounds):  # A/B: the same batches with kernel switches on, re-captured
         for v in variants:
-            undo = switch(v, fast)
+            undo = switch(v, kf)
             for B in batches:
                 f = step_fn(B)
                 f()
@@ -425,7 +426,7 @@ def main():
                 print(f"round {rnd + 1}: B={B}: graph {ms:.2f} ms/step with {v}", flush=True)
             undo()
     for v in variants:
-        # min too: session 13's B=1 control re-captures differed by 10 % (3.64 / 4.01 ms,
+        # min too: two B=1 control re-captures differed by 10 % (3.64 / 4.01 ms,
         # kb/0031), so a few-% switch needs several rounds and both statistics
         res["variants"][v] = [dict(batch=B, graph_ms=statistics.median(samples[v][B]),
                                    graph_ms_min=min(samples[v][B]),
@@ -434,7 +435,7 @@ def main():
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        undo = switch(a.profile_variant, fast) if a.profile_variant else (lambda: None)
+        undo = switch(a.profile_variant, kf) if a.profile_variant else (lambda: None)
         f = step_fn(a.profile_batch)
         f()
         print(f"B={a.profile_batch} decode step profile (5 steps, switches: "
@@ -449,7 +450,7 @@ def main():
         pages = list(range(1 + Bmax * P, 1 + (Bmax + 1) * P))
         batch = ForwardBatch.build([(ids, 0, Bmax + 1, True, pages)], [a.ctx - 1], "cuda")
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            model.compute_logits(model(batch, cache)[batch.logits_rows]).argmax(-1).tolist()
+            model.compute_logits(runner.forward(batch)[batch.logits_rows]).argmax(-1).tolist()
         print(f"prefill {a.ctx} tokens profile:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
     vms = {v: {r["batch"]: r["graph_ms"] for r in rs} for v, rs in res["variants"].items()}

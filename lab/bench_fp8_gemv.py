@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """FP8 dense projections at decode rows: cuBLAS over the dequantized bf16 weight (what FP8
-serving runs above the GEMV's rows, `FP8_DENSE_DEQUANT`, kb/0026) against the tiled W8A16 GEMM
+serving runs above the GEMV's rows, `fp8_dense_dequant`, kb/0026) against the tiled W8A16 GEMM
 (`fp8_linear`) and, at 1–4 rows, the FP8 GEMV (`fp8_gemv`) over a sweep of its (ROWS,
-BLOCK_K, warps), kb/0039 §4. Each shape as FastPath launches it: its bf16 members (GDN b/a,
-the router and shared-expert gate) in the same launch.
+BLOCK_K, warps), kb/0039 §4. Each shape as the kernel path launches it (model/projections.py):
+its bf16 members (GDN b/a, the router and shared-expert gate) in the same launch.
 
 For each decode shape of the model (spec §3–§6; per step: GDN in/out × 30, attention qkv/o ×
 10; the shared expert's in/down at 2 rows × 40) enough copies of the weight are cycled that
@@ -14,14 +14,14 @@ reference over the dequantized weight.
 
 With --bf16 also `bf16_gemv` over the bf16 weight (the same sweep; kb/0039 §7.3). Batches
 above 4 rows (the GEMV's limit) time cuBLAS and `fp8_linear` (bf16 dots; autotuned at its
-first call, outside the graph; shapes without bf16 members only, since session 28 removed its
-bf16 rows in the launch, which gained nothing in the model for the MoE group, kb/0044).
-Session 26's float16-dot variant lost for every shape (kb/0043) and was removed.
+first call, outside the graph; shapes without bf16 members only: its bf16 rows in the launch
+gained nothing in the model for the MoE group and were removed, kb/0044). Its float16-dot
+variant lost for every shape (kb/0043) and was removed.
 
 With --splitk also the split-K GEMM (`fp8_splitk.fp8_linear_splitk`, kb/0045 §4: 64-256 wide N
 tiles, K split over programs, bf16 or float16 dots) over a grid of its configs on each shape's
 FP8 rows, against cuBLAS over the same rows' bf16 copy (`cublas_fp8rows`); the last table has
-the best config by shape and batch. Session 28's hypothesis: the tiled GEMM is bound by
+the best config by shape and batch. The hypothesis (kb/0045 §4): the tiled GEMM is bound by
 re-reading the activations for every 64-wide N tile, not by its K loop.
 
 Usage (GPU): python3 lab/bench_fp8_gemv.py [--batches 1,2] [--bf16] [--json F]   (~1-2 min)
@@ -43,7 +43,7 @@ from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.fp8_splitk import fp8_linear_splitk
 from tailored.model import fp8
 
-# (FP8 rows N, bf16 rows NB in the same launch, K) as FastPath runs them: GDN in = qkv|z FP8
+# (FP8 rows N, bf16 rows NB in the same launch, K) as the kernel path runs them: GDN in = qkv|z FP8
 # then b|a bf16; the MoE group = router|shared-expert gate bf16 first, then shared gate|up FP8
 SHAPES = {"gdn_in": (12288, 64, 2048), "gdn_out": (2048, 0, 4096), "attn_qkv": (9216, 0, 2048),
           "attn_o": (2048, 0, 4096), "moe_in": (1024, 257, 2048), "shared_down": (2048, 0, 512)}
@@ -128,7 +128,7 @@ def main() -> None:
                 for cfg in CONFIGS:
                     run(f"bf16gemv {cfg[0]}x{cfg[1]}x{cfg[2]}",
                         lambda i, cfg=cfg: bf16_gemv(x, ws[i], cfg), 2 * (N + NB) * K)
-        del qs, ss, ws, bs
+        qs = ss = ws = bs = None  # free the copies (the closures above read these names)
         torch.cuda.empty_cache()
     print("\n| shape | T | cuBLAS bf16 µs | fp8_linear µs (TB/s) |")
     print("|---|---|---|---|")

@@ -1,13 +1,14 @@
 """Routed-expert MoE of a decode step on the GPU, per layer: routing + fused_moe at the
 published shapes (E=256, k=8, H=2048, I=512), A/B over `kernels.moe.COMPACT_GRID` (kb/0016),
-or with `--ab f16` over `kernels.moe.FP8_DOT_F16` (FP8 experts' dots in float16, kb/0029).
+or with `--ab f16` over the `moe_fp8_dot_f16` switch (FP8 experts' dots in float16, kb/0029).
 
 Eight layers of distinct expert weights are cycled so the experts a step reads (48 MB a layer
 in bf16) come from HBM, not from the 50 MB L2. Each variant is autotuned on its own, then one
 CUDA graph of the eight layers is replayed; prints µs per layer and the achieved HBM bandwidth
 over the routed experts' bytes (8 experts' gate_up + down per token, distinct experts counted
-once). Routing (route_align up to B=8, else route_topk) is in
-both variants. Usage: python lab/bench_moe.py [--batches 1,8,32] [--fp8] [--ab compact|f16] [--json F]
+once). Routing (route_align up to the `route_align_up_to` switch's rows, else route_topk) is
+in both variants.
+Usage: python lab/bench_moe.py [--batches 1,8,32] [--fp8] [--ab compact|f16] [--json F]
 `--ncu`: one eager call of layer 0 per variant at the last batch size runs between
 cudaProfilerStart/Stop, for `ncu --profile-from-start off` (kernel counters without the tuning
 launches).
@@ -21,7 +22,9 @@ import json
 import torch
 from kernel_bench import time_graph
 
+from tailored import flags
 from tailored.kernels import moe
+from tailored.kernels.moe_route import route_align
 from tailored.ops import reference as ref
 
 E, K, H, I, LAYERS = 256, 8, 2048, 512, 8
@@ -41,9 +44,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.ab == "f16" and not a.fp8:
         ap.error("--ab f16 needs --fp8")
-    # (label, module attribute, value) per variant: the first is the control
-    ab = ([("full", "COMPACT_GRID", False), ("compact", "COMPACT_GRID", True)] if a.ab == "compact"
-          else [("bf16dot", "FP8_DOT_F16", False), ("f16dot", "FP8_DOT_F16", True)])
+    # (label, COMPACT_GRID, the moe_fp8_dot_f16 switch) per variant: the first is the control
+    f16 = flags.current().moe_fp8_dot_f16
+    ab = ([("full", False, f16), ("compact", True, f16)] if a.ab == "compact"
+          else [("bf16dot", True, False), ("f16dot", True, True)])
+    align_up_to = flags.current().route_align_up_to
     (l0, *_), (l1, *_) = ab
     batches = [int(b) for b in a.batches.split(",")]
     dev, dt = "cuda", torch.bfloat16
@@ -67,16 +72,16 @@ def main() -> None:
         logits = [torch.randn(B, E, device=dev, dtype=dt, generator=g) for _ in range(LAYERS)]
         res = {}
         outs = {}
-        for vi, (label, attr, value) in enumerate(ab):
-            moe.COMPACT_GRID = True
-            setattr(moe, attr, value)
+        for vi, (label, compact, dot_f16) in enumerate(ab):
+            moe.COMPACT_GRID = compact
+            flags.activate(flags.current().replace(moe_fp8_dot_f16=dot_f16))
             moe._LAUNCHERS.clear()  # each variant tunes its own configs (TAILORED_TUNING=off)
 
             def step():
                 ys = []
                 for li in range(LAYERS):
-                    if B <= moe.ROUTE_ALIGN_USE_UP_TO:
-                        w, ids, *al = moe.route_align(logits[li], K)
+                    if B <= align_up_to:
+                        w, ids, *al = route_align(logits[li], K)
                     else:
                         w, ids = ref.route_topk(logits[li], K)
                         al = None
@@ -87,7 +92,7 @@ def main() -> None:
             # autotuned outside the capture (time_graph's eager first call)
             us, outs[vi] = time_graph(step, LAYERS, a.reps, 1)
             if a.ncu and B == batches[-1]:
-                w0, ids0, *al0 = moe.route_align(logits[0], K) if B <= moe.ROUTE_ALIGN_USE_UP_TO \
+                w0, ids0, *al0 = route_align(logits[0], K) if B <= align_up_to \
                     else (*ref.route_topk(logits[0], K),)
                 torch.cuda.synchronize()
                 torch.cuda.profiler.start()

@@ -104,7 +104,7 @@ def main() -> None:
                         print(f"down {r}x{w}: {type(e).__name__}: {str(e)[:200]}")
                         continue
                     row(f"gemv gu {best_gu[0]}x{best_gu[1]} dn {r}x{w}", us, ys, ref)
-        del layers
+        layers = None  # free the stacks (the closures above read the name)
         torch.cuda.empty_cache()
     print("\n| precision | T | variant | µs/layer | TB/s | rel |\n|---|---|---|---|---|---|")
     for p in a.precisions.split(","):

@@ -12,8 +12,8 @@ Variants, each timed alone (CUDA events, median of --reps calls after a warm-up)
                GEMM, weighted unsort. FP8: the experts dequantized to bf16 first
                (`moe_grouped.dequantize_experts`, timed inside "grouped" and alone as
                "dequant").
-(Session 13's first run stacked the shared expert as expert 256, whose 8192 rows one program
-per N block walked alone: a tail that no prefill step has.)
+(A first run stacked the shared expert as expert 256, whose 8192 rows one program per N block
+walked alone: a tail that no prefill step has; kb/0031.)
 Prints ms per layer, TFLOP/s over 6·pairs·H·I and the relative difference to `tuned`.
 Usage: python lab/bench_moe_prefill.py [--tokens 1024,8192] [--fp8] [--json F]
 """

@@ -71,7 +71,7 @@ def main() -> None:
         print(json.dumps(_setting(a, a.one)))
         return
     # each setting in its own process: a second full-size model beside the first's leftovers
-    # (CUDA graph pools, the allocator's cache) ran out of memory on an H100 (session 34)
+    # (CUDA graph pools, the allocator's cache) ran out of memory on an H100 (kb/0054 §2)
     results, tokens = {}, {}
     for entries in (0, a.entries):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--one", str(entries)]

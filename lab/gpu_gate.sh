@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The accuracy gate on the GPU, one call: the FP8 + bf16 kernel/fast-path GPU tests, then `tailored gate`
-# on the full-size dummy model in bf16 and in block FP8 (the FP8 dummy model is the bf16 one of
-# the same seed, quantized; its gate compares with the dequantized weights and with the bf16
-# weights). Reports: $OUT/gate-bf16.json, $OUT/gate-fp8.json; log $OUT/gpu_gate.log.
+# The accuracy gate on the GPU, one call: the FP8 + bf16 kernel and kernel-path GPU tests, then
+# `tailored gate` on the full-size dummy model in bf16 and in block FP8 (the FP8 dummy model is
+# the bf16 one of the same seed, quantized; its gate compares with the dequantized weights and
+# with the bf16 weights). Reports: $OUT/gate-bf16.json, $OUT/gate-fp8.json; log $OUT/gpu_gate.log.
 #
 # Prepare here: bash lab/fetch_wheels.sh   (.whl/, git-ignored; fla-core for bf16 prefill)
 # Run there:    device run, carry [".whl"],
@@ -18,7 +18,7 @@ GATE_ARGS=${GATE_ARGS:-}
 full_configs
 
 if [[ " $PARTS " == *" tests "* ]]; then
-    stamp "GPU tests: kernels (fp8 too), fast path vs plain (bf16 + fp8), graphs"
+    stamp "GPU tests: kernels (fp8 too), kernel path vs plain (bf16 + fp8), graphs"
     timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_kernels.py tests/gpu/test_gpu.py \
         ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | grep -v "^$" | grep -v "Warning\|warn" | tail -30
 fi

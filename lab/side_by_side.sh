@@ -48,6 +48,8 @@
 # Environment: SBS_DIR, KIT (default .baseline-kit), VLLM_PORT (8000), TAILORED_PORT (8001),
 # BASELINE_TMP (the kit's /tmp), HBM_BW (B/s for the roofline, default 4.3e12), CROSSCHECK (1),
 # TAILORED_SERVE_ARGS (extra `tailored serve` flags), READY_TIMEOUT (s, default 600).
+# TAILORED_PORT and TAILORED_SERVE_ARGS are this script's settings, not switches: no child
+# process sees them (an unknown TAILORED_* name stops tailored at start, tailored/flags.py).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -58,6 +60,7 @@ SBS=${SBS_DIR:-/tmp/sbs}
 BTMP=${BASELINE_TMP:-/tmp}
 VLLM_PORT=${VLLM_PORT:-8000}
 TAILORED_PORT=${TAILORED_PORT:-8001}
+export -n TAILORED_PORT TAILORED_SERVE_ARGS  # kept as shell variables, not passed on
 NAME=qwen36-35b-a3b
 TSITE=/tmp/tailored-site
 HBM_BW=${HBM_BW:-4.3e12}
@@ -95,9 +98,9 @@ bench_both() {  # ENGINE PREC PORT CHECKPOINT_DIR ENGINE_CONFIG_JSON
   sync_out
 }
 
-port_free() {  # PORT: die when something already listens there. Session 20's run3: a call's
-  # `timeout` ended the bf16 script but not its server or bench (their own process group),
-  # the FP8 server could not bind, and the FP8 phase benchmarked the bf16 server instead
+port_free() {  # PORT: die when something already listens there. Once a call's `timeout`
+  # ended the bf16 script but not its server or bench (their own process group), the FP8
+  # server could not bind, and the FP8 phase benchmarked the bf16 server instead (kb/0038)
   if python3 -c 'import socket, sys; sys.exit(socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0)' "$1"; then
     die "port $1 is taken (a server left by an earlier run?): not benchmarking it"
   fi
@@ -237,7 +240,7 @@ phase_tailored() {  # PREC
         | tee "$SBS/tailored-fp8.warning"
   fi
   local cfg
-  # kernel switches from the environment (TAILORED_FP8_DENSE_DEQUANT=1 ..., README) go into
+  # switches from the environment (TAILORED_FP8_DENSE_DEQUANT=0 ..., docs/switches.md) go into
   # the manifest with the command: the server inherited them
   cfg=$(python3 -c 'import json, os, sys; print(json.dumps({"engine": "tailored serve", "variant": sys.argv[1],
       "command": "python3 -m tailored serve " + " ".join(sys.argv[2:]),

@@ -167,8 +167,8 @@ def _check_serve_args(args) -> None:
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens > MAX_STEP_TOKENS:
-        # the activation reserve grows 256 KiB per budget token (runner.plan_cache): a typo
-        # here would only fail after the weights load, naming other flags
+        # the activation reserve grows 256 KiB per budget token (memory_plan.plan_cache): a
+        # typo here would only fail after the weights load, naming other flags
         raise ValueError(f"--max-num-batched-tokens must be <= {MAX_STEP_TOKENS}, "
                          f"got {args.max_num_batched_tokens}")
     from tailored.config import MAX_SPECULATIVE_TOKENS
@@ -362,7 +362,7 @@ def _require_cuda_if_asked(device: str) -> None:
 def cmd_synth(args) -> int:
     from tailored.synth import write_synthetic_checkpoint
 
-    if not args.config_only:  # before any directory is made (new-user trial, session 13)
+    if not args.config_only:  # before any directory is made (found by a new-user trial)
         _require_cuda_if_asked(args.device)
     out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
                                      num_layers=args.num_layers, config_only=args.config_only, device=args.device,

@@ -232,7 +232,7 @@ def build_empty_model(cfg: ModelConfig, device, dtype, with_mtp: bool = True):
     # An inference engine never back-propagates; with requires_grad left on, every forward
     # outside inference_mode (CUDA-graph warm-up and capture at startup) keeps autograd's saved
     # activations alive: at a 4096-token prefill bucket that was ~60 GB and the server ran out
-    # of memory (H200, session 7).
+    # of memory (H200, kb/0013).
     model.requires_grad_(False)
     model.eval()
     return model

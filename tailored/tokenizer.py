@@ -529,7 +529,7 @@ def tokenizer_config(first_added_id: int = SPECIAL_START_ID, model_max_length: i
     """tokenizer_config.json contents in the Qwen3.5/3.6 layout (spec §10.2, §10.3).
 
     first_added_id: id of `<|endoftext|>`; the 33 added tokens follow it in ADDED_TOKENS order
-    (248044 for the Qwen vocabulary; the nano tokenizer's own id for scripts/nano).
+    (248044 for the Qwen vocabulary; the nano tokenizer's own id for lab/nano).
     """
     return {
         "add_bos_token": False,

@@ -170,9 +170,10 @@ def rel_err(a, b) -> float:
 def engine_logits(ckpt: Path, ids: list[int]) -> torch.Tensor:
     """tailored's Qwen36ForCausalLM (fp32, CPU) loaded from the checkpoint: logits of every row."""
     from tailored.config import ModelConfig
-    from tailored.model.batch import ForwardBatch, HybridCache
+    from tailored.model.batch import ForwardBatch
     from tailored.model.loader import load_checkpoint
     from tailored.synth import build_empty_model
+    from tailored.worker.cache import HybridCache
 
     cfg = ModelConfig.from_dir(ckpt)
     m = build_empty_model(cfg, "cpu", torch.float32)

@@ -12,7 +12,7 @@ Prompts:
   prompt tokens (a text prompt would be re-tokenised to another length);
 * prompt files (JSONL, one request per line, cycled): `{"prompt": str | [ids]}` goes to
   /v1/completions, `{"messages": [...]}` to /v1/chat/completions; optional `max_tokens`,
-  `enable_thinking` (-> chat_template_kwargs); `prompts/smoke.jsonl` is such a file.
+  `enable_thinking` (-> chat_template_kwargs); `bench/smoke.jsonl` is such a file.
 
 Per request (perf_counter clocks, the client's own view):
 * TTFT  = first chunk that carries output text - request start;
@@ -309,7 +309,7 @@ async def send_request(client, root: str, req: PreparedRequest, t_run0: float) -
             res.error = f"stream finished with finish_reason {res.finish_reason!r}"
         # A stream with no text at all fails, unless the server reports generated tokens in
         # `usage`: tokens that all detokenize to "" (a random-weight model repeating a special
-        # token: 2 of 256 vLLM requests, session 7). That request counts for throughput and
+        # token: 2 of 256 vLLM requests). That request counts for throughput and
         # E2E; its TTFT/TPOT/ITL stay unknown (no chunk marks a first token: chat sends a role
         # chunk before prefill, completions may send only the final chunk), so the latency
         # percentiles leave it out.
@@ -434,8 +434,8 @@ async def run_once(w: Workload, *, keep_requests: bool = False, log=None) -> dic
             if bad:
                 hint = ""
                 if "vocab" in str(bad[0]).lower() and w.token_id_range == REGULAR_TOKEN_IDS:
-                    # random prompts draw from the full model's vocabulary (a new user's s16
-                    # trial against the small CPU model)
+                    # random prompts draw from the full model's vocabulary (found by a new
+                    # user's trial against the small CPU model)
                     hint = (" (random prompts draw ids from the full 248k vocabulary: a "
                             "smaller model needs --token-id-range, e.g. 0,4000)")
                 raise RuntimeError(f"warm-up request failed: {bad[0]}{hint}")

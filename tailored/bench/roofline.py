@@ -185,8 +185,8 @@ def step_cost(
 ) -> StepCost:
     """Bytes and FLOPs of one decode step of `batch` sequences at context `ctx_len`.
     state_bytes_per_elem: the GDN recurrent states' storage, 2 (bf16) as the engine serves bf16
-    and FP8 checkpoints since session 36 (`--gdn-state-dtype auto`, kb/0056) and as vLLM
-    stores them; 4 for fp32 states (the floors quoted before session 36)."""
+    and FP8 checkpoints (`--gdn-state-dtype auto`, kb/0056) and as vLLM stores them; 4 for
+    fp32 states (the floors quoted in the kb notes before kb/0056)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if batch < 1:

@@ -215,7 +215,7 @@ class Engine:
                 outputs += self._emit_step(applied)
                 # every request `ahead` runs for fails, as now in the engine (no id can be
                 # reused within this call), not only cur's: one admitted there would be left
-                # on a state it never got (review s33)
+                # on a state it never got (kb/0053)
                 return outputs + self._fail_batch(ahead, self._runner_error)
         else:
             model_out = self._collect(cur)
@@ -428,7 +428,7 @@ class Engine:
             error = None
             if guide.failed and guide.dead:
                 # the mask allowed no token: no text satisfies the grammar (the request's
-                # fault, a 400; it was a 500 blaming the model's logits before session 37)
+                # fault, a 400; it was a 500 blaming the model's logits until kb/0057 §5)
                 error = (f"{sp.structured.field}: the grammar allows no next token after "
                          f"{len(req.output_ids) - len(new)} generated tokens: no text can "
                          "satisfy it")

@@ -449,7 +449,7 @@ def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | No
             return f"{path}: 'pattern' together with 'minLength' / 'maxLength' is not supported"
     for key in ("type", "anyOf", "oneOf", "allOf"):
         # no value matches an empty type list, anyOf or oneOf; xgrammar let whitespace alone
-        # through for the last three (new-user attack, session 37)
+        # through for the last three (new-user attack, kb/0057 §5)
         if schema.get(key) == []:
             return f"{path}: '{key}' must not be an empty list"
     types = schema.get("type")

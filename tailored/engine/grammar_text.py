@@ -5,7 +5,7 @@ Its printer writes such a character as a two-digit escape (`é` → `\\xe9`), an
 prints the grammar and parses it again. The parser's `\\x` takes every hex digit that follows,
 so `"éa"` compiles to `"\\u0e9a"`. A choice of "Montréal" then answers "Montrບl", and an enum,
 const, property name or tool name with "é" + [0-9a-fA-F] comes out wrong under a 200 (new-user
-attack, session 37). Character classes break the same way: `[éa]` becomes `[\\u0e9a]`.
+attack, kb/0057 §5). Character classes break the same way: `[éa]` becomes `[\\u0e9a]`.
 
 The fix runs on the printed grammar, where every `\\x` has exactly two digits, so nothing is
 ambiguous yet. A literal is split after such an escape: `"Montr\\xe9al"` becomes

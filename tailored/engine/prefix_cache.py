@@ -198,7 +198,7 @@ class PrefixCache:
         if (chain, tail) in self._pending:
             # the same ids reach this point in another request of the step (the choices of n,
             # a burst of chats on a new system prompt): one snapshot serves, and none of the
-            # entries is evicted for a copy that commit would throw away (session-34 review)
+            # entries is evicted for a copy that commit would throw away (kb/0054 §3)
             return None
         if not self._free_snaps and not self.evict_one():
             return None
@@ -226,7 +226,7 @@ class PrefixCache:
         """Drop the least recently used entry; False when there is none. Its pages return to
         the pool once no request shares them. for_pages: only an entry that would give a page
         back (one that no request shares; an entry whose pages running requests all share
-        frees none and stays: session-33 review)."""
+        frees none and stays: kb/0053)."""
         key = next((k for k, e in self._entries.items()
                     if not for_pages or any(self.pages.refs(p) == 1 for p in e.pages)), None)
         if key is None:

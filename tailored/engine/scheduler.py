@@ -213,7 +213,7 @@ class Scheduler:
             # the shared pages held first: evicting the hit's own entry for room is then safe
             # (its snapshot slot and partial page are read by this step's copies before the
             # forward, before anything this step writes reuses them); keeping it could leave
-            # a request that fits alone waiting forever (session-33 review)
+            # a request that fits alone waiting forever (kb/0053)
             self.pages.share(shared)
             if not self._free_pages(need):
                 self.pages.free(shared)
@@ -479,7 +479,7 @@ class Scheduler:
         # not while its last token is pending (a step launched ahead, async scheduling): the
         # next drafts come from that token's step. A request can reach here from a step that
         # did not draft when a preemption in the same schedule brought the running count down
-        # to spec_max_running (session-14 review)
+        # to spec_max_running (kb/0032 §6)
         return (ec.num_speculative_tokens > 0 and req.sampling.can_draft
                 and len(self.running) <= ec.spec_max_running
                 and not (req.output_ids and req.output_ids[-1] == PENDING_TOKEN))

@@ -1,6 +1,6 @@
 """Golden outputs: committed reference results for the gate prompts, and the check against them.
 
-Layout of a golden directory (eval/golden/tiny/, written by scripts/make_golden.py):
+Layout of a golden directory (eval/golden/tiny/, written by lab/make_golden.py):
   manifest.json   how they were made (manifest.py fields, options, `reason`: the kb/ entry that
                   justified this regeneration — policy in kb/0002-golden-outputs.md)
   prompts.jsonl   one line per prompt:

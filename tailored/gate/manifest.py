@@ -95,7 +95,7 @@ def versions() -> dict:
 
 
 def script_manifest(workload: dict) -> dict:
-    """The manifest of an in-process bench script's JSON (scripts/bench_*.py): its workload
+    """The manifest of an in-process bench script's JSON (lab/bench_*.py): its workload
     (the parsed arguments), commit, device and versions."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {"workload": workload, **git_commit(), "device": device_name(dev), **versions()}

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the H200 fast path.
+"""Fused Triton kernels for the H200 kernel path.
 
 Each kernel has a plain-PyTorch twin in `tailored.ops.reference` and a test that compares them on
 fresh random inputs (tests/kernels/test_kernels.py). On a machine without a GPU the tests run the same

@@ -1,8 +1,8 @@
 """Log every Triton compile that happens after the start-up warm-up.
 
 Why: a compile (or an autotuning run) while serving stalls the step that hit it — seconds, in a
-benchmark window or a user's request. Session 12 saw the first mixed steps of a cold server
-take 0.5–1.6 s instead of ~0.25 s (kb/0030): Triton compiles a variant of a kernel for every
+benchmark window or a user's request. The first mixed steps of a cold server took 0.5–1.6 s
+instead of ~0.25 s (kb/0030): Triton compiles a variant of a kernel for every
 new integer specialization (1, multiple of 16, other) and pointer alignment, and the warm-up
 had not reached them all. This names each one, so the warm-up can be made to cover it.
 

@@ -1,10 +1,10 @@
 """Block-FP8 weight → bf16 in one pass: how the kernel path holds an FP8 checkpoint's dense
-projections (`model.fast.FP8_DENSE_DEQUANT`, kb/0026, kb/0029), dequantized once at start.
+projections (the `fp8_dense_dequant` switch, kb/0026, kb/0029), dequantized once at start.
 
 The W8A16 Triton GEMM (`fp8_linear`) has an ~11 µs floor per decode GEMV at K = 2048 and lost
 2.6× to cuBLAS bf16 at M = 1024 (kb/0009); with the weights held in bf16 cuBLAS runs them all.
-(Session 10 also used this kernel per prefill call into a scratch buffer, `FP8_DEQUANT_FROM`:
-the session-11 A/B matched holding them dequantized at prefill and lost at decode, so it went.)
+(A variant ran it per prefill call into a scratch buffer, `TAILORED_FP8_DEQUANT_FROM`: its A/B
+matched holding them dequantized at prefill and lost at decode, so it went, kb/0029.)
 
 The rounding is the reference's (`tailored.model.fp8.dequantize_block`): q · scale in fp32,
 rounded once to the output dtype, so the GEMM that follows computes exactly what the plain

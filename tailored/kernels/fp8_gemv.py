@@ -1,14 +1,14 @@
 """W8A16 GEMV for block-FP8 dense weights at 1–4 rows (kb/0039 §4): y = x · (W_fp8 ⊙ s)ᵀ.
 
 Why: FP8 checkpoints hold their dense projections dequantized to bf16 (the kernel path,
-`FP8_DENSE_DEQUANT`, kb/0026) because the tiled W8A16 GEMM (`fp8_linear`) had an ~11 µs floor
+`fp8_dense_dequant`, kb/0026) because the tiled W8A16 GEMM (`fp8_linear`) had an ~11 µs floor
 at decode; cuBLAS over the bf16 copy then reads twice the bytes of FP8 in every decode step.
 Here each program loads [ROWS, BLOCK_K] weight tiles (BLOCK_K of 1024 covers half of K = 2048
 in one load), multiplies them with the rows of x in fp32 on the CUDA cores and reduces, no
-tl.dot — the design of `moe_gemv`. On the H200 (scripts/bench_fp8_gemv.py, session 21, one
+tl.dot — the design of `moe_gemv`. On the H200 (lab/bench_fp8_gemv.py, kb/0039, one
 row, best config by shape, `FP8_CFGS`): GDN in 15.9 µs (cuBLAS bf16) → 8.7, GDN out 9.5 → 4.8;
 The kernel path uses it up to
-`FP8_GEMV_UP_TO` rows, a fused projection's bf16 members (GDN b/a, router) in the same launch.
+`fp8_gemv_up_to` rows, a fused projection's bf16 members (GDN b/a, router) in the same launch.
 
 Per-row scales (`fp8.row_scales`, [N, ceil(K/128)] fp32) as `fp8_linear` takes them: each
 128-wide K block of a row is summed, scaled, then added. Reference:
@@ -26,11 +26,11 @@ from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
 # (ROWS, BLOCK_K, num_warps) for a shape not in `FP8_CFGS` (the one config the FP8 gate passed
-# with in session 21).
+# with first, kb/0039).
 CFG = (8, 1024, 4)
 
 # The FP8 GEMV's config by (N + NB, K, rows) at the model's decode shapes: the winners of
-# session 21's sweep (logs/gpu/2026-12-03-s21/run4/fp8-gemv.log; µs, `CFG` → this). One row:
+# the sweep in kb/0040 (µs, `CFG` → this). One row:
 # GDN in 9.25 → 8.70, GDN out and attention o 6.21 → 4.75, qkv 7.81 → 7.08; two rows: GDN in
 # 14.0 → 10.8, qkv 12.0 → 9.4, out/o 8.0 → 6.4. Each config groups the fp32 block sums its
 # own way, so the table went through the FP8 gate (kb/0040).
@@ -42,7 +42,7 @@ FP8_CFGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
     (2048, 512, 1): (8, 512, 4), (2048, 512, 2): (8, 512, 4),         # shared expert down
 }
 # With the defaults, one row's shared gate_up/router and shared down go through the MoE kernels
-# (`fast.SHARED_IN_MOE`), so their one-row entries serve only TAILORED_SHARED_IN_MOE=0.
+# (the `shared_in_moe` switch), so their one-row entries serve only TAILORED_SHARED_IN_MOE=0.
 # The measured table as measured: a bench may empty `FP8_CFGS` (its one-config variant) and
 # `fp8_cfgs_for_bf16` must still map the sweep's winners.
 _MEASURED = dict(FP8_CFGS)
@@ -50,13 +50,13 @@ _MEASURED = dict(FP8_CFGS)
 
 def fp8_cfgs_for_bf16() -> dict[tuple[int, int, int], tuple[int, int, int]]:
     """`FP8_CFGS` keyed for the bf16 weights: the MoE group's 1281 rows are padded to 1344
-    there (`fast.PROJ_ROW_ALIGN` = 64). On the FP8 checkpoint itself this table changes nothing:
+    there (`proj_row_align` = 64). On the FP8 checkpoint itself this table changes nothing:
     the bf16 GEMV there serves only the router (257 rows, no entry)."""
     return {**_MEASURED, **{(1344, 2048, t): _MEASURED[(1281, 2048, t)] for t in (1, 2)}}
 
 
 # bf16_gemv's table by (N, K, rows), the fused weight's pad rows included: the FP8 GEMV's
-# (session 25 run1, bf16 B=1 graph step: -7.7 % median / -7.1 % min against cuBLAS with them,
+# (bf16 B=1 graph step: -7.7 % median / -7.1 % min against cuBLAS with them,
 # -8.3 / -5.6 with `CFG` alone; both gates passed with them, kb/0042);
 # switch `bf16_gemv_fp8_cfgs` off: every shape with `CFG`
 BF16_CFGS = fp8_cfgs_for_bf16()
@@ -112,7 +112,7 @@ def _rows_dot(acc, x_ptr, w_ptr, s_ptr, n, n_ok, t, T, K, stride_xt, stride_wn, 
     so they may be read while the previous kernel still runs, and the DRAM latency of this
     kernel's first loads overlaps that kernel's tail; x, which the previous kernel writes, is
     read after the wait. That first tile is peeled off the loop, which then loads each tile as
-    it goes: session 22's version carried the next tile through every iteration (two tiles
+    it goes: an earlier version carried the next tile through every iteration (two tiles
     live, a masked-off load past K even where one tile covers K) and took the B=1 FP8 GEMV from
     6.8 to 10.7 µs a call with PDL off (kb/0041). Same tiles in the same order: bitwise."""
     w, s = _tile(w_ptr, s_ptr, n, n_ok, 0, K, stride_wn, stride_sn, W_FP8, ROWS, BLOCK_K)

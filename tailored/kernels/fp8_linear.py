@@ -10,8 +10,8 @@ fp32), which keeps them right when linears are concatenated along N.
 
 Used by FP8 linears held as FP8 (`TAILORED_FP8_DENSE_DEQUANT=0`, the MTP draft head). (Float16
 dots with power-of-2 row scales for the dense projections lost to cuBLAS over the dequantized
-bf16 copy, kb/0043, and were removed in session 27; the FP8 MoE group through this GEMM with
-its bf16 rows in the same launch gained nothing in the model, kb/0044, and went in session 28.)
+bf16 copy, kb/0043, and were removed; the FP8 MoE group through this GEMM with its bf16 rows
+in the same launch gained nothing in the model, kb/0044, and went too.)
 
 Reference: `tailored.model.fp8.dequantize_block` then `F.linear` (tests/kernels/test_fp8_kernels.py);
 the idea as in vLLM's block-FP8 Triton GEMM, with bf16 activations instead of FP8 ones.
@@ -40,7 +40,7 @@ def pow2_rows_f16(a):
     to float16 exactly (smaller ones fall into float16's subnormals: terms below 2^-28 of the
     row's largest, under fp32's own rounding of the sum), and an fp32 sum of products scaled
     back by 2^-k is the unscaled one (kb/0042). inf stays inf and NaN NaN (a NaN's row max is
-    the other elements'); zero rows stay zero. Review of session 25: a clamp at ±100 sent rows
+    the other elements'); zero rows stay zero. A review found (kb/0042): a clamp at ±100 sent rows
     ≥ 2^116 to inf and flushed rows below 2^-117."""
     af = a.to(tl.float32)
     ex = (tl.max(tl.abs(af), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF

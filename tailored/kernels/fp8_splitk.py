@@ -1,13 +1,13 @@
 """W8A16 GEMM for block-FP8 dense weights at decode rows, wide N tiles and split K (kb/0045 §4):
 y = x · (W_fp8 ⊙ s)ᵀ. The kernel path takes it for the FP8 dense projections of
-(FP8_GEMV_UP_TO, FP8_DENSE_SPLITK_UP_TO] rows (default 3-8: measured by shape, kb/0047 §2, in
-the model kb/0049; bench: `scripts/bench_fp8_gemv.py --splitk`, in the model: bench_decode's
+(`fp8_gemv_up_to`, `fp8_dense_splitk_up_to`] rows (default 3-8: measured by shape, kb/0047 §2,
+in the model kb/0049; bench: `lab/bench_fp8_gemv.py --splitk`, in the model: bench_decode's
 `dense_splitk8` / `dense_splitk`).
 
 Why: at 3–64 rows FP8 serving runs its dense projections through cuBLAS over a dequantized bf16
 copy (the kernel path, `fp8_dense_dequant`, kb/0026): ~1.4 ms of the 10.4 ms FP8 B=32 step reads
 2.8 GB where the FP8 weights are 1.4 GB. The tiled W8A16 GEMM (`fp8_linear`) lost to it at 8
-and 32 rows (0.3–1.5 TB/s, kb/0043 §0). Hypothesis (session 28): not its K loop's latency but
+and 32 rows (0.3–1.5 TB/s, kb/0043 §0). Hypothesis: not its K loop's latency but
 the activation tile it re-reads for every N block — at 32 rows a [32, 128] bf16 x tile (8 KB)
 per [128, 64] FP8 weight tile (8 KB), so x's L2 traffic equals the weight bytes at BLOCK_N 64
 (and 4x them at 16). The FP8 MoE down GEMM showed the same shape of result (kb/0044 §4): only
@@ -141,13 +141,12 @@ def block_m(M: int) -> int:
 # (K in 512-wide slices: 4 at K = 2048, one at the shared down's 512; the MoE down GEMM's
 # 128-wide tiles), until the bench's winners fill CFGS.
 CFG = (512, 128, 4, 3, False)
-# by (N + NB, K, power-of-2 row bucket ≤ 64) at the model's decode shapes: GDN in (12352,
-# 2048), GDN out / attention o (2048, 4096), attention qkv (9216, 2048), the MoE group (1281,
-# 2048), the shared down (2048, 512). Session 30's H200 sweep (kb/0047 §2,
-# logs/gpu/2026-12-05-s30/run3): at 8 rows the best split-K beat cuBLAS over the FP8 rows'
-# bf16 copy by 1.09-1.27x (attention qkv: a tie), with two K splits, 64-wide N tiles and
-# float16 dots; at 32 rows it tied or lost (0.82-1.04x), so only the 3-8 row buckets have
-# entries. The FP8 gate passed with them at 3-8 rows (kb/0049), the switch's default.
+# by (N + NB, K, power-of-2 row bucket ≤ 64) at the model's decode shapes: GDN in (12352, 2048), GDN
+# out / attention o (2048, 4096), attention qkv (9216, 2048), the MoE group (1281, 2048), the shared
+# down (2048, 512). The H200 sweep (kb/0047 §2): at 8 rows the best split-K beat cuBLAS over the FP8
+# rows' bf16 copy by 1.09-1.27x (attention qkv: a tie), with two K splits, 64-wide N tiles and
+# float16 dots; at 32 rows it tied or lost (0.82-1.04x), so only the 3-8 row buckets have entries.
+# The FP8 gate passed with them at 3-8 rows (kb/0049), the switch's default.
 _ROWS8 = {
     (12352, 2048): (1024, 64, 4, 3, True),  # GDN in: 15.52 -> 12.75 us
     (2048, 4096): (1024, 64, 4, 3, True),   # GDN out 9.50 -> 7.68, attention o 9.51 -> 8.01

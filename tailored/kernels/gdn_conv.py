@@ -4,7 +4,7 @@ launch, and their carried conv states in a second.
 The eager path ran `ref.causal_conv1d` once per sequence and layer: a `torch.cat` of the carried
 state and the tokens, cuDNN's depthwise conv and a SiLU, then another `cat` of the outputs.
 On the H200 an 8 × 1024-token prefill step spent 28.7 ms in those cats (270 launches) and
-21.2 ms in the convs (240) of its 314 ms (FP8, session 11, kb/0029); one 1024-token prompt
+21.2 ms in the convs (240) of its 314 ms (FP8, kb/0029); one 1024-token prompt
 ~5.5 ms of its ~54. The conv reads and writes each value once: ~16 MB a layer at 1024 tokens,
 a few µs of HBM time.
 
@@ -41,7 +41,7 @@ def _sequence(meta_ptr, slot_ptr, N, j):
 
 
 # Sequence and row counts change every step: Triton would compile a variant per count that is
-# 1, a multiple of 16 or neither (session 12: a cold server compiled them inside its first
+# 1, a multiple of 16 or neither (a cold server compiled them inside its first
 # mixed steps, 1.6 s for one; kb/0030). One variant for all of them.
 @triton.jit(do_not_specialize=["N", "n_out"])
 def _conv_prefill_kernel(x_ptr, state_ptr, w_ptr, meta_ptr, slot_ptr, out_ptr, C, N, n_out,

@@ -205,7 +205,7 @@ def gated_norm_kernel(out_ptr, z_ptr, norm_w_ptr, stride_zb, stride_ob, eps,
 
 # value-column programs per (sequence, head) (kb/0022): 1 = one program per head with the norm
 # fused (32 programs at B=1: 2 MB of state in 6.7 µs on the H200); 2 or 4 spread the state over
-# more SMs and add a norm launch. 2 since the session-9 A/B on the H200 (kb/0024): B=1 -3.0 %,
+# more SMs and add a norm launch. 2 after the A/B on the H200 (kb/0024): B=1 -3.0 %,
 # B=16 -2.4 %, B=32 -4.4 % of the graph step; 4 gained less at every batch size
 # storage dtypes of the recurrent state (EngineConfig.gdn_state_dtype): the math is fp32 either way
 STATE_DTYPES = (torch.float32, torch.bfloat16)

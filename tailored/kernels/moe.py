@@ -137,7 +137,7 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
                 w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None],
                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 # float16 dots only with each row scaled into float16's range by a power of
-                # 2 (FP8_DOWN_F16): silu(g)·u has no bound below 65504
+                # 2 (`moe_fp8_down_f16`): silu(g)·u has no bound below 65504
                 acc = tile_dot(acc, a, w, ws_base, n, n_ok, stride_sn, k0 + j * KB, DOT_PREC,
                                W_FP8, 128, DOT_F16, True)
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)
@@ -146,8 +146,8 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, offsets_ptr, experts_ptr, rw_ptr, y_
         m0 += BLOCK_M
 
 
-# Prefill M tiles by the mean rows an expert gets (scripts/bench_moe_prefill.py on the H200,
-# session 13, kb/0031; routed experts, µs a layer as served → with the larger tile):
+# Prefill M tiles by the mean rows an expert gets (lab/bench_moe_prefill.py on the H200,
+# kb/0031; routed experts, µs a layer as served → with the larger tile):
 #   1024 tokens (32 rows an expert): 32-row tiles 1030 → 64-row 692 (bf16), 1060 → 853 (FP8);
 #   2048 / 4096 / 8192 tokens, bf16: 64-row 1090 / 1694 / 2895 → 128-row 873 / 1269 / 2104.
 # FP8 lost with 128 rows at every size (1455 / 1915 / 3338 against 1357 / 1858 / 3107): its
@@ -182,7 +182,7 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
     graph capture, so no tuning ever happens inside a capture). FP8 weights: dots of KB ≤ 128 (one
     scale per row and dot), BLOCK_K // KB of them per K iteration. The FP8 decode down
     GEMM's configs name their DOT_F16 (the caller omits it), with float16 ones offered when
-    down_f16 (FP8_DOWN_F16); the tuner only ever sees bf16 activations (fp32 never tunes,
+    down_f16 (`moe_fp8_down_f16`); the tuner only ever sees bf16 activations (fp32 never tunes,
     `autotune_enabled`)."""
     if decode:
         # FP8: K per iteration 128 or 256 as 128-wide dots (one scale each; two independent
@@ -203,13 +203,13 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
                          for bn in (64, 128) for st in (3, 4)]
     else:
         # prefill runs at ~57 % of HBM bandwidth with these (1024 tokens: gate_up 441 µs for
-        # 1 GB, H200 session 7): deeper K tiles / pipelines added for the tuner to try (kb/0016)
+        # 1 GB, H200): deeper K tiles / pipelines added for the tuner to try (kb/0016)
         cfgs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": 64, "KB": 64}, num_warps=w,
                               num_stages=3)
                 for bn in (64, 128) for w in (4, 8)]
         # shared memory per stage of gate_up (BLOCK_M = 64, two weight tiles): 48 KB at
         # BLOCK_N 64, 80 KB at 128 → at most 4 resp. 2 stages in the H200's 228 KB. With
-        # 128-row tiles (bf16, session 13) the 4-stage one needs ~256 KB: it fails to compile
+        # 128-row tiles (bf16, kb/0031) the 4-stage one needs ~256 KB: it fails to compile
         # and the tuner skips it (Triton's autotuner times out-of-resources configs as inf)
         cfgs += [triton.Config({"BLOCK_N": bn, "BLOCK_K": 128, "KB": 128}, num_warps=w,
                                num_stages=st)
@@ -223,33 +223,26 @@ def _tuned(kernel, decode: bool, fp8: bool = False, compact_key: bool = True,
 
 
 _LAUNCHERS: dict = {}
-# FP8 experts with bf16 activations: dots in float16 instead of bf16 (kb/0029, bench_moe --ab
-# f16). ncu on the H200 (B=32): with bf16 dots gate_up is ALU-bound converting e4m3 → bf16 (79 %
-# SM, 61 % DRAM, 122.6 µs), with f16 dots 57 % SM / 81 % DRAM, 93.3 µs; the decode step fell
-# 12.2 → 10.3 ms at B=32, 3.7 → 3.5 ms at B=1. Products and sums equal the bf16 dots' (rel 3e-9
-# measured). gate_up only: its input is the normed hidden state, while the down GEMM's,
-# silu(g)·u, has no bound below float16's 65504 (an inf would become NaN rows); session 11
-# measured both (down 66.1 -> 57.0 µs); gate_up alone gave about half the gain (kb/0030). The
-# launch configs are the bf16-dot ones (same tuning key). On by default since session 12
-# (kb/0030): in one process decode B=32 11.80 -> 10.82 ms, B=1 3.81 -> 3.68, 1024-token prefill
-# 56.4 -> 52.2 ms; the FP8 gate passed with it.
-# The same for the down GEMM (kb/0042), whose input silu(g)·u has no bound below float16's
-# 65504: each row of an activation tile is scaled by a power of 2 into float16's range first and
-# the tile's product scaled back (`fp8_linear.pow2_rows_f16`), which changes no bit of a product
-# or of the fp32 sum, bar elements below 2^-28 of their row's largest (float16 subnormals).
-# Why: the H200's B=32 FP8 kernel table (session 25 run1) has
-# `_down_kernel` at 73.7 µs a layer for ~171 MB of FP8 weights (2.3 TB/s) where gate_up, with
-# float16 dots, streams twice the bytes in 90.4 µs (3.8 TB/s); bf16 dots make it ALU-bound on
-# the e4m3 -> bf16 conversion (kb/0029 §5: 72 % SM). Session 26 (kb/0043 §0): no gain at the
-# tuned 64-wide tiles. Session 27 (kb/0044 §4): with 128-wide tiles and 4 stages 62.2 -> 54.7
-# µs a layer, in the model B=32 -3.9 % median (B=8 -2.7 %), and the FP8 gate passed with
-# float16 down dots everywhere. Since session 28 (kb/0045) the dot kind is part of the decode
-# down config: the tuner weighs 128/64-wide float16 configs against the bf16 ones per bucket
-# (tuned.json holds the measured picks), for decode-size launches only (BLOCK_M 16: ≤ 4 pairs
-# an expert, i.e. decode and verify steps and prefill chunks of up to 128 tokens); larger
-# prefills keep bf16 dots (not measured). False = bf16 configs only (A/B: bench_decode's
-# down_bf16dot; tuned.json's bf16 picks still apply there, its float16 ones re-tune at the
-# re-capture). Read at each launch (each setting has its own launcher); the fixed configs
+# FP8 experts with bf16 activations: gate_up dots in float16 instead of bf16 (`moe_fp8_dot_f16`,
+# kb/0029, kb/0030; bench_moe --ab f16). On the H200 (ncu, B=32) bf16 dots make gate_up
+# ALU-bound converting e4m3 → bf16 (79 % SM, 61 % DRAM, 122.6 µs), f16 dots 57 % SM / 81 % DRAM,
+# 93.3 µs. Products and sums equal the bf16 dots' (rel 3e-9 measured). On by default (kb/0030):
+# in one process decode B=32 11.80 -> 10.82 ms, B=1 3.81 -> 3.68, 1024-token prefill 56.4 ->
+# 52.2 ms; the FP8 gate passed with it. The launch configs are the bf16-dot ones (same key).
+# The down GEMM (`moe_fp8_down_f16`, kb/0042, kb/0044 §4, kb/0045): its input silu(g)·u has no bound
+# below float16's 65504 (an inf would become NaN rows), so each row of an activation tile is scaled
+# by a power of 2 into float16's range first and the tile's product scaled back
+# (`fp8_linear.pow2_rows_f16`), which changes no bit of a product or of the fp32 sum, bar elements
+# below 2^-28 of their row's largest (float16 subnormals). Why: with bf16 dots `_down_kernel`
+# streamed ~171 MB of FP8 weights at 2.3 TB/s (B=32) where gate_up with float16 dots streams 3.8
+# (kb/0042); with 128-wide tiles and 4 stages 62.2 -> 54.7 µs a layer, in the model B=32 -3.9 %
+# median (B=8 -2.7 %), and the FP8 gate passed (kb/0044 §4; no gain at 64-wide tiles, kb/0043 §0).
+# The dot kind is part of the decode down config (kb/0045): the tuner weighs 128/64-wide float16
+# configs against the bf16 ones per bucket (tuned.json holds the measured picks), for decode-size
+# launches only (BLOCK_M 16: ≤ 4 pairs an expert, i.e. decode and verify steps and prefill chunks of
+# up to 128 tokens); larger prefills keep bf16 dots (not measured). False = bf16 configs only (A/B:
+# bench_decode's down_bf16dot; tuned.json's bf16 picks still apply there, its float16 ones re-tune
+# at the re-capture). Read at each launch (each setting has its own launcher); the fixed configs
 # (interpreter, TAILORED_AUTOTUNE=0) take float16 dots at decode size when on.
 COMPACT_GRID = True  # decode: T·k programs per N-block over the active-first experts (kb/0016)
 
@@ -300,7 +293,7 @@ def _route_gate_up_kernel(x_ptr, w_ptr, act_ptr, ws_ptr, logits_ptr, seg_ptr, rw
 
 
 # P (pairs) and NE change with the step's tokens: one variant for every count (a variant per
-# count class compiled inside session 15's and 16's benchmark windows, after warm-up)
+# count class compiled inside benchmark windows, after warm-up: kb/0034 §1)
 def expert_shapes(x, weights, ids, gate_up, down, who: str) -> tuple[int, int, int, int]:
     """(T, H, E, I) of an expert call: x [T, H], weights/ids [T, k], gate_up [E, 2I, H], down
     [E, H, I]; raises ValueError (naming `who`) when they do not fit together."""
@@ -336,7 +329,7 @@ def _launch_down(dn_args, grid_e: int, H: int, I: int, bm: int, bn: int, bk: int
                  prec, bucket: int, fp8: bool, compact: bool, tuned: bool, x: torch.Tensor):
     """The down GEMM over grid_e expert programs (autotuned on CUDA, else the fixed blocks).
     FP8 experts at decode size (BLOCK_M 16) with bf16 activations: float16 dots where
-    FP8_DOWN_F16 (the tuned launcher's config carries DOT_F16); fp32 activations keep fp32
+    `moe_fp8_down_f16` (the tuned launcher's config carries DOT_F16); fp32 activations keep fp32
     dots, larger prefill tiles bf16 dots."""
     decode = bm == 16
     f16 = fp8 and flags.current().moe_fp8_down_f16 and decode and x.dtype == torch.bfloat16

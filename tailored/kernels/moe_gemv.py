@@ -32,8 +32,8 @@ from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
 # ((ROWS, num_warps) of gate_up, (ROWS, num_warps) of down) by weight kind and rows (1, or
-# 2 and more): rows of W a program reads, all of K at once. From scripts/bench_moe_gemv.py on
-# the H200 (session 21, kb/0039; µs a layer with the shared expert, tiled → GEMV): bf16 T=1
+# 2 and more): rows of W a program reads, all of K at once. From lab/bench_moe_gemv.py on
+# the H200 (kb/0039; µs a layer with the shared expert, tiled → GEMV): bf16 T=1
 # 24.2 → 23.0, T=2 37.6 → 36.8; FP8 T=1 23.0 → 15.4, T=2 31.4 → 24.2. 3–4 rows: not measured.
 CFG = {("bf16", 1): ((8, 8), (4, 4)), ("bf16", 2): ((16, 4), (4, 4)),
        ("fp8", 1): ((8, 2), (8, 2)), ("fp8", 2): ((8, 2), (8, 2))}

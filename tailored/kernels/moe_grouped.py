@@ -3,7 +3,7 @@
 Why: at 8192 tokens an expert gets ~256 rows, a GEMM's worth, and our Triton expert GEMMs
 (`kernels.moe.fused_moe`) reach ~100 TFLOP/s there, while `torch._grouped_mm` (CUTLASS's sm90
 grouped GEMM, TMA + warp specialisation) ran the gate_up GEMM of the same rows at ~470 TFLOP/s on
-the H200 (scripts/bench_moe_prefill.py, session 13, kb/0031). The MoE was ~134 ms of a 314 ms
+the H200 (lab/bench_moe_prefill.py, kb/0031). The MoE was ~134 ms of a 314 ms
 8 × 1024-token FP8 step (kb/0029 §6), the step every wave of a c=32 benchmark waits on.
 
 The path, for the (token, slot) pairs sorted by expert (`moe_route.moe_align`):
@@ -18,10 +18,10 @@ Block-FP8 experts are first dequantized to bf16 (`dequantize_experts`, q · scal
 `fp8.dequantize_block`), the reference's "FP8 weights dequantized" semantics.
 
 The model takes this path in eager prefill steps only, never inside a CUDA graph capture
-(`fast.grouped_applies`). On sm90/sm100 torch's grouped GEMM reads the group offsets on the
+(`kernel_moe.grouped_applies`). On sm90/sm100 torch's grouped GEMM reads the group offsets on the
 device; elsewhere it falls back to a loop that copies them to the host per GEMM (slow, not
 capture-safe), so the path is for the H200. Tests: tests/kernels/test_moe_grouped.py (CPU: torch's
-CPU grouped_mm and the interpreter; the same file on the H200), tests/gpu/test_gpu.py (the fast
+CPU grouped_mm and the interpreter; the same file on the H200), tests/gpu/test_gpu.py (the kernel
 path with it against the plain path).
 """
 

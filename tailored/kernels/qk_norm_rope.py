@@ -9,8 +9,9 @@ launch per tensor, one program per (token, head).
 Casts follow the reference exactly: the norm in fp32, rounded to the model dtype; then the
 rotation in that dtype as PyTorch's eager ops round it (`x·cos` rounded, `rot·sin` rounded,
 their sum rounded). Compiled with `enable_fp_fusion=False`: ptxas would otherwise fuse
-`x·cos + b` into one bf16 FMA and skip a rounding (found by compiling for sm_90, session 5). The rotation partner of dim d (d ± R/2) is recomputed from the input, not
-gathered from registers — the same fp32 ops give the same value.
+`x·cos + b` into one bf16 FMA and skip a rounding (found by compiling for sm_90, kb/0012).
+The rotation partner of dim d (d ± R/2) is recomputed from the input, not gathered from
+registers — the same fp32 ops give the same value.
 """
 
 from __future__ import annotations

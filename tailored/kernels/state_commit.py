@@ -19,8 +19,8 @@ from tailored.kernels.pdl import launch as pdl_launch
 
 # The moves come as one pointer and a row stride (the move count), not three row pointers: rows 1
 # and 2 of a [3, M] tensor are 16-byte aligned only for even M, and Triton compiles a variant per
-# pointer alignment and per count class (1, a multiple of 16, neither). Session 16's spec serve
-# compiled two inside its benchmark window; one variant serves every M.
+# pointer alignment and per count class (1, a multiple of 16, neither). A spec serve compiled
+# two inside its benchmark window (kb/0034 §1); one variant serves every M.
 @triton.jit(do_not_specialize=["stride_m"])
 def _commit_kernel(src_ptr, dst_ptr, moves_ptr, stride_m, E,
                    stride_sg, stride_sj, stride_sb, stride_dg, stride_ds,

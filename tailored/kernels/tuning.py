@@ -3,7 +3,7 @@
 Every autotuned launcher (`fp8_linear`, the MoE expert GEMMs) tunes each new
 key (shape, row bucket, dtypes) the first time it sees it, at warm-up before graph capture. With
 FP8 weights that is ~500 benchmarks over ~200 compiles: the FP8 server took 4 min 16 s to
-capture its decode graphs on a fresh H200 (session 8), past the side-by-side script's timeout.
+capture its decode graphs on a fresh H200, past the side-by-side script's timeout.
 
 Here launchers `register` their Triton autotuner under a name; a table of the choices (JSON:
 name → [{key, kwargs, num_warps, num_stages}]) pre-fills each autotuner's cache, so known keys

@@ -225,7 +225,7 @@ def _sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
     knobs = torch.tensor(
         [
             # a top_k past the vocabulary is no limit (2^63 would not survive float32:
-            # it came back negative, masked every token, fell back to greedy; session 26)
+            # it came back negative, masked every token, fell back to greedy; kb/0043)
             [1.0 if g else p.temperature, p.min_p, p.top_p, p.top_k if 0 < p.top_k < V else V]
             for g, p in zip(greedy_rows, params)
         ],
