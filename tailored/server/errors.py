@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from tailored.engine.types import RequestOutput
+
 MAX_ERROR_MESSAGE_CHARS = 2000
 
 
@@ -117,3 +119,21 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+def grammar_param(message: str) -> str | None:
+    """The request field a structured-output error is about (the engine's messages start with
+    it: engine/grammar.py), else None."""
+    for field in ("response_format", "structured_outputs", "tool_choice"):
+        if message.startswith(field):
+            return field
+    return None
+
+
+def engine_error(out: RequestOutput) -> OpenAIError:
+    """The error of a request the engine failed: a 400 when it was the request's fault (a
+    grammar that failed to compile after admission), else a 500."""
+    if out.bad_request:
+        return OpenAIError(out.error, param=grammar_param(out.error))
+    return OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
+

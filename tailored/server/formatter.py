@@ -18,7 +18,8 @@ import json
 
 from pydantic import BaseModel
 
-from tailored.engine.types import FinishReason, RequestOutput, TokenLogprob
+from tailored.engine.types import TokenLogprob
+from tailored.server.answer import AnswerSplitter
 from tailored.server.chat_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                            ChatCompletionResponse, ChatResponseMessage,
                                            DeltaMessage)
@@ -26,31 +27,22 @@ from tailored.server.completions_protocol import (CompletionChoice, CompletionRe
                                                   CompletionStreamResponse)
 from tailored.server.http_io import sse
 from tailored.server.protocol import UsageInfo, unix_now
-from tailored.server.reasoning import ReasoningSplitter, ThinkGate
 from tailored.server.reasoning import fields as reasoning_fields
-from tailored.server.tool_calls import ToolCallDelta, ToolCallSplitter, join_calls, merge
+from tailored.server.tool_calls import ToolCallDelta, join_calls
 
 
-def finish_reason_of(out: RequestOutput) -> str:
-    reason = out.finish_reason
-    if reason is None:
-        return FinishReason.STOP.value
-    return reason.value if isinstance(reason, FinishReason) else str(reason)
-
-
-class Formatter:
-    """Builds the response objects of one request for either API."""
+class Formatter(AnswerSplitter):
+    """Builds the response objects of one choice for either OpenAI API (its answer split by
+    `AnswerSplitter`)."""
 
     def __init__(self, request_id, model, chat, prompt_tokens, include_usage,
                  thinking: bool | None = None, tools: list[dict] | None = None,
                  index: int = 0, logprobs: int | None = None, tokenizer=None,
                  raw_thinking: bool = False, max_calls: int | None = None,
                  forced: bool = False, prompt_no: int = 0) -> None:
+        super().__init__(thinking, tools, raw_thinking, max_calls, forced, prompt_no)
         self.request_id, self.model, self.chat = request_id, model, chat
         self.index = index  # the choice this formatter renders (n > 1: one formatter each)
-        # the prompt of the batch it answers, and the prompt tokens the prefix cache supplied
-        # (the engine's num_cached_tokens; usage's prompt_tokens_details.cached_tokens)
-        self.prompt_no, self.cached_tokens = prompt_no, 0
         # SamplingParams.logprobs of the request (None: none); the tokenizer names the tokens
         self.logprobs_k, self._tokenizer = logprobs, tokenizer
         self._text_offset = 0  # completions' text_offset of the next token
@@ -58,18 +50,6 @@ class Formatter:
         # counts once it is whole
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
-        # chat answers' thinking split out (--reasoning-parser): whether the output starts
-        # inside it (None: no split); streams feed `splitter` delta by delta
-        self.thinking = thinking
-        names = {t["function"]["name"] for t in tools or ()}
-        self.splitter = (ReasoningSplitter(thinking, tools=names)
-                         if thinking is not None else None)
-        # the request's tools (None: no calls parsed); streams feed `tool_splitter` the answer
-        # text the reasoning split leaves. raw_thinking: thinking on with no reasoning split,
-        # so content is the raw text, reasoning included: calls are read only after </think>
-        # forced: tool_choice "required" / named, the answer is calls only (a grammar)
-        self.tool_splitter = ToolCallSplitter(tools, max_calls, forced) if tools else None
-        self.gate = ThinkGate() if tools and raw_thinking else None
         self.created = unix_now()  # one timestamp for every chunk of a stream (OpenAI's rule)
         # OpenAI sends "usage": null on every chunk only when include_usage is set.
         self._exclude = None if include_usage else {"usage"}
@@ -86,53 +66,6 @@ class Formatter:
         choice = ChatChunkChoice(index=self.index,
                                  delta=DeltaMessage(role="assistant", content=""))
         return sse(self._envelope([choice]), self._exclude)
-
-    def split(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
-        """One streamed delta's (answer text, reasoning text, tool-call pieces); `finished`:
-        the last delta, which also gives out what the splitters held back."""
-        reasoning, calls = "", []
-        if self.splitter is not None:
-            reasoning, text = self.splitter.feed(text)
-            if finished:  # a held-back tail that never became "</think>"
-                r, c = self.splitter.finish()
-                reasoning, text = reasoning + r, text + c
-        if self.tool_splitter is not None:
-            before = ""
-            if self.gate is not None:  # the thinking passes as content, unparsed
-                before, text = self.gate.feed(text)
-                if finished:
-                    before += self.gate.finish()
-            text, calls = self.tool_splitter.feed(text)
-            if finished:
-                c, more = self.tool_splitter.finish()
-                text, calls = text + c, merge(calls + more)
-            text = before + text
-        return text, reasoning, calls
-
-    def delta(self, out: RequestOutput) -> tuple[str, str, list[ToolCallDelta], str | None]:
-        """One output's (answer text, reasoning text, tool-call pieces, finish reason or None):
-        the finish is "tool_calls" once a call ended and the engine stopped, or once the calls
-        reached max_calls (`stopped`: the caller then ends the generation)."""
-        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
-        text, reasoning, calls = self.split(out.delta_text, out.finished)
-        # (after the split: "tool_calls" once a call was seen, this delta's included)
-        if self.stopped:
-            return text, reasoning, calls, "tool_calls"
-        finish = self.finish_reason(finish_reason_of(out)) if out.finished else None
-        return text, reasoning, calls, finish
-
-    @property
-    def stopped(self) -> bool:
-        """The answer's calls reached max_calls (parallel_tool_calls false): the rest of the
-        generation is not wanted."""
-        return self.tool_splitter is not None and self.tool_splitter.stopped
-
-    def finish_reason(self, finish: str) -> str:
-        """OpenAI's "tool_calls" for an answer that called a tool and stopped by itself, every
-        call complete (one cut inside a value keeps the engine's reason)."""
-        ts = self.tool_splitter
-        called = ts is not None and ts.calls > 0 and not ts.unfinished
-        return "tool_calls" if finish == FinishReason.STOP.value and called else finish
 
     def logprobs_payload(self, ids: list[int], lps: list[TokenLogprob] | None) -> dict | None:
         """The `logprobs` object of a choice (or a chunk) for these tokens: chat's

@@ -28,13 +28,13 @@ from starlette.requests import ClientDisconnect
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tailored.server.chat_protocol import ChatCompletionRequest
 from tailored.server.completions_protocol import CompletionRequest
-from tailored.server.errors import OpenAIError, shown, validation_error_to_openai
+from tailored.server.errors import OpenAIError, grammar_param, shown, validation_error_to_openai
 from tailored.server.formatter import Formatter
 from tailored.server.http_io import (SSE_HEADERS, default_max_body_bytes, error_response,
                                      internal_error, read_json)
 from tailored.server.metrics import ServerMetrics
 from tailored.server.reasoning import REASONING_PARSERS
-from tailored.server.streaming import complete, end_streams, grammar_param, stream_events
+from tailored.server.streaming import complete, end_streams, stream_events
 
 logger = logging.getLogger(__name__)
 

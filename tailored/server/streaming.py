@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tailored.engine.types import RequestOutput, TokenLogprob
+from tailored.engine.types import RequestOutput
 from tailored.server.async_engine import RequestStream
-from tailored.server.errors import OpenAIError
+from tailored.server.answer import collect_answer
+from tailored.server.errors import engine_error
 from tailored.server.formatter import Formatter
 from tailored.server.http_io import internal_error, sse
 from tailored.server.metrics import RequestMetrics
-from tailored.server.tool_calls import ToolCallDelta
 
 logger = logging.getLogger(__name__)
 
@@ -126,35 +126,10 @@ def cached_tokens(fmts: list["Formatter"]) -> int:
 async def collect(stream: RequestStream, tracker: RequestMetrics, fmt: Formatter):
     """One choice's whole answer, through the splitters a stream uses (so both give the same
     answer): (its choice object, completion tokens)."""
-    text: list[str] = []
-    reasoning: list[str] = []
-    calls: list[ToolCallDelta] = []
-    ids: list[int] = []
-    lps: list[TokenLogprob] = []
-    num_tokens, finish = 0, None
-    try:
-        async for out in stream:
-            tracker.output(out)
-            if out.error is not None:
-                raise engine_error(out)
-            num_tokens += len(out.delta_token_ids)
-            if out.delta_logprobs is not None:
-                ids += out.delta_token_ids
-                lps += out.delta_logprobs
-            t, r, c, finish = fmt.delta(out)
-            text.append(t)
-            reasoning.append(r)
-            calls += c
-            if fmt.stopped:  # its one call ended (parallel_tool_calls false)
-                tracker.finish("stop")
-                stream.abort()  # now, not once the other choices are done
-                break
-    except Exception:
-        tracker.finish("error")  # as stream_events counts it
-        raise
-    choice = fmt.choice("".join(text), "".join(reasoning), calls, finish,
-                        fmt.logprobs_payload(ids, lps))
-    return choice, num_tokens
+    answer = await collect_answer(stream, fmt, tracker)
+    choice = fmt.choice(answer.text, answer.reasoning, answer.calls, answer.finish,
+                        fmt.logprobs_payload(answer.ids, answer.logprobs))
+    return choice, answer.num_tokens
 
 
 async def outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -203,21 +178,3 @@ async def end_streams(streams: list[RequestStream], trackers: list[RequestMetric
     for stream, tracker in zip(streams, trackers):
         tracker.finish("abort")  # no-op when the body's `finally` already counted it
         stream.abort()
-
-
-def grammar_param(message: str) -> str | None:
-    """The request field a structured-output error is about (the engine's messages start with
-    it: engine/grammar.py), else None."""
-    for field in ("response_format", "structured_outputs", "tool_choice"):
-        if message.startswith(field):
-            return field
-    return None
-
-
-def engine_error(out: RequestOutput) -> OpenAIError:
-    """The error of a request the engine failed: a 400 when it was the request's fault (a
-    grammar that failed to compile after admission), else a 500."""
-    if out.bad_request:
-        return OpenAIError(out.error, param=grammar_param(out.error))
-    return OpenAIError(f"engine error: {out.error}", status=500, type="server_error")
-
