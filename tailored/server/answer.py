@@ -131,6 +131,16 @@ class Piece:
     out: RequestOutput
 
 
+def split_calls(calls: list[ToolCallDelta]) -> tuple[list[ToolCallDelta], list[ToolCallDelta]]:
+    """A piece's call deltas as (the arguments of the call already open, the calls it begins):
+    a piece's text comes between them (the splitters return a delta's text and its call
+    pieces apart; a call ends before text that follows it, text comes before a new call)."""
+    for i, c in enumerate(calls):
+        if c.id is not None:
+            return calls[:i], calls[i:]
+    return calls, []
+
+
 @dataclass
 class Answer:
     """A whole answer: its joined pieces, the completion tokens (every id the engine sent, as

@@ -7,6 +7,11 @@
     GET  /v1/models/{id}        that model, or 404 model_not_found (503 as above)
     POST /v1/completions        text or token-id prompt, or a batch of them
     POST /v1/chat/completions   messages -> tokenizer.apply_chat_template -> encode
+    POST /v1/responses          the OpenAI Responses API (Codex CLI, the Agents SDK), on the
+                                chat path (responses_api.py); GET /v1/responses/{id}: a
+                                stored response
+    POST /v1/messages           the Anthropic Messages API (Claude Code), on the chat path
+                                (messages_api.py); POST /v1/messages/count_tokens
     GET  /metrics               Prometheus text (HEAD too): vLLM's metric names with the prefix
                                 `tailored:` (tokens, finished requests by reason, TTFT /
                                 inter-token / end-to-end latency histograms in seconds, running
@@ -60,6 +65,10 @@ from tailored.server.errors import OpenAIError, shown
 from tailored.server.http_io import error_response, internal_error
 from tailored.server.metrics import CONTENT_TYPE_LATEST
 from tailored.server.protocol import ModelCard, ModelList
+from tailored.server.front_doors import count_tokens, serve_turn
+from tailored.server.messages_api import MessagesDialect
+from tailored.server.response_store import ResponseStore
+from tailored.server.responses_api import ResponsesDialect
 from tailored.server.serving import Server
 
 logger = logging.getLogger(__name__)
@@ -192,5 +201,31 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.handle(request, chat=True)
+
+    # the coding agents' front doors, on the chat engine path (front_doors.py)
+    responses = ResponsesDialect(server, ResponseStore())
+    messages = MessagesDialect(server)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await serve_turn(server, request, responses)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        found = responses.store.get(response_id)
+        if found is None:
+            return error_response(OpenAIError(
+                f"response {shown(response_id, 100)} not found (kept only with store: true, "
+                "and only the most recent)", status=404, param="response_id",
+                code="not_found"))
+        return found
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request):
+        return await serve_turn(server, request, messages)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request):
+        return await count_tokens(server, request, messages)
 
     return app

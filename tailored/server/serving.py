@@ -35,6 +35,7 @@ from tailored.server.http_io import (SSE_HEADERS, default_max_body_bytes, error_
 from tailored.server.metrics import ServerMetrics
 from tailored.server.reasoning import REASONING_PARSERS
 from tailored.server.streaming import complete, end_streams, stream_events
+from tailored.server.thinking_budget import CLOSE_TEXT, BudgetedStream
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Server:
         # by two server threads at once (the engine thread may still decode concurrently).
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tailored-tokenize")
         self.metrics = ServerMetrics(model_name)  # GET /metrics; its own registry per app
+        self._close_ids: list[int] | None = None  # close_ids(), once encoded
 
     # ---- parsing and validation ----------------------------------------------------------
     async def parse(self, request: Request, model_cls):
@@ -85,14 +87,37 @@ class Server:
             req = model_cls.model_validate(data)
         except ValidationError as e:
             raise validation_error_to_openai(e) from None
-        if req.model is not None and req.model != self.model_name:
+        self.check_model(req.model)
+        req.check_supported()
+        return req
+
+    def authorize(self, request: Request) -> None:
+        """The one place an API-key check goes: every generation route (completions, chat,
+        responses, messages, count_tokens) calls it before reading the body. No key is
+        configured yet, so every request passes, whichever header carries its key
+        (`Authorization: Bearer ...`, OpenAI's SDKs; `x-api-key`, Anthropic's SDK and Claude
+        Code); a check raises OpenAIError(status=401, type="authentication_error")."""
+        return None
+
+    def check_model(self, model: str | None) -> None:
+        """404 model_not_found unless `model` is None (the served model) or its name."""
+        if model is not None and model != self.model_name:
             raise OpenAIError(
-                f"The model {shown(req.model, 100)} does not exist (this server serves "
+                f"The model {shown(model, 100)} does not exist (this server serves "
                 f"`{self.model_name}`).",
                 status=404,
                 param="model",
                 code="model_not_found",
             )
+
+    def chat_request(self, data: dict) -> ChatCompletionRequest:
+        """A Chat Completions request from its JSON (the front doors' translation): screened
+        for size as a chat body is, validated, its parameters checked."""
+        self.check_chat_size(data)
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as e:
+            raise validation_error_to_openai(e) from None
         req.check_supported()
         return req
 
@@ -107,6 +132,15 @@ class Server:
             param=param,
             code="context_length_exceeded",
         )
+
+    def check_item_count(self, count: int, param: str) -> None:
+        """Refuse a conversation of more items than the context can hold (each renders to at
+        least MIN_TOKENS_PER_MESSAGE tokens) before translating or validating them."""
+        if count * MIN_TOKENS_PER_MESSAGE > self.max_model_len:
+            raise OpenAIError(
+                f"{count} items cannot fit this model's maximum context length of "
+                f"{self.max_model_len} tokens (each takes at least {MIN_TOKENS_PER_MESSAGE}).",
+                param=param, code="context_length_exceeded")
 
     def check_chat_size(self, data: dict) -> None:
         """Refuse, on the raw JSON, chat messages that cannot fit the context whatever they
@@ -148,9 +182,10 @@ class Server:
         return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
 
     async def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest,
-                         tools: list[dict] | None = None) -> list[list[int]]:
+                         tools: list[dict] | None = None,
+                         param: str = "messages") -> list[list[int]]:
         """Each prompt's token ids (one but for a completions batch); tools: a chat request's
-        active_tools, rendered."""
+        active_tools, rendered; param: the field its messages came from (errors name it)."""
         if isinstance(req, ChatCompletionRequest):
             try:
                 text = await self._tokenize(
@@ -161,8 +196,8 @@ class Server:
                     tools=tools,
                 )
             except ValueError as e:
-                raise OpenAIError(f"invalid messages: {e}", param="messages") from None
-            return [await self.encode(text, "messages")]
+                raise OpenAIError(f"invalid {param}: {e}", param=param) from None
+            return [await self.encode(text, param)]
         prompts = req.prompts
         out = []
         for k, prompt in enumerate(prompts):
@@ -173,6 +208,12 @@ class Server:
                 self.check_token_ids(prompt, param)
                 out.append(list(prompt))
         return out
+
+    async def close_ids(self) -> list[int]:
+        """The token ids that close a think block (thinking_budget.CLOSE_TEXT), encoded once."""
+        if self._close_ids is None:
+            self._close_ids = list(await self._tokenize(self.tokenizer.encode, CLOSE_TEXT))
+        return self._close_ids
 
     async def encode(self, text: str, param: str) -> list[int]:
         """Token ids of prompt text. Text that cannot fit the context whatever its tokens is
@@ -194,9 +235,16 @@ class Server:
                 param=param,
             )
 
-    def max_tokens(self, req, prompt_len: int, prompt_param: str) -> int:
-        """Completion budget: the requested max_tokens, or all the context the prompt leaves."""
-        limit, requested, param = self.max_model_len, req.requested_max_tokens, req.max_tokens_param
+    def max_tokens(self, req, prompt_len: int, prompt_param: str,
+                   param: str | None = None, clamp: bool = False) -> int:
+        """Completion budget: the requested max_tokens, or all the context the prompt leaves;
+        param: the field it came from, for errors (default: the request's own name of it);
+        clamp: a request for more than the prompt leaves gets what it leaves (the Messages
+        API's rule: its answer then stops at the context window) instead of a 400."""
+        limit, requested = self.max_model_len, req.requested_max_tokens
+        param = param or req.max_tokens_param
+        if clamp and requested is not None and prompt_len < limit:
+            requested = min(requested, limit - prompt_len)
         if requested is not None and requested > limit:
             raise OpenAIError(
                 f"{param} ({requested}) is larger than the maximum context length ({limit})",
@@ -231,6 +279,7 @@ class Server:
 
     async def _handle(self, request: Request, chat: bool, arrival: float) -> Response:
         try:
+            self.authorize(request)
             req = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
             tools = req.active_tools if chat else None  # (dumped once: a list can be long)
             prompts = await self.prompt_ids(req, tools)
@@ -281,12 +330,14 @@ class Server:
             return error_response(internal_error(e))
 
     async def start(self, req, request_id: str, prompts: list[list[int]], max_tokens: list[int],
-                    params: list[str]) -> list[RequestStream]:
+                    params: list[str],
+                    thinking_budget: int | None = None) -> list[RequestStream]:
         """The request's engine requests: `n` choices of each prompt, choice k = prompt * n +
         i (ids `<request_id>-<k>` when there are several), each with its own SamplingParams; a
         seeded request's choice i of a prompt draws with seed + i (else the n choices would be
         the same text). If one cannot start, every one is aborted; params: each prompt's name
-        in errors (`prompt[k]` in a batch)."""
+        in errors (`prompt[k]` in a batch); thinking_budget: end each one's thinking after
+        that many tokens (BudgetedStream)."""
         n = req.n or 1
         total = len(prompts) * n
         streams: list[RequestStream] = []
@@ -296,7 +347,11 @@ class Server:
             if i and sampling.seed is not None:  # wraps within int64, as a seed may be
                 sampling.seed = (sampling.seed + i + 2**63) % 2**64 - 2**63
             child_id = request_id if total == 1 else f"{request_id}-{k}"
-            streams.append(self.engine.generate(child_id, prompts[k // n], sampling))
+            if thinking_budget is None:
+                streams.append(self.engine.generate(child_id, prompts[k // n], sampling))
+            else:
+                streams.append(BudgetedStream(self.engine, child_id, prompts[k // n], sampling,
+                                              thinking_budget, await self.close_ids()))
         # every add is submitted before any is awaited: the engine loop reads its commands
         # between steps, so awaiting each in turn let one choice in a step (n = 32 on the nano
         # model: 2.45 s against 0.10 s; review of session 29) instead of one batched prefill
