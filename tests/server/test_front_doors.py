@@ -484,3 +484,47 @@ def test_front_doors_count_their_answers_under_their_routes():
                           ("/v1/messages", "400")):
         assert any(f'handler="{route}"' in line and f'status="{status}"' in line
                    and line.endswith(" 1.0") for line in lines), lines
+
+
+def test_agent_replay_grows_and_replays_a_session(tmp_path):
+    """scripts/agent_replay.py (the GPU replay's tool, docs/agents.md): `synth` grows a
+    recorded first turn into tool round trips in each dialect; `replay` sends them and
+    reports every turn."""
+    import importlib.util
+
+    from live_server import LiveServer
+
+    path = __import__("pathlib").Path(__file__).resolve().parents[2] / "scripts" / \
+        "agent_replay.py"
+    spec = importlib.util.spec_from_file_location("agent_replay", path)
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    firsts = {
+        "responses": {"path": "/v1/responses", "body": {
+            "model": "x", "input": [{"role": "user", "content": "SAY:ok"}],
+            "reasoning": {"effort": "none"},
+            "tools": [{"type": "function", "name": "exec_command", "parameters": {
+                "type": "object", "properties": {"cmd": {"type": "string"}},
+                "required": ["cmd"]}}]}},
+        "messages": {"path": "/v1/messages", "body": {
+            "model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": "SAY:ok"}],
+            "tools": [{"name": "Read", "input_schema": {
+                "type": "object", "properties": {"file_path": {"type": "string"}}}}]}},
+    }
+    app, _, _, _ = make_app()
+    with LiveServer(app) as server:
+        for name, first in firsts.items():
+            recorded = tmp_path / f"{name}.jsonl"
+            recorded.write_text(json.dumps(first) + "\n")
+            grown = tmp_path / f"{name}-3.jsonl"
+            replay.main(["synth", str(recorded), "--turns", "2", "--tool-tokens", "10",
+                         "--out", str(grown)])
+            turns = [json.loads(line) for line in grown.read_text().splitlines()]
+            assert len(turns) == 3
+            out = tmp_path / f"{name}.json"
+            replay.main(["replay", str(grown), "--base-url", server.url, "--model", MODEL,
+                         "--max-tokens", "4", "--json", str(out)])
+            rows = json.loads(out.read_text())["rows"]
+            assert [r["status"] for r in rows] == [200, 200, 200], rows
+            assert all(r["ttft_ms"] is not None and r["prompt_tokens"] for r in rows)
+            assert rows[2]["prompt_tokens"] > rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"]
