@@ -91,7 +91,7 @@ def script(prompt_ids, sampling):
 
 
 @pytest.fixture
-def task(tmp_path, nano_servers):
+def task(tmp_path, nano_servers):  # noqa: F811 - the imported fixture
     (tmp_path / "notes.txt").write_text(MAGIC + "\n")
     script.workdir = str(tmp_path)
     seen_prompts.clear()

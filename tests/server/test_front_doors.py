@@ -19,7 +19,8 @@ from tailored.server.conversation import seal, unseal
 from tailored.server.response_store import ResponseStore
 from tailored.server.thinking_budget import CLOSE_TEXT
 
-CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 OFF = {"reasoning": {"effort": "none"}}  # Responses: thinking off, so the answer is text
 

@@ -29,7 +29,7 @@ LONG = ("You answer questions about the weather of European cities, briefly, in 
 
 
 @pytest.fixture(scope="module")
-def url(nano_servers):
+def url(nano_servers):  # noqa: F811 - the imported fixture
     return nano_server().url
 
 
