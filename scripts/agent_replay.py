@@ -3,7 +3,8 @@
 server (tailored or vLLM): TTFT and prefix-cache hits of every turn (issue: the coding agents'
 front doors, part 5; runbook in docs/agents.md).
 
-    # 1. record: a proxy in front of a server; point Codex CLI / Claude Code at it
+    # 1. record: a proxy in front of a server (or none: each request is refused once recorded);
+    #    point Codex CLI / Claude Code at it
     python scripts/agent_replay.py record --upstream http://127.0.0.1:8000 --port 8100 \\
         --out codex.jsonl
     # 2. (optional) grow a recorded first turn into a multi-turn session: N tool round trips
@@ -54,7 +55,8 @@ def record(args) -> None:
     from starlette.routing import Route
 
     out = open(args.out, "a", encoding="utf-8")
-    client = httpx.AsyncClient(base_url=args.upstream, timeout=None)
+    client = httpx.AsyncClient(base_url=args.upstream if args.upstream != "none"
+                               else "http://127.0.0.1:9", timeout=None)
 
     async def forward(request: Request):
         body = await request.body()
@@ -63,6 +65,10 @@ def record(args) -> None:
                                  ensure_ascii=False) + "\n")
             out.flush()
             print(f"recorded {request.url.path} ({len(body)} bytes)", file=sys.stderr)
+        if args.upstream == "none":  # recording first turns only: refuse, the agent stops
+            return Response(json.dumps({"error": {"message": "recorded (no upstream)",
+                                                  "type": "server_error"}}),
+                            status_code=503, media_type="application/json")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in ("host", "content-length", "accept-encoding")}
         upstream = await client.send(client.build_request(
@@ -253,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
     r = sub.add_parser("record", help="a recording proxy in front of --upstream")
-    r.add_argument("--upstream", required=True)
+    r.add_argument("--upstream", required=True,
+                   help="the server to forward to; 'none': answer 503 (record a first turn)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8100)
     r.add_argument("--out", required=True, help="the session file (JSONL, appended)")

@@ -44,9 +44,14 @@ token ids in the deltas that were sent (summed over the choices); `n` choices ar
 requests of the one prompt (serving.py, streaming.py). Metrics count each choice as a request.
 
 The modules: app.py (this: the app and its routes), serving.py (`Server`: parse, prompt,
-budget, start), streaming.py (streamed and whole answers), formatter.py (OpenAI response
-objects), http_io.py (bodies in, errors and SSE out), protocol.py and the *_protocol.py
-modules (the request and response schemas).
+budget, start), streaming.py (streamed and whole answers), answer.py (an answer's split:
+reasoning, tool calls, finish), formatter.py (OpenAI chat / completions objects), http_io.py
+(bodies in, errors and SSE out), protocol.py and the *_protocol.py modules (the request and
+response schemas); the coding agents' front doors: front_doors.py (their request flow),
+responses_api.py + responses_input.py + response_store.py (OpenAI Responses),
+messages_api.py (Anthropic Messages), conversation.py (their conversations as chat
+messages), thinking_budget.py (a token limit on the thinking). docs/agents.md: how to point
+Codex CLI and Claude Code at the server.
 """
 
 from __future__ import annotations

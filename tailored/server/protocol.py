@@ -4,7 +4,9 @@ names): `BaseRequest` (sampling, stop, structured output, streaming), `UsageInfo
 The schemas, by API: completions_protocol.py (`CompletionRequest` and its responses),
 chat_protocol.py (`ChatCompletionRequest`, messages, chat responses and chunks),
 tools_protocol.py (function tools and tool_choice), structured.py (`response_format`,
-`structured_outputs`), errors.py (`OpenAIError`), json_screen.py (raw-body checks).
+`structured_outputs`), errors.py (`OpenAIError`), json_screen.py (raw-body checks); the front
+doors' own: responses_protocol.py (OpenAI Responses), messages_protocol.py (Anthropic
+Messages), both translated into a `ChatCompletionRequest`.
 
 Validation happens in three stages:
 0. the server refuses bodies nested deeper than MAX_JSON_DEPTH (`json_too_deep`, before
