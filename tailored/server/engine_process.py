@@ -252,7 +252,8 @@ class EngineProcess:
                         fut = self._pending.pop(msg[1], None)
                     if fut is not None:
                         exc = _exc("RuntimeError", msg[2]) if isinstance(msg[2], str) else None
-                        post_threadsafe(fut.get_loop(), resolve_future, fut, None if exc else msg[2], exc)
+                        post_threadsafe(fut.get_loop(), resolve_future, fut,
+                                        None if exc else msg[2], exc)
                 elif kind == "died":
                     reason = msg[1]
         except (EOFError, OSError):
@@ -279,7 +280,8 @@ class EngineProcess:
             if err is not None:
                 self._streams.pop(rid, None)
         if fut is not None:
-            post_threadsafe(fut.get_loop(), resolve_future, fut, None, None if err is None else _exc(*err))
+            post_threadsafe(fut.get_loop(), resolve_future, fut, None,
+                            None if err is None else _exc(*err))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
