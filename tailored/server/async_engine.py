@@ -38,7 +38,7 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
-class _Stream:
+class OutputSink:
     """Where one request's outputs go. Owned by the engine thread once registered."""
 
     loop: asyncio.AbstractEventLoop
@@ -47,7 +47,7 @@ class _Stream:
     num_output_tokens: int = 0
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+def post_threadsafe(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     """call_soon_threadsafe that tolerates a loop that has already closed (client went away)."""
     try:
         loop.call_soon_threadsafe(fn, *args)
@@ -55,7 +55,8 @@ def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+def resolve_future(fut: asyncio.Future, result: Any = None,
+                   exc: BaseException | None = None) -> None:
     # The awaiting coroutine may have been cancelled meanwhile; setting a done future raises.
     if fut.done():
         return
@@ -65,12 +66,12 @@ def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None 
         fut.set_result(result)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 
 
-def _route(streams: dict[str, _Stream], outputs: list[RequestOutput]) -> dict:
+def route_outputs(streams: dict[str, OutputSink], outputs: list[RequestOutput]) -> dict:
     """Group a step's outputs by their consumer's event loop: {loop: [(queue, output)]}.
     Outputs of unknown ids (aborted: the consumer is gone) are dropped; a finished request's
     stream is removed from `streams`."""
@@ -86,7 +87,7 @@ def _route(streams: dict[str, _Stream], outputs: list[RequestOutput]) -> dict:
     return per_loop
 
 
-def _final_output(request_id: str, stream: _Stream, reason: FinishReason, error: str | None):
+def final_output(request_id: str, stream: OutputSink, reason: FinishReason, error: str | None):
     return RequestOutput(
         request_id=request_id,
         delta_text="",
@@ -128,7 +129,7 @@ class RequestStream:
         loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         added = loop.create_future()
-        stream = _Stream(loop, self._queue, num_prompt_tokens=len(self._prompt_ids))
+        stream = OutputSink(loop, self._queue, num_prompt_tokens=len(self._prompt_ids))
         try:
             self._owner._submit(
                 ("add", self.request_id, self._prompt_ids, self._sampling, stream, added)
@@ -196,7 +197,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None  # reason the loop is not running any more
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, OutputSink] = {}  # engine thread only
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -293,9 +294,9 @@ class AsyncEngine:
                     result, exc = self.engine.stats(), None
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     result, exc = None, e
-                _post(fut.get_loop(), _resolve, fut, result, exc)
+                post_threadsafe(fut.get_loop(), resolve_future, fut, result, exc)
 
-    def _do_add(self, request_id, prompt_ids, sampling, stream: _Stream, fut) -> None:
+    def _do_add(self, request_id, prompt_ids, sampling, stream: OutputSink, fut) -> None:
         exc: BaseException | None = None
         if request_id in self._streams:
             exc = ValueError(f"duplicate request id {request_id!r}")
@@ -306,7 +307,7 @@ class AsyncEngine:
                 exc = e
             else:
                 self._streams[request_id] = stream
-        _post(stream.loop, _resolve, fut, None, exc)
+        post_threadsafe(stream.loop, resolve_future, fut, None, exc)
 
     def _do_abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -316,12 +317,12 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
         except Exception:  # a failed abort must not kill the loop
             logger.exception("engine.abort_request(%r) failed", request_id)
-        out = _final_output(request_id, stream, FinishReason.ABORT, None)
-        _post(stream.loop, _put_all, [(stream.queue, out)])
+        out = final_output(request_id, stream, FinishReason.ABORT, None)
+        post_threadsafe(stream.loop, put_all, [(stream.queue, out)])
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for loop, items in _route(self._streams, outputs).items():
-            _post(loop, _put_all, items)
+        for loop, items in route_outputs(self._streams, outputs).items():
+            post_threadsafe(loop, put_all, items)
 
     def _fail_everything(self, reason: str) -> None:
         with self._lock:
@@ -333,10 +334,10 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                _post(cmd[4].loop, _resolve, cmd[5], None, dead)
+                post_threadsafe(cmd[4].loop, resolve_future, cmd[5], None, dead)
             elif cmd[0] == "stats":
-                _post(cmd[1].get_loop(), _resolve, cmd[1], None, dead)
+                post_threadsafe(cmd[1].get_loop(), resolve_future, cmd[1], None, dead)
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
-            out = _final_output(request_id, stream, FinishReason.ERROR, reason)
-            _post(stream.loop, _put_all, [(stream.queue, out)])
+            out = final_output(request_id, stream, FinishReason.ERROR, reason)
+            post_threadsafe(stream.loop, put_all, [(stream.queue, out)])

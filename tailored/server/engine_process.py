@@ -45,12 +45,12 @@ from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
 from tailored.server.async_engine import (
     EngineDeadError,
     RequestStream,
-    _final_output,
-    _post,
-    _put_all,
-    _resolve,
-    _route,
-    _Stream,
+    final_output,
+    post_threadsafe,
+    put_all,
+    resolve_future,
+    route_outputs,
+    OutputSink,
 )
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class EngineProcess:
         # _lock guards _streams and _pending: request handlers (event loop threads) register,
         # the reader thread dispatches and unregisters
         self._lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._pending: dict[tuple, asyncio.Future] = {}  # awaited add/stats replies, by key
         self._keys = itertools.count()
         self._dead: str | None = "engine process not started"
@@ -195,8 +195,8 @@ class EngineProcess:
             if stream is None:
                 return
             self._send(("abort", request_id))
-        _post(stream.loop, _put_all,
-              [(stream.queue, _final_output(request_id, stream, FinishReason.ABORT, None))])
+        post_threadsafe(stream.loop, put_all,
+              [(stream.queue, final_output(request_id, stream, FinishReason.ABORT, None))])
 
     async def stats(self) -> dict:
         """engine.stats(), fetched in the child between steps."""
@@ -252,7 +252,8 @@ class EngineProcess:
                         fut = self._pending.pop(msg[1], None)
                     if fut is not None:
                         exc = _exc("RuntimeError", msg[2]) if isinstance(msg[2], str) else None
-                        _post(fut.get_loop(), _resolve, fut, None if exc else msg[2], exc)
+                        post_threadsafe(fut.get_loop(), resolve_future, fut,
+                                        None if exc else msg[2], exc)
                 elif kind == "died":
                     reason = msg[1]
         except (EOFError, OSError):
@@ -279,13 +280,14 @@ class EngineProcess:
             if err is not None:
                 self._streams.pop(rid, None)
         if fut is not None:
-            _post(fut.get_loop(), _resolve, fut, None, None if err is None else _exc(*err))
+            post_threadsafe(fut.get_loop(), resolve_future, fut, None,
+                            None if err is None else _exc(*err))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
-            per_loop = _route(self._streams, outputs)
+            per_loop = route_outputs(self._streams, outputs)
         for loop, items in per_loop.items():
-            _post(loop, _put_all, items)
+            post_threadsafe(loop, put_all, items)
 
     def _fail_everything(self, reason: str) -> None:
         with self._lock:
@@ -295,10 +297,10 @@ class EngineProcess:
             pending, self._pending = self._pending, {}
         dead = EngineDeadError(self._dead)
         for fut in pending.values():
-            _post(fut.get_loop(), _resolve, fut, None, dead)
+            post_threadsafe(fut.get_loop(), resolve_future, fut, None, dead)
         for rid, stream in streams.items():
-            out = _final_output(rid, stream, FinishReason.ERROR, self._dead)
-            _post(stream.loop, _put_all, [(stream.queue, out)])
+            out = final_output(rid, stream, FinishReason.ERROR, self._dead)
+            post_threadsafe(stream.loop, put_all, [(stream.queue, out)])
 
 
 # ---- the child -----------------------------------------------------------------------------

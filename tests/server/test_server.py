@@ -792,8 +792,8 @@ def test_encode_time_valueerror_is_400(srv):
 
 
 def test_error_response_always_renders():
-    from tailored.server.app import error_response
-    from tailored.server.protocol import OpenAIError
+    from tailored.server.errors import OpenAIError
+    from tailored.server.http_io import error_response
 
     err = OpenAIError("model `\ud800` " + "x" * 10_000, status=404, param="a\udfff")
     resp = error_response(err)
@@ -812,7 +812,7 @@ def test_unknown_model_names_are_shown_escaped_and_short(srv):
 
 
 def test_json_too_deep_ignores_brackets_in_strings():
-    from tailored.server.protocol import MAX_JSON_DEPTH, json_too_deep
+    from tailored.server.json_screen import MAX_JSON_DEPTH, json_too_deep
 
     def deep(n: int) -> bytes:
         return b"[" * n + b"]" * n
@@ -888,7 +888,7 @@ def test_good_tool_calls_reach_the_template(srv):
 
 
 def test_prompt_text_longer_than_the_context_can_hold_is_refused_before_encoding(srv):
-    from tailored.server.app import MAX_CHARS_PER_TOKEN
+    from tailored.server.serving import MAX_CHARS_PER_TOKEN
 
     client, _, tok = srv
     limit = MAX_LEN * MAX_CHARS_PER_TOKEN
@@ -947,7 +947,7 @@ def test_default_body_cap_scales_with_the_context():
     (session 26: a 27 MB body of 2.2M unknown keys held the event loop, and every stream, for
     2.4 s of parsing under the old fixed 32 MiB): 2 MiB at this test's small context, 4 MiB at
     16k, 32 MiB from 128k; one byte over gets 413 before any parsing."""
-    from tailored.server.app import default_max_body_bytes
+    from tailored.server.http_io import default_max_body_bytes
 
     assert default_max_body_bytes(MAX_LEN) == 2 * 2**20
     assert default_max_body_bytes(16384) == 4 * 2**20
@@ -1222,14 +1222,14 @@ def test_client_disconnect_aborts_live_server():
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_stream_chunk_template_equals_the_models(chat, include_usage):
-    """_Formatter.chunk fills a template for text-only chunks (answer text, and chat reasoning
+    """Formatter.chunk fills a template for text-only chunks (answer text, and chat reasoning
     text with --reasoning-parser); it must say what the pydantic models say (JSON-equal, same
     keys in the same order), for any text."""
     import json as _json
 
-    from tailored.server.app import _Formatter
+    from tailored.server.formatter import Formatter
 
-    f = _Formatter("cmpl-x", "m", chat, 7, include_usage)
+    f = Formatter("cmpl-x", "m", chat, 7, include_usage)
     for text in ["hi", 'q"uote\\ back\nnew\ttab\x01ctl', "é中文😀", "@@tailored-text@@", " "]:
         pairs = [(f.chunk(text, None), f._render(text, "", None))]
         if chat:  # a reasoning delta
@@ -1246,7 +1246,7 @@ def test_stream_chunk_template_equals_the_models(chat, include_usage):
         assert d["delta"] == {"content": "so", "reasoning": "why", "reasoning_content": "why"}
     assert _json.loads(f.chunk("", "stop")[6:])["choices"][0]["finish_reason"] == "stop"
     # a model named like the placeholder: the template is not unique, the models render
-    g = _Formatter("cmpl-y", "@@tailored-text@@", chat, 7, include_usage)
+    g = Formatter("cmpl-y", "@@tailored-text@@", chat, 7, include_usage)
     assert _json.loads(g.chunk("ok", None)[6:])["model"] == "@@tailored-text@@"
     assert g._templates["content"] == []
 
@@ -1256,7 +1256,7 @@ def test_chat_messages_that_cannot_fit_are_refused_before_validation(srv):
     ~2 s of the event loop in validation and templating before the length check, stalling
     every stream. Too many messages, or too many content characters summed over messages,
     are refused on the raw JSON; the template never runs."""
-    from tailored.server.app import MAX_CHARS_PER_TOKEN, MIN_TOKENS_PER_MESSAGE
+    from tailored.server.serving import MAX_CHARS_PER_TOKEN, MIN_TOKENS_PER_MESSAGE
 
     client, _, tok = srv
     n_before = len(tok.template_calls)
@@ -1310,7 +1310,7 @@ def test_body_cut_short_is_a_client_disconnect_not_an_error(srv, caplog):
              "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
              "query_string": b"", "root_path": "", "server": ("test", 80), "client": ("c", 1),
              "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]}
-    with caplog.at_level("INFO", logger="tailored.server.app"):
+    with caplog.at_level("INFO", logger="tailored.server.serving"):
         asyncio.run(app(scope, receive, send))
     assert "unexpected error" not in caplog.text
     assert "client left before sending the whole body" in caplog.text

@@ -226,7 +226,7 @@ def test_engine_logprobs_on_the_gpu_beside_graphs_and_drafts():
 
 def test_partial_utf8_tokens_are_named_by_their_bytes_and_offsets_index_the_text():
     from tailored.engine.types import TokenLogprob
-    from tailored.server.app import _Formatter
+    from tailored.server.formatter import Formatter
 
     class Tok:
         table = {1: b"\xf0\x9f", 2: b"\x98\x80", 3: b" KIND", 4: b"\xe4\xb8", 9: b"<|end|>"}
@@ -237,7 +237,7 @@ def test_partial_utf8_tokens_are_named_by_their_bytes_and_offsets_index_the_text
         def is_special(self, i):
             return i == 9
 
-    fmt = _Formatter("cmpl-x", "m", False, 3, False, logprobs=2, tokenizer=Tok())
+    fmt = Formatter("cmpl-x", "m", False, 3, False, logprobs=2, tokenizer=Tok())
     lps = [TokenLogprob(-0.5, ((1, -0.5), (4, -1.5))), TokenLogprob(-0.1, ((2, -0.1), (3, -3.0))),
            TokenLogprob(-0.2, ((3, -0.2), (1, -2.0)))]
     first = fmt.logprobs_payload([1, 2], lps[:2])
