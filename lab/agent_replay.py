@@ -5,14 +5,14 @@ front doors, part 5; runbook in docs/agents.md).
 
     # 1. record: a proxy in front of a server (or none: each request is refused once recorded);
     #    point Codex CLI / Claude Code at it
-    python scripts/agent_replay.py record --upstream http://127.0.0.1:8000 --port 8100 \\
+    python lab/agent_replay.py record --upstream http://127.0.0.1:8000 --port 8100 \\
         --out codex.jsonl
     # 2. (optional) grow a recorded first turn into a multi-turn session: N tool round trips
     #    with source-code tool outputs, on the agent's real system prompt and tools
-    python scripts/agent_replay.py synth codex.jsonl --turns 8 --tool-tokens 1500 \\
+    python lab/agent_replay.py synth codex.jsonl --turns 8 --tool-tokens 1500 \\
         --out codex-8.jsonl
     # 3. replay, one turn at a time, streamed, against each server
-    python scripts/agent_replay.py replay codex-8.jsonl --base-url http://127.0.0.1:8000 \\
+    python lab/agent_replay.py replay codex-8.jsonl --base-url http://127.0.0.1:8000 \\
         --model qwen36-35b-a3b --max-tokens 64 --json tailored-codex.json
 
 A session file is JSONL, one request a line: {"path": "/v1/responses" | "/v1/messages",

@@ -2,7 +2,7 @@
 unchanged, complete a task against the nano server and exit 0.
 
 The versions are pinned in .ci/agents/package.json (and its lock file); .ci/run installs them
-with `npm ci --prefix .ci/agents` and sets TAILORED_REQUIRE_AGENT_CLIS=1, so in CI a missing
+with `npm ci --prefix .ci/agents` and sets CI_REQUIRE_AGENT_CLIS=1, so in CI a missing
 binary fails the test. Elsewhere the tests skip unless they find the pinned binaries (install
 them the same way, or point TAILORED_AGENT_CLIS at another node_modules folder).
 
@@ -61,7 +61,7 @@ def _binary(name: str) -> Path:
         why = (f"{name} is not installed in {modules} (`npm ci --prefix .ci/agents`, or "
                f"`npm install --prefix .ci/agents {pins}`)" if found is None
                else "codex needs node on PATH")
-        if os.environ.get("TAILORED_REQUIRE_AGENT_CLIS"):
+        if os.environ.get("CI_REQUIRE_AGENT_CLIS"):
             pytest.fail(f"{why}; CI must run this test")
         pytest.skip(why)
     return found

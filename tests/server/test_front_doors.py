@@ -488,7 +488,7 @@ def test_front_doors_count_their_answers_under_their_routes():
 
 
 def test_agent_replay_grows_and_replays_a_session(tmp_path):
-    """scripts/agent_replay.py (the GPU replay's tool, docs/agents.md): `synth` grows a
+    """lab/agent_replay.py (the GPU replay's tool, docs/agents.md): `synth` grows a
     recorded first turn into tool round trips in each dialect; `replay` sends them and
     reports every turn."""
     import importlib.util
