@@ -53,14 +53,16 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text not yet emitted (a possible stop-string prefix)
         self.stopped: str | None = None  # the stop string that matched
 
-    def add(self, token_ids: list[int]) -> tuple[str, str | None]:
+    def add(self, token_ids: list[int], check_stops: bool = True) -> tuple[str, str | None]:
+        """check_stops False (tokens before min_tokens): the text is not searched for stop
+        strings and nothing is held back for them."""
         if self.stopped is not None:
             raise RuntimeError("add() after a stop string matched")
         tok = self._tok
         data = b"".join(tok.token_bytes(t) for t in token_ids
                         if not (self._skip and tok.is_special(t)))
         text = self._held + self._utf8.decode(data)
-        if not self._stops:
+        if not self._stops or not check_stops:
             self._held = ""
             return text, None
         match = None  # (end, start, stop): the occurrence that completes first, then the longest

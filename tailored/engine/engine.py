@@ -129,6 +129,8 @@ class Engine:
                 f" exceeds max_model_len {limit}"
             )
         req = Request(request_id, prompt_ids, sampling, eos_token_ids=self.eos_token_ids)
+        if sampling.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt_ids)
         compiled = future = None
         spec = sampling.structured
         if spec is not None:
@@ -319,9 +321,22 @@ class Engine:
             ]
             if missing:
                 raise RuntimeError(f"runner returned no token for {missing}")
+            self._take_prompt_logprobs(model_out, launched.owners)
             return model_out
         except Exception as e:
             return self._runner_failed(e, launched.sched)
+
+    def _take_prompt_logprobs(self, model_out: ModelOutput, owners: dict) -> None:
+        """Place a step's prompt logprobs at their positions in each request's list; a position
+        already filled (a preempted request's recompute) keeps its first value."""
+        for rid, (first, lps) in model_out.prompt_logprobs.items():
+            req = owners.get(rid)
+            if req is None or req.prompt_logprobs is None:
+                continue
+            got = req.prompt_logprobs
+            for pos, lp in enumerate(lps, start=first):
+                if pos < len(got) and got[pos] is None:
+                    got[pos] = lp
 
     def _with_masks(self, sched_out: SchedulerOutput,
                     ahead: bool = False) -> tuple[SchedulerOutput, list[int]]:
@@ -421,6 +436,17 @@ class Engine:
         new = req.output_ids[len(req.output_ids) - req.num_new_tokens:]
         lps, req.new_logprobs = req.new_logprobs, None  # one per id of `new` when asked for
         sp = req.sampling
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True  # once, complete
+        if sp.max_tokens == 0:
+            # the prompt alone (prompt logprobs with max_tokens 0, OpenAI's echo): the token the
+            # prompt's last row sampled is dropped; the scheduler ended it by length
+            del req.output_ids[:]
+            self._forget(req.request_id)
+            out = _output(req, "", [], FinishReason.LENGTH)
+            out.prompt_logprobs = prompt_lps
+            return out
         guide = self._guides.get(req.request_id)
         if guide is not None:
             for t in new:
@@ -457,10 +483,13 @@ class Engine:
         stop_token = req.finish_reason is FinishReason.STOP
         detok = self._detoks[req.request_id]
         text, matched = "", None
+        before = len(req.output_ids) - len(new)  # tokens out before this step's
         for i, t in enumerate(new):
             if stop_token and i == len(new) - 1 and not sp.include_stop_str_in_output:
                 break
-            piece, matched = detok.add([t])  # one at a time: a match must cut right here
+            # one at a time: a match must cut right here; with min_tokens, stop strings are
+            # looked for from the token after the min_tokens-th on (vLLM's order)
+            piece, matched = detok.add([t], check_stops=before + i + 1 > sp.min_tokens)
             text += piece
             if matched is not None:
                 if i + 1 < len(new):
@@ -477,7 +506,9 @@ class Engine:
             self._forget(req.request_id)
         if lps is not None:
             lps = lps[:len(new)]  # a stop string may have cut the step's tokens
-        return _output(req, text, new, req.finish_reason, logprobs=lps)
+        out = _output(req, text, new, req.finish_reason, logprobs=lps)
+        out.prompt_logprobs = prompt_lps
+        return out
 
     def _fail_batch(self, sched_out: SchedulerOutput, message: str,
                     owners: dict | None = None) -> list[RequestOutput]:
@@ -532,8 +563,15 @@ def _output(
 
 def _check_sampling(sp: SamplingParams) -> None:
     """Raise ValueError for settings the sampler cannot honour."""
-    if sp.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {sp.max_tokens}")
+    if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got "
+                         f"{sp.prompt_logprobs}")
+    if sp.max_tokens < (0 if sp.prompt_logprobs is not None else 1):
+        raise ValueError(f"max_tokens must be >= 1 (0 only with prompt logprobs, the prompt "
+                         f"alone), got {sp.max_tokens}")
+    if not 0 <= sp.min_tokens <= sp.max_tokens:
+        raise ValueError(f"min_tokens must be in 0..max_tokens ({sp.max_tokens}), got "
+                         f"{sp.min_tokens}")
     if sp.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
     if not 0 < sp.top_p <= 1:

@@ -103,7 +103,7 @@ class Scheduler:
     # ---- requests in / out -------------------------------------------------------------------
     def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """Pages a request holds at its longest (the last sampled token is never cached)."""
-        return _cdiv(num_prompt_tokens + max_tokens - 1, self.page_size)
+        return _cdiv(num_prompt_tokens + max(max_tokens, 1) - 1, self.page_size)
 
     def add(self, req: Request) -> None:
         """Queue a new request.
@@ -200,8 +200,10 @@ class Scheduler:
         ps = self.page_size
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            # a cached prefix of its ids (a new prompt, or a preempted request's recompute)
-            hit = self.prefix.lookup(req.request_id, req.all_ids) if self.prefix else None
+            # a cached prefix of its ids (a new prompt, or a preempted request's recompute);
+            # prompt logprobs need every prompt position computed: no hit for those requests
+            hit = (self.prefix.lookup(req.request_id, req.all_ids)
+                   if self.prefix and req.sampling.prompt_logprobs is None else None)
             done = hit.length if hit else 0
             req.num_computed_tokens = done  # (0 without a hit: a new or preempted request)
             n = self._to_save_point(req, min(req.num_tokens - done, budget))
@@ -417,7 +419,9 @@ class Scheduler:
         stop_ids = self.stop_ids.get(req.request_id)
         if stop_ids is None:  # not added through add()
             stop_ids = self.stop_ids[req.request_id] = _stop_id_set(req)
-        if token in stop_ids:
+        # before min_tokens are out a stop id ends nothing (the sampler masks them: only its
+        # NaN fallback can still pick one)
+        if token in stop_ids and len(req.output_ids) > sp.min_tokens:
             return FinishReason.STOP
         if len(req.output_ids) >= sp.max_tokens:
             return FinishReason.LENGTH
@@ -550,6 +554,14 @@ class Scheduler:
         # the pages the MTP chain writes are added after every request has its chunk's pages
         # (`_chain_pages`): here only what the pages already held cover
         num_propose = self._num_propose(req, end + len(drafts)) if mtp and sample else 0
+        P = len(req.prompt_ids)
+        # prompt logprobs: the row at position p predicts prompt token p + 1 (a recompute's
+        # repeats are ignored by the engine, which keeps the first)
+        targets = (tuple(req.prompt_ids[start + 1:min(end, P - 1) + 1])
+                   if sp.prompt_logprobs is not None and start < P - 1 else ())
+        # min_tokens: the stop ids cannot be sampled before that many tokens are out
+        banned = (tuple(sorted(self.stop_ids.get(req.request_id, ())))
+                  if sample and len(req.output_ids) < sp.min_tokens else ())
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=tuple(tokens) + tuple(drafts),
@@ -566,4 +578,6 @@ class Scheduler:
             mtp=mtp,
             num_propose=num_propose,
             next_token=-1 if sample or not mtp else req.all_ids[end],
+            banned_ids=banned,
+            logprob_targets=targets,
         )

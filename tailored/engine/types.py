@@ -66,6 +66,13 @@ class SamplingParams:
     # None: no logprobs; k in 0..MAX_LOGPROBS: each generated token's logprob and its k most
     # likely alternatives (TokenLogprob)
     logprobs: int | None = None
+    # None: none; k in 0..MAX_LOGPROBS: each prompt token's logprob given the tokens before it
+    # (the first has none) and its k most likely alternatives (vLLM's prompt_logprobs; OpenAI's
+    # echo). Such a request computes its whole prompt: it takes no prefix-cache hit
+    prompt_logprobs: int | None = None
+    # EOS and stop token ids are masked, and stop strings not looked for, until this many
+    # tokens are out (vLLM's and SGLang's min_tokens)
+    min_tokens: int = 0
     # OpenAI's logit_bias: token id -> a value added to its logit before anything else
     logit_bias: dict[int, float] | None = None
     # the sampler's (ids, biases) of logit_bias, built at the request's first step (it would
@@ -91,9 +98,11 @@ class SamplingParams:
         history, which drafts would extend before they are verified, and no logprobs are asked
         (the sampler gives them for one token a row; a request that drafts gets several), and
         no logit_bias (the MTP head would draft unbiased tokens, mostly rejected), and no
-        structured output (its grammar masks one token a row, from the tokens before it)."""
+        structured output (its grammar masks one token a row, from the tokens before it), and
+        no min_tokens (its stop-id mask depends on the row's count of tokens out)."""
         return (self.temperature < GREEDY_TEMPERATURE and not self.uses_penalties
-                and self.logprobs is None and not self.logit_bias and self.structured is None)
+                and self.logprobs is None and not self.logit_bias and self.structured is None
+                and self.min_tokens == 0)
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,10 @@ class Request:
     num_new_tokens: int = 0  # output ids the last Scheduler.resolve appended
     new_logprobs: list[TokenLogprob] | None = None  # theirs, with SamplingParams.logprobs
     num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit supplied (engine/prefix_cache.py)
+    # with SamplingParams.prompt_logprobs: the logprob of each prompt token given those before
+    # it (None for the first, and for positions not computed yet); handed out once, complete
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -212,6 +225,11 @@ class ScheduledSeq:
     # structured output: the tokens its grammar allows next, a packed bitmask (int32 CPU tensor
     # [ceil(vocab / 32)], bit j of word i = token 32 i + j; engine/grammar.py); None: any
     allowed: Any = None
+    # ids the sampler must not pick this step: the stop ids while fewer than min_tokens are out
+    banned_ids: tuple[int, ...] = ()
+    # prompt logprobs (SamplingParams.prompt_logprobs = k): the token after each of this
+    # chunk's first len(logprob_targets) rows, whose logprob (and the row's top k) is wanted
+    logprob_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,6 +264,9 @@ class ModelOutput:
     draft_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # requests that asked for logprobs: those of token_ids[id] (they never draft)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # prompt logprobs: request id -> (position of the first, TokenLogprobs of the chunk's
+    # logprob_targets in order)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -268,6 +289,9 @@ class RequestOutput:
     error: str | None = None
     delta_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage's cached_tokens)
+    # with SamplingParams.prompt_logprobs, in the first output after the prompt ran: one entry
+    # per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # the error is the request's fault (a grammar that failed to compile after the request was
     # admitted): the server answers 400 instead of 500
     bad_request: bool = False

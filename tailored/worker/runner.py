@@ -27,6 +27,7 @@ from tailored.worker.cache import HybridCache
 from tailored.worker.chain_drafts import ChainDrafts, feed_drafts, pending_drafts
 from tailored.worker.kernel_path import make_draft_head, start_kernel_path
 from tailored.worker.memory_plan import kernel_path_reserve, mtp_layers, plan_cache, state_dtype
+from tailored.worker.prompt_logprobs import PromptLogprobs
 from tailored.worker.sampler import Sampled, sample_on_device
 from tailored.worker.spec_decoding import SpecDecoding, lone_decode
 
@@ -89,7 +90,7 @@ class ModelRunner:
         scheduling, kb/0015; no host sync). Raises RuntimeError for a pending token that
         `feed` did not sample."""
         t = time.perf_counter()
-        rows, sampled_seqs, layout, fed = [], [], [], []
+        rows, sampled_seqs, layout, fed, lp_rows = [], [], [], [], []
         fed_drafts, drafts_in = [], {}  # drafts a chain left on the device (chain_drafts.py)
         q = 0
         prev_rows = {} if feed is None else {s.request_id: i
@@ -111,6 +112,8 @@ class ModelRunner:
                                        "feed it")
                 fed.append((q, prev_rows[s.request_id]))
                 toks = [0]  # overwritten on the device below
+            if s.logprob_targets:
+                lp_rows.append((s, q))
             layout.append((toks, s.start_pos, s.slot, s.reset_state, s.page_ids,
                            s.num_draft > 0 or (verify_step and lone_decode(s))))
             q += len(toks)
@@ -145,6 +148,8 @@ class ModelRunner:
             self.cache.copy_states(sched.state_copies)
             self.cache.copy_pages(sched.page_copies)
         hidden = self.forward(batch)
+        # prompt logprobs (lm-eval, echo): the LM head over the rows that ask, enqueued now
+        prompt_lps = PromptLogprobs(self.model, hidden, lp_rows) if lp_rows else None
         if sched.snapshots:  # the states after the prompts this step completes
             self.cache.copy_states([(s.slot, s.snap) for s in sched.snapshots])
         if rows:
@@ -164,7 +169,8 @@ class ModelRunner:
             timer.runner_phase("launch", t)
         # the MTP reads this step's hidden states after its tokens are known (collect)
         spec = (batch, hidden) if chain is None and any(s.mtp for s in sched.seqs) else None
-        return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain, syn, drafts_in)
+        return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain, syn, drafts_in,
+                            prompt_lps)
 
     @torch.inference_mode()
     def resample(self, step: "LaunchedStep", fixes: list[tuple[int, ScheduledSeq]]) -> None:
@@ -187,7 +193,14 @@ class ModelRunner:
 
     def collect(self, step: "LaunchedStep") -> ModelOutput:
         """Wait for a launched step's tokens; returns them (bad_rows: the sampler's NaN
-        fallbacks, which differ from the ids a fed next step used)."""
+        fallbacks, which differ from the ids a fed next step used) and the step's prompt
+        logprobs."""
+        out = self._collect_tokens(step)
+        if step.prompt_lps is not None:
+            out = dataclasses.replace(out, prompt_logprobs=step.prompt_lps.read())
+        return out
+
+    def _collect_tokens(self, step: "LaunchedStep") -> ModelOutput:
         if step.sampled is None:
             # prompt chunks only: with speculative decoding the MTP still fills its KV there
             return self.spec.speculate(step, [], frozenset()) if step.spec is not None \
@@ -233,4 +246,5 @@ class LaunchedStep:
     syn: list[int] | None = None
     # request id -> (chain, row) of the verify chunks whose drafts that chain left on the device
     drafts_in: dict = field(default_factory=dict)
+    prompt_lps: PromptLogprobs | None = None  # the step's prompt logprobs, on the device
 

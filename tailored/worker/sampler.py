@@ -5,7 +5,8 @@
 Order of operations per row (each rule's source in brackets):
   0. logit_bias: each listed token's bias added to its logit  [OpenAI API reference; vLLM
      applies it before the penalties too]; then a structured-output row's grammar mask: the
-     tokens it does not allow get -inf  [engine/grammar.py; xgrammar's apply_token_bitmask]
+     tokens it does not allow get -inf  [engine/grammar.py; xgrammar's apply_token_bitmask];
+     then min_tokens: the stop ids get -inf until that many tokens are out  [vLLM]
   1. repetition penalty over prompt + generated ids: positive logits / r, negative logits * r
      [CTRL, Keskar et al. 2019; vLLM `apply_penalties`, HF RepetitionPenaltyLogitsProcessor]
   2. frequency and presence penalties over generated ids only:
@@ -204,7 +205,8 @@ def _sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
     raw = logits  # the input, for the NaN fallback
     params = [s.sampling for s in seqs]
     masked = any(s.allowed is not None for s in seqs)
-    if not masked and all(_is_greedy(p) and not p.uses_penalties and not p.logit_bias
+    banned = any(s.banned_ids for s in seqs)
+    if not masked and not banned and all(_is_greedy(p) and not p.uses_penalties and not p.logit_bias
                           for p in params):
         # the common serving case: argmax of the logits as they are. A float32 copy would
         # change no order (every bf16 value is exact in fp32; ties go to the lowest id either
@@ -215,6 +217,8 @@ def _sample(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> Sampled:
     _apply_logit_bias(logits, params)
     if masked:
         _apply_allowed(logits, seqs)
+    if banned:
+        _apply_banned(logits, seqs)
     _apply_penalties(logits, seqs)
 
     greedy_rows = [_is_greedy(p) for p in params]
@@ -321,6 +325,17 @@ def _apply_allowed(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
     index = to_device(torch.tensor(rows, dtype=torch.long), logits.device)
     sub = logits.index_select(0, index).masked_fill_(~ok, _MASK)
     logits.index_copy_(0, index, sub)
+
+
+def _apply_banned(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+    """In place: -inf at each row's ScheduledSeq.banned_ids (min_tokens: the stop ids before
+    that many tokens are out; vLLM's min-tokens logits processor), in one indexed write."""
+    pairs = [(i, t) for i, s in enumerate(seqs) for t in s.banned_ids
+             if 0 <= t < logits.shape[1]]
+    if pairs:
+        where = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), logits.device)
+        logits.index_put_((where[0], where[1]),
+                          torch.tensor(_MASK, dtype=logits.dtype, device=logits.device))
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
