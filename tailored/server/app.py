@@ -65,6 +65,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tailored import flags
 from tailored.server.async_engine import AsyncEngine
 from tailored.server.errors import OpenAIError, shown
 from tailored.server.http_io import error_response, internal_error
@@ -168,6 +169,12 @@ def build_app(
             status_code=503,
         )
 
+    @app.get("/version")
+    async def version():
+        """What this server is: the package version and every switch it runs with
+        (tailored/flags.py), which `tailored bench` records in its manifest."""
+        return {"version": _package_version(), "switches": flags.current().snapshot()}
+
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, max_model_len=max_model_len)
 
@@ -234,3 +241,12 @@ def build_app(
         return await count_tokens(server, request, messages)
 
     return app
+
+
+def _package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("tailored")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"

@@ -1314,3 +1314,15 @@ def test_body_cut_short_is_a_client_disconnect_not_an_error(srv, caplog):
         asyncio.run(app(scope, receive, send))
     assert "unexpected error" not in caplog.text
     assert "client left before sending the whole body" in caplog.text
+
+
+def test_version_names_the_package_and_every_switch(srv):
+    """GET /version (gateways and `tailored bench`'s manifest read it): the package version
+    and the whole switch record the server runs with."""
+    from tailored import flags
+
+    client, _, _ = srv
+    r = client.get("/version")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["version"] and body["switches"] == flags.current().snapshot()
