@@ -2,12 +2,14 @@
 and print what the test checks, as JSON: each task's metrics and each sample's arguments and
 responses (per-choice log-likelihoods for multiple choice, the text for generation).
 
-    python tests/lm_eval_tasks/run_local.py BASE_URL TOKENIZER_DIR
+    python tests/lm_eval_tasks/run_local.py BASE_URL [TOKENIZER_DIR]
 
 It runs what `lm-eval run --model local-completions ... --include_path tests/lm_eval_tasks`
 runs (docs/evaluation.md), without indexing lm-eval's built-in tasks (~7 s a run): the multiple
 choice and generation tasks through local-completions (token-id prompts, 4 a request), then
-the generation task through local-chat-completions (chat template, text). Offline: the
+the generation task through local-chat-completions (chat template, text). Tokens come from the
+server's /tokenize (lm-eval's default `tokenizer_backend` finds it), or with TOKENIZER_DIR
+from that directory's Hugging Face tokenizer files. Offline: the
 Hugging Face clients are set offline and any connection to a host other than the loopback
 raises.
 """
@@ -37,7 +39,7 @@ socket.socket.connect = _loopback_only
 HERE = Path(__file__).resolve().parent
 
 
-def run(base_url: str, tokenizer: str) -> dict:
+def run(base_url: str, tokenizer: str | None = None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -48,8 +50,9 @@ def run(base_url: str, tokenizer: str) -> dict:
              {"batch_size": 4}),
             ("local-chat-completions", "/v1/chat/completions", ["nano_gen"],
              {"apply_chat_template": True})):
-        args = (f"model=nano,base_url={base_url}{path},tokenizer_backend=huggingface,"
-                f"tokenizer={tokenizer},max_retries=1")
+        args = f"model=nano,base_url={base_url}{path},max_retries=1"
+        if tokenizer is not None and model == "local-completions":
+            args += f",tokenizer_backend=huggingface,tokenizer={tokenizer}"
         res = lm_eval.simple_evaluate(model=model, model_args=args, tasks=names,
                                       task_manager=tasks, log_samples=True,
                                       **extra)
@@ -64,4 +67,4 @@ def run(base_url: str, tokenizer: str) -> dict:
 
 
 if __name__ == "__main__":
-    json.dump(run(sys.argv[1], sys.argv[2]), sys.stdout, default=str)
+    json.dump(run(*sys.argv[1:3]), sys.stdout, default=str)

@@ -25,7 +25,8 @@ import tailored
 pytestmark = pytest.mark.usefixtures("nano_servers")
 
 NANO = Path(tailored.__file__).parent / "data" / "nano"
-TASKS = Path(__file__).resolve().parents[1] / "lm_eval_tasks"
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ROOT / "tests" / "lm_eval_tasks"
 TOL = 2e-4  # a logprob, ours (fp32, the plain path) against transformers' (fp32)
 PROMPT = "import os\n\nclass Reader:\n    def __init__(self"
 
@@ -217,6 +218,25 @@ def test_bad_combinations_are_400s_naming_the_field_and_the_server_stays_healthy
                 logprobs=0)["choices"][0]["text"].startswith("x")
 
 
+def test_tokenizer_routes_in_vllms_shape(client, srv):
+    """/tokenize, /detokenize, /tokenizer_info (tokenize_api.py): what lm-eval's remote
+    tokenizer reads."""
+    tok = srv.tokenizer
+    text = "import os<|im_end|>"
+    got = post(client, "/tokenize", prompt=text, add_special_tokens=False)
+    assert got["tokens"] == tok.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] > 0
+    assert post(client, "/detokenize", tokens=got["tokens"]) == {"prompt": text}
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"]
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": []}, "prompt"),
+                              ("/detokenize", {"tokens": [10**7]}, "tokens"),
+                              ("/detokenize", {"tokens": "12"}, "tokens")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
 # ---- lm-evaluation-harness -----------------------------------------------------------------
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-eval's TemplateLM._encode_pair (causal): the context's trailing spaces go to the
@@ -228,15 +248,16 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
     return ctx, whole[len(ctx):]
 
 
-def test_lm_eval_runs_unchanged_and_its_loglikelihoods_are_the_models(srv, ref):
+def test_lm_eval_runs_unchanged_and_its_loglikelihoods_are_the_models(srv, ref, tmp_path):
     """The local task set through lm-eval 0.4's local-completions (multiple choice and
-    generation; token-id prompts, 4 a request) and local-chat-completions (generation): the
-    harness completes, sent echo + logprobs + max_tokens 1 for each choice, and each
+    generation; token-id prompts, 4 a request, tokenized by the server's /tokenize, which
+    lm-eval finds by itself) and local-chat-completions (generation): the harness completes,
+    sent echo + logprobs + max_tokens 1 for each choice, and each
     per-choice log-likelihood it reports is the sum of transformers' logprobs of the
     choice's tokens."""
     pytest.importorskip("lm_eval")
     SEEN.clear()
-    run = subprocess.run([sys.executable, str(TASKS / "run_local.py"), srv.url, str(NANO)],
+    run = subprocess.run([sys.executable, str(TASKS / "run_local.py"), srv.url],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout)
@@ -261,3 +282,14 @@ def test_lm_eval_runs_unchanged_and_its_loglikelihoods_are_the_models(srv, ref):
             assert math.isclose(loglik, want, abs_tol=TOL * len(cont)), (context, continuation)
             checked += 1
     assert checked == 24  # 8 questions x 3 choices
+    # the GPU run's stand-in for lm-eval (docs/evaluation.md) sends the same requests: the
+    # same per-choice log-likelihoods
+    replay = subprocess.run([sys.executable, str(ROOT / "lab" / "lm_eval_replay.py"), "run",
+                             srv.url, "--tokenizer", str(NANO), "--out", str(tmp_path / "r.json")],
+                            capture_output=True, text=True, timeout=120)
+    assert replay.returncode == 0, replay.stderr[-4000:]
+    mine = json.loads((tmp_path / "r.json").read_text())["choices"]
+    theirs = [s["resps"][c][0][0] for s in comp["samples"]["nano_mc"]
+              for c in range(len(s["resps"]))]
+    assert len(mine) == len(theirs)
+    assert all(math.isclose(m["loglik"], t, abs_tol=1e-5) for m, t in zip(mine, theirs))
