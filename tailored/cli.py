@@ -50,6 +50,11 @@ def _serve_parser(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of --load-format dummy weights (default: %(default)s)")
+    p.add_argument("--dummy-init", choices=["default", "stable"], default="default",
+                   help="statistics of --load-format dummy weights; stable: the scaled "
+                        "residual init of `tailored gate`'s full-size fixture (kb/0008), whose "
+                        "40 layers stay well-conditioned (docs/evaluation.md serves it) "
+                        "(default: %(default)s)")
     p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
                    help="Triton kernel path with decode CUDA graphs. auto: on CUDA only; off: "
                         "the plain PyTorch path everywhere; on: also on the CPU, in Triton's "
@@ -265,7 +270,8 @@ def cmd_serve(args) -> int:
         kw["gdn_state_dtype"] = args.gdn_state_dtype
     build_kwargs = dict(load_format=args.load_format, num_layers=args.num_layers,
                         device=None if args.checkpoint_dir is None and args.device == "auto" else args.device,
-                        dtype=args.dtype, seed=args.seed, switches=switches, **kw)
+                        dtype=args.dtype, seed=args.seed, dummy_init=args.dummy_init,
+                        switches=switches, **kw)
     if args.engine_process == "on":
         from tailored.server.engine_process import EngineProcess
         from tailored.stack import build_engine, embedded_checkpoint

@@ -28,7 +28,7 @@ from typing import Any
 
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
-from tailored.engine.grammar import Grammars, Guide
+from tailored.engine.grammar import Grammars, Guide, with_mask
 from tailored.engine.scheduler import Scheduler
 from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
@@ -353,7 +353,7 @@ class Engine:
                 if ahead:
                     deferred.append(i)
                 else:
-                    seq = replace(seq, allowed=self._mask(guide))
+                    seq = with_mask(seq, self._mask(guide))
             seqs.append(seq)
         return replace(sched_out, seqs=tuple(seqs)), deferred
 
@@ -386,7 +386,7 @@ class Engine:
                 continue
             row = next(r for r, s in enumerate(step.launched.sampled_seqs)
                        if s.request_id == seq.request_id)  # decode rows: one sampled row each
-            fixes.append((row, replace(seq, allowed=mask)))
+            fixes.append((row, with_mask(seq, mask)))
         step.deferred = []
         if not fixes:
             return []

@@ -42,6 +42,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
@@ -488,6 +489,22 @@ def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | No
         if why:
             return why
     return None
+
+
+def with_mask(seq, mask: torch.Tensor | None):
+    """A sampled row (ScheduledSeq) under its grammar's next-token mask. Where the grammar
+    can only end (the mask allows nothing but the row's banned stop ids: min_tokens not
+    reached), the stop ids stay allowed: the grammar's end wins over min_tokens, as every
+    token masked would send the sampler past the mask (a token the grammar refuses)."""
+    banned = seq.banned_ids
+    if banned and mask is not None:
+        ids = torch.tensor(banned, dtype=torch.long)
+        ids = ids[ids // 32 < mask.shape[0]]
+        bits = torch.zeros_like(mask)  # the banned ids' bits (distinct bits: sum = or)
+        bits.index_put_((ids // 32,), (1 << (ids % 32)).to(torch.int32), accumulate=True)
+        if not bool((mask & ~bits).any()):
+            banned = ()
+    return replace(seq, allowed=mask, banned_ids=banned)
 
 
 def _last(ids: list[int], token: int) -> int:

@@ -139,10 +139,13 @@ class TokenLogprob:
     (log_softmax of its raw logits: before penalties, temperature and top-k/p, as vLLM's
     default `raw_logprobs`), and `top`: the k most likely tokens [(id, logprob)], most likely
     first. A value that is not finite (NaN logits) is given as -9999.0, as OpenAI does for
-    tokens of no probability, so the JSON stays valid."""
+    tokens of no probability, so the JSON stays valid. rank: the token's rank in that
+    distribution, 1 + the number of other tokens at least as likely (vLLM's `rank`); given for
+    prompt logprobs only (None for generated tokens)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 _req_counter = itertools.count()

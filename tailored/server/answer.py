@@ -154,6 +154,8 @@ class Answer:
     ids: list[int] = field(default_factory=list)  # all ids (keep_ids), or those with logprobs
     logprobs: list[TokenLogprob] = field(default_factory=list)
     raw_text: str = ""  # the engine's text before any split (keep_ids)
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 async def answer_pieces(stream, splitter: AnswerSplitter,
@@ -196,6 +198,8 @@ async def collect_answer(stream, splitter: AnswerSplitter, tracker: RequestMetri
         async for p in pieces:
             out = p.out
             answer.num_tokens += len(out.delta_token_ids)
+            if out.prompt_logprobs is not None:  # (once, with the first output)
+                answer.prompt_logprobs = out.prompt_logprobs
             if out.delta_logprobs is not None:
                 answer.ids += out.delta_token_ids
                 answer.logprobs += out.delta_logprobs

@@ -12,6 +12,8 @@
                                 stored response
     POST /v1/messages           the Anthropic Messages API (Claude Code), on the chat path
                                 (messages_api.py); POST /v1/messages/count_tokens
+    POST /tokenize, /detokenize vLLM's tokenizer routes; GET /tokenizer_info (lm-eval's
+                                remote tokenizer finds them: tokenize_api.py)
     GET  /metrics               Prometheus text (HEAD too): vLLM's metric names with the prefix
                                 `tailored:` (tokens, finished requests by reason, TTFT /
                                 inter-token / end-to-end latency histograms in seconds, running
@@ -76,6 +78,7 @@ from tailored.server.messages_api import MessagesDialect
 from tailored.server.response_store import ResponseStore
 from tailored.server.responses_api import ResponsesDialect
 from tailored.server.serving import Server
+from tailored.server.tokenize_api import add_tokenizer_routes
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +216,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.handle(request, chat=True)
+
+    add_tokenizer_routes(app, server)  # /tokenize, /detokenize, /tokenizer_info
 
     # the coding agents' front doors, on the chat engine path (front_doors.py)
     responses = ResponsesDialect(server, ResponseStore())

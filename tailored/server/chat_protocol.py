@@ -147,7 +147,7 @@ class ChatCompletionRequest(BaseRequest):
     ends the answer (and its generation) once its first call ended."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=0)  # 0: as max_tokens
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
@@ -281,6 +281,15 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # vLLM's prompt_logprobs of the rendered prompt (formatter.py), left out unless asked for
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class DeltaMessage(BaseModel):

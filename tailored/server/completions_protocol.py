@@ -3,9 +3,9 @@ chunks (OpenAI's legacy completions shapes)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_serializer
 
 from tailored.engine.types import MAX_LOGPROBS
 from tailored.server.errors import OpenAIError
@@ -20,14 +20,36 @@ class CompletionRequest(BaseRequest):
     a batch, a list of 2 to MAX_PROMPTS of those (`prompts` lists them either way; each prompt
     gets `n` choices, numbered prompt * n + choice, as OpenAI and vLLM).
     logprobs: k in 0..MAX_LOGPROBS: each generated token's logprob and its k most likely
-    alternatives (0 still asks for the sampled token's)."""
+    alternatives (0 still asks for the sampled token's).
+    echo: the choice's text starts with the prompt's, and with logprobs its tokens' entries
+    start with the prompt's (OpenAI's legacy semantics; the first prompt token's logprob is
+    null); max_tokens 0 with echo: the prompt alone (as vLLM). lm-evaluation-harness scores
+    multiple choice with echo, logprobs 1 and max_tokens 1."""
 
     prompt: str | list[int] | list[str | list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        k: v for k, v in BaseRequest.UNSUPPORTED.items() if k != "echo"
+    }
+    PROMPT_ALONE_WITH: ClassVar[str] = "with echo or prompt_logprobs"
 
     @property
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the answer shows: `prompt_logprobs`'s, and with echo the
+        prompt's part of `logprobs` (the engine computes the larger k once). Echo with
+        max_tokens 0 asks for them even without logprobs: the engine's request for the prompt
+        alone."""
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+              if k is not None]
+        if not ks and self.echo and self.max_tokens == 0:
+            ks = [0]
+        return max(ks) if ks else None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -70,6 +92,15 @@ class CompletionChoice(BaseModel):
     # {"tokens", "token_logprobs", "top_logprobs", "text_offset"} (OpenAI's legacy shape)
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    # vLLM's prompt_logprobs (formatter.py), left out unless asked for
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class CompletionResponse(BaseModel):

@@ -39,12 +39,20 @@ class Formatter(AnswerSplitter):
                  thinking: bool | None = None, tools: list[dict] | None = None,
                  index: int = 0, logprobs: int | None = None, tokenizer=None,
                  raw_thinking: bool = False, max_calls: int | None = None,
-                 forced: bool = False, prompt_no: int = 0) -> None:
+                 forced: bool = False, prompt_no: int = 0,
+                 prompt_ids: list[int] | None = None, echo: str | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         super().__init__(thinking, tools, raw_thinking, max_calls, forced, prompt_no)
         self.request_id, self.model, self.chat = request_id, model, chat
         self.index = index  # the choice this formatter renders (n > 1: one formatter each)
         # SamplingParams.logprobs of the request (None: none); the tokenizer names the tokens
         self.logprobs_k, self._tokenizer = logprobs, tokenizer
+        # the prompt's ids (this choice's prompt); echo: the prompt's text, which the answer
+        # starts with (completions' echo, once: `echo_prefix`); prompt_logprobs: the request's
+        # (vLLM's field, `prompt_logprobs_field`)
+        self._prompt_ids, self._echo = list(prompt_ids or ()), echo
+        self.prompt_logprobs_k = prompt_logprobs
+        self.prompt_logprobs: list | None = None  # the field, once the answer is collected
         self._text_offset = 0  # completions' text_offset of the next token
         # the tokens' bytes decoded as the detokenizer does: a character split over tokens
         # counts once it is whole
@@ -79,20 +87,75 @@ class Formatter(AnswerSplitter):
                 {**self._token(t, lp.logprob),
                  "top_logprobs": [self._token(i, v) for i, v in lp.top]}
                 for t, lp in zip(ids, lps)]}
+        return self._completion_logprobs(ids, lps)
+
+    def _completion_logprobs(self, ids: list[int], lps: list[TokenLogprob | None],
+                             prompt: bool = False) -> dict:
+        """Completions' logprobs object; an entry None (the first prompt token's) gives null
+        token_logprobs and top_logprobs; prompt: the echoed prompt's tokens (special tokens
+        are part of its text; an entry lists at most `logprobs` alternatives, the engine may
+        have computed more for prompt_logprobs)."""
         tokens = [self._token(t)["token"] for t in ids]
         offsets = []
         is_special = getattr(self._tokenizer, "is_special", None)
         for t in ids:  # where each token's text starts in the returned text (characters)
             offsets.append(self._text_offset)
-            if is_special is None or not is_special(t):  # (special tokens give no text)
+            # (special tokens give no text in the completion; the echoed prompt has them)
+            if prompt or is_special is None or not is_special(t):
                 self._text_offset += len(self._utf8.decode(self._tokenizer.token_bytes(t)))
+        k = self.logprobs_k
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{**{self._token(i)["token"]: v for i, v in lp.top},
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+            "top_logprobs": [None if lp is None else
+                             {**{self._token(i)["token"]: v for i, v in lp.top[:k]},
                               tok: lp.logprob} for tok, lp in zip(tokens, lps)],
             "text_offset": offsets,
         }
+
+    def echo_prefix(self, prompt_lps: list[TokenLogprob | None] | None
+                    ) -> tuple[str, dict | None]:
+        """Completions' echo, with the choice's first output (then, and without echo: "" and
+        None): the prompt's text and, with logprobs, its tokens' entries (OpenAI's legacy
+        shape: the first token's logprob and top_logprobs null; text_offset from 0). The
+        completion's offsets then count from the end of the prompt's text."""
+        if self._echo is None:
+            return "", None
+        text, self._echo = self._echo, None
+        payload = None
+        if self.logprobs_k is not None:
+            ids = self._prompt_ids
+            payload = self._completion_logprobs(ids, prompt_lps or [None] * len(ids),
+                                                prompt=True)
+        self._text_offset = len(text)
+        self._utf8.reset()
+        return text, payload
+
+    def prompt_logprobs_field(self, prompt_lps: list[TokenLogprob | None] | None
+                              ) -> list | None:
+        """vLLM's `prompt_logprobs` (None unless the request set it): one entry per prompt
+        token, null for the first, else {token id as text: {"logprob", "rank",
+        "decoded_token"}} holding the prompt's token first (its rank in the whole
+        vocabulary), then the k most likely with ranks 1..k (the prompt's token keeps its
+        place when it is one of them), as vLLM's `append_logprobs_for_next_position`."""
+        k = self.prompt_logprobs_k
+        if k is None:
+            return None
+        ids = self._prompt_ids
+        out: list = []
+        for t, lp in zip(ids, prompt_lps or [None] * len(ids)):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): self._ranked(t, lp.logprob, lp.rank)}
+            for rank, (i, v) in enumerate(lp.top[:k], start=1):
+                entry[str(i)] = self._ranked(i, v, rank)
+            out.append(entry)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        text = self._tokenizer.token_bytes(token_id).decode("utf-8", "replace")
+        return {"logprob": logprob, "rank": rank, "decoded_token": text}
 
     def _token(self, token_id: int, logprob: float | None = None) -> dict:
         """{"token": its text, "logprob", "bytes": its bytes}. A token holding part of a UTF-8
@@ -158,7 +221,7 @@ class Formatter(AnswerSplitter):
         answer is empty; content is null beside calls when the model wrote none (OpenAI)."""
         if not self.chat:
             return CompletionChoice(index=self.index, text=text, finish_reason=finish,
-                                    logprobs=logprobs)
+                                    logprobs=logprobs, prompt_logprobs=self.prompt_logprobs)
         r, content = reasoning_fields(reasoning, text, self.thinking)
         tool_calls = join_calls(calls) or None
         if tool_calls:
@@ -174,5 +237,9 @@ class Formatter(AnswerSplitter):
         completion_tokens: summed over them (the prompt counts once); cached_tokens:
         `_cached_tokens` of the formatters."""
         usage = UsageInfo.of(self.prompt_tokens, completion_tokens, cached_tokens)
-        cls = ChatCompletionResponse if self.chat else CompletionResponse
-        return cls(id=self.request_id, model=self.model, choices=choices, usage=usage)
+        if self.chat:  # (vLLM's place for a chat request's prompt_logprobs: the top level)
+            return ChatCompletionResponse(id=self.request_id, model=self.model,
+                                          choices=choices, usage=usage,
+                                          prompt_logprobs=self.prompt_logprobs)
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices,
+                                  usage=usage)

@@ -15,8 +15,9 @@ Validation happens in three stages:
 1. `Model.model_validate(body)` checks types and ranges; `validation_error_to_openai` turns a
    pydantic ValidationError into one readable `OpenAIError` naming the field(s).
 2. `request.check_supported()` raises `OpenAIError` for parameters that would change the result
-   but are not implemented (prompt_logprobs, best_of > 1, ...). Other unknown fields are
-   ignored.
+   but are not implemented (best_of > 1, suffix, ...) and for combinations that cannot be
+   honoured (prompt_logprobs with stream, min_tokens over max_tokens, ...). Other unknown
+   fields are ignored.
 `request.sampling_params(max_tokens, defaults)` then builds the engine's `SamplingParams`.
 """
 
@@ -28,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tailored.engine.types import SamplingParams, StructuredOutput
+from tailored.engine.types import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from tailored.server.errors import OpenAIError, shown
 from tailored.server.structured import ResponseFormat, StructuredOutputsParams
 
@@ -71,7 +72,13 @@ class BaseRequest(BaseModel):
     model_config = REQUEST_CONFIG  # unknown fields are kept to be screened, then ignored
 
     model: str | None = None  # omitted = the served model
-    max_tokens: int | None = Field(None, ge=1)
+    # 0: the prompt alone, only with prompt logprobs (`check_supported`)
+    max_tokens: int | None = Field(None, ge=0)
+    # EOS and stop strings are ignored until this many tokens are out (vLLM's, SGLang's)
+    min_tokens: int | None = Field(None, ge=0)
+    # vLLM's prompt_logprobs: each prompt token's logprob given those before it and its k most
+    # likely alternatives (completions: per choice; chat: at the response's top level)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0 = disabled
@@ -114,8 +121,6 @@ class BaseRequest(BaseModel):
         "guided_regex": unset,
         "guided_choice": unset,
         "guided_grammar": unset,
-        "prompt_logprobs": unset,
-        "min_tokens": unset,
         "use_beam_search": unset,
         "truncate_prompt_tokens": unset,
         "bad_words": unset,
@@ -176,6 +181,17 @@ class BaseRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("parameter 'stream_options' is only allowed when 'stream' is true",
                               param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            # as vLLM: a stream chunk has no place for them
+            raise OpenAIError("parameter 'prompt_logprobs' is not available with 'stream': "
+                              "true", param="prompt_logprobs")
+        requested, name = self.requested_max_tokens, self.max_tokens_param
+        if requested == 0 and self.engine_prompt_logprobs is None:
+            raise OpenAIError(f"'{name}' must be at least 1 (0, the prompt alone, only "
+                              f"{self.PROMPT_ALONE_WITH})", param=name)
+        if self.min_tokens and requested is not None and self.min_tokens > requested:
+            raise OpenAIError(f"'min_tokens' ({self.min_tokens}) must not exceed '{name}' "
+                              f"({requested})", param="min_tokens")
         extra = self.model_extra or {}
         for name, harmless in self.UNSUPPORTED.items():
             value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
@@ -185,6 +201,9 @@ class BaseRequest(BaseModel):
                     param=name,
                     code="unsupported_parameter",
                 )
+
+    # where max_tokens 0 is allowed (the 400's words)
+    PROMPT_ALONE_WITH: ClassVar[str] = "with prompt_logprobs"
 
     def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """Engine settings; omitted fields come from `defaults` (e.g. generation_config.json),
@@ -212,6 +231,8 @@ class BaseRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprobs_k,
+            prompt_logprobs=self.engine_prompt_logprobs,
+            min_tokens=self.min_tokens or 0,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} or None
             if self.logit_bias else None,
             structured=self.structured_output(),
@@ -227,6 +248,12 @@ class BaseRequest(BaseModel):
     def logprobs_k(self) -> int | None:
         """SamplingParams.logprobs: None, or how many alternatives each token lists."""
         return None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: None, or how many alternatives each prompt token
+        lists (the most any part of the answer shows)."""
+        return self.prompt_logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:

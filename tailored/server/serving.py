@@ -209,6 +209,16 @@ class Server:
                 out.append(list(prompt))
         return out
 
+    async def echo_texts(self, req, prompts: list[list[int]]) -> list[str | None]:
+        """Each prompt's text for completions' echo (None without echo): a text prompt as
+        given, a token-id prompt decoded (special tokens kept: the prompt as the model saw
+        it)."""
+        if isinstance(req, ChatCompletionRequest) or not req.echo:
+            return [None] * len(prompts)
+        return [p if isinstance(p, str) else
+                await self._tokenize(self.tokenizer.decode, ids, skip_special_tokens=False)
+                for p, ids in zip(req.prompts, prompts)]
+
     async def close_ids(self) -> list[int]:
         """The token ids that close a think block (thinking_budget.CLOSE_TEXT), encoded once."""
         if self._close_ids is None:
@@ -292,6 +302,12 @@ class Server:
             params = ([prompt_param] if len(prompts) == 1
                       else [f"{prompt_param}[{k}]" for k in range(len(prompts))])
             max_tokens = [self.max_tokens(req, len(p), q) for p, q in zip(prompts, params)]
+            if req.min_tokens and req.min_tokens > min(max_tokens):
+                # (max_tokens omitted: the budget is what the context leaves)
+                raise OpenAIError(f"'min_tokens' ({req.min_tokens}) is more than the "
+                                  f"completion can have ({min(max_tokens)} tokens)",
+                                  param="min_tokens")
+            echoes = await self.echo_texts(req, prompts)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             streams = await self.start(req, request_id, prompts, max_tokens, params)
             n = req.n or 1
@@ -306,7 +322,9 @@ class Server:
                                logprobs=req.logprobs_k, tokenizer=self.tokenizer,
                                raw_thinking=opens_think and not self.reasoning_parser,
                                max_calls=req.max_tool_calls if chat else None,
-                               forced=chat and req.forced_tool_calls, prompt_no=i // n)
+                               forced=chat and req.forced_tool_calls, prompt_no=i // n,
+                               prompt_ids=prompts[i // n], echo=echoes[i // n],
+                               prompt_logprobs=req.prompt_logprobs)
                     for i in range(len(streams))]
             trackers = [self.metrics.request(arrival, len(prompts[k // n]))
                         for k in range(len(streams))]

@@ -93,8 +93,11 @@ async def stream_events(streams: list[RequestStream], fmts: list[Formatter],
                 ended.add(i)
                 trackers[i].finish("stop")
                 streams[i].abort()
+            # completions' echo: the prompt (and its logprobs) before the first delta's
+            echo, lp = fmt.echo_prefix(out.prompt_logprobs)
+            text = echo + text
             # a delta's logprobs go with it, also where its text is held back
-            lp = fmt.logprobs_payload(out.delta_token_ids, out.delta_logprobs)
+            lp = join_logprobs(lp, fmt.logprobs_payload(out.delta_token_ids, out.delta_logprobs))
             if text or reasoning or calls or lp or finish is not None:
                 yield fmt.chunk(text, finish, reasoning, calls, lp)
             if len(ended) == len(streams):
@@ -127,9 +130,18 @@ async def collect(stream: RequestStream, tracker: RequestMetrics, fmt: Formatter
     """One choice's whole answer, through the splitters a stream uses (so both give the same
     answer): (its choice object, completion tokens)."""
     answer = await collect_answer(stream, fmt, tracker)
-    choice = fmt.choice(answer.text, answer.reasoning, answer.calls, answer.finish,
-                        fmt.logprobs_payload(answer.ids, answer.logprobs))
+    echo, lp = fmt.echo_prefix(answer.prompt_logprobs)  # (first: the offsets follow it)
+    lp = join_logprobs(lp, fmt.logprobs_payload(answer.ids, answer.logprobs))
+    fmt.prompt_logprobs = fmt.prompt_logprobs_field(answer.prompt_logprobs)
+    choice = fmt.choice(echo + answer.text, answer.reasoning, answer.calls, answer.finish, lp)
     return choice, answer.num_tokens
+
+
+def join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    """Two completions logprobs objects (the echoed prompt's, the completion's) as one."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {key: a[key] + b[key] for key in a}
 
 
 async def outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -91,9 +91,12 @@ class BudgetedStream:
         self._watching = False
         self._inner.abort()
         self._offset = len(self._ids) + len(self._close_ids)
-        second = self._engine.generate(f"{self.request_id}-answer",
-                                       self._prompt + self._ids + self._close_ids,
-                                       replace(self._sampling, max_tokens=remaining))
+        # (the first request gave the prompt's logprobs; min_tokens counts the answer's whole)
+        sp = self._sampling
+        second = self._engine.generate(
+            f"{self.request_id}-answer", self._prompt + self._ids + self._close_ids,
+            replace(sp, max_tokens=remaining, prompt_logprobs=None,
+                    min_tokens=min(remaining, max(0, sp.min_tokens - self._offset))))
         self._inner = second
         try:
             await second.start()
