@@ -495,7 +495,7 @@ def test_agent_replay_grows_and_replays_a_session(tmp_path):
 
     from live_server import LiveServer
 
-    path = __import__("pathlib").Path(__file__).resolve().parents[2] / "scripts" / \
+    path = __import__("pathlib").Path(__file__).resolve().parents[2] / "lab" / \
         "agent_replay.py"
     spec = importlib.util.spec_from_file_location("agent_replay", path)
     replay = importlib.util.module_from_spec(spec)
