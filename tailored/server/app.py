@@ -68,6 +68,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tailored import flags
+from tailored.server.access_log import AccessLog
 from tailored.server.async_engine import AsyncEngine
 from tailored.server.errors import OpenAIError, shown
 from tailored.server.http_io import error_response, internal_error
@@ -93,6 +94,7 @@ def build_app(
     disconnect_poll_s: float = 0.5,
     max_body_bytes: int | None = None,
     reasoning_parser: str | None = None,
+    access_log: bool = False,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
 
@@ -103,6 +105,7 @@ def build_app(
     token of max_model_len, 2 to 32 MiB).
     reasoning_parser: "qwen3" splits chat answers into the reasoning (`reasoning` and
     `reasoning_content`) and content (`reasoning.py`); None leaves content the raw text.
+    access_log: one log line per request (access_log.py; `tailored serve` turns it on).
     """
     server = Server(
         async_engine,
@@ -129,6 +132,8 @@ def build_app(
     app = FastAPI(title="tailored", lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False)
     app.state.server = server
+    if access_log:
+        app.add_middleware(AccessLog)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -118,8 +118,8 @@ class ResponsesDialect:
                             response_format(req.text.format if req.text else None))):
             if value is not None:
                 chat[key] = value
-        if req.reasoning is not None and req.reasoning.thinking is not None:
-            chat["chat_template_kwargs"] = {"enable_thinking": req.reasoning.thinking}
+        if req.reasoning is not None and req.reasoning.effort is not None:
+            chat["reasoning_effort"] = req.reasoning.effort  # (chat maps it: protocol.py)
         extra = req.model_extra or {}
         for key in PASSED_THROUGH:
             if key in extra:
