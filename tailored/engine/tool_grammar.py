@@ -13,6 +13,16 @@ A "tool_calls" spec (types.StructuredOutput; JSON {"tools", "tool_choice",
   either such calls or the answer's grammar (`answer`: {"kind", "schema", "compact"} of its
   own StructuredOutput): the model calls a tool or answers in the schema.
 
+Values that do not end early (`bounded_strings_without_value_ends`): a string value that held
+a text ending a value for the parser (`</parameter>`, `<parameter=`, `</function>`,
+`</tool_call>`: VALUE_ENDS) would be read as ending there. xgrammar keeps them out of a
+string (its `excludes`) only where the string has no length bound, as it drops the bound
+then; the nano model copied `</parameter>` from its prompt into a maxLength-12 argument, and
+the call lost its next, required argument. A bounded string (up to MAX_BOUND_CHARS) here
+holds no "</" and no "<p", which covers them, and a free string's text excludes all four
+(xgrammar's own excludes there name `</parameter>` only). A JSON string inside an object
+argument of such a schema may still hold them (its bound, or none, is xgrammar's).
+
 Exact values (`exact_value_newlines`): the chat template writes each value between one
 newline after `<parameter=NAME>` and one before `</parameter>`, and the parser drops exactly
 those two. xgrammar's tag lets any one whitespace character stand there, or none, outside the
@@ -44,6 +54,21 @@ _VALUE_SLOT = re.compile(r'">" (\w+) ((?:\w+|\(\([^()]*\)\))) (\w+) "</parameter
 _RULE = re.compile(r'^(\w+) ::= (.*)$', re.MULTILINE)
 _OPTIONAL_SPACE = '("" | ([ \\n\\r\\t]))'
 _FREE_SLOT = re.compile(r'">" (\w+) "</parameter>"')
+# a string with a length bound: its character rule repeated (printed `NAME_characters{m, k}`)
+_BOUNDED = re.compile(r"\b(\w+_characters)\{(\d+), (-?\d+)\}")
+MAX_BOUND_CHARS = 512  # a longer bound keeps xgrammar's rule (a value may then end early)
+# the bounded strings' character classes as xgrammar prints them (raw, as an XML value; in
+# JSON, a nested object's), and each without '<' and without '<', '/', 'p' (no surrogates,
+# no raw control character in JSON: grammar_text.py)
+_CLASSES = {
+    "[\\0-\\U0010ffff]": ("[^<\\U0000d800-\\U0000dfff]",
+                            "[^</p\\U0000d800-\\U0000dfff]"),
+    '[^\\"\\\\\\r\\n]': ('[^<\\0-\\x1f\\"\\\\\\U0000d800-\\U0000dfff]',
+                             '[^</p\\0-\\x1f\\"\\\\\\U0000d800-\\U0000dfff]'),
+}
+# a free string's text (xgrammar's TagDispatch) excludes the closing tag only, and all of them
+_FREE_EXCLUDES = 'excludes=("</parameter>")'
+_ALL_EXCLUDES = "excludes=(" + ", ".join(f'"{t}"' for t in sorted(VALUE_ENDS)) + ")"
 # a closing tag in a sequence (not in a TagDispatch's excludes list)
 _CLOSING = re.compile(r'(?<=[\w)]) "</parameter>"')
 
@@ -64,7 +89,8 @@ def tool_call_grammar(xgr, spec: dict, tokenizer, answer_grammar=None):
         max_whitespace_cnt=TOOL_CALL_WHITESPACE)
     tag = _calls_only(_exclude_value_ends(tag.model_dump(mode="json")))
     calls = xgr.Grammar.from_structural_tag(json.dumps(_token_ids(tag, tokenizer)))
-    calls = xgr.Grammar.from_ebnf(exact_value_newlines(str(calls)), root_rule_name="root")
+    text = bounded_strings_without_value_ends(exact_value_newlines(str(calls)))
+    calls = xgr.Grammar.from_ebnf(text, root_rule_name="root")
     calls = xgr.Grammar.concat(_leading_newlines(xgr), calls)
     if choice != "auto":
         return calls
@@ -98,6 +124,57 @@ def exact_value_newlines(text: str) -> str:
     if n + len(free) != len(_CLOSING.findall(text)):
         raise ValueError("unexpected tool-call grammar: a parameter value in an unknown shape")
     return out
+
+
+def bounded_strings_without_value_ends(text: str) -> str:
+    """xgrammar's printed tool-call grammar with each length-bounded string (m to k
+    characters, k up to MAX_BOUND_CHARS or none) of the same lengths, but holding no "</"
+    and no "<p" (see the module docstring): a '<' is followed by another '<', a character
+    other than '/' and 'p', or the string's end. Rules by characters left and whether the
+    last one was '<'."""
+    rules = dict(_RULE.findall(text))
+    new: list[str] = []
+    done: dict[tuple[str, int, int], str] = {}
+
+    def fix(m: re.Match) -> str:
+        name, lo, hi = m.group(1), int(m.group(2)), int(m.group(3))
+        body = rules.get(name, "")
+        cls = body[2:-2] if body.startswith("((") and body.endswith("))") else ""
+        if cls not in _CLASSES or max(lo, hi) > MAX_BOUND_CHARS:
+            return m.group(0)
+        if (name, lo, hi) not in done:
+            done[(name, lo, hi)] = _bounded_rules(new, f"{name}_{lo}_{hi}".replace("-", "n"),
+                                                  *_CLASSES[cls], lo, hi)
+        return done[(name, lo, hi)]
+
+    out = _BOUNDED.sub(fix, text).replace(_FREE_EXCLUDES, _ALL_EXCLUDES)
+    return out + "".join(f"\n{r}" for r in new) + ("\n" if new else "")
+
+
+def _bounded_rules(out: list[str], base: str, free: str, after_lt: str, lo: int,
+                   hi: int) -> str:
+    """Append the rules of a string of lo to hi characters (hi -1: no bound) with no "</"
+    or "<p" to `out`; the name of its start rule."""
+    def name(state, part, n):
+        return f"{base}_{state}_{part}{n}"
+
+    chars = {"a": free, "b": after_lt}  # a: after anything but '<'; b: right after '<'
+    rest = "inf" if hi < 0 else hi - lo
+    for s in "ab":  # the optional part: up to `rest` more characters
+        if hi < 0:
+            out.append(f'{name(s, "o", "inf")} ::= ("" | ({chars[s]} {name("a", "o", "inf")}) '
+                       f'| ("<" {name("b", "o", "inf")}))')
+            continue
+        out.append(f'{name(s, "o", 0)} ::= ("")')
+        for n in range(1, rest + 1):
+            out.append(f'{name(s, "o", n)} ::= ("" | ({chars[s]} {name("a", "o", n - 1)}) '
+                       f'| ("<" {name("b", "o", n - 1)}))')
+    for s in "ab":  # the mandatory part: lo characters
+        out.append(f'{name(s, "m", 0)} ::= ({name(s, "o", rest)})')
+        for n in range(1, lo + 1):
+            out.append(f'{name(s, "m", n)} ::= (({chars[s]} {name("a", "m", n - 1)}) '
+                       f'| ("<" {name("b", "m", n - 1)}))')
+    return name("a", "m", lo)
 
 
 def _calls_only(tag: dict) -> dict:

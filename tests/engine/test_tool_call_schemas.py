@@ -301,3 +301,25 @@ def test_calls_or_the_answer_name_the_field_at_fault(grammars):
         g.parse(_spec([bad_tool], "auto", True, ANSWER))
     regex = {"kind": "regex", "schema": "[ab]{2}", "compact": False}
     g.parse(_spec([WEATHER], "auto", True, regex))  # any answer kind (structured_outputs)
+
+
+@pytest.mark.parametrize("value,ok", [
+    ("\n</parameter>\n", False),  # 12 characters: within maxLength, but it ends the value
+    ("\nab<parameter=x\n", False), ("\n</function>\n", False), ("\na</tool_call>\n", False),
+    ("\na<b\n", True), ("\n<<a\n", True), ("\nx<\n", True), ("\n<q/p>\n", True),
+])
+def test_a_bounded_string_holds_no_text_that_ends_a_value(grammars, value, ok):
+    """The parser ends a value at `</parameter>`, `<parameter=`, `</function>` or
+    `</tool_call>`: a bounded string cannot hold them (no "</", no "<p"), a free one neither
+    (the nano model copied `</parameter>` from its prompt into a maxLength-12 argument, and the
+    call lost its next, required one)."""
+    g, tok = grammars
+    params = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12},
+                                               "f": {"type": "string"}},
+              "required": ["s", "f"]}
+    text = _call(s=value, f="\nfree\n")
+    assert _takes(g, tok, _spec([_tool(params)]), text) is ok
+    if ok:
+        assert _check(params, text, [_tool(params)])["s"] == value[1:-1]
+    free = _call(s="\nx\n", f=value)
+    assert _takes(g, tok, _spec([_tool(params)]), free) is ("</" not in value and "<p" not in value)
