@@ -37,6 +37,7 @@ import functools
 import json
 import re
 
+from tailored.engine.grammar_text import rewrite
 from tailored.engine.schema_formats import exact_formats
 from tailored.engine.tool_format import VALUE_ENDS
 
@@ -90,7 +91,9 @@ def tool_call_grammar(xgr, spec: dict, tokenizer, answer_grammar=None):
     tag = _calls_only(_exclude_value_ends(tag.model_dump(mode="json")))
     calls = xgr.Grammar.from_structural_tag(json.dumps(_token_ids(tag, tokenizer)))
     text = bounded_strings_without_value_ends(exact_value_newlines(str(calls)))
-    calls = xgr.Grammar.from_ebnf(text, root_rule_name="root")
+    # (parsed again from its printed text: the accents of names kept as written, as
+    # grammar_text.safe_grammar does)
+    calls = xgr.Grammar.from_ebnf(rewrite(text), root_rule_name="root")
     calls = xgr.Grammar.concat(_leading_newlines(xgr), calls)
     if choice != "auto":
         return calls
