@@ -822,8 +822,10 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     ("required", True, CALL.replace("Paris", "Paris</function>"), False),
     ("required", True, CALL.replace("Paris", "Paris</parameter"), True),
     (NAMED, True, CALL, True),
-    # a length bound is kept, and then such a text may stand in a string value
-    ("bounded", True, CALL.replace("Paris", "Paris<parameter=x>"), True),
+    # a length bound is kept, and such a text cannot stand in the value either (the parser
+    # would end it there: engine/tool_grammar.py)
+    ("bounded", True, CALL.replace("Paris", "Paris<parameter=x>"), False),
+    ("bounded", True, CALL.replace("Paris", "Paris<b"), True),
     ("bounded", True, CALL.replace("Paris", "P" * 31), False),  # maxLength 30 holds
     (NAMED, True, CALL + "\n" + CALL, False),  # a named function: exactly one call
     (NAMED, True, "<tool_call>\n<function=noop>\n\n</function>\n</tool_call>", False),
