@@ -16,7 +16,7 @@ Request -> chat (see also responses_protocol.py):
   `text.format` (json_object, json_schema: chat's response_format, enforced by a grammar),
   `reasoning.effort` (none and minimal: thinking off; others on; absent: the template's
   default, on), `max_output_tokens`, `temperature`, `top_p`; vLLM's sampling extensions
-  (top_k, min_p, seed, penalties, stop) pass through as in chat.
+  (top_k, min_p, seed, penalties, stop) and chat's logit_bias pass through as in chat.
 
 Answer -> output items, in order: `reasoning` (the thinking, as a reasoning_text part; with
 include ["reasoning.encrypted_content"] also sealed in encrypted_content, so clients that keep

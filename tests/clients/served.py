@@ -32,22 +32,25 @@ STRUCTURED_TOKENS = 160  # a schema's JSON or a call
 START_TIMEOUT_S = 180
 
 
-def _biases() -> tuple[dict[str, int], str]:
+def _biases() -> tuple[dict[str, int], str, str]:
     from tailored.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ROOT / "tailored" / "data" / "nano")
     space = {str(i): -100 for i in range(tok.vocab_size)
              if not tok.is_added(i) and tok.token_bytes(i) and not tok.token_bytes(i).strip()}
-    return space, str(tok.token_to_id("<tool_call>"))
+    return space, str(tok.token_to_id("<tool_call>")), str(tok.eos_token_ids[0])
 
 
 # the nano model pads JSON with whitespace runs wherever a grammar allows them (up to 64
 # characters a gap): COMPACT biases every whitespace token away (the grammar still puts the
 # tool-call format's newlines where they must be); NO_CALL and CALL also push the `<tool_call>`
-# token out or in, for a turn whose grammar allows calls or an answer
-COMPACT, _TOOL_CALL = _biases()
+# token out or in, for a turn whose grammar allows calls or an answer; END makes a free text
+# answer end at once (the Agents SDK takes a Responses answer cut by max_output_tokens for a
+# failure, and the nano model never ends by itself)
+COMPACT, _TOOL_CALL, _EOS = _biases()
 NO_CALL = {**COMPACT, _TOOL_CALL: -100}
 CALL = {**COMPACT, _TOOL_CALL: 100}
+END = {**COMPACT, _EOS: 100}
 
 
 class Weather(BaseModel):
