@@ -396,19 +396,23 @@ def _generate(eng, prompts: dict, max_tokens) -> dict:
 
 def test_engine_greedy_same_with_kernels_on_and_off(tiny4_fp8_ckpt):
     """The engine (async scheduling, its default) with the kernel path against the plain
-    path: the same greedy tokens. The FP8 checkpoint in the served layout (dense projections
-    dequantized; prefill, then decode steps of 3, 2 and 1 rows as requests finish); the
-    bf16 layout runs through the engine with drafts in
+    path: the same greedy tokens, and the hidden states the engine computed at every position
+    (the gate's capture, `engine_greedy`, which must see the kernel path's forward too) within
+    1e-4. The FP8 checkpoint in the served layout (dense projections dequantized); the bf16
+    layout runs through the engine with drafts in
     test_engine_with_drafts_equals_the_plain_path_and_the_device_chain_the_host_path."""
+    from tailored.gate.engine_side import engine_greedy
+
     prompts = {f"r{i}": _ids(T, 50 + i) for i, T in enumerate((5, 23, 9))}
-    n = {"r0": 6, "r1": 4, "r2": 5}
     outs = {}
     for mode in ("off", "on"):
         eng = _stack(tiny4_fp8_ckpt, mode).engine
         assert (eng.runner.kernel is not None) == (mode == "on")
-        outs[mode] = _generate(eng, prompts, n)
-    assert outs["on"] == outs["off"]
-    assert [len(outs["on"][r]) for r in n] == list(n.values())
+        outs[mode] = engine_greedy(eng, prompts, 5, capture=True)
+    (t_off, h_off), (t_on, h_on) = outs["off"], outs["on"]
+    assert t_on == t_off and all(len(t) == 5 for t in t_on.values())
+    for r in prompts:
+        assert rel_err(h_on[r], h_off[r]) < 1e-4, r
 
 
 def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny4_ckpt):
