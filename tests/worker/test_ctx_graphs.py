@@ -32,15 +32,15 @@ def _ctx(kf) -> ContextGraphs:
     return ContextGraphs(kf.km, kf.pool, kf.max_pages)
 
 
-@pytest.mark.parametrize("C,T,n", [(16, 2, 4), (47, 17, 32), (5, 11, 11)])
+@pytest.mark.parametrize("C,T,n", [(16, 2, 4), (31, 17, 32), (5, 11, 11)])
 def test_context_body_equals_eager_continuation(pair, C, T, n):
     """The body a context-chunk graph captures, run eagerly on n ≥ T padded rows after a
     C-token context prefilled into the slot, computes what the eager forward of that chunk
     computes: hidden rows, the slot's conv and recurrent states, the chunk's KV rows; the
     context's KV rows and every other slot and page stay bit-identical, pads touch only the
     sinks (slot 0, page 0). C=16 starts the chunk on a page boundary with T=2, shorter than
-    the conv window (the carried conv state); C=47 just before one, the chunk across two
-    (48, 64) and the context's GDN chunk boundary; T = n: a bucket without pads."""
+    the conv window (the carried conv state); C=31 just before one, the chunk across two
+    (32, 48) with 15 pads; T = n: a bucket without pads."""
     _, kf, cache = pair
     km, ps, slot = kf.km, cache.page_size, 3
     ids = _ids(C + T, 200 + C + T)

@@ -890,14 +890,14 @@ def test_spec_chain_on_the_device_equals_the_host_acceptance(spec_path, monkeypa
     place), the 1-draft chunk keeps its draft, the whole of a chunk shorter than n (its state
     from a snapshot). Then a NaN row (the sampler's flag) ends a greedy prefix. The batch is
     not padded (max_batch 3): pad sequences in the chain are test_spec_graph_bodies' and the
-    engine test's (3 requests → 4)."""
+    engine test's (3 requests → 4). Every branch starts from one verify step's result (its
+    body against the eager step: test_spec_graph_bodies_match_the_eager_verify_step)."""
     from tailored.worker.drafter import DraftRow, MTPDrafter, accept, emitted
 
     m, cache, kf, spec = _spec(spec_path, 3, max_batch=3)
     kf.forward(ForwardBatch.build([(_ids(11, 51), 0, 1, True, [1]),
                                    (_ids(6, 52), 0, 2, True, [2]),
                                    (_ids(9, 53), 0, 3, True, [3])], [], "cpu"))
-    base = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
     c1, c2, c3 = _ids(4, 54), _ids(2, 55), _ids(1, 56)
     layout = [(c1, 11, 1, False, [1], True), (c2, 6, 2, False, [2], True),
               (c3, 9, 3, False, [3], True)]
@@ -905,13 +905,18 @@ def test_spec_chain_on_the_device_equals_the_host_acceptance(spec_path, monkeypa
     y = [c1[1], c1[2], (c1[3] + 1) % 1000, 7, (c2[1] + 1) % 1000, 8, 9]
     targets = [y[0:4], y[4:6], y[6:7]]
     drafts_in = [c[1:] for c in (c1, c2, c3)]
+    # the verify step once (its body eagerly): every branch below starts from what it left
+    b = ForwardBatch.build(layout, [], "cpu")
+    h = spec.forward(b)
+    after = {n: getattr(cache, n).clone() for n in ("k", "v", "conv", "rec")}
+    kb = cache.kept_batch
     for synthetic in (None, [3, 2, 1]):
         results = []
         for use_chain in (False, True):
-            for n, t in base.items():
+            for n, t in after.items():
                 getattr(cache, n).copy_(t)
-            b = ForwardBatch.build(layout, [], "cpu")
-            h = spec.forward(b)
+            cache.kept_batch = (kb[0], kb[1], dict(kb[2]), kb[3])  # commit_many consumes it
+            spec.fill_verify(b)  # the step's layout, which chain and propose consume
             if synthetic is None:
                 kept = [accept(d, t) for d, t in zip(drafts_in, targets)]
             else:
@@ -941,7 +946,7 @@ def test_spec_chain_on_the_device_equals_the_host_acceptance(spec_path, monkeypa
         assert kept == ([2, 0, 0] if synthetic is None else [3, 1, 0])
     # a NaN row (the sampler's flag) ends chunk 1's prefix there, though its id matches: the
     # kept counts only (the verify step's static inputs filled, the MTP after them stood in for)
-    spec.fill_verify(ForwardBatch.build(layout, [], "cpu"))
+    spec.fill_verify(b)
     monkeypatch.setattr(spec, "mtp_body", lambda B: torch.zeros(B, spec.N, dtype=torch.long))
     bad = torch.zeros(len(y), dtype=torch.bool)
     bad[1] = True
