@@ -132,8 +132,9 @@ def test_steps_match_plain_path(variant, request, switches, monkeypatch):
     projections, FP8 experts) and every few-row switch pushed to 4 rows at once (each variant
     costs in the interpreter): the shared expert as expert E at every step size (the threshold
     raised so that the 65- and 15-row prefill steps take it too, through the top-k and the
-    one-launch routing), routing inside gate_up and the FP8 expert GEMVs at 3-4 rows, the
-    bf16 GEMV for the router rows, the GDN step over 4 programs a head.
+    one-launch routing), routing inside gate_up and the FP8 expert GEMVs at 3-4 rows (decode
+    steps of 3 and 4 rows only: 1-2 rows launch the same kernels), the bf16 GEMV for the
+    router rows, the GDN step over 4 programs a head.
 
     fp8_dense_dequant (kb/0026): the served FP8 layout, dense projections held dequantized,
     one GEMM per input (qkv|z|b|a, router|gates|shared up), the modules' FP8 weights
@@ -151,8 +152,11 @@ def test_steps_match_plain_path(variant, request, switches, monkeypatch):
     plain, kf, fcache = request.getfixturevalue(fixture)
     if variant == "fp8_switches":
         switches(**SWITCHES)
-    if variant != "fp8_dense_dequant":
+    if variant == "bf16":
         _run_steps(plain, kf, fcache, long_prefill=True)
+        return
+    if variant == "fp8_switches":  # 1-2 rows take the same kernels at 3-4 here
+        _run_steps(plain, kf, fcache, long_prefill=True, decode=DECODE_STEPS[:2])
         return
     from tailored.model import projections
 
@@ -178,17 +182,22 @@ def test_bf16_gdn_states_match_plain_path(tiny4_ckpt):
     store), so the two paths agree step by step as with fp32 states, at bf16's scale."""
     plain, kf, fcache = _make_pair(tiny4_ckpt, state_dtype=torch.bfloat16)
     assert fcache.rec.dtype == torch.bfloat16
-    _run_steps(plain, kf, fcache)
+    # the decode kernels store the states the same way at any batch size: two decode steps
+    _run_steps(plain, kf, fcache, decode=DECODE_STEPS[:2])
     assert fcache.rec.abs().sum() > 0
 
 
-def _run_steps(plain, kf, fcache, long_prefill: bool = False):
+# decode steps of `_run_steps`: (slots, rows of the decode graph's body or None: eager)
+DECODE_STEPS = (((1, 2, 3), None), ((1, 2, 3), 4), ((1, 2), 2), ((3,), 1))
+
+
+def _run_steps(plain, kf, fcache, long_prefill: bool = False, decode=DECODE_STEPS):
     """Prefill, mixed and decode steps (eager and through the decode graph's body) on both
     paths: same hidden rows, GDN states and KV pages. Steps: two prefills (long_prefill: 65
     rows, past the 64 that route + align in one launch; else 33); chunks continuing their
     prompt across a page boundary (12 tokens) and shorter than the conv window (2), with a
-    1-token prompt that resets its slot; decode steps of 3 rows eagerly, then the graph body
-    at 3 rows + a pad (n=4), 2 rows (n=2) and 1 row (n=1). bf16 recurrent states (fcache's
+    1-token prompt that resets its slot; decode steps (`decode`) of 3 rows eagerly, then the
+    graph body at 3 rows + a pad (n=4), 2 rows (n=2) and 1 row (n=1). bf16 recurrent states (fcache's
     dtype, the plain path's too): both round what they store, and a value next to a rounding
     boundary may round to neighbouring bf16 values, so the states are compared at a bf16
     ulp's scale."""
@@ -219,7 +228,7 @@ def _run_steps(plain, kf, fcache, long_prefill: bool = False):
     dec = kf.decode
     if dec.st is None:
         dec.alloc()
-    for slots, n in (((1, 2, 3), None), ((1, 2, 3), 4), ((1, 2), 2), ((3,), 1)):
+    for slots, n in decode:
         layout = [([toks[s]], pos[s], s, False, pages[s]) for s in slots]
         rows = list(range(len(slots)))
         hp = plain(ForwardBatch.build(layout, rows, "cpu"), pcache)
