@@ -296,9 +296,9 @@ def test_kernel_path_and_speculative_decoding_hit_as_a_cold_run(tiny4_ckpt):
     q = p + ids(7, 13)
     e = stack(2)
     assert e.runner.kernel is not None and e.runner.spec.drafter is not None
-    out = run(e, {0: [("a", p, greedy(2))], 2: [("b", q, greedy(4))]})
+    out = run(e, {0: [("a", p, greedy(2))], 2: [("b", q, greedy(3))]})
     assert e.scheduler.prefix.hits == len(p)
-    assert out["b"] == run(stack(0, budget=len(p)), {0: [("b", q, greedy(4))]})["b"]
+    assert out["b"] == run(stack(0, budget=len(p)), {0: [("b", q, greedy(3))]})["b"]
     check_idle(e)
 
 

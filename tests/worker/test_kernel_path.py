@@ -992,7 +992,7 @@ def test_engine_with_drafts_device_chain_equals_the_plain_path_and_the_host_path
         return orig(self)
 
     prompts = {f"r{i}": _ids(T, 70 + i) for i, T in enumerate((5, 11, 8))}
-    n = {"r0": 5, "r1": 2, "r2": 4}
+    n = {"r0": 5, "r1": 2, "r2": 4} if rate is None else {"r0": 4, "r1": 2, "r2": 3}
     ref = "plain" if rate is None else "host"
     outs = {}
     for mode in (ref, "chain"):
