@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import new_cache, rel_err, run_seq
+
 from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch
-from tailored.worker.cache import HybridCache
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
+from tailored.worker.cache import HybridCache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -341,7 +341,7 @@ def test_pdl_changes_no_bit_in_a_mixed_step_with_a_prefill_graph(precision, swit
     same bits and leaves the same cache (test_pdl_changes_no_bit covers decode graphs and
     eager prefill only; the review of kb/0041 found this path never run with PDL)."""
     switches(pdl=False)
-    model, cache, kf = _with_graphs(torch.bfloat16, precision, 4, [512])
+    _, cache, kf = _with_graphs(torch.bfloat16, precision, 4, [512])
     layout, prompt, _ = _mixed_step(kf)
     T = len(prompt)
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
@@ -373,7 +373,7 @@ def test_mixed_step_replays_both_graphs(dtype, precision):
     prompt's prefill graph. The prompt's rows and its slot/KV are bitwise what the prompt alone
     (one prefill-graph replay) gives, the decode rows track the eager step (fp32: 1e-4), and
     nothing outside the step's slots and pages is touched."""
-    model, cache, kf = _with_graphs(dtype, precision, 4, [512])
+    _, cache, kf = _with_graphs(dtype, precision, 4, [512])
     layout, prompt, pages = _mixed_step(kf)
     T = len(prompt)
     rows = [0, 1, 1 + T]
@@ -423,7 +423,7 @@ def test_prefill_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     differently, and a random-weight model amplifies that (a near-tie router flip moves a
     whole token, kb/0001): the bound is the bf16 fast-vs-plain one (max 0.3), with a median
     bound loose enough for 5 tokens (H200, session 7: T=5 median 0.078)."""
-    model, cache, kf = _with_graphs(dtype, precision, 3, [128, 1024])
+    _, cache, kf = _with_graphs(dtype, precision, 3, [128, 1024])
     assert sorted(kf.prefill.graphs) == [128, 1024]
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     for T in (5, 128, 1000):

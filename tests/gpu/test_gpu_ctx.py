@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import rel_err
-from tailored.model.batch import ForwardBatch
 from test_gpu import _no_tf32, _with_graphs, pytestmark  # noqa: F401 - the autouse fixture
+
+from tailored.model.batch import ForwardBatch
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
@@ -24,7 +24,7 @@ def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     beside a decode row (`KernelForward._split`)."""
     from tailored.worker.ctx_graphs import ContextGraphs
 
-    model, cache, kf = _with_graphs(dtype, precision, 3, [1024])
+    _, cache, kf = _with_graphs(dtype, precision, 3, [1024])
     kf.ctx = ContextGraphs(kf.km, kf.pool, kf.max_pages)
     kf.ctx.capture(512, buckets=[4, 64, 512])
     assert sorted(kf.ctx.graphs) == [4, 64, 512]
@@ -93,7 +93,7 @@ def test_several_prompts_replay_their_own_graphs(dtype, switches):
     test's bound)."""
     from tailored.worker.ctx_graphs import ContextGraphs
 
-    model, cache, kf = _with_graphs(dtype, "bf16", 3, [128, 1024])
+    _, cache, kf = _with_graphs(dtype, "bf16", 3, [128, 1024])
     kf.ctx = ContextGraphs(kf.km, kf.pool, kf.max_pages)
     kf.ctx.capture(512, buckets=[64, 512])
     g = torch.Generator().manual_seed(4)

@@ -21,9 +21,9 @@ from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.engine import Engine
 from tailored.engine.types import SamplingParams
 from tailored.gate.engine_side import engine_greedy
-from tailored.worker.runner import ModelRunner
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
 from tailored.tokenizer import load_tokenizer
+from tailored.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

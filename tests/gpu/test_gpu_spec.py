@@ -14,8 +14,8 @@ import torch
 
 from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch, SeqInfo
-from tailored.worker.cache import HybridCache
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
+from tailored.worker.cache import HybridCache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -248,7 +248,7 @@ def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, switches):
     from tailored.worker.spec_graphs import SpecGraphs
 
     switches(pdl=False)
-    model, cache, kf, spec, pages = _spec_setup(precision, 6)
+    _, cache, kf, spec, pages = _spec_setup(precision, 6)
     chunks = {1: [11, 12, 13], 2: [21, 22], 3: [31, 32, 33]}
     layout = [(chunks[s], 40, s, False, pages[s], True) for s in (1, 2, 3)]
     y = torch.tensor([12, 13, 99, 5, 6, 32, 7, 8], device="cuda")  # keeps 2, 0 and 1 drafts

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import new_cache, rel_err
+from test_kernel_path import _ids, _make_pair, _tensors, graph_stand_ins
+
 from tailored import flags, kernels
 from tailored.model.batch import ForwardBatch
 from tailored.worker.ctx_graphs import ContextGraphs, ctx_splits
-from test_kernel_path import _ids, _make_pair, _tensors, graph_stand_ins
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton not installed"),
               pytest.mark.usefixtures("one_thread")]
@@ -204,8 +204,9 @@ def test_ctx_graphs_captured_after_the_prefill_graphs_unless_switched_off(monkey
                          max_num_seqs=4)
     for on, prefill_ok in ((True, True), (False, True), (True, False)):
         captured.clear()
-        prefill = SimpleNamespace(graphs={}, capture=lambda n, ok=prefill_ok: prefill.graphs
-                                  .update({128: None} if ok else {}))
+        graphs = {}
+        prefill = SimpleNamespace(graphs=graphs, capture=lambda n, g=graphs, ok=prefill_ok:
+                                  g.update({128: None} if ok else {}))
         kf = SimpleNamespace(km=None, pool=None, max_pages=20, use_graphs=True, spec=None,
                              ctx=None, prefill=prefill,
                              decode=SimpleNamespace(capture=lambda: None))

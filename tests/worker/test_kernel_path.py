@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import new_cache, rel_err
+
 from tailored import flags, kernels
 from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch, SeqInfo
@@ -85,17 +85,17 @@ def pair(request):
 
 def test_fused_weights_are_views_with_the_same_values(pair):
     plain, kf, _ = pair
-    km, fastm = kf.km, kf.km.model
-    for (n1, p1), (n2, p2) in zip(plain.named_parameters(), fastm.named_parameters()):
+    km, kmodel = kf.km, kf.km.model
+    for (n1, p1), (n2, p2) in zip(plain.named_parameters(), kmodel.named_parameters()):
         assert n1 == n2 and p1.dtype == p2.dtype and torch.equal(p1.float(), p2.float()), n1
-    m = fastm.model.layers[0].linear_attn
+    m = kmodel.model.layers[0].linear_attn
     assert m.in_proj_z.weight.data_ptr() != m.in_proj_qkv.weight.data_ptr()
     proj, idx = km.p_in[0].parts[0]
     assert idx[:2] == [0, 1]  # qkv|z are one GEMM in both precisions
     assert m.in_proj_qkv.weight.untyped_storage().data_ptr() == \
         proj.weight.untyped_storage().data_ptr()
     # the shared expert as expert E (kb/0019): the routed experts are views of the stack
-    mlp = fastm.model.layers[0].mlp
+    mlp = kmodel.model.layers[0].mlp
     st, E = km.moe.stacks[0], mlp.experts.gate_up_proj.shape[0]
     assert st.gate_up.shape[0] == st.down.shape[0] == E + 1
     assert mlp.experts.gate_up_proj.data_ptr() == st.gate_up.data_ptr()
@@ -112,8 +112,8 @@ def test_fused_weights_are_views_with_the_same_values(pair):
 
 # the switches of the "fp8_switches" variant: every per-step kernel choice of a few-row step
 # pushed to 4 rows
-SWITCHES = dict(shared_in_moe_up_to=128, gdn_dv_split=4, moe_route_in_gate_up_up_to=4,
-                moe_gemv_up_to=4, bf16_gemv_up_to=4)
+SWITCHES = {"shared_in_moe_up_to": 128, "gdn_dv_split": 4, "moe_route_in_gate_up_up_to": 4,
+            "moe_gemv_up_to": 4, "bf16_gemv_up_to": 4}
 
 
 @pytest.mark.parametrize("variant", ["bf16", "fp8_switches", "fp8_dense_dequant"])
@@ -273,7 +273,7 @@ def test_fp8_dense_dequant_layout_and_its_memory_reserve(fp8dq_pair):
     got += sum(p.gemv[1].numel() * 4 for p in projs)  # the FP8 GEMV's fp32 row scales
     assert dense_dequant_bytes(km.model, torch.float32) == got > 0
     w8, s8, wb, bf16_first = km.p_in[0].parts[0][0].gemv  # GDN in: qkv|z FP8, then b|a
-    assert w8.dtype == torch.float8_e4m3fn and not bf16_first
+    assert w8.dtype == torch.float8_e4m3fn and not bf16_first and s8.shape[0] == w8.shape[0]
     assert wb.untyped_storage().data_ptr() == \
         km.p_in[0].parts[0][0].weight.untyped_storage().data_ptr()
     assert km.moe.p_moe[0].parts[0][0].gemv[3]  # router|gate first
@@ -650,7 +650,7 @@ def test_grouped_experts_only_in_eager_steps_past_the_threshold(switches, monkey
         moe = SimpleNamespace(fused_only=False)
         fake = SimpleNamespace(moe=moe, device=torch.device("cuda"), dtype=dtype,
                                mtp_layer=None)
-        fake.forward_eager = lambda lengths, m=moe: runs.append((lengths, m.fused_only))
+        fake.forward_eager = lambda lengths, m=moe, r=runs: r.append((lengths, m.fused_only))
         warmup.warmup_prefill(fake, [100, 7000], batch_tokens=0)
         assert runs == want and moe.fused_only is False
 
