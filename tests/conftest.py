@@ -8,10 +8,19 @@ import sys
 
 import torch as _torch
 
-# Without a GPU, the Triton kernels run in Triton's interpreter (tests/test_kernels.py). It must
-# be chosen before triton is first imported.
 if not _torch.cuda.is_available():
+    # Without a GPU, the Triton kernels run in Triton's interpreter (tests/kernels/). It must
+    # be chosen before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One torch (OpenMP) thread per test process, this one and those it starts (they inherit
+    # the variable): the CPU suite's models are tiny, all small ops, as fast on one thread on a
+    # quiet machine and many times slower on more once the cores are busy (OpenMP barriers
+    # spin): on 2 shared cores test_structured.py's async-vs-sync engine run took 76 s on 2
+    # threads, 2.7 s on one. pytest-xdist's workers (-n 2) would run 2 threads each on 2
+    # cores. An explicit OMP_NUM_THREADS wins. (GPU machines keep torch's default: their
+    # suite builds full-size weights on the CPU.)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest
 import torch
@@ -119,7 +128,9 @@ def qwen_tok():
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module: the tiny model is all small ops, as fast on one thread
-    on a quiet machine and many times faster on a busy one (OpenMP barriers); restored after."""
+    on a quiet machine and many times faster on a busy one (OpenMP barriers); restored after.
+    (The whole session runs on OMP_NUM_THREADS, 1 unless set, see the top of this file; this
+    keeps a module on one thread where it is set higher.)"""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
