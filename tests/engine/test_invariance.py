@@ -20,7 +20,6 @@ from tailored.engine.engine import Engine
 from tailored.engine.types import SamplingParams
 from tailored.gate.engine_side import engine_greedy
 from tailored.worker.runner import ModelRunner
-from tailored.tokenizer import load_tokenizer
 
 TOL = 1e-5
 
@@ -31,8 +30,8 @@ def _one_thread(one_thread):  # conftest.one_thread, for every test of this modu
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(None)
+def tok(qwen_tok):  # the session's load_tokenizer(None)
+    return qwen_tok
 
 
 def make_engine(model, tok, *, budget=2048, max_num_seqs=8, max_model_len=4200, num_pages=None):
