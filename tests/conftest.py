@@ -96,6 +96,24 @@ def tiny_fp8_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gate_presets():
+    """The gate's preset checkpoints ($TAILORED_CACHE/tiny-seed0 and tiny-fp8-seed0, written
+    on first use by `preset_checkpoint`), made under a file lock: on a fresh cache two
+    pytest-xdist workers would both write one, and the later one replaces (rmtree) the
+    directory the other may be reading."""
+    import fcntl
+
+    from tailored.gate.run import preset_checkpoint
+    from tailored.stack import cache_dir
+
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".presets.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return {name: preset_checkpoint(name) for name in ("tiny", "tiny-fp8")}
+
+
+@pytest.fixture(scope="session")
 def tiny_cfg(tiny_ckpt):
     return ModelConfig.from_dir(tiny_ckpt)
 
