@@ -88,8 +88,8 @@ def test_4097_chunked_prefill_decode_equals_single_pass(tiny_model, tok):
     assert rel_err(h1["q"][rows], h2["q"][rows]) <= TOL
 
 
-# 1100 steps pass every spot row but n // 2 (positions 1023/1024 included) at 13 ms a step;
-# the 2000 of before (27 s) in the slow tier
+# 1100 steps reach every fixed spot row of the check (positions 1023/1024 included) at ~13 ms
+# a step on one core; the 2000 of before (~27 s) run in the slow tier
 @pytest.mark.parametrize("n", [1100, pytest.param(2000, marks=pytest.mark.slow)])
 def test_long_generation_equals_one_prefill_at_spot_positions(tiny_model, tok, n):
     """failure-cases §7: n decode steps on the CPU (the GPU suite runs 8192)."""
