@@ -24,8 +24,8 @@ SHAPES = [(200, 320), (128, 128), (64, 2048), (300, 96)]  # (N, K)
 
 
 @pytest.fixture(autouse=True)
-def _fixed_configs(monkeypatch):
-    monkeypatch.setenv("TAILORED_AUTOTUNE", "0")  # as tests/test_kernels.py
+def _fixed_configs(switches):
+    switches(autotune=False)  # as tests/kernels/test_kernels.py
 
 
 def _weight(N, K, seed):
@@ -333,12 +333,12 @@ def test_fp8_linear_splitk_with_bf16_rows(M, other_first, k_split):
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the autotuned launcher runs on CUDA only")
-def test_fp8_linear_autotuned_writes_every_element(monkeypatch):
+def test_fp8_linear_autotuned_writes_every_element(monkeypatch, switches):
     """The served launcher (autotune on): every candidate config's grid covers the output
     (NaN-poisoned, fully written) at a decode bucket and a prefill size."""
     from tailored.kernels.fp8_linear import fp8_linear
 
-    monkeypatch.setenv("TAILORED_AUTOTUNE", "1")
+    switches(autotune=True)
     N, K = 1024, 2048
     q, s = _weight(N, K, 31)
     g = torch.Generator().manual_seed(4)

@@ -25,10 +25,10 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
-def _fixed_configs(monkeypatch):
+def _fixed_configs(switches):
     """Fixed launch configs on the GPU too: autotuning every odd test shape took longer than
     the tests (kernels.autotune_enabled); the tuned configs run in test_gpu.py's full-size tests."""
-    monkeypatch.setenv("TAILORED_AUTOTUNE", "0")
+    switches(autotune=False)
 
 
 def rel_err(a, b):
@@ -95,12 +95,12 @@ def test_fused_moe_fp8(dtype, T, E, k, H, I):
                   fp8.row_scales(sgu.reshape(E, -1, sgu.shape[-1]), 2 * I).to(DEV), rd.to(DEV))
 
 
-@pytest.mark.parametrize("switch", ["FP8_DOT_F16", "FP8_DOWN_F16"])
+@pytest.mark.parametrize("switch", ["moe_fp8_dot_f16", "moe_fp8_down_f16"])
 @pytest.mark.parametrize("T", [1, 5, 37])
-def test_fused_moe_fp8_f16_dots(T, switch, monkeypatch):
-    """FP8_DOT_F16 (kb/0029): the gate_up GEMM's e4m3 weights and bf16 activations both convert
+def test_fused_moe_fp8_f16_dots(T, switch, switches):
+    """moe_fp8_dot_f16 (kb/0029): the gate_up GEMM's e4m3 weights and bf16 activations both convert
     to float16 exactly (activations inside its normal range), so the products are those of the
-    bf16 dots. FP8_DOWN_F16 (kb/0042): the down GEMM's too, each activation row first scaled
+    bf16 dots. moe_fp8_down_f16 (kb/0042): the down GEMM's too, each activation row first scaled
     into float16's range by a power of 2, so even activations far above 65504 (x·300 here)
     give the bf16 dots' result. GPU: against the reference over the dequantized experts, and
     equal to the bf16 dots up to fp32 summation order (the MMA's internal order is the
@@ -117,13 +117,13 @@ def test_fused_moe_fp8_f16_dots(T, switch, monkeypatch):
         pytest.skip("the interpreter's half (fp32 activations ignore the switch) is one dtype "
                     "check, the same at every T: T = 1 runs it")
     E, k, H, I = 16, 4, 256, 160
-    g = torch.Generator().manual_seed(T + (40 if switch == "FP8_DOT_F16" else 50))
+    g = torch.Generator().manual_seed(T + (40 if switch == "moe_fp8_dot_f16" else 50))
     x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
     qgu, qd, (sgu, sd), (rgu, rd) = _fp8_experts(E, H, I, g)
     w, ids = ref.route_topk(torch.randn(T, E, generator=g).to(DEV), k)
 
     def run(f16, xx):
-        monkeypatch.setattr(moe, switch, f16)
+        switches(**{switch: f16})
         return moe.fused_moe(xx, w, ids, qgu.to(DEV), qd.to(DEV), None, rgu.to(DEV), rd.to(DEV))
 
     x32 = x.float()
@@ -139,7 +139,7 @@ def test_fused_moe_fp8_f16_dots(T, switch, monkeypatch):
         big = x * 300  # silu(g)·u ~1e5-1e6: float16 overflows without the down's row scales
         got = run(True, big)
         assert torch.isfinite(got).all() and rel_err(got, run(False, big)) < 1e-5
-        if switch == "FP8_DOWN_F16" and T == 37:
+        if switch == "moe_fp8_down_f16" and T == 37:
             assert torch.equal(run(True, x), run(False, x))
 
 
@@ -160,7 +160,7 @@ if kernels.available():
 
 
 def test_pow2_rows_f16_scales_each_row_exactly_into_float16():
-    """`fp8_linear.pow2_rows_f16` (FP8_DOWN_F16, kb/0042): each row times one power of 2, its
+    """`fp8_linear.pow2_rows_f16` (moe_fp8_down_f16, kb/0042): each row times one power of 2, its
     largest magnitude below 2^15, every value float16-exact, and back·2^k = 1; rows far above
     65504, tiny, zero, with inf and with NaN. Reference: the same scale from torch.frexp."""
     g = torch.Generator().manual_seed(5)
@@ -843,7 +843,7 @@ def test_moe_combine_with_the_next_norm(dtype, folded, T, H, k):
         moe_combine_folded(torch.zeros(T * (k + 1), H, device=DEV), k, dtype, (res[:, :-1], w, 1e-6))
 
 
-def test_pdl_launch_arguments(monkeypatch):
+def test_pdl_launch_arguments(monkeypatch, switches):
     """kernels/pdl.py: switched off, or for a CPU tensor, {"PDL": False}; on (the default),
     only CUDA tensors of an sm_90+ device get Triton's launch_pdl with the kernels' PDL
     constexpr, and not in Triton's interpreter (no inline PTX there; the PTX is checked by
@@ -853,11 +853,11 @@ def test_pdl_launch_arguments(monkeypatch):
     from tailored.kernels import pdl
 
     t = torch.zeros(2)
-    monkeypatch.setattr(pdl, "PDL", False)
+    switches(pdl=False)
     monkeypatch.setattr(pdl, "_on_sm90", lambda x: True)
     assert pdl.launch(t) == {"PDL": False}  # switched off
     monkeypatch.undo()
-    monkeypatch.setattr(pdl, "PDL", True)
+    switches(pdl=True)
     assert pdl.launch(t) == {"PDL": False}  # a CPU tensor
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl._on_sm90(SimpleNamespace(is_cuda=True))  # interpreted on a GPU machine

@@ -228,17 +228,14 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             calls.append(lambda T=T, dt=dt: moe_combine_folded(torch.zeros(T * (K + 1), H), K, dt))
         if dt == torch.bfloat16:  # FP8 experts with float16 dots (kb/0029: bf16 activations)
             def f16_moe(x=torch.randn(40, H, dtype=dt)):
-                from tailored.kernels import moe
+                from tailored import flags
 
-                held = moe.FP8_DOT_F16, moe.FP8_DOWN_F16
-                moe.FP8_DOT_F16 = moe.FP8_DOWN_F16 = True  # and the down GEMM's (kb/0042)
-                try:
+                # the down GEMM's too (kb/0042): both switches on, as served
+                with flags.override(moe_fp8_dot_f16=True, moe_fp8_down_f16=True):
                     fused_moe(x, torch.rand(40, K, dtype=dt), torch.randint(0, E, (40, K)),
                               torch.zeros(E, 2 * I, H, dtype=f8), torch.zeros(E, H, I, dtype=f8),
                               None, torch.ones(E, 2 * I // 128, H // 128),
                               torch.ones(E, H // 128, I // 128))
-                finally:
-                    moe.FP8_DOT_F16, moe.FP8_DOWN_F16 = held
             calls.append(f16_moe)
 
             def down_shipped(dt=dt):  # tuned.json's float16 pick for B=8 / 32 (kb/0045)
@@ -354,12 +351,12 @@ def _need_ptxas():
         pytest.skip("Triton's bundled ptxas is not installed")
 
 
-def _pdl_records(monkeypatch) -> list[dict]:
+def _pdl_records(monkeypatch, switches) -> list[dict]:
     """The bf16 launches (the served dtype) recorded with PDL on as on sm_90+: every kernel
     of KERNELS is among them, each launch with the PDL constexpr and launch_pdl option."""
     from tailored.kernels import pdl
 
-    monkeypatch.setattr(pdl, "PDL", True)
+    switches(pdl=True)
     monkeypatch.setattr(pdl, "_on_sm90", lambda t: True)
     recs = _record(_calls((torch.bfloat16,)))
     assert KERNELS <= {r["name"] for r in recs}
@@ -369,15 +366,15 @@ def _pdl_records(monkeypatch) -> list[dict]:
     return recs
 
 
-def test_every_kernel_launch_carries_pdl(monkeypatch):
+def test_every_kernel_launch_carries_pdl(monkeypatch, switches):
     """The recording alone (seconds; the compiles below take minutes with a cold Triton cache
     and run in the slow tier): every kernel is launched, and with PDL on each launch carries
     the PDL constexpr and Triton's launch_pdl option."""
-    _pdl_records(monkeypatch)
+    _pdl_records(monkeypatch, switches)
 
 
 @pytest.mark.slow  # ~90 s of ptxas with a cold Triton cache (~7 s warm)
-def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
+def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch, switches):
     """PDL on (kernels/pdl.py, the default on sm_90+): every kernel launch carries the PDL
     constexpr and Triton's launch_pdl option, and its PTX has the wait and the launch of
     dependents, the wait before any global store and (but in PDL_PREFETCH, which loads weights
@@ -385,7 +382,7 @@ def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
     below). The CUDA-only autotuned launchers share the kernels and pdl_launch calls with the
     interpreter branch recorded here."""
     _need_ptxas()
-    recs = _pdl_records(monkeypatch)
+    recs = _pdl_records(monkeypatch, switches)
     res = _compile(recs)
     names = {r["key"]: r["name"] for r in recs}
     want = {k: [True, True, True, n not in PDL_PREFETCH] for k, n in names.items()}

@@ -35,7 +35,7 @@ def _write(path, gpu, entries):
                                 "launchers": {"lin": entries}}))
 
 
-def test_table_prefills_known_keys_with_offered_configs_only(tmp_path, monkeypatch):
+def test_table_prefills_known_keys_with_offered_configs_only(tmp_path, monkeypatch, switches):
     p = tmp_path / "t.json"
     _write(p, tuning._device_name(), [
         {"key": [2048, 4096, 16, 1, "torch.bfloat16"], "kwargs": {"BLOCK_N": 32, "BLOCK_K": 128},
@@ -45,29 +45,29 @@ def test_table_prefills_known_keys_with_offered_configs_only(tmp_path, monkeypat
          "num_warps": 4, "num_stages": 4},
         {"bad": "entry"},
     ])
-    monkeypatch.setenv("TAILORED_TUNING", str(p))
+    switches(tuning=str(p))
     t = tuning.register("lin", FakeTuner(_cfgs()))
     assert list(t.cache) == [(2048, 4096, 16, 1, "torch.bfloat16")]
     c = t.cache[(2048, 4096, 16, 1, "torch.bfloat16")]
     assert c.kwargs == {"BLOCK_N": 32, "BLOCK_K": 128} and c.num_warps == 4 and c.num_stages == 4
 
 
-def test_table_of_another_gpu_or_off_or_missing_is_not_used(tmp_path, monkeypatch):
+def test_table_of_another_gpu_or_off_or_missing_is_not_used(tmp_path, monkeypatch, switches):
     p = tmp_path / "t.json"
     _write(p, "some other GPU", [{"key": [1], "kwargs": {"BLOCK_N": 16, "BLOCK_K": 128},
                                   "num_warps": 4, "num_stages": 3}])
     for env in (str(p), "off", str(tmp_path / "missing.json")):
-        monkeypatch.setenv("TAILORED_TUNING", env)
+        switches(tuning=env)
         monkeypatch.setattr(tuning, "_TABLE", None)
         assert tuning.register("lin", FakeTuner(_cfgs())).cache == {}
     (tmp_path / "junk.json").write_text("{not json")
-    monkeypatch.setenv("TAILORED_TUNING", str(tmp_path / "junk.json"))
+    switches(tuning=str(tmp_path / "junk.json"))
     monkeypatch.setattr(tuning, "_TABLE", None)
     assert tuning.register("lin", FakeTuner(_cfgs())).cache == {}
 
 
-def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
-    monkeypatch.setenv("TAILORED_TUNING", "off")
+def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch, switches):
+    switches(tuning="off")
     a = tuning.register("lin", FakeTuner(_cfgs()))
     a.cache[(2048, 4096, 16, 1, "torch.bfloat16", True)] = _cfgs()[3]
     p = tmp_path / "t.json"
@@ -79,7 +79,7 @@ def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
     assert tuning.dump(p, {"fp8": True}) == 2
     # the first manifest's fields stay beside the second's (a table's provenance survives)
     assert json.loads(p.read_text())["manifest"] == {"commit": "x", "fp8": True}
-    monkeypatch.setenv("TAILORED_TUNING", str(p))
+    switches(tuning=str(p))
     monkeypatch.setattr(tuning, "_TABLE", None)
     c = tuning.register("lin", FakeTuner(_cfgs()))
     assert set(c.cache) == {(2048, 4096, 16, 1, "torch.bfloat16", True),
@@ -87,17 +87,17 @@ def test_dump_then_load_round_trips_and_merges(tmp_path, monkeypatch):
     assert c.cache[(2048, 4096, 16, 1, "torch.bfloat16", True)].num_stages == 4
 
 
-def _shipped_table_and_launchers(monkeypatch) -> dict:
+def _shipped_table_and_launchers(monkeypatch, switches) -> dict:
     """The shipped table's launchers ({name: rows}), every autotuned launcher registered
     afresh (none prefilled) with the default switches, whatever the environment."""
     from tailored.kernels import fp8_linear, moe
 
     table = json.loads(tuning.DEFAULT_TABLE.read_text())["launchers"]
-    monkeypatch.setenv("TAILORED_TUNING", "off")
+    switches(tuning="off")
     monkeypatch.setattr(tuning, "_TABLE", None)  # (the autouse fixture resets _REGISTRY)
     monkeypatch.setattr(fp8_linear, "_TUNED", {})
     monkeypatch.setattr(moe, "_LAUNCHERS", {})
-    monkeypatch.setattr(moe, "FP8_DOWN_F16", True)
+    switches(moe_fp8_down_f16=True)
     for small in (True, False):
         fp8_linear._tuned(small)
     for name in ("gate_up", "down", "route_gate_up"):
@@ -107,13 +107,13 @@ def _shipped_table_and_launchers(monkeypatch) -> dict:
     return table
 
 
-def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
+def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch, switches):
     """Every entry of tailored/kernels/tuned.json is keyed as its launcher's autotuner keys
     today: one value per `key` name (in order), then one dtype string per tensor argument
     (the kernel's *_ptr arguments). A launcher whose key gained or lost a name (fp8_linear's NB
     and DOT_F16 in kb/0043, DOT_F16 gone in kb/0044) silently re-tunes every stale entry at
     server start (minutes on the H200): the table must be migrated with the key."""
-    table = _shipped_table_and_launchers(monkeypatch)
+    table = _shipped_table_and_launchers(monkeypatch, switches)
     for name, rows in table.items():
         tuner = tuning._REGISTRY[name]
         n_ptr = sum(a.endswith("_ptr") for a in tuner.arg_names)
@@ -133,13 +133,13 @@ def test_shipped_table_keys_have_the_launchers_key_layout(monkeypatch):
             assert K % 128 == 0 and bm in (16, 32, 64, 128) and N > 0, r["key"]
 
 
-def test_shipped_table_configs_are_offered(monkeypatch):
+def test_shipped_table_configs_are_offered(monkeypatch, switches):
     """Every entry of tailored/kernels/tuned.json names a config its launcher still offers
     (with the default switches): `register` drops any other, and the key then re-tunes at
     server start (minutes on the H200). Session 28 (kb/0045) put DOT_F16 into the FP8 decode
     down configs, so those entries carry it; session 30's re-tune (kb/0047) picked float16
     dots for most buckets, among them the two the A/B measured (B=8 and B=32)."""
-    table = _shipped_table_and_launchers(monkeypatch)
+    table = _shipped_table_and_launchers(monkeypatch, switches)
     for name, rows in table.items():
         offered = {tuning._config_id(c.kwargs, c.num_warps, c.num_stages)
                    for c in tuning._REGISTRY[name].configs}

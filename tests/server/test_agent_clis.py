@@ -4,7 +4,7 @@ unchanged, complete a task against the nano server and exit 0.
 The versions are pinned in .ci/agents/package.json (and its lock file); .ci/run installs them
 with `npm ci --prefix .ci/agents` and sets CI_REQUIRE_AGENT_CLIS=1, so in CI a missing
 binary fails the test. Elsewhere the tests skip unless they find the pinned binaries (install
-them the same way, or point TAILORED_AGENT_CLIS at another node_modules folder).
+them the same way, or point AGENT_CLIS_DIR at another node_modules folder).
 
 The round trip is fixed so that the protocol is under test, not the nano model's skill: the
 server's engine (nano_server.ScriptedEngine) holds each turn to a grammar: the first turn to a
@@ -42,7 +42,7 @@ TIMEOUT_S = 240
 
 
 def _modules() -> Path:
-    return Path(os.environ.get("TAILORED_AGENT_CLIS") or ROOT / ".ci" / "agents" /
+    return Path(os.environ.get("AGENT_CLIS_DIR") or ROOT / ".ci" / "agents" /
                 "node_modules")
 
 
