@@ -74,11 +74,13 @@ from tailored.server.http_io import error_response, internal_error
 from tailored.server.metrics import CONTENT_TYPE_LATEST
 from tailored.server.protocol import ModelCard, ModelList
 from tailored.server.front_doors import count_tokens, serve_turn
+from tailored.server.guard import AccessPolicy, Guard
 from tailored.server.messages_api import MessagesDialect
 from tailored.server.response_store import ResponseStore
 from tailored.server.responses_api import ResponsesDialect
 from tailored.server.serving import Server
 from tailored.server.tokenize_api import add_tokenizer_routes
+from tailored.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ def build_app(
     disconnect_poll_s: float = 0.5,
     max_body_bytes: int | None = None,
     reasoning_parser: str | None = None,
+    access: AccessPolicy | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
 
@@ -103,6 +106,8 @@ def build_app(
     token of max_model_len, 2 to 32 MiB).
     reasoning_parser: "qwen3" splits chat answers into the reasoning (`reasoning` and
     `reasoning_content`) and content (`reasoning.py`); None leaves content the raw text.
+    access: API keys, their exempt routes and the Host allow-list (guard.py; None: no key,
+    any host). Non-JSON POST bodies get 415 either way.
     """
     server = Server(
         async_engine,
@@ -129,6 +134,9 @@ def build_app(
     app = FastAPI(title="tailored", lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False)
     app.state.server = server
+    if access is not None:
+        server.access = access
+    app.add_middleware(Guard, policy=server.access)  # hosts, keys, content types (guard.py)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -218,6 +226,7 @@ def build_app(
         return await server.handle(request, chat=True)
 
     add_tokenizer_routes(app, server)  # /tokenize, /detokenize, /tokenizer_info
+    add_worker_routes(app, server)  # a gateway's: /v1/loads, /flush_cache, /health_generate
 
     # the coding agents' front doors, on the chat engine path (front_doors.py)
     responses = ResponsesDialect(server, ResponseStore())
