@@ -191,6 +191,7 @@ class Server:
         """Each prompt's token ids (one but for a completions batch); tools: a chat request's
         active_tools, rendered; param: the field its messages came from (errors name it)."""
         if isinstance(req, ChatCompletionRequest):
+            extra = req.template_kwargs  # chat_template_kwargs: the template's variables
             try:
                 text = await self._tokenize(
                     self.tokenizer.apply_chat_template,
@@ -198,9 +199,12 @@ class Server:
                     add_generation_prompt=req.add_generation_prompt,
                     enable_thinking=req.enable_thinking,
                     tools=tools,
+                    **extra,
                 )
-            except ValueError as e:
-                raise OpenAIError(f"invalid {param}: {e}", param=param) from None
+            except ValueError as e:  # the template refused or failed (ChatTemplateError)
+                with_kw = (f" (rendered with chat_template_kwargs {sorted(extra)})"
+                           if extra else "")
+                raise OpenAIError(f"invalid {param}: {e}{with_kw}", param=param) from None
             return [await self.encode(text, param)]
         prompts = req.prompts
         out = []
@@ -330,6 +334,8 @@ class Server:
                                prompt_ids=prompts[i // n], echo=echoes[i // n],
                                prompt_logprobs=req.prompt_logprobs)
                     for i in range(len(streams))]
+            for f in fmts:  # stream_options.continuous_usage_stats: usage on every chunk
+                f.continuous_usage = req.continuous_usage
             trackers = [self.metrics.request(arrival, len(prompts[k // n]))
                         for k in range(len(streams))]
             if req.stream:
