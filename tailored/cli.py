@@ -398,12 +398,17 @@ def main(argv: list[str] | None = None) -> int:
     from tailored.bench import cli as bench_cli
 
     bench_cli.add_parser(sub)
+    from tailored import cluster
+
+    cluster.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "bench":
             return bench_cli.run(args)
+        if args.command == "cluster":
+            return cluster.run(args)
         if args.command == "gate":
             from tailored.gate.run import run as cmd_gate
 
