@@ -339,16 +339,34 @@ class Cluster:
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float, hurry) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while any(p.poll() is None for p in alive) and time.monotonic() < deadline and not hurry():
-        time.sleep(0.1)
-    for p in alive:
+    """SIGTERM each process's group (its own session: a replica's engine process is in it),
+    wait until every group is empty or grace_s passed (or hurry()), then SIGKILL the rest."""
+    for p in procs:
         if p.poll() is None:
+            _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.1)
+    for p in procs:
+        if _alive(p):
             _signal(p, signal.SIGKILL)
-            p.wait(10)
+    for p in procs:
+        p.wait(10)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a group member killed above, not yet gone
+
+
+def _alive(p: subprocess.Popen) -> bool:
+    """Whether the process or anything else of its group still runs."""
+    p.poll()  # reaps the leader: a zombie leader would keep its group "alive"
+    try:
+        os.killpg(p.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return p.poll() is None
 
 
 def _signal(p: subprocess.Popen, sig: int) -> None:
