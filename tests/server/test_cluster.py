@@ -3,8 +3,9 @@ process) behind the SMG gateway binary (PyPI `smg`, the test extra), API keys on
 gateway: requests are served; a conversation stays on one replica and hits its prefix cache
 (`cached_tokens`); a replica killed mid-stream leaves the rotation, its in-flight stream ends
 with an error event (nothing ends silently), the other replica's stream finishes and new
-requests keep being served; SIGTERM stops everything. ~30 s on 2 cores, most of it the
-replicas' start and the gateway's 5 s shutdown settle."""
+requests keep being served; a replica whose engine loop stops (SIGSTOP) leaves the rotation
+while /health says it is stalled and comes back when it moves; SIGTERM stops everything.
+~35 s on 2 cores, most of it the replicas' start and the gateway's 5 s shutdown settle."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def running(tmp_path_factory):
          str(d / "keys"), "--shutdown-timeout", "5",
          # leave the rotation after one failed probe, 1 s apart (the default: 2, 5 s apart)
          "--gateway-args", "--health-check-interval-secs 1 --health-failure-threshold 1",
-         "--", "--prefix-cache-entries", "16", "--max-num-seqs", "4", "--max-model-len", "2048"],
+         "--", "--prefix-cache-entries", "16", "--max-num-seqs", "4", "--max-model-len", "2048",
+         "--health-stall-timeout", "2"],
         env=env, stdout=open(d / "cluster.out", "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while not state_file.exists():
@@ -143,6 +145,57 @@ def test_a_conversation_stays_on_one_replica_and_hits_its_cache(running):
     assert sorted(g > 0 for g in grew) == [False, True], grew  # one replica served them all
 
 
+def engine_process(pid: int) -> int:
+    """The pid of a replica's engine process (its child running multiprocessing's spawn)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmd:
+            return int(stat.parent.name)
+    raise AssertionError(f"replica {pid} has no engine process")
+
+
+def healthy_workers(state) -> int:
+    return httpx.get(state["gateway"]["url"] + "/readiness").json()["healthy_workers"]
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_stalled_replica_leaves_rotation_until_it_moves(running):
+    """Its engine loop stopped (SIGSTOP) while a request waits: /health turns 503 after the
+    stall bound (2 s here), SMG takes it out, requests go to the other one; once the loop
+    moves it is back, and the request that waited is answered."""
+    replica = running["replicas"][1]
+    child = engine_process(replica["pid"])
+    os.kill(child, signal.SIGSTOP)
+    waited: dict = {}
+    try:
+        t = threading.Thread(target=lambda: waited.update(r=httpx.post(
+            replica["url"] + "/v1/completions", timeout=60,
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": MODEL, "prompt": "waiting", "max_tokens": 2})))
+        t.start()
+        wait_until(lambda: httpx.get(replica["url"] + "/health").status_code == 503, 10,
+                   "a stalled replica answered /health 200")
+        wait_until(lambda: healthy_workers(running) == 1, 10, "the gateway kept it")
+        for i in range(3):
+            assert gw(running, "/v1/completions", prompt=f"meanwhile {i}",
+                      max_tokens=2).status_code == 200
+    finally:
+        os.kill(child, signal.SIGCONT)
+    t.join(30)
+    assert waited["r"].status_code == 200
+    wait_until(lambda: healthy_workers(running) == 2, 15, "the gateway did not take it back")
+
+
 def stream(state, prompt: str, max_tokens: int, out: dict) -> None:
     """A streamed completion through the gateway: its events, or the transport error."""
     events = []
@@ -212,10 +265,8 @@ def test_a_killed_replica_leaves_rotation_and_loses_nothing_silently(running):
     for i in range(4):
         r = gw(running, "/v1/completions", prompt=f"after {i}", max_tokens=3)
         assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 20
-    while httpx.get(running["gateway"]["url"] + "/readiness").json()["healthy_workers"] != 1:
-        assert time.monotonic() < deadline, "the dead replica stayed in the rotation"
-        time.sleep(0.2)
+    wait_until(lambda: healthy_workers(running) == 1, 20,
+               "the dead replica stayed in the rotation")
     deadline = time.monotonic() + 20  # its engine process too: nothing is left behind
     while _group_alive(pid):
         assert time.monotonic() < deadline, "the killed replica's engine process lives on"
