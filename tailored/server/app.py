@@ -1,7 +1,11 @@
 """OpenAI-compatible HTTP routes over an `AsyncEngine`.
 
-    GET  /health                200 {"status": "ok"} | 503 once the engine loop is dead/stopped
-                                (HEAD too; a trailing slash on any route is a 404, no redirect)
+    GET  /health                200 {"status": "ok"} | 503 once the engine loop is dead/stopped,
+                                or while it is stalled (loop_watch.py) (HEAD too; a trailing
+                                slash on any route is a 404, no redirect)
+    GET  /health_generate       the deep probe: one generated token (worker_api.py)
+    GET  /v1/loads              SGLang's load report, for gateways; POST /flush_cache,
+                                /reset_prefix_cache: drop the prefix cache (worker_api.py)
     GET  /v1/models             OpenAI model list with the one served model (+ max_model_len);
                                 503 once the engine loop is dead, as /health
     GET  /v1/models/{id}        that model, or 404 model_not_found (503 as above)
@@ -34,9 +38,11 @@ holds the answer after the thinking to the tool-call format by a grammar (engine
 needs xgrammar, as response_format).
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
-unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
-415 compressed body (Content-Encoding other than identity), 500 engine or server fault, 503
-engine loop dead. A streaming request that fails after the headers were sent gets
+unsupported parameter (or a Host header outside the allow-list), 401 a missing or wrong API
+key, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes, 415 compressed
+body (Content-Encoding other than identity) or a non-JSON Content-Type, 500 engine or server
+fault, 503 engine loop dead or stalled. Hosts, keys and content types are checked before any
+route (guard.py's middleware). A streaming request that fails after the headers were sent gets
 `data: {"error": {...}}` and then `data: [DONE]`. Error bodies are rendered with ensure_ascii
 and messages quote user input escaped and shortened. Input limits (body size, JSON depth, lone
 surrogates, prompt characters): http_io.py and serving.py.
@@ -52,7 +58,9 @@ reasoning, tool calls, finish), formatter.py (OpenAI chat / completions objects)
 response schemas); the coding agents' front doors: front_doors.py (their request flow),
 responses_api.py + responses_input.py + response_store.py (OpenAI Responses),
 messages_api.py (Anthropic Messages), conversation.py (their conversations as chat
-messages), thinking_budget.py (a token limit on the thinking). docs/agents.md: how to point
+messages), thinking_budget.py (a token limit on the thinking); the front door: guard.py (hosts,
+API keys, content types), serve_options.py (their `tailored serve` options); for gateways:
+worker_api.py (docs/scale-out.md). docs/agents.md: how to point
 Codex CLI and Claude Code at the server.
 """
 
