@@ -4,9 +4,10 @@
    another host gets 400 `invalid_host`. A web page on this machine can make a browser send
    requests to `http://evil.example:8000` after pointing that name at 127.0.0.1; the browser
    then lets the page read the answers. Its Host header still says `evil.example`, so an
-   allow-list of the names this server is reached by stops it. On by default for a server
-   bound to loopback (localhost, 127.0.0.1, ::1); off when bound elsewhere (its names are not
-   known here: set `--allowed-hosts`).
+   allow-list of the names this server is reached by stops it. An IP address in the Host
+   header is always accepted: rebinding needs a name (`curl 0.0.0.0:8000` keeps working). On
+   by default for a server bound to loopback (localhost, 127.0.0.1, ::1); off when bound
+   elsewhere (its names are not known here: set `--allowed-hosts`).
 2. **API keys**: with keys configured, every route but the exempt ones (`--api-key-exempt`,
    default /health, /health_generate, /metrics, /version) needs `Authorization: Bearer <key>`;
    the Anthropic Messages routes take `x-api-key: <key>` too and answer in Anthropic's error
@@ -53,6 +54,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_ip(name: str) -> bool:
+    """Whether a host name is an IP address (no DNS name to rebind)."""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
@@ -78,7 +88,7 @@ class AccessPolicy:
         if self.allowed_hosts is None or not host:
             return None
         name = host_name(host)
-        if name in self.allowed_hosts:
+        if name in self.allowed_hosts or is_ip(name):
             return None
         return OpenAIError(
             f"Host {shown(name, 100)} is not one this server answers to (allowed: "

@@ -143,10 +143,12 @@ def test_host_allow_list_against_dns_rebinding():
     policy = AccessPolicy(allowed_hosts=allowed_hosts("auto", "127.0.0.1"))
     with client_for(policy, base_url="http://localhost:8000") as c:
         assert c.get("/health").status_code == 200
-        for host in ("127.0.0.1:8000", "[::1]:8000", "LOCALHOST", "localhost."):
+        # IP addresses are never rebound: 0.0.0.0 (curl 0.0.0.0:8000) and any other pass
+        for host in ("127.0.0.1:8000", "[::1]:8000", "LOCALHOST", "localhost.", "0.0.0.0:8000",
+                     "10.1.2.3"):
             assert c.get("/health", headers={"host": host}).status_code == 200, host
         # a page of evil.example whose name now points at 127.0.0.1
-        for host in ("evil.example:8000", "evil.example", "127.0.0.2"):
+        for host in ("evil.example:8000", "evil.example", "localhost.evil.example"):
             r = c.post("/v1/completions", json={"prompt": "SAY:x"}, headers={"host": host})
             err = assert_openai_error(r, 400, "is not one this server answers to",
                                       "--allowed-hosts")
