@@ -4,8 +4,9 @@
     tailored cluster --replicas 4 --port 8000 -- /models/Qwen3.6-35B-A3B-FP8 --prefix-cache-entries 64
 
 Each replica is `tailored serve` with the arguments after `--`, listening on
-127.0.0.1:REPLICA_PORT+i (only the gateway is reached from outside), on GPU i of the machine
-(`CUDA_VISIBLE_DEVICES=i`) when it has CUDA GPUs; on a CPU machine they are nano replicas. Once
+127.0.0.1:REPLICA_PORT+i (only the gateway is reached from outside), on the i-th GPU
+(`CUDA_VISIBLE_DEVICES`) when the machine has CUDA GPUs; on a CPU machine they are nano
+replicas (with no checkpoint after `--`). Once
 every replica answers /health, SMG (`smg launch`, the PyPI package `smg`) starts on --host:--port
 with the replicas as its workers and its cache-aware policy: each conversation goes to the
 replica whose prefix cache holds it. SMG polls each replica's /v1/loads and /health; a replica
@@ -62,9 +63,10 @@ def add_parser(sub) -> None:
     p.add_argument("--replica-port", type=int, default=None,
                    help="replica i listens on 127.0.0.1:REPLICA_PORT+i (default: --port + 1)")
     p.add_argument("--gpus", default="auto",
-                   help="auto: replica i on GPU i (CUDA_VISIBLE_DEVICES) when the machine has "
-                        "CUDA GPUs, else no GPU; none; or GPU ids, comma-separated, one per "
-                        "replica (default: %(default)s)")
+                   help="auto: replica i on the i-th GPU (its CUDA_VISIBLE_DEVICES) of those "
+                        "CUDA_VISIBLE_DEVICES lists, else of those nvidia-smi shows, else no "
+                        "GPU; none; or GPU ids, comma-separated, one per replica (default: "
+                        "%(default)s)")
     p.add_argument("--policy", default="cache_aware",
                    help="the gateway's routing policy (`smg launch --policy`) (default: "
                         "%(default)s)")
@@ -119,36 +121,40 @@ def gpu_plan(spec: str, replicas: int) -> list[str | None]:
     if spec == "none":
         return [None] * replicas
     if spec == "auto":
-        n = _cuda_devices()
-        if n == 0:
+        gpus = _cuda_devices()
+        if not gpus:
             return [None] * replicas
-        if replicas > n:
-            raise ValueError(f"--replicas {replicas} on {n} GPU(s): one replica a GPU; lower "
-                             "--replicas or name the GPUs with --gpus")
-        return [str(i) for i in range(replicas)]
+        if replicas > len(gpus):
+            raise ValueError(f"--replicas {replicas} on {len(gpus)} GPU(s): one replica a GPU; "
+                             "lower --replicas or name the GPUs with --gpus")
+        return gpus[:replicas]
     ids = [g.strip() for g in spec.split(",") if g.strip()]
     if len(ids) != replicas:
         raise ValueError(f"--gpus names {len(ids)} GPU(s) for {replicas} replicas")
     return ids
 
 
-def _cuda_devices() -> int:
-    """How many CUDA GPUs this machine shows (the replicas' view when unset)."""
+def _cuda_devices() -> list[str]:
+    """The CUDA GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: that variable's
+    own when set, else nvidia-smi's GPUs 0..n-1 (none without nvidia-smi)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
+        return [d.strip() for d in visible.split(",") if d.strip()]
     if shutil.which("nvidia-smi") is None:
-        return 0
+        return []
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        return []
+    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    return [str(i) for i in range(n)]
 
 
 def gateway_command(explicit: str | None) -> list[str]:
     """How to run smg: --gateway-bin, this Python's `-m smg`, or smg on PATH."""
     if explicit:
+        if shutil.which(explicit) is None:
+            raise ValueError(f"--gateway-bin {explicit}: not an executable")
         return [explicit]
     if importlib.util.find_spec("smg") is not None:
         return [sys.executable, "-m", "smg"]

@@ -296,7 +296,19 @@ def test_sigterm_stops_the_gateway_and_the_replicas(running):
     assert re.search(r"replica \d \(pid \d+\) exited", out)  # the killed one was reported
 
 
-def test_cluster_arguments():
+def test_cluster_arguments(monkeypatch, capsys):
+    from tailored.cli import main
+
+    for argv, msg in [(["--replicas", "0"], "--replicas must be >= 1"),
+                      (["--", "--host", "0.0.0.0"], "--host is set by the cluster"),
+                      (["--gateway-bin", "/no/such/smg"], "not an executable")]:
+        assert main(["cluster", *argv]) == 2  # one line, before anything starts
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5,7")  # the GPUs this cluster may use
+    assert cluster_cmd.gpu_plan("auto", 2) == ["2", "5"]
+    with pytest.raises(ValueError, match="--replicas 4 on 3 GPU"):
+        cluster_cmd.gpu_plan("auto", 4)
     assert cluster_cmd.serve_arguments(["--", "/ckpt", "--prefix-cache-entries", "8"], 30) == [
         "/ckpt", "--prefix-cache-entries", "8", "--shutdown-timeout", "30"]
     with pytest.raises(ValueError, match="--port is set by the cluster"):
