@@ -135,6 +135,9 @@ def _serve_parser(sub) -> None:
                         "thinking, up to </think>, under both names) and content (the answer "
                         "after it), streamed too, as vLLM's parser of that name (default: none, "
                         "content is the raw text)")
+    p.add_argument("--access-log", choices=["on", "off"], default="on",
+                   help="one log line per request: method, path, status, prompt and "
+                        "completion tokens, latency (default: %(default)s)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="Python log level (default: %(default)s)")
@@ -306,7 +309,8 @@ def cmd_serve(args) -> int:
     app = build_app(async_engine, tokenizer, args.served_model_name or DEFAULT_MODEL_NAME,
                     max_model_len, sampling_defaults=defaults,
                     reasoning_parser=args.reasoning_parser,
-                    max_body_bytes=args.max_body_bytes, access=access)
+                    max_body_bytes=args.max_body_bytes, access_log=args.access_log == "on",
+                    access=access)
     logging.getLogger("tailored").info(
         "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d, "
         "engine loop in %s%s",
@@ -323,7 +327,7 @@ def cmd_serve(args) -> int:
         f"{len(access.api_keys)} API key(s)" if access.api_keys else "no API key",
         ", ".join(sorted(access.allowed_hosts)) if access.allowed_hosts else "any")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False,
+                            access_log=False,  # ours (--access-log) counts the tokens
                             # a backstop: the engine shutdown below ends every stream first
                             timeout_graceful_shutdown=args.shutdown_timeout + 15)
     try:

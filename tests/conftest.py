@@ -87,6 +87,24 @@ def tiny_fp8_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny4_ckpt(tmp_path_factory):
+    """The tiny preset cut to its first 4 layers (3 GDN + 1 attention: both layer kinds; the
+    MTP head too), for the kernel-path tests: Triton's interpreter costs per program launched,
+    so half the layers halve every step (tests/worker/test_kernel_path.py)."""
+    d = tmp_path_factory.mktemp("tiny4")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, num_layers=4, progress=False,
+                                      tokenizer=False)
+
+
+@pytest.fixture(scope="session")
+def tiny4_fp8_ckpt(tmp_path_factory):
+    """`tiny4_ckpt` in Qwen's block-FP8 layout."""
+    d = tmp_path_factory.mktemp("tiny4-fp8")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, num_layers=4, progress=False,
+                                      tokenizer=False, precision="fp8")
+
+
+@pytest.fixture(scope="session")
 def tiny_cfg(tiny_ckpt):
     return ModelConfig.from_dir(tiny_ckpt)
 

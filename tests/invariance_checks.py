@@ -1,5 +1,6 @@
-"""Engine-level invariance checks shared by the CPU suite (tests/test_invariance.py, tiny model,
-plain path) and the GPU suite (tests/test_gpu_invariance.py, full width, kernel path + graphs).
+"""Engine-level invariance checks shared by the CPU suite (tests/engine/test_invariance.py, tiny
+model, plain path) and the GPU suite (tests/gpu/test_gpu_invariance.py, full width, kernel
+path + graphs).
 
 Each check takes `make(**engine_kwargs) -> Engine`; the caller picks model, device, sizes and
 tolerance. Hidden states are the ones the engine computed (gate.engine_side capture).

@@ -15,12 +15,11 @@ inside `<think>` (its last `<think>` after its last `</think>`), the grammar sta
 model writes `</think>`: the reasoning is free text, the answer is the JSON (vLLM's
 "structured outputs after reasoning" in its reasoning parsers does the same).
 
-Forced tool calls (chat `tool_choice` "required" or a named function): the answer is held to
-Qwen3.6's tool-call XML (tool_calls.py) by xgrammar's own structural tag for this model family
-(`get_model_structural_tag("qwen_3_5", ...)`): `<tool_call>` / `</tool_call>` as their tokens,
-the function names of `tools`, each one's arguments as `<parameter=NAME>` blocks per its JSON
-Schema; "required" allows one or more calls and nothing else (one with parallel_tool_calls
-false; `_calls_only`), a named function exactly one call of it.
+Tool calls (chat `tool_choice` "required" or a named function; or "auto" beside a
+response_format, where the answer is calls or the schema's JSON): the answer is held to
+Qwen3.6's tool-call XML (tool_calls.py) by xgrammar's structural tag for this model family,
+each argument exactly per its JSON Schema (tool_grammar.py). A schema's `date`, `time`,
+`date-time` and `ipv4` formats are held exactly (schema_formats.py).
 
 The vocabulary given to xgrammar is the tokenizer's token bytes, with every added token
 (`<|im_end|>`, `<think>`, ...; `Tokenizer.is_added`) given as empty bytes so no grammar can
@@ -47,9 +46,11 @@ from dataclasses import replace
 import torch
 
 from tailored.engine.grammar_text import safe_grammar
+from tailored.engine.schema_formats import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_ONE, exact_formats
+from tailored.engine.tool_grammar import tool_call_grammar
 from tailored.engine.types import StructuredOutput
-# the tool-call format as its parser reads it: the grammar must agree with it
-from tailored.engine.tool_format import TOOL_END, TOOL_START, VALUE_ENDS
+# the markers the tool-call grammar names (they keep their text in the vocabulary)
+from tailored.engine.tool_format import TOOL_END, TOOL_START
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,6 @@ COMPILE_WORKERS = 4  # grammars compiled at once (each on its own thread)
 # prompt is text about the tag, not an open block
 THINK_TAIL_TOKENS = 3
 _ANY_OBJECT = '{"type": "object"}'
-# whitespace characters allowed in a row around the tool-call format's parts and non-string
-# values: the chat template writes single newlines; more would end up inside the arguments
-# (tool_calls.py drops one newline each side of a value, as vLLM's parser), e.g. an enum value
-# padded with spaces, which a random-weight model wrote (free string values are not capped)
-TOOL_CALL_WHITESPACE = 1
-# xgrammar's structural-tag template of the Qwen3.5/3.6 tool-call format
-_TOOL_CALL_FORMAT = "qwen_3_5"
 
 
 class Grammars:
@@ -171,17 +165,19 @@ class Grammars:
 
     def _parse(self, xgr, spec: StructuredOutput):
         kind, text = spec.kind, spec.schema
+        if kind == "tool_calls":
+            return self._tool_calls(xgr, json.loads(text))
         try:
-            if kind == "tool_calls":
-                return xgr.Grammar.concat(_leading_newlines(xgr), self._tool_calls(xgr, text))
             if kind in ("json_object", "json_schema"):
+                source = _ANY_OBJECT
                 if kind == "json_schema":
-                    problem = unsupported_schema(json.loads(text))
+                    schema = json.loads(text)
+                    problem = unsupported_schema(schema)
                     if problem:
                         raise ValueError(problem)
+                    source = json.dumps(exact_formats(schema))  # (schema_formats.py)
                 # json_object: OpenAI's JSON mode is an object (not any JSON value);
                 # json_schema strict: no properties beyond the schema's unless it allows them
-                source = _ANY_OBJECT if kind == "json_object" else text
                 if spec.compact:  # xgrammar's compact separators, no free whitespace
                     return xgr.Grammar.from_json_schema(
                         source, any_whitespace=False, separators=(",", ":"),
@@ -204,32 +200,33 @@ class Grammars:
             raise _one_line(kind, e) from None
         raise ValueError(f"structured output: unknown kind {kind!r}")
 
-    def _tool_calls(self, xgr, text: str):
-        """The forced tool-call grammar of a "tool_calls" spec (types.StructuredOutput):
-        xgrammar's structural tag for the Qwen3.5/3.6 format, its marker tokens given as ids
-        (a structural tag names them as text, which only a compiler could resolve; the engine
-        thread parses before the compiler exists)."""
-        spec = json.loads(text)
+    def _tool_calls(self, xgr, spec: dict):
+        """The grammar of a "tool_calls" spec (types.StructuredOutput, parsed): forced calls,
+        or with tool_choice "auto" calls or the spec's `answer` (tool_grammar.py). Errors
+        name tool_choice, or the answer's own field for its grammar."""
         choice = spec["tool_choice"]
+        answer = None
+        if choice == "auto":  # the answer's own errors name its field (response_format, ...)
+            a = spec["answer"]
+            answer = self._parse(xgr, StructuredOutput(a["kind"], a.get("schema"),
+                                                       compact=a.get("compact", False)))
         named = choice["function"]["name"] if isinstance(choice, dict) else None
-        for i, tool in enumerate(spec["tools"]):
-            fn = tool["function"]
-            if named is not None and fn["name"] != named:
-                continue  # the grammar holds only the named function
-            if fn.get("strict") is False:
-                continue  # xgrammar leaves its arguments free (any JSON object)
-            # (unique names and parameters that describe an object: the server's checks,
-            # protocol.py)
-            problem = unsupported_schema(fn.get("parameters"), f"tools[{i}].function.parameters")
-            if problem:
-                raise ValueError(problem)
-        tag = xgr.get_model_structural_tag(
-            _TOOL_CALL_FORMAT, tools=spec["tools"], tool_choice=choice,
-            reasoning="disabled",  # the grammar starts after </think> (Guide)
-            parallel_tool_calls=spec["parallel_tool_calls"], token_markers=True,
-            max_whitespace_cnt=TOOL_CALL_WHITESPACE)
-        tag = _calls_only(_exclude_value_ends(tag.model_dump(mode="json")))
-        return xgr.Grammar.from_structural_tag(json.dumps(_token_ids(tag, self.tokenizer)))
+        try:
+            for i, tool in enumerate(spec["tools"]):
+                fn = tool["function"]
+                if named is not None and fn["name"] != named:
+                    continue  # the grammar holds only the named function
+                if fn.get("strict") is False:
+                    continue  # xgrammar leaves its arguments free (any JSON object)
+                # (unique names and parameters that describe an object: the server's checks,
+                # protocol.py)
+                problem = unsupported_schema(fn.get("parameters"),
+                                             f"tools[{i}].function.parameters")
+                if problem:
+                    raise ValueError(problem)
+            return tool_call_grammar(xgr, spec, self.tokenizer, answer)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad input
+            raise _one_line("tool_calls", e) from None
 
     def _compile(self, spec: StructuredOutput, grammar):
         """Compile a parsed grammar against the vocabulary and cache it."""
@@ -284,84 +281,6 @@ class Grammars:
                      self.think_end if waiting else None)
 
 
-def _calls_only(tag: dict) -> dict:
-    """xgrammar's "required" tag (free text with calls triggered by `<tool_call>`, at least
-    one) as calls only: one or more, separated by a newline (as the chat template joins them),
-    no text before, between or after them. Free text let a random-weight model write on after
-    its call to max_tokens, and spell `<tool_call>` out of ordinary tokens, which the parser
-    reads as a call of any name (a function that is not among the tools)."""
-    fmt = tag["format"]
-    if fmt.get("type") != "token_triggered_tags":
-        return tag  # a named function: exactly one call already
-    return {**tag, "format": {"type": "tags_with_separator", "tags": fmt["tags"],
-                              "separator": "\n", "at_least_one": True,
-                              "stop_after_first": fmt.get("stop_after_first", False)}}
-
-
-def _has_length_bound(schema) -> bool:
-    """Whether a JSON Schema (as Python values) bounds a string's length anywhere."""
-    if isinstance(schema, list):
-        return any(_has_length_bound(x) for x in schema)
-    if not isinstance(schema, dict):
-        return False
-    return "minLength" in schema or "maxLength" in schema or \
-        any(_has_length_bound(v) for v in schema.values())
-
-
-def _exclude_value_ends(node):
-    """A structural tag (as JSON values) whose Qwen-XML argument schemas keep VALUE_ENDS (the
-    texts that end a value for tool_calls.py's parser, and vLLM's: a string value holding one
-    would be read as ending there) out of their string values (xgrammar's `excludes`). Not for a schema that bounds a string's
-    length: xgrammar drops minLength / maxLength from strings it filters, and the bound is
-    the user's; there a value may hold a VALUE_ENDS text (the parser then ends it early)."""
-    if isinstance(node, list):
-        return [_exclude_value_ends(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _exclude_value_ends(v) for k, v in node.items()}
-    if (out.get("type") == "json_schema" and out.get("style") == "qwen_xml"
-            and not _has_length_bound(out.get("json_schema"))):
-        out["excludes"] = sorted(set(out.get("excludes") or ()) | set(VALUE_ENDS))
-    return out
-
-
-# structural-tag fields that name tokens (by text or id)
-_TOKEN_LISTS = ("trigger_tokens", "exclude_tokens")
-
-
-def _token_ids(node, tokenizer):
-    """A structural tag (as JSON values) with every token it names by text given by id.
-    Raises ValueError for a text that is no single token of the vocabulary."""
-    def tid(t):
-        if isinstance(t, int):
-            return t
-        i = tokenizer.token_to_id(t)
-        if i is None:
-            raise ValueError(f"the tokenizer has no token {t!r}")
-        return i
-
-    if isinstance(node, list):
-        return [_token_ids(x, tokenizer) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for k, v in node.items():
-        if k == "token" and node.get("type") == "token":
-            out[k] = tid(v)
-        elif k in _TOKEN_LISTS and isinstance(v, list):
-            out[k] = [tid(t) for t in v]
-        else:
-            out[k] = _token_ids(v, tokenizer)
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _leading_newlines(xgr):
-    """Before forced tool calls: the newlines Qwen writes after `</think>` (at most 2; more
-    whitespace ends up in the answer's content when a call is cut)."""
-    return xgr.Grammar.from_ebnf('root ::= "" | "\\n" | "\\n\\n"')
-
-
 @functools.lru_cache(maxsize=1)
 def _leading_space(xgr):
     return xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n]{{0,{LEADING_WHITESPACE}}}")
@@ -391,11 +310,8 @@ _UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "depe
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 
 
-# keywords that hold subschemas (walked); anything else is a value (enum, const, examples,
-# vendor extensions such as pydantic's json_schema_extra): not a schema to check
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties")
+# the keywords that hold subschemas (schema_formats.py) are walked; anything else is a value
+# (enum, const, examples, vendor extensions such as pydantic's json_schema_extra): not checked
 # keywords that only annotate: they may stand beside `$ref` / a one-schema `allOf`
 _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "$schema", "$id",
                 "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}
@@ -472,19 +388,19 @@ def unsupported_schema(schema, path: str = "schema", depth: int = 0) -> str | No
         if missing:
             return (f"{path}: required property {missing[0]!r} is not in 'properties' (no "
                     "other property is allowed)")
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
                 why = unsupported_schema(sub, f"{path}.{key}.{name}", depth + 1)
                 if why:
                     return why
-    for key in _SCHEMA_LISTS:
+    for key in SCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
                 why = unsupported_schema(sub, f"{path}.{key}[{i}]", depth + 1)
                 if why:
                     return why
-    for key in _SCHEMA_ONE:
+    for key in SCHEMA_ONE:
         why = unsupported_schema(schema.get(key), f"{path}.{key}", depth + 1)
         if why:
             return why

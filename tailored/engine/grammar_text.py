@@ -1,5 +1,6 @@
-"""A workaround for xgrammar 0.2.9 (the newest release): characters U+0080-U+00FF followed
-by a hex digit change meaning when a grammar compiles.
+"""Workarounds for xgrammar 0.2.9 (the newest release) on its printed grammars.
+
+1. Characters U+0080-U+00FF followed by a hex digit change meaning when a grammar compiles.
 
 Its printer writes such a character as a two-digit escape (`é` → `\\xe9`), and `compile_grammar`
 prints the grammar and parses it again. The parser's `\\x` takes every hex digit that follows,
@@ -11,8 +12,21 @@ The fix runs on the printed grammar, where every `\\x` has exactly two digits, s
 ambiguous yet. A literal is split after such an escape: `"Montr\\xe9al"` becomes
 `("Montr\\xe9" "al")`, which is the same language and survives the print and parse inside
 `compile_grammar`. A class is reordered so that no escape is followed by a raw hex digit; a
-class is a set, so the order does not matter. `safe_grammar` does this only when the printed
-text has such an escape, and keeps the grammar as it is otherwise.
+class is a set, so the order does not matter.
+
+2. A JSON string with a length bound (`maxLength`, `minLength`) is compiled to characters of
+the class `[^"\\\r\n]`, which lets the other control characters (U+0000-U+001F) stand raw in
+the string: no JSON (a strict parser, Python's json and pydantic, refuses the answer; a
+random-weight model wrote U+0015 in a forced call's nested object). The class is written
+`[^\0-\x1f"\\]`, as xgrammar's own unbounded strings have it.
+
+3. A character counted by a length bound (those classes, and `[\0-\U0010ffff]`: a tool-call
+argument's) may be a UTF-16 surrogate's three UTF-8 bytes, which no decoder reads as one
+character: the detokenizer gives three U+FFFD, and a maxLength-6 value came back with 8
+characters. Both classes leave U+D800-U+DFFF out.
+
+`safe_grammar` rewrites only where the printed text has one of these, and keeps the grammar as it is
+otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +37,11 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 # a two-digit escape right before a hex digit (a cheap test; `rewrite` reads the escapes)
 _AMBIGUOUS = re.compile(r"\\x[0-9a-fA-F]{2}[0-9a-fA-F]")
 _ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
+# a bounded JSON string's characters as xgrammar prints them, and as they should be
+_LOOSE_JSON_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\0-\\x1f\\"\\\\\\U0000d800-\\U0000dfff]'
+_ANY_CHAR = '[\\0-\\U0010ffff]'
+_SCALAR_CHAR = '[\\0-\\U0000d7ff\\U0000e000-\\U0010ffff]'  # (no surrogate)
 
 
 def _escape(text: str, i: int) -> int:
@@ -106,10 +125,12 @@ def rewrite(text: str) -> str:
 
 
 def safe_grammar(xgr, grammar):
-    """`grammar` unchanged when its printed form has no ambiguous escape, else parsed again
-    from the rewritten text (root rule `root`, as xgrammar prints it). Raises ValueError as
-    `rewrite`, or when xgrammar cannot parse its own printed grammar."""
+    """`grammar` unchanged when its printed form has neither an ambiguous escape nor a loose
+    JSON string class (the module docstring), else parsed again from the rewritten text (root
+    rule `root`, as xgrammar prints it). Raises ValueError as `rewrite`, or when xgrammar
+    cannot parse its own printed grammar."""
     text = str(grammar)
-    if not _AMBIGUOUS.search(text):
+    if not (_LOOSE_JSON_CHARS in text or _ANY_CHAR in text or _AMBIGUOUS.search(text)):
         return grammar
+    text = text.replace(_LOOSE_JSON_CHARS, _JSON_CHARS).replace(_ANY_CHAR, _SCALAR_CHAR)
     return xgr.Grammar.from_ebnf(rewrite(text), root_rule_name="root")

@@ -54,8 +54,7 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
         step[:] = sched.seqs
         return _orig(sched, *args, **kwargs)
 
-    def hook(_module, inputs, out):
-        batch = inputs[0]
+    def record(batch, out):
         if len(batch.seqs) != len(step):
             raise RuntimeError("runner batch does not match the scheduled step: use "
                                "--hidden-from forward")
@@ -74,9 +73,18 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
             dev, dt = runner.device, model.lm_head.weight.dtype
             hidden[name] = torch.zeros(n, H, dtype=dt, device=dev)
             filled[name] = torch.zeros(n, dtype=torch.bool, device=dev)
-    handle = model.register_forward_hook(hook) if capture else None
+
+    def forward(batch, _orig=runner.forward):
+        out = _orig(batch)
+        record(batch, out)
+        return out
+
     if capture:
-        setattr(runner, entry, run_step)  # instance attribute: the class method is untouched
+        # the runner's forward, not a hook on the model: the kernel path never calls the
+        # model module (worker/kernel_forward.py); instance attributes: the class's methods
+        # are untouched
+        setattr(runner, entry, run_step)
+        runner.forward = forward
     out: dict[str, list[int]] = {name: [] for name in prompts}
     try:
         while engine.has_unfinished():
@@ -86,7 +94,7 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
                 out[o.request_id].extend(o.delta_token_ids)
     finally:
         if capture:
-            handle.remove()
+            delattr(runner, "forward")
             delattr(runner, entry)
     for name, f in filled.items():
         if not bool(f.all()):

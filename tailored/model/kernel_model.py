@@ -1,7 +1,7 @@
 """The kernel path: the model's computation arranged for the GPU, layer by layer.
 
 Same computation as the plain path in `qwen36.py` (spec §3–§7), checked against it in
-tests/worker/test_fast_path.py (CPU, Triton's interpreter, fp32) and tests/gpu/test_gpu.py:
+tests/worker/test_kernel_path.py (CPU, Triton's interpreter, fp32) and tests/gpu/test_gpu.py:
   * projections that read one input are one GEMM (`projections.py`), FP8 dense weights
     optionally held dequantized as well (`fp8_dense_dequant`, kb/0026);
   * residual add + RMSNorm fused (`kernels.norm`); the mixers and the MoE block per step

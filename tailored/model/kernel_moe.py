@@ -10,7 +10,7 @@ Same computation as `SparseMoeBlock` of the plain path, by step size:
     first (kb/0031: at 8192 tokens ~470 TFLOP/s against ~100 for the Triton expert GEMMs);
   * then one launch for the routed sum, the gated shared expert and, with
     `combine_next_norm`, the residual add and the next RMSNorm (kb/0023).
-Checked against the plain path in tests/worker/test_fast_path.py.
+Checked against the plain path in tests/worker/test_kernel_path.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ out its projections like a decoder layer's under index num_hidden_layers (`mtp_l
 the cache holds its KV as one more attention layer. So the layer runs through the same
 blocks: fused residual-add + RMSNorm, the q|k|v GEMM with q/k norm and RoPE, paged attention,
 the routed + shared experts and their combine, which applies `mtp.norm` in its launch.
-Checked against the plain path (`model/mtp.py`) in tests/worker/test_fast_path.py.
+Checked against the plain path (`model/mtp.py`) in tests/worker/test_kernel_path.py.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class AnswerSplitter:
 
     def __init__(self, thinking: bool | None = None, tools: list[dict] | None = None,
                  raw_thinking: bool = False, max_calls: int | None = None,
-                 forced: bool = False, prompt_no: int = 0) -> None:
+                 forced: bool = False, prompt_no: int = 0, exact: bool = False) -> None:
         self.prompt_no, self.cached_tokens, self.reasoning_tokens = prompt_no, 0, 0
         # chat answers' thinking split out (--reasoning-parser): whether the output starts
         # inside it (None: no split); streams feed `splitter` delta by delta
@@ -66,7 +66,8 @@ class AnswerSplitter:
         # text the reasoning split leaves. raw_thinking: thinking on with no reasoning split,
         # so content is the raw text, reasoning included: calls are read only after </think>
         # forced: tool_choice "required" / named, the answer is calls only (a grammar)
-        self.tool_splitter = ToolCallSplitter(tools, max_calls, forced) if tools else None
+        # exact: the calls are held by a grammar (ToolCallSplitter)
+        self.tool_splitter = ToolCallSplitter(tools, max_calls, forced, exact) if tools else None
         self.gate = ThinkGate() if tools and raw_thinking else None
 
     def split(self, text: str, finished: bool) -> tuple[str, str, list[ToolCallDelta]]:

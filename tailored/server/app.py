@@ -76,6 +76,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tailored import flags
+from tailored.server.access_log import AccessLog
 from tailored.server.async_engine import AsyncEngine
 from tailored.server.errors import OpenAIError, shown
 from tailored.server.http_io import error_response, internal_error
@@ -103,6 +104,7 @@ def build_app(
     disconnect_poll_s: float = 0.5,
     max_body_bytes: int | None = None,
     reasoning_parser: str | None = None,
+    access_log: bool = False,
     access: AccessPolicy | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
@@ -114,6 +116,7 @@ def build_app(
     token of max_model_len, 2 to 32 MiB).
     reasoning_parser: "qwen3" splits chat answers into the reasoning (`reasoning` and
     `reasoning_content`) and content (`reasoning.py`); None leaves content the raw text.
+    access_log: one log line per request (access_log.py; `tailored serve` turns it on).
     access: API keys, their exempt routes and the Host allow-list (guard.py; None: no key,
     any host). Non-JSON POST bodies get 415 either way.
     """
@@ -145,6 +148,8 @@ def build_app(
     if access is not None:
         server.access = access
     app.add_middleware(Guard, policy=server.access)  # hosts, keys, content types (guard.py)
+    if access_log:  # outermost (added last): its line names the guard's refusals too
+        app.add_middleware(AccessLog)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

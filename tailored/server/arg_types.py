@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 # the pseudo-type of a value that may be one of a fixed set of strings (enum / const): read
-# whole and stripped, not streamed, since the grammar of forced calls (engine/grammar.py) lets
-# whitespace stand beside such a value, where a free string's whitespace is its text
+# whole, not streamed, and stripped unless a grammar held the call (the model may pad an enum
+# value it writes freely; a grammar's value is exact: engine/tool_grammar.py)
 FIXED = "fixed"
 # param_types' key for the parameters a schema's additionalProperties describes
 OTHER = ""  # never a parameter name (FunctionDefinition refuses empty names)

@@ -4,6 +4,7 @@ chat responses and stream chunks."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
@@ -11,7 +12,8 @@ from pydantic import BaseModel, Field, field_validator, model_serializer, model_
 from tailored.engine.types import MAX_LOGPROBS, StructuredOutput
 from tailored.server.errors import OpenAIError, shown
 from tailored.server.json_screen import MAX_JSON_DEPTH, check_json_body, json_too_deep
-from tailored.server.protocol import REQUEST_CONFIG, BaseRequest, UsageInfo, unix_now
+from tailored.server.protocol import (EFFORTS, REQUEST_CONFIG, BaseRequest, UsageInfo,
+                                      thinking_for_effort, unix_now)
 from tailored.server.tools_protocol import (TOOL_CHOICES, ChatTool, check_forced_tool_choice,
                                             tool_name_error)
 
@@ -146,7 +148,10 @@ class ChatCompletionRequest(BaseRequest):
 
     tools: OpenAI function tools, rendered by the chat template; the answer's calls come back
     as `tool_calls` (`tool_calls.py`) unless tool_choice is "none". parallel_tool_calls false
-    ends the answer (and its generation) once its first call ended."""
+    ends the answer (and its generation) once its first call ended. response_format (or
+    structured_outputs) beside tools with tool_choice "auto": the answer is tool calls or the
+    format's JSON, one grammar. reasoning_effort "none" / "minimal": thinking off (OpenAI's
+    field, as vLLM maps it), unless chat_template_kwargs.enable_thinking says otherwise."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=0)  # 0: as max_tokens
@@ -158,6 +163,7 @@ class ChatCompletionRequest(BaseRequest):
     # each generated token's logprob, with its top_logprobs most likely alternatives
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         k: v for k, v in BaseRequest.UNSUPPORTED.items()
@@ -172,12 +178,6 @@ class ChatCompletionRequest(BaseRequest):
         if self.top_logprobs and not self.logprobs:  # OpenAI's rule
             raise OpenAIError("parameter 'top_logprobs' needs 'logprobs' set to true",
                               param="top_logprobs")
-        if self.active_tools and super().structured_output() is not None:
-            # the JSON grammar leaves no room for a `<tool_call>` block
-            raise OpenAIError("response_format json_object / json_schema (or "
-                              "structured_outputs) cannot be combined with tools (set "
-                              "tool_choice to 'none' or leave the tools out)",
-                              param="response_format")
         if self.tool_choice not in TOOL_CHOICES:
             check_forced_tool_choice(self.tools, self.tool_choice)
         super().check_supported()
@@ -185,18 +185,31 @@ class ChatCompletionRequest(BaseRequest):
     def structured_output(self) -> StructuredOutput | None:
         """The grammar of `response_format` / `structured_outputs`, or of a forced
         tool_choice (StructuredOutput "tool_calls": the tools as rendered; a named function's
-        tool_choice in xgrammar's (OpenAI's) shape). Tools with response_format: `check`."""
-        if self.forced_tool_calls:
-            return StructuredOutput("tool_calls", json.dumps({
-                "tools": self.active_tools, "tool_choice": self.tool_choice,
-                "parallel_tool_calls": self.parallel_tool_calls is not False}))
-        return super().structured_output()
+        tool_choice in xgrammar's (OpenAI's) shape), or with active tools and tool_choice
+        "auto" both: calls or the format's answer ("tool_calls" with tool_choice "auto" and
+        the answer's own spec; engine/tool_grammar.py)."""
+        answer = super().structured_output()
+        if self.forced_tool_calls or (answer is not None and self.active_tools):
+            spec = {"tools": self.active_tools,
+                    "tool_choice": self.tool_choice if self.forced_tool_calls else "auto",
+                    "parallel_tool_calls": self.parallel_tool_calls is not False}
+            if not self.forced_tool_calls:
+                spec["answer"] = asdict(answer)
+            return StructuredOutput("tool_calls", json.dumps(spec))
+        return answer
 
     @property
     def forced_tool_calls(self) -> bool:
         """tool_choice "required" or a named function (with tools): the answer is calls only,
         by a grammar (`structured_output`)."""
         return bool(self.tools) and self.tool_choice not in TOOL_CHOICES
+
+    @property
+    def grammar_tool_calls(self) -> bool:
+        """The answer's calls are held by a grammar: forced, or beside a response_format."""
+        return self.forced_tool_calls or bool(
+            self.active_tools and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")))
 
     @property
     def max_tool_calls(self) -> int | None:
@@ -250,8 +263,13 @@ class ChatCompletionRequest(BaseRequest):
 
     @property
     def enable_thinking(self) -> bool:
-        """Qwen3.6 thinks unless chat_template_kwargs.enable_thinking is false."""
-        return (self.chat_template_kwargs or {}).get("enable_thinking", True)
+        """Qwen3.6 thinks unless chat_template_kwargs.enable_thinking is false, or (without
+        it) reasoning_effort is "none" or "minimal"."""
+        kwargs = self.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs:
+            return kwargs["enable_thinking"]
+        thinking = thinking_for_effort(self.reasoning_effort)
+        return True if thinking is None else thinking
 
 
 

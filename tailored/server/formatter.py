@@ -41,8 +41,8 @@ class Formatter(AnswerSplitter):
                  raw_thinking: bool = False, max_calls: int | None = None,
                  forced: bool = False, prompt_no: int = 0,
                  prompt_ids: list[int] | None = None, echo: str | None = None,
-                 prompt_logprobs: int | None = None) -> None:
-        super().__init__(thinking, tools, raw_thinking, max_calls, forced, prompt_no)
+                 prompt_logprobs: int | None = None, exact: bool = False) -> None:
+        super().__init__(thinking, tools, raw_thinking, max_calls, forced, prompt_no, exact)
         self.request_id, self.model, self.chat = request_id, model, chat
         self.index = index  # the choice this formatter renders (n > 1: one formatter each)
         # SamplingParams.logprobs of the request (None: none); the tokenizer names the tokens

@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
+from tailored.server.access_log import record
 from tailored.server.answer import AnswerSplitter, answer_pieces, collect_watched
 from tailored.server.chat_protocol import ChatCompletionRequest
 from tailored.server.errors import OpenAIError
@@ -90,8 +91,10 @@ async def _serve_turn(server, request: Request, dialect, arrival: float) -> Resp
         [stream] = await server.start(req, request_id, [prompt], [max_tokens],
                                       [turn.prompt_param], turn.thinking_budget)
         splitter = AnswerSplitter(req.enable_thinking, tools, max_calls=req.max_tool_calls,
-                                  forced=req.forced_tool_calls)
+                                  forced=req.forced_tool_calls,
+                                  exact=req.grammar_tool_calls)
         tracker = server.metrics.request(arrival, len(prompt))
+        record(request, len(prompt), [tracker])  # (the access log's counts)
         renderer = dialect.renderer(turn, request_id, len(prompt), splitter)
         if req.stream:
             return StreamingResponse(

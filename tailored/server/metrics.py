@@ -184,7 +184,7 @@ class RequestMetrics:
     """One request's counts and timings, fed by its handler: `output` per RequestOutput,
     `finish` where the handler stops early (the first reason recorded wins)."""
 
-    __slots__ = ("_m", "_arrival", "_prompt_tokens", "_last", "_done")
+    __slots__ = ("_m", "_arrival", "_prompt_tokens", "_last", "_done", "completion_tokens")
 
     def __init__(self, metrics: ServerMetrics, arrival: float, num_prompt_tokens: int) -> None:
         self._m = metrics
@@ -192,11 +192,13 @@ class RequestMetrics:
         self._prompt_tokens = num_prompt_tokens
         self._last: float | None = None  # when the last output with tokens arrived (seconds)
         self._done = False
+        self.completion_tokens = 0  # generated so far (the access log's count)
 
     def output(self, out: RequestOutput) -> None:
         """Account one output: its tokens, TTFT or the inter-token gap; the finish if last."""
         try:
             n = len(out.delta_token_ids)
+            self.completion_tokens += n
             if n:
                 m, now = self._m, time.monotonic()
                 if self._last is None:

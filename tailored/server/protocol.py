@@ -45,6 +45,17 @@ MAX_CHOICES = 128  # `n`: pass@k evaluations ask for up to ~100 samples of one p
 MAX_PROMPTS = 128  # a completions batch; prompts x n is capped at MAX_CHOICES too
 # repetition_penalty outside this range only produces inf/NaN logits (or no effect at all)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
+# reasoning effort (chat's `reasoning_effort`, the Responses API's `reasoning.effort`): the
+# values OpenAI takes; "none" and "minimal" turn the thinking off (the chat template's
+# enable_thinking false, as vLLM maps them), every other effort leaves it on
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+THINKING_OFF_EFFORTS = ("none", "minimal")
+
+
+def thinking_for_effort(effort: str | None) -> bool | None:
+    """The chat template's enable_thinking for a reasoning effort (None: no effort given, the
+    template's default)."""
+    return None if effort is None else effort not in THINKING_OFF_EFFORTS
 
 
 def unset(value: Any) -> bool:

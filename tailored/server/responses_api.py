@@ -16,7 +16,7 @@ Request -> chat (see also responses_protocol.py):
   `text.format` (json_object, json_schema: chat's response_format, enforced by a grammar),
   `reasoning.effort` (none and minimal: thinking off; others on; absent: the template's
   default, on), `max_output_tokens`, `temperature`, `top_p`; vLLM's sampling extensions
-  (top_k, min_p, seed, penalties, stop) pass through as in chat.
+  (top_k, min_p, seed, penalties, stop) and chat's logit_bias pass through as in chat.
 
 Answer -> output items, in order: `reasoning` (the thinking, as a reasoning_text part; with
 include ["reasoning.encrypted_content"] also sealed in encrypted_content, so clients that keep
@@ -118,8 +118,8 @@ class ResponsesDialect:
                             response_format(req.text.format if req.text else None))):
             if value is not None:
                 chat[key] = value
-        if req.reasoning is not None and req.reasoning.thinking is not None:
-            chat["chat_template_kwargs"] = {"enable_thinking": req.reasoning.thinking}
+        if req.reasoning is not None and req.reasoning.effort is not None:
+            chat["reasoning_effort"] = req.reasoning.effort  # (chat maps it: protocol.py)
         extra = req.model_extra or {}
         for key in PASSED_THROUGH:
             if key in extra:

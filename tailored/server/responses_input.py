@@ -17,9 +17,10 @@ from tailored.server.tools_protocol import tool_name_error
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image", "file")
-# sampling extensions (vLLM's) that pass through to the chat request as they are
+# sampling extensions (vLLM's; chat's logit_bias) that pass through to the chat request as
+# they are
 PASSED_THROUGH = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "stop")
+                  "repetition_penalty", "stop", "logit_bias")
 _CHAT_TOOL_PARAM = re.compile(r"tools\[(\d+)\]\.function")
 
 

@@ -18,12 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tailored.server.errors import OpenAIError, shown
-from tailored.server.protocol import REQUEST_CONFIG
-
-# reasoning.effort values that turn the thinking off (the chat template's enable_thinking
-# false); every other effort leaves it on, and no effort keeps the template's default (on)
-THINKING_OFF_EFFORTS = ("none", "minimal")
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# reasoning.effort: mapped onto the thinking switch where chat's reasoning_effort is
+from tailored.server.protocol import EFFORTS, REQUEST_CONFIG
 # tools OpenAI runs on its side: they are not run here and are left out of the prompt (Codex
 # sends web_search unless told not to); any other unknown tool type is refused
 HOSTED_TOOL_TYPES = frozenset({
@@ -40,20 +36,14 @@ MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
 
 
 class ReasoningParam(BaseModel):
-    """`reasoning`: effort (mapped onto the thinking switch, THINKING_OFF_EFFORTS), summary
-    (accepted; no summaries are written: the reasoning itself is returned)."""
+    """`reasoning`: effort (passed on as chat's reasoning_effort: "none" and "minimal" turn
+    the thinking off, protocol.thinking_for_effort), summary (accepted; no summaries are
+    written: the reasoning itself is returned)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
     summary: str | None = None
     generate_summary: str | None = None
-
-    @property
-    def thinking(self) -> bool | None:
-        """The template's enable_thinking for this effort (None: the default)."""
-        if self.effort is None:
-            return None
-        return self.effort not in THINKING_OFF_EFFORTS
 
 
 class TextParam(BaseModel):

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
+from tailored.server.access_log import record
 from tailored.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tailored.server.chat_protocol import ChatCompletionRequest
 from tailored.server.completions_protocol import CompletionRequest
@@ -331,6 +332,7 @@ class Server:
                                raw_thinking=opens_think and not self.reasoning_parser,
                                max_calls=req.max_tool_calls if chat else None,
                                forced=chat and req.forced_tool_calls, prompt_no=i // n,
+                               exact=chat and req.grammar_tool_calls,
                                prompt_ids=prompts[i // n], echo=echoes[i // n],
                                prompt_logprobs=req.prompt_logprobs)
                     for i in range(len(streams))]
@@ -338,6 +340,7 @@ class Server:
                 f.continuous_usage = req.continuous_usage
             trackers = [self.metrics.request(arrival, len(prompts[k // n]))
                         for k in range(len(streams))]
+            record(request, num_prompt_tokens, trackers)  # (the access log's counts)
             if req.stream:
                 return StreamingResponse(
                     stream_events(streams, fmts, trackers),

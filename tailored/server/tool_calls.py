@@ -139,9 +139,10 @@ def _is_string(types: set[str]) -> bool:
     return not types or ("string" in types and FIXED not in types)
 
 
-def convert_value(text: str, types: set[str]) -> Any:
+def convert_value(text: str, types: set[str], exact: bool = False) -> Any:
     """A non-string parameter's value from its text: the first of the schema's types the text
-    parses as (JSON; "True"/"False" for booleans too); else the text itself."""
+    parses as (JSON; "True"/"False" for booleans too); else the text itself. exact: the text
+    is the value as a grammar held it (an enum / const string keeps its own whitespace)."""
     s = text.strip()
     try:
         value = json.loads(s)
@@ -164,7 +165,7 @@ def convert_value(text: str, types: set[str]) -> Any:
         if "integer" in types and isinstance(value, float) and value.is_integer():
             return int(value)
     if FIXED in types:  # an enum / const string: the whitespace beside it is not its text
-        return s
+        return text if exact else s
     return text
 
 
@@ -193,11 +194,15 @@ class ToolCallSplitter:
     """
 
     def __init__(self, tools: list[dict] | None, max_calls: int | None = None,
-                 forced: bool = False) -> None:
+                 forced: bool = False, exact: bool = False) -> None:
         self._types = param_types(tools)
         # the answer is calls only (a forced tool_choice's grammar): text outside a complete
         # call can only be one cut short, and is dropped at the end instead of given out
         self.forced = forced
+        # the calls are held by a grammar (forced, or tool_choice "auto" beside a
+        # response_format: engine/tool_grammar.py): each value is exactly its text between
+        # the format's two newlines, an enum's whitespace included
+        self.exact = exact or forced
         # parallel_tool_calls false: 1; once that many calls ended, `stopped` is set and the
         # rest of the answer is dropped (the caller ends the generation)
         self.max_calls = max_calls
@@ -430,7 +435,7 @@ class ToolCallSplitter:
         if self._param_is_string:
             self._args(_escaped(value) + '"')
         else:
-            self._args(json.dumps(convert_value(value, self._param_types), ensure_ascii=False))
+            self._args(json.dumps(convert_value(value, self._param_types, self.exact), ensure_ascii=False))
 
     def _step_after(self, final: bool) -> bool:
         s = self._buf = self._buf.lstrip(_WS)

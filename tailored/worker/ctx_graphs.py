@@ -39,7 +39,7 @@ keys; beyond, only as far as the rows running together share them), so the atten
 
 Numerics: the attention sums in another order than the eager path's SDPA over gathered keys
 (H100: fp32 per-token rel. error ≤ 2.3e-7 against the eager chunk; bf16 rounding, within the
-prefill graphs' bounds). tests/worker/test_fast_ctx.py runs the body eagerly against the eager
+prefill graphs' bounds). tests/worker/test_ctx_graphs.py runs the body eagerly against the eager
 forward on the CPU; tests/gpu/test_gpu_ctx.py replays the graphs against their bodies and the
 eager path on the GPU.
 """

@@ -30,8 +30,8 @@ Steps where the verify graph ran beside other work (prompt chunks, `KernelForwar
 host path instead: the runner reads the verified tokens, keeps the matching drafts and commits
 the states (one sync), then fills and replays the mtp graph (the second). Rows of pad
 sequences use slot 0 and page 0 (the sinks). Checked on the CPU by running the bodies eagerly
-against the eager step and the host path (tests/worker/test_fast_path.py); the graphs themselves run
-on the GPU (tests/gpu/test_gpu_spec.py).
+against the eager step and the host path (tests/worker/test_kernel_path.py); the graphs
+themselves run on the GPU (tests/gpu/test_gpu_spec.py).
 """
 
 from __future__ import annotations

@@ -272,11 +272,14 @@ def test_a_failed_step_makes_no_entry(tiny_model, tok, monkeypatch):
     check_idle(e)
 
 
-@pytest.mark.parametrize("spec", [0, 2], ids=["kernels", "kernels_spec"])
-def test_kernel_path_and_speculative_decoding_hit_as_a_cold_run(tiny_ckpt, spec):
-    """The same on the kernel path (Triton's interpreter, fp32): the hit's first chunk
-    continues from the copied state with the prefill kernels; with speculative decoding the
-    shared pages carry the MTP layer's KV too, and verification keeps the greedy output."""
+def test_kernel_path_and_speculative_decoding_hit_as_a_cold_run(tiny4_ckpt):
+    """The same on the kernel path (Triton's interpreter, fp32; the tiny preset cut to 4
+    layers, both layer kinds) with speculative decoding: the hit's first chunk continues from
+    the copied state with the prefill kernels (a prefix ending inside a page: that page
+    copied), the shared pages carry the MTP layer's KV too, and the verify steps that follow
+    read the copied states as decode steps would, keeping the greedy output. (Without drafts
+    the hit's chunk is the same prefill, the decode steps the kernel path's own: checked
+    against the plain path in tests/worker/test_kernel_path.py.)"""
     from tailored import kernels
     from tailored.stack import build_stack
 
@@ -284,17 +287,18 @@ def test_kernel_path_and_speculative_decoding_hit_as_a_cold_run(tiny_ckpt, spec)
         pytest.skip("triton not installed")
 
     def stack(entries, budget=256):
-        return build_stack(tiny_ckpt, device="cpu", dtype="float32", progress=False,
-                           kernels="on", max_model_len=256, max_num_seqs=4, num_pages=80,
+        return build_stack(tiny4_ckpt, device="cpu", dtype="float32", progress=False,
+                           kernels="on", max_model_len=128, max_num_seqs=4, num_pages=40,
                            max_num_batched_tokens=budget, async_scheduling=False,
-                           num_speculative_tokens=spec, prefix_cache_entries=entries).engine
+                           num_speculative_tokens=2, prefix_cache_entries=entries).engine
 
-    p = ids(70, 12)
-    q = p + ids(19, 13)
+    p = ids(MIN_TOKENS + 1, 12)
+    q = p + ids(7, 13)
     e = stack(2)
-    out = run(e, {0: [("a", p, greedy(4))], 4: [("b", q, greedy(6))]})
+    assert e.runner.kernel is not None and e.runner.spec.drafter is not None
+    out = run(e, {0: [("a", p, greedy(2))], 2: [("b", q, greedy(3))]})
     assert e.scheduler.prefix.hits == len(p)
-    assert out["b"] == run(stack(0, budget=len(p)), {0: [("b", q, greedy(6))]})["b"]
+    assert out["b"] == run(stack(0, budget=len(p)), {0: [("b", q, greedy(3))]})["b"]
     check_idle(e)
 
 

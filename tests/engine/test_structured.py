@@ -305,13 +305,26 @@ def test_bad_response_format_is_a_400(srv, fmt, needle):  # noqa: F811
     assert not engine.added
 
 
-def test_response_format_with_tools_is_a_400(srv):  # noqa: F811
+def test_response_format_with_tools_is_calls_or_the_answer(srv):  # noqa: F811
+    """As OpenAI: response_format beside tools (tool_choice auto) is one grammar of tool calls
+    or the format's answer (engine/tool_grammar.py); with tool_choice none the format alone."""
     client, engine, _ = srv
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    r = chat(client, tools=tools, response_format={"type": "json_object"})
-    assert_openai_error(r, 400, "cannot be combined with tools")
+    for fmt, answer in (({"type": "json_object"}, {"kind": "json_object", "schema": None}),
+                        ({"type": "json_schema", "json_schema": {"name": "p", "schema": CHOICE}},
+                         {"kind": "json_schema", "schema": json.dumps(CHOICE,
+                                                                      separators=(",", ":"))})):
+        engine.added.clear()
+        assert chat(client, tools=tools, response_format=fmt).status_code == 200
+        spec = next(iter(engine.added.values())).structured
+        got = json.loads(spec.schema)
+        assert spec.kind == "tool_calls" and got["tool_choice"] == "auto"
+        assert got["answer"] == {**answer, "compact": False}
+        assert [t["function"]["name"] for t in got["tools"]] == ["f"]
+    engine.added.clear()
     assert chat(client, tools=tools, tool_choice="none",
                 response_format={"type": "json_object"}).status_code == 200
+    assert next(iter(engine.added.values())).structured.kind == "json_object"
 
 
 def test_nano_server_answers_json(engine):
@@ -809,8 +822,10 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     ("required", True, CALL.replace("Paris", "Paris</function>"), False),
     ("required", True, CALL.replace("Paris", "Paris</parameter"), True),
     (NAMED, True, CALL, True),
-    # a length bound is kept, and then such a text may stand in a string value
-    ("bounded", True, CALL.replace("Paris", "Paris<parameter=x>"), True),
+    # a length bound is kept, and such a text cannot stand in the value either (the parser
+    # would end it there: engine/tool_grammar.py)
+    ("bounded", True, CALL.replace("Paris", "Paris<parameter=x>"), False),
+    ("bounded", True, CALL.replace("Paris", "Paris<b"), True),
     ("bounded", True, CALL.replace("Paris", "P" * 31), False),  # maxLength 30 holds
     (NAMED, True, CALL + "\n" + CALL, False),  # a named function: exactly one call
     (NAMED, True, "<tool_call>\n<function=noop>\n\n</function>\n</tool_call>", False),
@@ -943,8 +958,12 @@ def test_forced_tool_choice_reaches_the_engine(srv):  # noqa: F811
         got = json.loads(spec.schema)
         assert got["tool_choice"] == choice and got["parallel_tool_calls"] is (parallel is None)
         assert [t["function"]["name"] for t in got["tools"]] == ["get_weather", "noop"]
+    # a forced choice wins over a response_format: this turn is calls (OpenAI's rule)
+    engine.added.clear()
     r = chat(client, tools=tools, tool_choice="required", response_format={"type": "json_object"})
-    assert_openai_error(r, 400, "cannot be combined with tools")
+    assert r.status_code == 200, r.text
+    got = json.loads(next(iter(engine.added.values())).structured.schema)
+    assert got["tool_choice"] == "required" and "answer" not in got
 
 
 def test_nano_server_forced_tool_calls(engine):

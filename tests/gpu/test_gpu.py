@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import new_cache, rel_err, run_seq
+
 from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch
-from tailored.worker.cache import HybridCache
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
+from tailored.worker.cache import HybridCache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -113,13 +113,25 @@ def test_full_width_4_layers_matches_transformers():
 
 
 # ---------------------------------------------------------------------------------------------
-# the kernel path (model/fast.py) on the GPU: vs the plain path, and CUDA graph replay vs eager
+# the kernel path (model/kernel_*.py, worker/kernel_forward.py) on the GPU: vs the plain path,
+# and CUDA graph replay vs eager
 # ---------------------------------------------------------------------------------------------
 def _full4(dtype, seed=1, precision="bf16"):
     cfg = ModelConfig.from_dict(preset_config("full", num_layers=4, precision=precision))
     m = build_empty_model(cfg, "cuda", dtype, with_mtp=False)
     init_dummy_weights(m, seed=seed)
     return m
+
+
+def _kernel_path(model, cache, max_batch=4, max_pages=16, use_graphs=True):
+    """The kernel path of `model` over `cache` (a KernelForward: `.forward(batch)` dispatches
+    to its graphs). Its weight layout leaves the model's own forward (the plain path) intact,
+    so one model serves both, each over its own cache."""
+    from tailored.model.kernel_model import KernelModel
+    from tailored.worker.kernel_forward import KernelForward
+
+    return KernelForward(KernelModel(model, cache), max_batch=max_batch, max_pages=max_pages,
+                         use_graphs=use_graphs)
 
 
 def _steps(T_a=130, T_b=77):
@@ -133,10 +145,10 @@ def _steps(T_a=130, T_b=77):
     ], {1: (T_a, pa), 2: (T_b, pb), 3: (1, [20, 21])}
 
 
-@pytest.mark.parametrize("switches", ["default", "new"])
+@pytest.mark.parametrize("variant", ["default", "new"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypatch):
+def test_fast_path_matches_plain_full_width(dtype, precision, variant, switches):
     """Published dims, 4 layers: prefill (FLA when installed), mixed steps, graph decode steps.
     fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul).
     switches "new": every kernel switch on — the shared expert inside the fused MoE
@@ -144,36 +156,28 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
     (kb/0021) and the MoE combine with the next norm (kb/0023), on by default; the GDN step
     over 4 programs a head (kb/0022; default 2); the grouped-GEMM prefill experts from 64
     tokens (kb/0031; bf16 activations only, so the fp32 runs keep fused_moe)."""
-    from tailored.kernels import gdn_decode, moe
-    from tailored.model import fast as fastmod
-    from tailored.model.fast import FastPath
-
-    if switches == "new":  # "default": the module defaults, as served
-        monkeypatch.setattr(fastmod, "SHARED_IN_MOE", True)
-        monkeypatch.setattr(gdn_decode, "DV_SPLIT", 4)
-        monkeypatch.setattr(fastmod, "COMBINE_NEXT_NORM", True)
-        monkeypatch.setattr(moe, "ROUTE_ALIGN_USE_UP_TO", 64)
-        monkeypatch.setattr(fastmod, "MOE_GROUPED", True)
-        monkeypatch.setattr(fastmod, "MOE_GROUPED_FROM", 64)  # both _steps prefills
-        monkeypatch.setattr(fastmod, "ROUTE_IN_GATE_UP_UP_TO", 4)  # kb/0036
-        monkeypatch.setattr(fastmod, "ATTN_GATE_IN_MERGE", True)
-        monkeypatch.setattr(fastmod, "MOE_GEMV_UP_TO", 4)  # kb/0039
-        monkeypatch.setattr(fastmod, "BF16_GEMV_UP_TO", 4)
-        monkeypatch.setattr(fastmod, "FP8_DENSE_SPLITK_UP_TO", 64)  # kb/0045 §4
+    if variant == "new":  # "default": the switches' defaults, as served
+        switches(shared_in_moe=True, gdn_dv_split=4, combine_next_norm=True,
+                 route_align_up_to=64, moe_grouped=True,
+                 moe_grouped_from=64,  # both _steps prefills
+                 moe_route_in_gate_up_up_to=4,  # kb/0036
+                 attn_gate_in_merge=True,
+                 moe_gemv_up_to=4,  # kb/0039
+                 bf16_gemv_up_to=4,
+                 fp8_dense_splitk_up_to=64)  # kb/0045 §4
 
     model = _full4(dtype, precision=precision)
     cfg = model.config
     cp = HybridCache(cfg, 32, 16, 5, dtype, "cuda")
     cf = HybridCache(cfg, 32, 16, 5, dtype, "cuda")
-    fast = FastPath(model, cf, max_batch=4, max_pages=16, use_graphs=True)
-    model.fast = fast
-    fast.capture(sizes=[4])
+    kf = _kernel_path(model, cf)
+    kf.decode.capture(sizes=[4])
     steps, state = _steps()
     errs = []
 
     def compare(layout, rows):
-        hp = model(ForwardBatch.build(layout, rows, "cuda"), cp)  # another cache: plain path
-        hf = model(ForwardBatch.build(layout, rows, "cuda"), cf)
+        hp = model(ForwardBatch.build(layout, rows, "cuda"), cp)  # the plain path
+        hf = kf.forward(ForwardBatch.build(layout, rows, "cuda"))
         tok = (hf.float() - hp.float()).norm(dim=-1) / hp.float().norm(dim=-1)
         errs.append(tok.max().item())
         return tok
@@ -203,24 +207,21 @@ def test_fast_path_matches_plain_full_width(dtype, precision, switches, monkeypa
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_cuda_graph_replay_equals_eager_bitwise(precision):
     """The captured decode graph computes exactly what its body computes eagerly (bf16)."""
-    from tailored.model.fast import FastPath
-
     model = _full4(torch.bfloat16, seed=2, precision=precision)
     cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
-    fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
-    model.fast = fast
+    kf = _kernel_path(model, cache)
     steps, state = _steps()
     for layout in steps:
-        model(ForwardBatch.build(layout, [0], "cuda"), cache)
-    fast.capture(sizes=[4])
+        kf.forward(ForwardBatch.build(layout, [0], "cuda"))
+    kf.decode.capture(sizes=[4])
     layout = [([9 + s], state[s][0], s, False, state[s][1]) for s in (1, 2, 3)]
     snap = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
-    fast._fill_static(ForwardBatch.build(layout, [0, 1, 2], "cuda"), 4)
-    eager = fast._decode_body(4)[:3].clone()
+    kf.decode.fill(ForwardBatch.build(layout, [0, 1, 2], "cuda"), 4)
+    eager = kf.decode.body(4)[:3].clone()
     after_eager = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
     for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), snap):
         t.copy_(s)
-    graph = fast.forward_decode_graph(ForwardBatch.build(layout, [0, 1, 2], "cuda")).clone()
+    graph = kf.decode.forward(ForwardBatch.build(layout, [0, 1, 2], "cuda")).clone()
     assert torch.equal(graph, eager)
     for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), after_eager):
         assert torch.equal(t[:, 1:], s[:, 1:])  # slot/page 0 is the pad sink: skip it
@@ -229,7 +230,7 @@ def test_cuda_graph_replay_equals_eager_bitwise(precision):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="PDL needs sm_90")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_pdl_changes_no_bit(precision, monkeypatch):
+def test_pdl_changes_no_bit(precision, switches):
     """PDL (kernels/pdl.py, kb/0030; on by default since kb/0041): every Triton kernel waits
     for the one before it before reading what that one writes, so a decode graph captured
     with PDL, and an eager prefill of two sequences, give the same bits, and leave the same
@@ -237,35 +238,29 @@ def test_pdl_changes_no_bit(precision, monkeypatch):
     GEMV's weights, the GDN state: kb/0040) of something the step writes. Decode at 3 rows and at 1 row (the FP8 GEMV
     and, switched on here, the bf16 GEMV; FP8's dense projections at 3 rows through the
     split-K GEMM, kb/0045 §4)."""
-    from tailored.kernels import pdl
-    from tailored.model import fast as fast_mod
-    from tailored.model.fast import FastPath
-
-    monkeypatch.setattr(fast_mod, "BF16_GEMV_UP_TO", 2)
-    monkeypatch.setattr(fast_mod, "FP8_DENSE_SPLITK_UP_TO", 64)  # FP8's 3 rows: split-K
+    switches(bf16_gemv_up_to=2, fp8_dense_splitk_up_to=64)  # FP8's 3 rows: split-K
     model = _full4(torch.bfloat16, seed=3, precision=precision)
     cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
-    fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
-    model.fast = fast
+    kf = _kernel_path(model, cache)
     steps, state = _steps()
     layout = [([9 + s], state[s][0], s, False, state[s][1]) for s in (1, 2, 3)]
     results = []
     for on in (False, True):
-        monkeypatch.setattr(pdl, "PDL", on)
+        switches(pdl=on)
         for t in (cache.conv, cache.rec, cache.k, cache.v):
             t.zero_()
-        pre = model(ForwardBatch.build(steps[0], [0], "cuda"), cache).clone()
+        pre = kf.forward(ForwardBatch.build(steps[0], [0], "cuda")).clone()
         for lay in steps[1:]:
-            model(ForwardBatch.build(lay, [0], "cuda"), cache)
-        fast.drop_decode_graphs()
-        fast.capture(sizes=[1, 4])
+            kf.forward(ForwardBatch.build(lay, [0], "cuda"))
+        kf.drop_decode_graphs()
+        kf.decode.capture(sizes=[1, 4])
         snap = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
         for _ in range(3):  # a race need not show in every replay
             outs = []
             for rows in (layout, layout[:1]):
                 for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), snap):
                     t.copy_(s)
-                outs.append(fast.forward_decode_graph(
+                outs.append(kf.decode.forward(
                     ForwardBatch.build(rows, list(range(len(rows))), "cuda")).clone())
                 torch.cuda.synchronize()
                 outs.append([t[:, 1:].clone() for t in (cache.conv, cache.rec, cache.k, cache.v)])
@@ -287,23 +282,21 @@ def test_eager_prefill_forward_barely_syncs(precision):
     (StepPlan), not from a pageable copy per layer (~70 before, kb/0007)."""
     import warnings
 
-    from tailored.model.fast import FastPath
-
     model = _full4(torch.bfloat16, precision=precision)
     cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
-    model.fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=False)
+    kf = _kernel_path(model, cache, use_graphs=False)
     steps, _ = _steps()
-    model(ForwardBatch.build(steps[0], [0], "cuda"), cache)
+    kf.forward(ForwardBatch.build(steps[0], [0], "cuda"))
     # the counted batch once outside the count: its MoE launcher (by pairs per expert) is
     # autotuned here, and autotuning synchronizes
-    model(ForwardBatch.build(steps[1], [0], "cuda"), cache)
+    kf.forward(ForwardBatch.build(steps[1], [0], "cuda"))
     b = ForwardBatch.build(steps[1], [0], "cuda")
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            model(b, cache)
+            kf.forward(b)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     # torch's own "sync debug mode is a prototype" notice is no sync
@@ -313,26 +306,23 @@ def test_eager_prefill_forward_barely_syncs(precision):
 
 
 def _with_graphs(dtype, precision, seed, buckets):
-    """(model, cache, fast path) of the 4-layer full-width model: 5 slots, 160 pages, a
+    """(model, cache, kernel path) of the 4-layer full-width model: 5 slots, 160 pages, a
     4-row decode graph and prefill graphs at `buckets`."""
-    from tailored.model.fast import FastPath
-
     model = _full4(dtype, seed=seed, precision=precision)
     cache = HybridCache(model.config, 160, 16, 5, dtype, "cuda")
-    fast = FastPath(model, cache, max_batch=4, max_pages=80, use_graphs=True)
-    model.fast = fast
-    fast.capture(sizes=[4])
-    fast.capture_prefill(max(buckets), buckets=buckets)
-    return model, cache, fast
+    kf = _kernel_path(model, cache, max_pages=80)
+    kf.decode.capture(sizes=[4])
+    kf.prefill.capture(max(buckets), buckets=buckets)
+    return model, cache, kf
 
 
-def _mixed_step(model, cache):
+def _mixed_step(kf):
     """Prefill two running sequences of 20 tokens (slots 3, 4); returns (layout of a step of
     their next tokens and a fresh 300-token prompt in slot 2, the prompt, its pages)."""
     g = torch.Generator().manual_seed(9)
     for slot, base in ((3, 40), (4, 60)):
         ids = torch.randint(0, 248044, (20,), generator=g).tolist()
-        model(ForwardBatch.build([(ids, 0, slot, True, [base, base + 1])], [19], "cuda"), cache)
+        kf.forward(ForwardBatch.build([(ids, 0, slot, True, [base, base + 1])], [19], "cuda"))
     prompt = torch.randint(0, 248044, (300,), generator=g).tolist()
     pages = list(range(1, 2 + len(prompt) // 16))
     layout = [([7], 20, 3, False, [40, 41]), ([9], 20, 4, False, [60, 61]),
@@ -344,32 +334,30 @@ def _mixed_step(model, cache):
                     reason="PDL needs sm_90")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @torch.no_grad()
-def test_pdl_changes_no_bit_in_a_mixed_step_with_a_prefill_graph(precision, monkeypatch):
+def test_pdl_changes_no_bit_in_a_mixed_step_with_a_prefill_graph(precision, switches):
     """PDL is on by default (kb/0041), and prefill graphs are captured by default on CUDA:
     a step of two decode rows and a fresh 300-token prompt (the decode graph and the prompt's
     512-token prefill graph, kb/0028), both graphs captured with PDL and without, gives the
     same bits and leaves the same cache (test_pdl_changes_no_bit covers decode graphs and
     eager prefill only; the review of kb/0041 found this path never run with PDL)."""
-    from tailored.kernels import pdl
-
-    monkeypatch.setattr(pdl, "PDL", False)
-    model, cache, fast = _with_graphs(torch.bfloat16, precision, 4, [512])
-    layout, prompt, _ = _mixed_step(model, cache)
+    switches(pdl=False)
+    _, cache, kf = _with_graphs(torch.bfloat16, precision, 4, [512])
+    layout, prompt, _ = _mixed_step(kf)
     T = len(prompt)
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     snap = [t.clone() for t in tensors]
     results = []
     for on in (False, True):
-        monkeypatch.setattr(pdl, "PDL", on)
-        fast.drop_decode_graphs()  # graphs bake the launch attributes in: capture anew
-        fast.capture(sizes=[4])
-        fast.prefill_graphs.clear()
-        fast.capture_prefill(512, buckets=[512])
-        assert 512 in fast.prefill_graphs
+        switches(pdl=on)
+        kf.drop_decode_graphs()  # graphs bake the launch attributes in: capture anew
+        kf.decode.capture(sizes=[4])
+        kf.prefill.graphs.clear()
+        kf.prefill.capture(512, buckets=[512])
+        assert 512 in kf.prefill.graphs
         for _ in range(3):  # a race need not show in every replay
             for t, s_ in zip(tensors, snap):
                 t.copy_(s_)
-            out = model(ForwardBatch.build(layout, [0, 1, 1 + T], "cuda"), cache).clone()
+            out = kf.forward(ForwardBatch.build(layout, [0, 1, 1 + T], "cuda")).clone()
             torch.cuda.synchronize()
             results.append((out, [t[:, 1:].clone() for t in tensors]))  # slot/page 0: sinks
     out0, cache0 = results[0]
@@ -385,27 +373,27 @@ def test_mixed_step_replays_both_graphs(dtype, precision):
     prompt's prefill graph. The prompt's rows and its slot/KV are bitwise what the prompt alone
     (one prefill-graph replay) gives, the decode rows track the eager step (fp32: 1e-4), and
     nothing outside the step's slots and pages is touched."""
-    model, cache, fast = _with_graphs(dtype, precision, 4, [512])
-    layout, prompt, pages = _mixed_step(model, cache)
+    _, cache, kf = _with_graphs(dtype, precision, 4, [512])
+    layout, prompt, pages = _mixed_step(kf)
     T = len(prompt)
     rows = [0, 1, 1 + T]
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     snap = [t.clone() for t in tensors]
     replays = []
-    real = fast.forward_prefill_graph
-    fast.forward_prefill_graph = lambda b: replays.append(b.seqs[0].num_tokens) or real(b)
+    real = kf.prefill.forward
+    kf.prefill.forward = lambda b: replays.append(b.seqs[0].num_tokens) or real(b)
     try:
-        mixed = model(ForwardBatch.build(layout, rows, "cuda"), cache).clone()
+        mixed = kf.forward(ForwardBatch.build(layout, rows, "cuda")).clone()
     finally:
-        del fast.forward_prefill_graph
+        del kf.prefill.forward
     assert replays == [T]
     after_mixed = [t.clone() for t in tensors]
     for t, s_ in zip(tensors, snap):
         t.copy_(s_)
-    eager = fast.forward_eager(ForwardBatch.build(layout, rows, "cuda")).clone()
+    eager = kf.km.forward_eager(ForwardBatch.build(layout, rows, "cuda")).clone()
     for t, s_ in zip(tensors, snap):
         t.copy_(s_)
-    alone = model(ForwardBatch.build([(prompt, 0, 2, True, pages)], [T - 1], "cuda"), cache)
+    alone = kf.forward(ForwardBatch.build([(prompt, 0, 2, True, pages)], [T - 1], "cuda"))
     assert torch.equal(mixed[2:], alone), "prompt rows differ from the prompt's graph alone"
     assert torch.equal(cache.rec[:, 2], after_mixed[1][:, 2])
     assert torch.equal(cache.k[:, 1:len(pages) + 1], after_mixed[2][:, 1:len(pages) + 1])
@@ -435,27 +423,27 @@ def test_prefill_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     differently, and a random-weight model amplifies that (a near-tie router flip moves a
     whole token, kb/0001): the bound is the bf16 fast-vs-plain one (max 0.3), with a median
     bound loose enough for 5 tokens (H200, session 7: T=5 median 0.078)."""
-    model, cache, fast = _with_graphs(dtype, precision, 3, [128, 1024])
-    assert sorted(fast.prefill_graphs) == [128, 1024]
+    _, cache, kf = _with_graphs(dtype, precision, 3, [128, 1024])
+    assert sorted(kf.prefill.graphs) == [128, 1024]
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     for T in (5, 128, 1000):
         ids = torch.randint(0, 248044, (T,), generator=torch.Generator().manual_seed(T)).tolist()
         pages = list(range(1, 2 + T // 16))
         layout = [(ids, 0, 2, True, pages)]
         batch = ForwardBatch.build(layout, [T - 1], "cuda")
-        assert fast.prefill_graph_fits(batch)
+        assert kf.prefill.fits(batch)
         snap = [t.clone() for t in tensors]
-        eager = fast.forward_eager(ForwardBatch.build(layout, [T - 1], "cuda")).clone()
+        eager = kf.km.forward_eager(ForwardBatch.build(layout, [T - 1], "cuda")).clone()
         after_eager = [t.clone() for t in tensors]
-        n = min(b for b in fast.prefill_graphs if b >= T)
+        n = min(b for b in kf.prefill.graphs if b >= T)
         for t, s in zip(tensors, snap):
             t.copy_(s)
-        fast._fill_prefill_static(batch, n)
-        body = fast._prefill_body(n)[:T].clone()
+        kf.prefill.fill(batch, n)
+        body = kf.prefill.body(n)[:T].clone()
         after_body = [t.clone() for t in tensors]
         for t, s in zip(tensors, snap):
             t.copy_(s)
-        graph = model(ForwardBatch.build(layout, [T - 1], "cuda"), cache).clone()  # dispatches
+        graph = kf.forward(ForwardBatch.build(layout, [T - 1], "cuda")).clone()  # dispatches
         assert torch.equal(graph, body), T
         for t, s in zip(tensors, after_body):
             assert torch.equal(t[:, 1:], s[:, 1:]), T  # slot/page 0: the pad sinks

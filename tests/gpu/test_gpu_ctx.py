@@ -1,4 +1,4 @@
-"""GPU checks of the context-chunk graphs (model/fast_ctx.py, kb/0055), skipped without CUDA:
+"""GPU checks of the context-chunk graphs (worker/ctx_graphs.py, kb/0055), skipped without CUDA:
 the replay computes exactly its body, and tracks the eager forward of the same chunk.
 """
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import rel_err
-from tailored.model.batch import ForwardBatch
 from test_gpu import _no_tf32, _with_graphs, pytestmark  # noqa: F401 - the autouse fixture
+
+from tailored.model.batch import ForwardBatch
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
@@ -21,34 +21,34 @@ def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     the sinks aside; against the eager forward of the chunk, fp32 within 1e-4 (hidden rows and
     recurrent state), bf16 within the prefill graph test's bounds (another attention kernel,
     FLA fixed-length vs varlen, a random-weight model's near-ties: kb/0001). Also a chunk
-    beside a decode row (`FastPath._split`)."""
+    beside a decode row (`KernelForward._split`)."""
     from tailored.worker.ctx_graphs import ContextGraphs
 
-    model, cache, fast = _with_graphs(dtype, precision, 3, [1024])
-    fast.ctx = ContextGraphs(fast)
-    fast.ctx.capture(512, buckets=[4, 64, 512])
-    assert sorted(fast.ctx.graphs) == [4, 64, 512]
+    _, cache, kf = _with_graphs(dtype, precision, 3, [1024])
+    kf.ctx = ContextGraphs(kf.km, kf.pool, kf.max_pages)
+    kf.ctx.capture(512, buckets=[4, 64, 512])
+    assert sorted(kf.ctx.graphs) == [4, 64, 512]
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     for C, T in ((700, 3), (1000, 60), (300, 500), (16, 2)):
         g = torch.Generator().manual_seed(C + T)
         ids = torch.randint(0, 248044, (C + T,), generator=g).tolist()
         pages = list(range(1, 2 + (C + T) // 16))
-        model(ForwardBatch.build([(ids[:C], 0, 2, True, pages)], [C - 1], "cuda"), cache)
+        kf.forward(ForwardBatch.build([(ids[:C], 0, 2, True, pages)], [C - 1], "cuda"))
         layout = [(ids[C:], C, 2, False, pages)]
         batch = ForwardBatch.build(layout, [T - 1], "cuda")
-        assert fast.ctx.fits(batch) and not fast.prefill_graph_fits(batch)
+        assert kf.ctx.fits(batch) and not kf.prefill.fits(batch)
         snap = [t.clone() for t in tensors]
-        eager = fast.forward_eager(ForwardBatch.build(layout, [T - 1], "cuda")).clone()
+        eager = kf.km.forward_eager(ForwardBatch.build(layout, [T - 1], "cuda")).clone()
         after_eager = [t.clone() for t in tensors]
-        n = min(b for b in fast.ctx.graphs if b >= T)
+        n = min(b for b in kf.ctx.graphs if b >= T)
         for t, s in zip(tensors, snap):
             t.copy_(s)
-        fast.ctx.fill(batch, n)
-        body = fast.ctx.body(n)[:T].clone()
+        kf.ctx.fill(batch, n)
+        body = kf.ctx.body(n)[:T].clone()
         after_body = [t.clone() for t in tensors]
         for t, s in zip(tensors, snap):
             t.copy_(s)
-        graph = model(ForwardBatch.build(layout, [T - 1], "cuda"), cache).clone()  # dispatches
+        graph = kf.forward(ForwardBatch.build(layout, [T - 1], "cuda")).clone()  # dispatches
         assert torch.equal(graph, body), (C, T)
         for t, s in zip(tensors, after_body):
             assert torch.equal(t[:, 1:], s[:, 1:]), (C, T)  # slot/page 0: the pad sinks
@@ -65,20 +65,20 @@ def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
     # beside a decode row: the decode graph takes the row, the context graph the chunk
     g = torch.Generator().manual_seed(11)
     a = torch.randint(0, 248044, (40,), generator=g).tolist()
-    model(ForwardBatch.build([(a, 0, 3, True, [120, 121, 122])], [39], "cuda"), cache)
+    kf.forward(ForwardBatch.build([(a, 0, 3, True, [120, 121, 122])], [39], "cuda"))
     chunk = torch.randint(0, 248044, (50,), generator=g).tolist()
     layout = [([5], 40, 3, False, [120, 121, 122]), (chunk, 18, 2, False, [1, 2, 3, 4, 5])]
     snap = [t.clone() for t in tensors]
-    eager = fast.forward_eager(ForwardBatch.build(layout, [0, 50], "cuda")).clone()
+    eager = kf.km.forward_eager(ForwardBatch.build(layout, [0, 50], "cuda")).clone()
     for t, s in zip(tensors, snap):
         t.copy_(s)
     replays = []
-    real = fast.ctx.forward
-    fast.ctx.forward = lambda b: replays.append(b.seqs[0].num_tokens) or real(b)
+    real = kf.ctx.forward
+    kf.ctx.forward = lambda b: replays.append(b.seqs[0].num_tokens) or real(b)
     try:
-        mixed = model(ForwardBatch.build(layout, [0, 50], "cuda"), cache)
+        mixed = kf.forward(ForwardBatch.build(layout, [0, 50], "cuda"))
     finally:
-        del fast.ctx.forward
+        del kf.ctx.forward
     assert replays == [50]
     tok = (mixed.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
     assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), tok
@@ -86,38 +86,37 @@ def test_context_graph_replay_equals_its_body_and_tracks_eager(dtype, precision)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
-def test_several_prompts_replay_their_own_graphs(dtype, monkeypatch):
-    """TAILORED_PROMPTS_IN_GRAPHS_UP_TO (`FastPath._prompts`; 1024 by default): a step of a
+def test_several_prompts_replay_their_own_graphs(dtype, switches):
+    """`prompts_in_graphs_up_to` (`KernelForward.prompts`; 1024 by default): a step of a
     fresh prompt and a chunk after its context replays the prefill graph, then the context
     graph, and tracks the eager step of both (fp32 within 1e-4; bf16 within the prefill graph
     test's bound)."""
-    from tailored.model import fast as fastmod
     from tailored.worker.ctx_graphs import ContextGraphs
 
-    model, cache, fast = _with_graphs(dtype, "bf16", 3, [128, 1024])
-    fast.ctx = ContextGraphs(fast)
-    fast.ctx.capture(512, buckets=[64, 512])
+    _, cache, kf = _with_graphs(dtype, "bf16", 3, [128, 1024])
+    kf.ctx = ContextGraphs(kf.km, kf.pool, kf.max_pages)
+    kf.ctx.capture(512, buckets=[64, 512])
     g = torch.Generator().manual_seed(4)
     a = torch.randint(0, 248044, (300,), generator=g).tolist()
     b = torch.randint(0, 248044, (100,), generator=g).tolist()
     pa, pb = list(range(1, 20)), list(range(30, 37))
-    model(ForwardBatch.build([(a[:200], 0, 2, True, pa)], [199], "cuda"), cache)
+    kf.forward(ForwardBatch.build([(a[:200], 0, 2, True, pa)], [199], "cuda"))
     layout = [(b, 0, 3, True, pb), (a[200:], 200, 2, False, pa)]
     tensors = (cache.conv, cache.rec, cache.k, cache.v)
     snap = [t.clone() for t in tensors]
-    eager = fast.forward_eager(ForwardBatch.build(layout, [99, 199], "cuda")).clone()
+    eager = kf.km.forward_eager(ForwardBatch.build(layout, [99, 199], "cuda")).clone()
     for t, s in zip(tensors, snap):
         t.copy_(s)
     replays = []
-    real_p, real_c = fast.forward_prefill_graph, fast.ctx.forward
-    fast.forward_prefill_graph = lambda b: replays.append(("prefill", b.seqs[0].num_tokens)) \
+    real_p, real_c = kf.prefill.forward, kf.ctx.forward
+    kf.prefill.forward = lambda b: replays.append(("prefill", b.seqs[0].num_tokens)) \
         or real_p(b)
-    fast.ctx.forward = lambda b: replays.append(("ctx", b.seqs[0].num_tokens)) or real_c(b)
-    monkeypatch.setattr(fastmod, "PROMPTS_IN_GRAPHS_UP_TO", 4096)
+    kf.ctx.forward = lambda b: replays.append(("ctx", b.seqs[0].num_tokens)) or real_c(b)
+    switches(prompts_in_graphs_up_to=4096)
     try:
-        got = model(ForwardBatch.build(layout, [99, 199], "cuda"), cache)
+        got = kf.forward(ForwardBatch.build(layout, [99, 199], "cuda"))
     finally:
-        del fast.forward_prefill_graph, fast.ctx.forward
+        del kf.prefill.forward, kf.ctx.forward
     assert replays == [("prefill", 100), ("ctx", 100)]
     tok = (got.float() - eager.float()).norm(dim=-1) / eager.float().norm(dim=-1)
     assert tok.max() <= (1e-4 if dtype == torch.float32 else 0.3), tok

@@ -4,9 +4,10 @@ graphs, through the real Engine, on the published widths.
 Model: full width, 4 layers (3 GDN + 1 attention, every kind of layer), dummy weights with the
 gate's stable init (kb/0008), in fp32 so that every comparison can be exact or near it (fp32
 never runs FLA or TF32; graphs and eager kernels differ only in row layout). The CPU versions
-(tiny model, plain path) are tests/test_invariance.py. Skips itself without CUDA.
+(tiny model, plain path) are tests/engine/test_invariance.py. Skips itself without CUDA.
 
-One engine at a time: a ModelRunner binds its FastPath (and its cache) to the model, so each
+One engine at a time: each ModelRunner lays the model's weights out for its own kernel path
+(worker/kernel_path.py: the projections fused into new tensors the modules then view), so each
 engine is built after the previous one finished and is used alone.
 """
 
@@ -20,9 +21,9 @@ from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.engine import Engine
 from tailored.engine.types import SamplingParams
 from tailored.gate.engine_side import engine_greedy
-from tailored.worker.runner import ModelRunner
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
 from tailored.tokenizer import load_tokenizer
+from tailored.worker.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -57,7 +58,8 @@ def engine(model, tok, *, budget=2048, max_num_seqs=8, max_model_len=4200, enfor
                       num_pages=num_pages or max_num_seqs * (max_model_len // 16 + 1) + 1,
                       kernels="on", enforce_eager=enforce_eager, **kw)
     e = Engine(model.config, ec, ModelRunner(model, model.config, ec, "cuda", torch.float32), tok)
-    assert model.fast is not None and model.fast.cache is e.runner.cache  # the kernel path runs
+    assert e.runner.kernel is not None  # the kernel path runs
+    assert e.runner.kernel.km.cache is e.runner.cache
     return e
 
 
@@ -88,9 +90,10 @@ def test_cuda_graph_replay_equals_eager_through_the_engine(model, tok):
     """Same prompts with decode CUDA graphs and with --enforce-eager: same tokens, hidden states
     equal to fp32 rounding (the eager decode runs the prefill-capable kernel layout)."""
     prompts = {f"r{i}": C.ids(20 + 37 * i, 300 + i) for i in range(5)}
-    g_t, g_h = engine_greedy(engine(model, tok, max_num_seqs=8, max_model_len=512), prompts, 24,
-                             capture=True)
-    assert model.fast.graphs, "no decode graph was captured"
+    e = engine(model, tok, max_num_seqs=8, max_model_len=512)
+    g_t, g_h = engine_greedy(e, prompts, 24, capture=True)
+    assert e.runner.kernel.decode.graphs, "no decode graph was captured"
+    del e
     e_t, e_h = engine_greedy(engine(model, tok, max_num_seqs=8, max_model_len=512,
                                     enforce_eager=True), prompts, 24, capture=True)
     assert g_t == e_t

@@ -1,8 +1,8 @@
 """Speculative decoding on the H200 (skipped without CUDA): the verify and MTP CUDA graphs
-(model/fast_spec.py) against their bodies run eagerly, and whole generations with drafts.
+(worker/spec_graphs.py) against their bodies run eagerly, and whole generations with drafts.
 
-The CPU checks the bodies against the eager kernel path (tests/test_fast_path.py) and the
-engine logic on the nano checkpoint (tests/test_spec_decode.py); what only a GPU shows is the
+The CPU checks the bodies against the eager kernel path (tests/worker/test_kernel_path.py) and
+the engine logic on the nano checkpoint (tests/worker/test_spec_decode.py); what only a GPU shows is the
 capture itself: static buffers, the shared memory pool, the MTP graph reading the verify
 graph's output, and bf16.
 """
@@ -14,8 +14,8 @@ import torch
 
 from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch, SeqInfo
-from tailored.worker.cache import HybridCache
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
+from tailored.worker.cache import HybridCache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,31 +32,41 @@ def _model(dtype, precision):
 
 
 def _spec_setup(precision, seed):
-    """The 4-layer model with a FastPath (decode graph of 4) and SpecGraphs (2 drafts, up to 4
-    sequences) captured, after 40-token prompts in slots 1..3 (pages 1-3, 4-6, 7-9)."""
-    from tailored.model.fast import FastPath
+    """The 4-layer model with its kernel path (decode graph of 4) and SpecGraphs (2 drafts, up
+    to 4 sequences) captured, after 40-token prompts in slots 1..3 (pages 1-3, 4-6, 7-9).
+    Returns (model, cache, kernel path, its SpecGraphs, pages)."""
+    from tailored.model.kernel_model import KernelModel
+    from tailored.worker.kernel_forward import KernelForward
     from tailored.worker.spec_graphs import SpecGraphs
 
     model = _model(torch.bfloat16, precision)
     cache = HybridCache(model.config, 64, 16, 5, torch.bfloat16, "cuda", mtp_layers=1)
-    fast = model.fast = FastPath(model, cache, max_batch=4, max_pages=16, use_graphs=True)
+    kf = KernelForward(KernelModel(model, cache), max_batch=4, max_pages=16, use_graphs=True)
     g = torch.Generator().manual_seed(seed)
     ids = {s: torch.randint(0, 248044, (40,), generator=g).tolist() for s in (1, 2, 3)}
     pages = {1: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}
     for s in (1, 2, 3):
-        model(ForwardBatch.build([(ids[s], 0, s, True, pages[s])], [39], "cuda"), cache)
-    fast.capture(sizes=[4])
-    spec = fast.spec = SpecGraphs(fast, 2, 4)
+        kf.forward(ForwardBatch.build([(ids[s], 0, s, True, pages[s])], [39], "cuda"))
+    kf.decode.capture(sizes=[4])
+    spec = kf.spec = SpecGraphs(kf.km, kf.pool, 2, 4, kf.max_pages)
     spec.capture()
-    return model, cache, spec, pages
+    return model, cache, kf, spec, pages
+
+
+def _drafter(model, cache, kf):
+    """The drafter as the runner makes it over this kernel path: the MTP layer on the kernel
+    path, the MTP graph after a verify graph (`SpecGraphs.propose`)."""
+    from tailored.worker.drafter import MTPDrafter
+
+    return MTPDrafter(model, cache, km=kf.km, spec=kf.spec)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @torch.no_grad()
 def test_spec_graphs_replay_equal_their_bodies_bitwise(precision):
-    from tailored.worker.drafter import DraftRow, MTPDrafter
+    from tailored.worker.drafter import DraftRow
 
-    model, cache, spec, pages = _spec_setup(precision, 4)
+    model, cache, kf, spec, pages = _spec_setup(precision, 4)
     assert sorted(spec.verify) == sorted(spec.mtp) == [1, 2, 4]
     layout = [([11, 12, 13], 40, 1, False, pages[1], True), ([21, 22], 40, 2, False, pages[2], True),
               ([31, 32, 33], 40, 3, False, pages[3], True)]
@@ -72,12 +82,12 @@ def test_spec_graphs_replay_equal_their_bodies_bitwise(precision):
             spec.verify, spec.mtp = {}, {}
         try:
             b = ForwardBatch.build(layout, [], "cuda")
-            h = model(b, cache).clone() if graphs else spec.forward(b).clone()
+            h = kf.forward(b).clone() if graphs else spec.forward(b).clone()
             for slot, k in kept.items():
                 cache.commit_states(slot, k)
             rows = [DraftRow(SeqInfo(sq.q_start, kept[sq.slot], sq.start_pos, sq.slot, False,
                                      sq.page_ids), [5] * kept[sq.slot], 2) for sq in b.seqs]
-            d = MTPDrafter(model, cache).propose(h, rows)
+            d = _drafter(model, cache, kf).propose(h, rows)
         finally:
             spec.verify, spec.mtp = held
         results.append((h, [t.clone() for t in tensors], d))
@@ -119,7 +129,7 @@ def test_engine_with_drafts_on_the_gpu(precision, tmp_path):
             k += 1
         outs[(n, rate)], steps[(n, rate)] = got, k
         if n:
-            assert eng.runner.fast.spec is not None and eng.runner.fast.spec.verify
+            assert eng.runner.kernel.spec is not None and eng.runner.kernel.spec.verify
         del st, eng
         torch.cuda.empty_cache()
     for r in ("r0", "r1", "r2"):
@@ -135,9 +145,9 @@ def test_engine_lone_rows_and_arriving_prompts_take_the_verify_graph(tmp_path):
     synthetic acceptance 1.0: every request ends at its length, steps took the verify graph
     and the split."""
     from tailored.engine.types import SamplingParams
-    from tailored.model import fast as fastm
     from tailored.stack import build_stack
     from tailored.synth import write_synthetic_checkpoint
+    from tailored.worker.kernel_forward import KernelForward
 
     ckpt = write_synthetic_checkpoint(tmp_path / "m", "full", seed=0, progress=False,
                                       num_layers=4, config_only=True, precision="bf16")
@@ -145,15 +155,15 @@ def test_engine_lone_rows_and_arriving_prompts_take_the_verify_graph(tmp_path):
                      max_model_len=512, max_num_seqs=4, num_speculative_tokens=2,
                      spec_synthetic_acceptance=1.0, prefill_graphs=False)
     eng = st.engine
-    fp = eng.runner.fast
+    kf = eng.runner.kernel
     splits = []
-    orig = fastm.FastPath._split
+    orig = KernelForward._split
 
     def counting(self, batch, picked, sub, graph_forward):
-        splits.append(getattr(graph_forward, "__func__", None) is type(fp.spec).forward)
+        splits.append(getattr(graph_forward, "__func__", None) is type(kf.spec).forward)
         return orig(self, batch, picked, sub, graph_forward)
 
-    fastm.FastPath._split = counting
+    KernelForward._split = counting
     try:
         greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
         eng.add_request("g0", list(range(100, 140)), greedy)
@@ -168,7 +178,7 @@ def test_engine_lone_rows_and_arriving_prompts_take_the_verify_graph(tmp_path):
             if not eng.has_unfinished():
                 break
     finally:
-        fastm.FastPath._split = orig
+        KernelForward._split = orig
     assert {r: len(t) for r, t in got.items()} == {"g0": 30, "s0": 30, "g1": 30}
     assert "verify" in eng.timer.kinds
     assert any(splits), splits  # the arriving prompt beside verify chunks
@@ -180,9 +190,9 @@ def test_spec_chain_graph_equals_its_body_and_the_host_path(precision):
     """The chain graph (acceptance, commits and MTP on the device after a whole verify step,
     kb/0034) against its body run eagerly and against the host path it replaces (commit_many
     + propose through the MTP graph), bitwise: kept counts, next drafts, GDN states, KV."""
-    from tailored.worker.drafter import DraftRow, MTPDrafter, accept
+    from tailored.worker.drafter import DraftRow, accept
 
-    model, cache, spec, pages = _spec_setup(precision, 5)
+    model, cache, kf, spec, pages = _spec_setup(precision, 5)
     assert sorted(spec.chains) == [1, 2, 4]
     chunks = {1: [11, 12, 13], 2: [21, 22], 3: [31, 32, 33]}
     layout = [(chunks[s], 40, s, False, pages[s], True) for s in (1, 2, 3)]
@@ -201,13 +211,14 @@ def test_spec_chain_graph_equals_its_body_and_the_host_path(precision):
             spec.verify, spec.mtp, spec.chains = {}, {}, {}
         try:
             b = ForwardBatch.build(layout, [], "cuda")
-            h = model(b, cache) if mode != "body" else spec.forward(b)
+            h = kf.forward(b) if mode != "body" else spec.forward(b)
             if mode == "host":
                 cache.commit_many({s: k + 1 for s, k in kept.items()})
                 rows = [DraftRow(SeqInfo(sq.q_start, kept[sq.slot] + 1, sq.start_pos, sq.slot,
                                          False, sq.page_ids),
                                  targets[sq.slot][:kept[sq.slot] + 1], 2) for sq in b.seqs]
-                d = [[kept[sq.slot]] + x for sq, x in zip(b.seqs, MTPDrafter(model, cache).propose(h, rows))]
+                d = [[kept[sq.slot]] + x
+                     for sq, x in zip(b.seqs, _drafter(model, cache, kf).propose(h, rows))]
             else:
                 assert spec.whole_step(b, y.numel())
                 d = spec.chain(y, None).tolist()
@@ -227,19 +238,17 @@ def test_spec_chain_graph_equals_its_body_and_the_host_path(precision):
                     reason="PDL needs sm_90")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @torch.no_grad()
-def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, monkeypatch):
+def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, switches):
     """PDL (on by default, kb/0041) in a speculative step: the verify graph's GDN loops write
     the state inside the step, the chain graph commits snapshots into it, and the recurrent
     kernel reads it before its PDL wait (safe only because the kernel launched just before it
     never writes it). The verify + chain graphs captured with PDL and without give the same
     hidden states, kept counts, next drafts and cache, three replays each (a race need not
     show in every one)."""
-    from tailored.kernels import pdl
     from tailored.worker.spec_graphs import SpecGraphs
 
-    monkeypatch.setattr(pdl, "PDL", False)
-    model, cache, spec, pages = _spec_setup(precision, 6)
-    fast = model.fast
+    switches(pdl=False)
+    _, cache, kf, spec, pages = _spec_setup(precision, 6)
     chunks = {1: [11, 12, 13], 2: [21, 22], 3: [31, 32, 33]}
     layout = [(chunks[s], 40, s, False, pages[s], True) for s in (1, 2, 3)]
     y = torch.tensor([12, 13, 99, 5, 6, 32, 7, 8], device="cuda")  # keeps 2, 0 and 1 drafts
@@ -247,19 +256,19 @@ def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, monkeypatc
     snap = [t.clone() for t in tensors]
     results = []
     for on in (False, True):
-        monkeypatch.setattr(pdl, "PDL", on)
+        switches(pdl=on)
         for graphs in (spec.verify, spec.mtp, spec.chains):  # the old captures go first
             graphs.clear()
-        fast.drop_decode_graphs()  # graphs bake the launch attributes in: capture anew
-        fast.capture(sizes=[4])
-        spec = fast.spec = SpecGraphs(fast, 2, 4)
+        kf.drop_decode_graphs()  # graphs bake the launch attributes in: capture anew
+        kf.decode.capture(sizes=[4])
+        spec = kf.spec = SpecGraphs(kf.km, kf.pool, 2, 4, kf.max_pages)
         spec.capture()
         assert 4 in spec.verify and 4 in spec.chains  # no eager fallback passes silently
         for _ in range(3):
             for t, s_ in zip(tensors, snap):
                 t.copy_(s_)
             b = ForwardBatch.build(layout, [], "cuda")
-            h = model(b, cache).clone()
+            h = kf.forward(b).clone()
             assert spec.whole_step(b, y.numel())
             d = spec.chain(y, None).tolist()
             torch.cuda.synchronize()

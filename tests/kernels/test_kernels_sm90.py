@@ -269,7 +269,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
         # default arguments bind this dtype's tensors (a bare closure would see the last loop's)
         calls.append(lambda qkv=qkv, conv_state=conv_state, dt=dt: conv_step(
             qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots))
-        # with the snapshot of speculative verify steps (model/fast_spec.py)
+        # with the snapshot of speculative verify steps (worker/spec_graphs.py)
         calls.append(lambda qkv=qkv, conv_state=conv_state, dt=dt: conv_step(
             qkv, conv_state, torch.zeros(8192, 4, dtype=dt), slots,
             snapshot=torch.zeros(B, 8192, 3, dtype=dt)))

@@ -1,4 +1,4 @@
-"""The FP8 draft head (model/draft_head.py): quantization round trip, the CPU reference, the
+"""The FP8 draft head (worker/draft_head.py): quantization round trip, the CPU reference, the
 fallback to lm_head, and on a GPU the fp8_linear path against the reference (skipped without
 one)."""
 
@@ -41,16 +41,13 @@ def test_draft_head_reference_and_argmax():
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert head.nbytes == 500 * 256 + 500 * 2 * 4
 
-    class M:  # draft_argmax: the draft head when the model has one, else lm_head
-        draft_head = None
-
+    class M:  # draft_argmax: the draft head when there is one, else the model's lm_head
         def compute_logits(self, x):
             return x @ w.T
 
     m = M()
-    assert torch.equal(draft_argmax(m, h), (h @ w.T).argmax(-1))
-    m.draft_head = head
-    assert torch.equal(draft_argmax(m, h), want.argmax(-1))
+    assert torch.equal(draft_argmax(m, None, h), (h @ w.T).argmax(-1))
+    assert torch.equal(draft_argmax(m, head, h), want.argmax(-1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -18,6 +18,8 @@ from tailored.stack import build_stack
 
 NANO = Path(tailored.__file__).parent / "data" / "nano"
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_sampler_logprobs_match_log_softmax():
     torch.manual_seed(0)

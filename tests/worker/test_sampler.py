@@ -219,7 +219,7 @@ def test_nan_row_falls_back_to_greedy_and_spares_the_others(temperature, caplog)
     bad = logits.clone()
     bad[2, ::3] = float("nan")
     bad[2, 100] = 50.0  # the best non-NaN logit
-    with caplog.at_level("WARNING", logger="tailored.engine.sampler"):
+    with caplog.at_level("WARNING", logger="tailored.worker.sampler"):
         got = sample(bad, seqs)
     assert got[2] == 100
     assert got[:2] + got[3:] == clean[:2] + clean[3:]

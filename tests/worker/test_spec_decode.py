@@ -1,4 +1,5 @@
-"""Speculative decoding with the MTP head (model/mtp.py, spec §8): CPU, the nano checkpoint.
+"""Speculative decoding with the MTP head (worker/drafter.py, worker/spec_decoding.py, spec §8):
+CPU, the nano checkpoint, the plain path (the kernel path: test_kernel_path.py).
 
 The output of a greedy request must not change with drafts (the verify chunk keeps the state
 after each token, the scheduler cuts drafts at every limit, the engine emits several tokens a
@@ -26,6 +27,8 @@ from tailored.stack import build_stack
 from tailored.tokenizer import load_tokenizer
 
 NANO = Path(tailored.__file__).parent / "data" / "nano"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = ["def fibonacci(n):", "import os\n\nclass Reader:\n    def __init__(self",
            "for i in range(10):\n", "    return"]
 
