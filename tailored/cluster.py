@@ -1,7 +1,7 @@
 """`tailored cluster`: N `tailored serve` replicas behind the SMG gateway on one host
 (docs/scale-out.md).
 
-    tailored cluster --replicas 4 --port 8000 -- /models/Qwen3.6-35B-A3B-FP8 --prefix-cache-entries 64
+    tailored cluster --replicas 4 --port 8000 -- /models/Qwen3.6-FP8 --prefix-cache-entries 64
 
 Each replica is `tailored serve` with the arguments after `--`, listening on
 127.0.0.1:REPLICA_PORT+i (only the gateway is reached from outside), on the i-th GPU
@@ -179,7 +179,7 @@ def gateway_arguments(args, urls: list[str], metrics_port: int, keys: tuple) -> 
     return out + shlex.split(args.gateway_args)
 
 
-# ---- processes -------------------------------------------------------------------------------------
+# ---- processes -----------------------------------------------------------------------------------
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()  # a terminal's Ctrl-C reaches the cluster only: it stops them in order
     try:
@@ -385,7 +385,7 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
             pass
 
 
-# ---- the command ------------------------------------------------------------------------------------
+# ---- the command ---------------------------------------------------------------------------------
 def run(args) -> int:
     from tailored import flags
     from tailored.server.serve_options import read_keys
