@@ -326,6 +326,12 @@ def cmd_serve(args) -> int:
         "serving on http://%s:%d/v1; %s; Host header: %s", args.host, args.port,
         f"{len(access.api_keys)} API key(s)" if access.api_keys else "no API key",
         ", ".join(sorted(access.allowed_hosts)) if access.allowed_hosts else "any")
+    from tailored.server.guard import is_loopback
+
+    if not access.api_keys and not is_loopback(args.host):
+        logging.getLogger("tailored").warning(
+            "listening on %s without an API key: anyone who reaches this port can use it "
+            "(--api-key, docs/serving.md#security)", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False,  # ours (--access-log) counts the tokens
                             # a backstop: the engine shutdown below ends every stream first
