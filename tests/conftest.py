@@ -8,10 +8,19 @@ import sys
 
 import torch as _torch
 
-# Without a GPU, the Triton kernels run in Triton's interpreter (tests/test_kernels.py). It must
-# be chosen before triton is first imported.
 if not _torch.cuda.is_available():
+    # Without a GPU, the Triton kernels run in Triton's interpreter (tests/kernels/). It must
+    # be chosen before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One torch (OpenMP) thread per test process, this one and those it starts (they inherit
+    # the variable): the CPU suite's models are tiny, all small ops, as fast on one thread on a
+    # quiet machine and many times slower on more once the cores are busy (OpenMP barriers
+    # spin): on 2 shared cores test_structured.py's async-vs-sync engine run took 76 s on 2
+    # threads, 2.7 s on one. pytest-xdist's workers (-n 2) would run 2 threads each on 2
+    # cores. An explicit OMP_NUM_THREADS wins. (GPU machines keep torch's default: their
+    # suite builds full-size weights on the CPU.)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest
 import torch
@@ -71,6 +80,19 @@ def _free_gpu_memory_around_each_test():
     _free_gpu_memory()
 
 
+@pytest.fixture(autouse=True)
+def _mask_time_limit_for_a_busy_machine(monkeypatch):
+    """engine.MASK_LIMIT_S fails a structured request whose grammar took more than 50 ms of
+    wall time to mask one token. On a loaded test machine (pytest-xdist's other worker, other
+    jobs, the TestClient's server thread wanting the GIL) an ordinary mask can wait that long:
+    the likely cause of two failures of test_nano_server_forced_tool_calls under -n 2 (a
+    streamed error event where choices were expected; not reproduced since). Tests get 2 s;
+    the one test of the limit sets its own."""
+    from tailored.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MASK_LIMIT_S", 2.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Tiny preset checkpoint directory (weights + config, no tokenizer files)."""
@@ -102,6 +124,24 @@ def tiny4_fp8_ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny4-fp8")
     return write_synthetic_checkpoint(d, "tiny", seed=0, num_layers=4, progress=False,
                                       tokenizer=False, precision="fp8")
+
+
+@pytest.fixture(scope="session")
+def gate_presets():
+    """The gate's preset checkpoints ($TAILORED_CACHE/tiny-seed0 and tiny-fp8-seed0, written
+    on first use by `preset_checkpoint`), made under a file lock: on a fresh cache two
+    pytest-xdist workers would both write one, and the later one replaces (rmtree) the
+    directory the other may be reading."""
+    import fcntl
+
+    from tailored.gate.run import preset_checkpoint
+    from tailored.stack import cache_dir
+
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".presets.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return {name: preset_checkpoint(name) for name in ("tiny", "tiny-fp8")}
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +177,9 @@ def qwen_tok():
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module: the tiny model is all small ops, as fast on one thread
-    on a quiet machine and many times faster on a busy one (OpenMP barriers); restored after."""
+    on a quiet machine and many times faster on a busy one (OpenMP barriers); restored after.
+    (The whole session runs on OMP_NUM_THREADS, 1 unless set, see the top of this file; this
+    keeps a module on one thread where it is set higher.)"""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

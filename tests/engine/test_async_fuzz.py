@@ -125,7 +125,19 @@ def compare(a, b, aborted):
         assert a["finals"][rid] == b["finals"][rid], rid
 
 
+_PROBED = {}
+
+
 def probe_tokens(model, tok):
+    """The 8 tokens the model emits most (stop ids and EOS for the scripts); the same for a
+    model every time, so worked out once per model (and NaN injection on or off) a process."""
+    key = (id(model), NAN["on"])
+    if key not in _PROBED:
+        _PROBED[key] = (model, _probe_tokens(model, tok))
+    return list(_PROBED[key][1])
+
+
+def _probe_tokens(model, tok):
     e = make(model, tok, False)
     out = run(e, {0: [("add", f"p{i}", ids(7 + 5 * i, 77 + i), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i in range(4)]})
     from collections import Counter
@@ -136,7 +148,10 @@ def probe_tokens(model, tok):
 KINDS = ["greedy", "greedy", "greedy", "seeded", "seeded", "pen", "stopid", "stopstr", "eos", "eos"]
 AHEAD = [0]
 SKIP = [0]
-SEEDS = int(os.environ.get("FUZZ_SEEDS", "6"))  # more: FUZZ_SEEDS=30 (the review ran 30)
+# 4 seeds a config: every config that ever preempts (4 of 7), stops or aborts does so within
+# seeds 0-3 (seeds 4-5 added none of these to any config); more: FUZZ_SEEDS=30 (the review
+# ran 30)
+SEEDS = int(os.environ.get("FUZZ_SEEDS", "4"))
 
 
 @pytest.mark.parametrize("cfg", [

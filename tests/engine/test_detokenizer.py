@@ -7,14 +7,13 @@ import random
 import pytest
 
 from tailored.engine.detokenizer import IncrementalDetokenizer
-from tailored.tokenizer import load_tokenizer
 
 
 # The tiktoken backend only: tests/test_tokenizer.py checks that token_bytes() of the HF backend
 # is identical for every id, so the detokenizer sees the same bytes with either backend.
 @pytest.fixture(scope="module")
-def tt():
-    return load_tokenizer(None)
+def tt(qwen_tok):  # the session's load_tokenizer(None)
+    return qwen_tok
 
 
 @pytest.fixture

@@ -182,8 +182,10 @@ def _compare(tiny_model, tok, cfg: dict, seed: int, aborts: bool = True, fail_ev
     return bad, e.scheduler.prefix.hits
 
 
+# 2 scenarios a config: seed 2 hit less than seed 0 in every config, evicted as often as seed
+# 0 or 1 and preempted nowhere (seed 0 holds the one preemption on a hit, one_entry_small_pool)
 @pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_fuzz_against_prefix_caching_off(tiny_model, tok, cfg, seed):
     bad, hits = _compare(tiny_model, tok, CONFIGS[cfg], seed)
     assert not bad, bad

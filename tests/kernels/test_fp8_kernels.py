@@ -97,9 +97,16 @@ def test_fp8_linear_against_dequantize_then_linear(M, N, K, dtype):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
-@pytest.mark.parametrize("T", [1, 2, 3])
-@pytest.mark.parametrize("N,K", SHAPES + [(130, 4096)])
-@pytest.mark.parametrize("cfg", [None, (4, 256, 4), (16, 128, 2)])
+GEMV_SHAPES = SHAPES + [(130, 4096)]
+GEMV_CFGS = [None, (4, 256, 4), (16, 128, 2)]
+
+
+# every shape with every config, and each of them at every T (a Latin square: T by shape and
+# config, not all 45 triples; each launch only loops over its T rows)
+@pytest.mark.parametrize("N,K,cfg,T", [(N, K, cfg, (i - j) % 3 + 1)
+                                       for i, (N, K) in enumerate(GEMV_SHAPES)
+                                       for j, cfg in enumerate(GEMV_CFGS)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_fp8_gemv_against_dequantize_then_linear(T, N, K, cfg):
     """The FP8 GEMV (kb/0039 §4; FastPath's FP8 projections of 1-2 rows) sums each 128-wide K
     block in fp32, scales it by the row's block scale and adds: equal to the reference to
@@ -245,9 +252,14 @@ def test_splitk_configs_are_valid_and_only_at_the_rows_they_won():
     assert mod.config(12352, 2048, 32) == mod.CFG
 
 
-@pytest.mark.parametrize("M", [1, 5, 33, 70])
-@pytest.mark.parametrize("k_split,block_n", [(128, 32), (256, 64), (1024, 32)])
-@pytest.mark.parametrize("K", [640, 600])
+SPLITK_M = [1, 5, 33, 70]
+SPLITK_CFGS = [(128, 32), (256, 64), (1024, 32)]
+
+
+# every M with every (k_split, block_n), each M and each config at both K (not all 24)
+@pytest.mark.parametrize("M,k_split,block_n,K", [(M, ks, bn, (640, 600)[(i + j) % 2])
+                                                 for i, M in enumerate(SPLITK_M)
+                                                 for j, (ks, bn) in enumerate(SPLITK_CFGS)])
 def test_fp8_linear_splitk_against_dequantize_then_linear(M, k_split, block_n, K):
     """`fp8_splitk.fp8_linear_splitk` (kb/0045 §4): K split over programs (partials summed in
     split order by a second launch; one split writes y itself) at odd sizes (N = 200 no

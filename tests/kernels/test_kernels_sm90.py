@@ -8,7 +8,9 @@ launches recorded instead of interpreted; a subprocess without the interpreter t
 every recorded launch (signature from the arguments' dtypes, the same constexprs and launch
 options) for GPUTarget("cuda", 90, 32) with Triton's bundled ptxas, and checks the PTX of the
 kernels that must keep their roundings for fused bf16 FMAs. Skips on a GPU machine (the real
-tests compile there) and when Triton has no CUDA backend.
+tests compile there) and when Triton has no CUDA backend. The compiles take minutes with a cold
+Triton cache (~400 s on 2 cores, ~30 s warm): they run in the slow tier (`pytest -m slow`), the
+recording and its checks in the default one.
 """
 
 from __future__ import annotations
@@ -352,16 +354,11 @@ def _need_ptxas():
         pytest.skip("Triton's bundled ptxas is not installed")
 
 
-def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
-    """PDL on (kernels/pdl.py, the default on sm_90+): every kernel launch carries the PDL
-    constexpr and Triton's launch_pdl option, and its PTX has the wait and the launch of
-    dependents, the wait before any global store and (but in PDL_PREFETCH, which loads weights
-    first) any global load (bf16 launches, the served dtype: half the compile time of the test
-    below). The CUDA-only autotuned launchers share the kernels and pdl_launch calls with the
-    interpreter branch recorded here."""
+def _pdl_records(monkeypatch) -> list[dict]:
+    """The bf16 launches (the served dtype) recorded with PDL on as on sm_90+: every kernel
+    of KERNELS is among them, each launch with the PDL constexpr and launch_pdl option."""
     from tailored.kernels import pdl
 
-    _need_ptxas()
     monkeypatch.setattr(pdl, "PDL", True)
     monkeypatch.setattr(pdl, "_on_sm90", lambda t: True)
     recs = _record(_calls((torch.bfloat16,)))
@@ -369,6 +366,26 @@ def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
     off = [r["key"] for r in recs if r["constexprs"].get("PDL") is not True
            or r["options"].get("launch_pdl") is not True]
     assert not off, f"launched without PDL: {off}"
+    return recs
+
+
+def test_every_kernel_launch_carries_pdl(monkeypatch):
+    """The recording alone (seconds; the compiles below take minutes with a cold Triton cache
+    and run in the slow tier): every kernel is launched, and with PDL on each launch carries
+    the PDL constexpr and Triton's launch_pdl option."""
+    _pdl_records(monkeypatch)
+
+
+@pytest.mark.slow  # ~90 s of ptxas with a cold Triton cache (~7 s warm)
+def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
+    """PDL on (kernels/pdl.py, the default on sm_90+): every kernel launch carries the PDL
+    constexpr and Triton's launch_pdl option, and its PTX has the wait and the launch of
+    dependents, the wait before any global store and (but in PDL_PREFETCH, which loads weights
+    first) any global load (bf16 launches, the served dtype: half the compile time of the test
+    below). The CUDA-only autotuned launchers share the kernels and pdl_launch calls with the
+    interpreter branch recorded here."""
+    _need_ptxas()
+    recs = _pdl_records(monkeypatch)
     res = _compile(recs)
     names = {r["key"]: r["name"] for r in recs}
     want = {k: [True, True, True, n not in PDL_PREFETCH] for k, n in names.items()}
@@ -376,6 +393,7 @@ def test_every_kernel_compiles_for_sm90_with_pdl(monkeypatch):
     assert not missing, f"griddepcontrol missing or misplaced in: {missing}"
 
 
+@pytest.mark.slow  # ~300 s of ptxas with a cold Triton cache (~25 s warm), fp32 and bf16
 def test_every_kernel_compiles_for_sm90():
     _need_ptxas()
     recs = _record(_calls())

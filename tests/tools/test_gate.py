@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):  # conftest.one_thread, for every test of this module
+def _one_thread(one_thread, gate_presets):  # conftest's, for every test of this module
     yield
 
 

@@ -29,6 +29,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.usefixtures("gate_presets")  # written once under a lock (xdist workers)
 def test_engine_reproduces_tiny_goldens():
     man, entries = read_golden(GOLDEN)
     ckpt = preset_checkpoint("tiny")
