@@ -1,5 +1,5 @@
 """`tailored` command line: `serve` (OpenAI HTTP server), `synth` (synthetic checkpoints), `gate` (accuracy gate),
-`bench` (load generator and roofline)."""
+`bench` (load generator and roofline), `cluster` (N replicas behind a gateway, docs/scale-out.md)."""
 
 from __future__ import annotations
 
@@ -141,6 +141,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="Python log level (default: %(default)s)")
+    from tailored.server.serve_options import add_front_door_options
+
+    add_front_door_options(p)  # API keys, allowed hosts, the health bound (docs/serving.md)
 
 
 def _synth_parser(sub) -> None:
@@ -240,6 +243,9 @@ def cmd_serve(args) -> int:
     # receives this record (tailored/flags.py)
     switches = flags.activate(flags.Flags.from_env())
     _check_serve_args(args)
+    from tailored.server.serve_options import access_policy
+
+    access = access_policy(args, switches.api_key)
     import uvicorn
 
     if args.gil_switch_interval_ms is not None:
@@ -286,13 +292,13 @@ def cmd_serve(args) -> int:
         async_engine = EngineProcess(
             build_engine, dict(checkpoint_dir=args.checkpoint_dir, **build_kwargs),
             switch_interval_s=None if args.gil_switch_interval_ms is None
-            else args.gil_switch_interval_ms / 1e3)
+            else args.gil_switch_interval_ms / 1e3, stall_timeout_s=args.health_stall_timeout)
         async_engine.start()  # builds the model in the child; raises its build error here
         max_model_len = kw["max_model_len"]
     else:
         stack = build_stack(args.checkpoint_dir, **build_kwargs)
         ckpt, tokenizer = stack.checkpoint_dir, stack.tokenizer
-        async_engine = AsyncEngine(stack.engine)
+        async_engine = AsyncEngine(stack.engine, stall_timeout_s=args.health_stall_timeout)
         max_model_len = stack.engine_config.max_model_len
     gen_cfg = ckpt / "generation_config.json"
     defaults = None
@@ -303,7 +309,8 @@ def cmd_serve(args) -> int:
     app = build_app(async_engine, tokenizer, args.served_model_name or DEFAULT_MODEL_NAME,
                     max_model_len, sampling_defaults=defaults,
                     reasoning_parser=args.reasoning_parser,
-                    max_body_bytes=args.max_body_bytes, access_log=args.access_log == "on")
+                    max_body_bytes=args.max_body_bytes, access_log=args.access_log == "on",
+                    access=access)
     logging.getLogger("tailored").info(
         "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d, "
         "engine loop in %s%s",
@@ -315,7 +322,16 @@ def cmd_serve(args) -> int:
     logging.getLogger("tailored").info(
         "switches: %s", ", ".join(f"{k}={v}" for k, v in changed.items()) if changed
         else "all at their defaults (docs/switches.md)")
-    logging.getLogger("tailored").info("serving on http://%s:%d/v1", args.host, args.port)
+    logging.getLogger("tailored").info(
+        "serving on http://%s:%d/v1; %s; Host header: %s", args.host, args.port,
+        f"{len(access.api_keys)} API key(s)" if access.api_keys else "no API key",
+        ", ".join(sorted(access.allowed_hosts)) if access.allowed_hosts else "any")
+    from tailored.server.guard import is_loopback
+
+    if not access.api_keys and not is_loopback(args.host):
+        logging.getLogger("tailored").warning(
+            "listening on %s without an API key: anyone who reaches this port can use it "
+            "(--api-key, docs/serving.md#security)", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False,  # ours (--access-log) counts the tokens
                             # a backstop: the engine shutdown below ends every stream first
@@ -392,12 +408,17 @@ def main(argv: list[str] | None = None) -> int:
     from tailored.bench import cli as bench_cli
 
     bench_cli.add_parser(sub)
+    from tailored import cluster
+
+    cluster.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "bench":
             return bench_cli.run(args)
+        if args.command == "cluster":
+            return cluster.run(args)
         if args.command == "gate":
             from tailored.gate.run import run as cmd_gate
 

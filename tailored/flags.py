@@ -30,11 +30,12 @@ PREFIX = "TAILORED_"
 
 def _switch(env: str, default, why: str, kb: str = "", layer: str = "kernel path", *,
             lo: int | None = None, hi: int | None = None, power_of_2: bool = False,
-            choices: tuple[str, ...] | None = None):
-    """A dataclass field carrying its switch's declaration in the field metadata."""
+            choices: tuple[str, ...] | None = None, secret: bool = False):
+    """A dataclass field carrying its switch's declaration in the field metadata. secret: its
+    value is never shown (snapshot and changed say "(set)")."""
     meta = {"env": PREFIX + env, "why": why, "kb": kb, "layer": layer, "lo": lo, "hi": hi,
-            "power_of_2": power_of_2, "choices": choices}
-    return field(default=default, metadata=meta)
+            "power_of_2": power_of_2, "choices": choices, "secret": secret}
+    return field(default=default, metadata=meta, repr=not secret)
 
 
 # upper bounds shared with the kernels (kernels/moe.py asserts them at import)
@@ -179,6 +180,11 @@ class Flags:
         "COMMIT", "",
         "the commit manifests record when the tree has no git (a copy on the GPU machine)",
         "", "settings")
+    api_key: str = _switch(
+        "API_KEY", "",
+        "API keys `tailored serve` / `tailored cluster` accept, comma-separated, beside "
+        "--api-key and --api-key-file (docs/serving.md); never shown", "", "settings",
+        secret=True)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -209,13 +215,18 @@ class Flags:
         return dataclasses.replace(self, **changes)
 
     def snapshot(self) -> dict:
-        """{variable name: value} of every switch: what manifests record."""
-        return {f.metadata["env"]: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """{variable name: value} of every switch: what manifests record (a secret one's
+        value is "(set)" or empty)."""
+        return {f.metadata["env"]: self._shown(f) for f in dataclasses.fields(self)}
 
     def changed(self) -> dict:
         """{variable name: value} of the switches away from their defaults."""
-        return {f.metadata["env"]: getattr(self, f.name) for f in dataclasses.fields(self)
+        return {f.metadata["env"]: self._shown(f) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != f.default}
+
+    def _shown(self, f: dataclasses.Field):
+        v = getattr(self, f.name)
+        return ("(set)" if v else v) if f.metadata["secret"] else v
 
 
 def _check(f: dataclasses.Field, v) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
 from tailored.engine.grammar import Grammars, Guide, with_mask
+from tailored.engine.memory import pool_stats
 from tailored.engine.scheduler import Scheduler
 from tailored.engine.step_timing import StepTimer
 from tailored.engine.types import (
@@ -417,6 +418,9 @@ class Engine:
             "waiting": len(s.waiting) + len(self._compiling),
             "free_pages": s.pages.num_free,
             "free_slots": s.slots.num_free,
+            **pool_stats(s.pages, s.slots, s.prefix),
+            "page_size": s.page_size,
+            "max_running": s.max_running,
             "num_preemptions": s.num_preemptions,
             # prefix caching (engine/prefix_cache.py): tokens of admitted requests looked up,
             # and of those found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
@@ -427,6 +431,14 @@ class Engine:
             "spec_drafts": drafts,
             "spec_drafts_kept": kept,
         }
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every prefix-cache entry (a gateway's cache flush): how many. Pages a running
+        request shares stay its own."""
+        n = len(self.scheduler.prefix or ())
+        if n:
+            self.scheduler.prefix.clear()
+        return n
 
     # ---- helpers -----------------------------------------------------------------------------
     def _emit(self, req: Request) -> RequestOutput:

@@ -124,3 +124,18 @@ class SlotPool(_IndexPool):
     def free(self, slot: int) -> None:
         """Return a slot. AssertionError on a double free or an invalid id (0 included)."""
         self._give([slot])
+
+
+def pool_stats(pages: PagePool, slots: SlotPool, prefix) -> dict:
+    """The pools' occupancy, for engine.stats(): KV pages and GDN state slots in use and in all,
+    and the prefix cache's entries (`prefix`: the scheduler's PrefixCache or None) with the pages
+    only it holds (given back on demand, so a gateway should not count them as load)."""
+    return {
+        "total_pages": pages.capacity,
+        "used_pages": pages.num_used,
+        "cached_pages": prefix.cache_only_pages() if prefix is not None else 0,
+        "total_slots": slots.capacity,
+        "used_slots": slots.num_used,
+        "prefix_cache_entries": len(prefix) if prefix is not None else 0,
+        "prefix_cache_capacity": prefix.capacity if prefix is not None else 0,
+    }

@@ -45,7 +45,7 @@ once and extended as its ids grow.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,6 +243,11 @@ class PrefixCache:
         """Drop every entry."""
         while self.evict_one():
             pass
+
+    def cache_only_pages(self) -> int:
+        """Pages that no request holds, only entries: what evicting every entry would free."""
+        held = Counter(p for e in self._entries.values() for p in e.pages)
+        return sum(1 for p, n in held.items() if self.pages.refs(p) == n)
 
     def _release(self, snap: Snapshot) -> None:
         self.pages.free(list(snap.pages))

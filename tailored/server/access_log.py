@@ -8,8 +8,8 @@ method and path, the status code, "stream" for an SSE answer, the prompt and com
 of a generation route (prompt tokens count each prompt once; completion tokens are the ones
 the engine produced over every choice, to the end of the stream or the client's leaving), and
 the latency from the request's arrival to the end of its answer (a stream's last event). A
-request the server refused has no token counts. `/health` and `/metrics` (polled by load
-balancers and scrapers) are logged at DEBUG, everything else at INFO, under the logger
+request the server refused has no token counts. `/health`, `/metrics` and `/v1/loads` (polled
+by load balancers, scrapers and gateways) are logged at DEBUG, everything else at INFO, under the logger
 `tailored.server.access_log`. uvicorn's own access log stays off: it logs a stream when its
 headers go out, before any token.
 
@@ -24,7 +24,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
-QUIET_PATHS = ("/health", "/metrics")  # logged at DEBUG
+QUIET_PATHS = ("/health", "/metrics", "/v1/loads")  # logged at DEBUG (polled)
 _KEY = "tailored_access"  # the request state's key of a generation route's counts
 
 

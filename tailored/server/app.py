@@ -1,7 +1,11 @@
 """OpenAI-compatible HTTP routes over an `AsyncEngine`.
 
-    GET  /health                200 {"status": "ok"} | 503 once the engine loop is dead/stopped
-                                (HEAD too; a trailing slash on any route is a 404, no redirect)
+    GET  /health                200 {"status": "ok"} | 503 once the engine loop is dead/stopped,
+                                or while it is stalled (loop_watch.py) (HEAD too; a trailing
+                                slash on any route is a 404, no redirect)
+    GET  /health_generate       the deep probe: one generated token (worker_api.py)
+    GET  /v1/loads              SGLang's load report, for gateways; POST /flush_cache,
+                                /reset_prefix_cache: drop the prefix cache (worker_api.py)
     GET  /v1/models             OpenAI model list with the one served model (+ max_model_len);
                                 503 once the engine loop is dead, as /health
     GET  /v1/models/{id}        that model, or 404 model_not_found (503 as above)
@@ -34,9 +38,11 @@ holds the answer after the thinking to the tool-call format by a grammar (engine
 needs xgrammar, as response_format).
 
 Errors are OpenAI JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad input or
-unsupported parameter, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes,
-415 compressed body (Content-Encoding other than identity), 500 engine or server fault, 503
-engine loop dead. A streaming request that fails after the headers were sent gets
+unsupported parameter (or a Host header outside the allow-list), 401 a missing or wrong API
+key, 404 unknown model/route, 405 wrong method, 413 body over max_body_bytes, 415 compressed
+body (Content-Encoding other than identity) or a non-JSON Content-Type, 500 engine or server
+fault, 503 engine loop dead or stalled. Hosts, keys and content types are checked before any
+route (guard.py's middleware). A streaming request that fails after the headers were sent gets
 `data: {"error": {...}}` and then `data: [DONE]`. Error bodies are rendered with ensure_ascii
 and messages quote user input escaped and shortened. Input limits (body size, JSON depth, lone
 surrogates, prompt characters): http_io.py and serving.py.
@@ -52,7 +58,9 @@ reasoning, tool calls, finish), formatter.py (OpenAI chat / completions objects)
 response schemas); the coding agents' front doors: front_doors.py (their request flow),
 responses_api.py + responses_input.py + response_store.py (OpenAI Responses),
 messages_api.py (Anthropic Messages), conversation.py (their conversations as chat
-messages), thinking_budget.py (a token limit on the thinking). docs/agents.md: how to point
+messages), thinking_budget.py (a token limit on the thinking); the front door: guard.py (hosts,
+API keys, content types), serve_options.py (their `tailored serve` options); for gateways:
+worker_api.py (docs/scale-out.md). docs/agents.md: how to point
 Codex CLI and Claude Code at the server.
 """
 
@@ -75,11 +83,13 @@ from tailored.server.http_io import error_response, internal_error
 from tailored.server.metrics import CONTENT_TYPE_LATEST
 from tailored.server.protocol import ModelCard, ModelList
 from tailored.server.front_doors import count_tokens, serve_turn
+from tailored.server.guard import AccessPolicy, Guard
 from tailored.server.messages_api import MessagesDialect
 from tailored.server.response_store import ResponseStore
 from tailored.server.responses_api import ResponsesDialect
 from tailored.server.serving import Server
 from tailored.server.tokenize_api import add_tokenizer_routes
+from tailored.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +105,7 @@ def build_app(
     max_body_bytes: int | None = None,
     reasoning_parser: str | None = None,
     access_log: bool = False,
+    access: AccessPolicy | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
 
@@ -106,6 +117,8 @@ def build_app(
     reasoning_parser: "qwen3" splits chat answers into the reasoning (`reasoning` and
     `reasoning_content`) and content (`reasoning.py`); None leaves content the raw text.
     access_log: one log line per request (access_log.py; `tailored serve` turns it on).
+    access: API keys, their exempt routes and the Host allow-list (guard.py; None: no key,
+    any host). Non-JSON POST bodies get 415 either way.
     """
     server = Server(
         async_engine,
@@ -132,7 +145,10 @@ def build_app(
     app = FastAPI(title="tailored", lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False)
     app.state.server = server
-    if access_log:
+    if access is not None:
+        server.access = access
+    app.add_middleware(Guard, policy=server.access)  # hosts, keys, content types (guard.py)
+    if access_log:  # outermost (added last): its line names the guard's refusals too
         app.add_middleware(AccessLog)
 
     @app.exception_handler(StarletteHTTPException)
@@ -223,6 +239,7 @@ def build_app(
         return await server.handle(request, chat=True)
 
     add_tokenizer_routes(app, server)  # /tokenize, /detokenize, /tokenizer_info
+    add_worker_routes(app, server)  # a gateway's: /v1/loads, /flush_cache, /health_generate
 
     # the coding agents' front doors, on the chat engine path (front_doors.py)
     responses = ResponsesDialect(server, ResponseStore())

@@ -15,7 +15,8 @@ Usage (both forms work):
 
 If the engine loop raises, every pending request receives a final RequestOutput with
 finish_reason=ERROR and `error` set, `healthy` turns False, and later `generate` calls raise
-`EngineDeadError`.
+`EngineDeadError`. A loop that has work and has not finished a step for `stall_timeout_s`
+(a hung step) is not `healthy` either, until it moves again (loop_watch.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Self
 
 from tailored.engine.step_timing import TimingLog
 from tailored.engine.types import FinishReason, RequestOutput, SamplingParams
+from tailored.server.loop_watch import LoopWatch
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,16 @@ def route_outputs(streams: dict[str, OutputSink], outputs: list[RequestOutput]) 
             del streams[out.request_id]
         per_loop.setdefault(stream.loop, []).append((stream.queue, out))
     return per_loop
+
+
+def stall_reason(engine) -> str | None:
+    """/health's words for a stalled loop (None when it is not): `engine` has `watch` and
+    `stall_timeout_s`."""
+    waited = engine.watch.stalled_for()
+    if waited <= engine.stall_timeout_s:
+        return None
+    return (f"engine loop stalled: work has waited {waited:.0f} s without a finished step "
+            f"(the bound is {engine.stall_timeout_s:g} s)")
 
 
 def final_output(request_id: str, stream: OutputSink, reason: FinishReason, error: str | None):
@@ -181,11 +193,14 @@ class AsyncEngine:
 
     engine: object with add_request(id, prompt_ids, sampling) (ValueError on bad input),
     abort_request(id), step() -> list[RequestOutput], has_unfinished() -> bool, stats() -> dict.
+    stall_timeout_s: `healthy` turns False while work has waited this long for a step.
     """
 
     def __init__(self, engine, *, thread_name: str = "tailored-engine",
-                 timing_log_s: float = 10.0) -> None:
+                 timing_log_s: float = 10.0, stall_timeout_s: float = 60.0) -> None:
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self.watch = LoopWatch()  # the loop's beats, for `stalled` (loop_watch.py)
         # engine.timer (engine/step_timing.py), logged at INFO every timing_log_s while busy
         self._timing = TimingLog(getattr(engine, "timer", None), timing_log_s, logger)
         self._thread_name = thread_name
@@ -217,14 +232,20 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        """True while the engine thread is running and has not crashed."""
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        """True while the engine thread is running, has not crashed and is not stalled."""
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None
+                and not self.stalled)
+
+    @property
+    def stalled(self) -> bool:
+        """Work has waited more than stall_timeout_s for the loop to finish a step."""
+        return self.watch.stalled_for() > self.stall_timeout_s
 
     @property
     def dead_reason(self) -> str | None:
         if self._thread is None:
             return "engine loop not started"
-        return self._dead
+        return self._dead or stall_reason(self)
 
     # ---- request API (any thread / event loop) -----------------------------------------
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
@@ -240,8 +261,13 @@ class AsyncEngine:
 
     async def stats(self) -> dict:
         """engine.stats(), fetched on the engine thread between steps."""
+        return await self.call("stats")
+
+    async def call(self, method: str):
+        """engine.<method>() (no arguments), called on the engine thread between steps: stats,
+        flush_prefix_cache. AttributeError when the engine has no such method."""
         fut = asyncio.get_running_loop().create_future()
-        self._submit(("stats", fut))
+        self._submit(("call", method, fut))
         return await fut
 
     def _submit(self, cmd: tuple) -> None:
@@ -251,6 +277,8 @@ class AsyncEngine:
             if self._dead is not None or self._stopping:
                 raise EngineDeadError(self._dead or "engine is shutting down")
             self._commands.put(cmd)
+        if cmd[0] != "abort":
+            self.watch.submitted()
         self._wake.set()
 
     # ---- engine thread -----------------------------------------------------------------
@@ -263,13 +291,16 @@ class AsyncEngine:
                     break
                 if not self.engine.has_unfinished():
                     self._timing.going_idle()  # the busy spell's last window, not stale later
+                    self.watch.beat(idle=True)
                     # Ordering: wait -> clear -> drain. A command put after the drain sets the
                     # event, so the next wait returns at once; nothing can be missed.
                     self._wake.wait()
                     self._wake.clear()
+                    self.watch.beat(idle=False)
                     self._timing.waking()
                     continue
                 self._dispatch(self.engine.step())
+                self.watch.beat(idle=False)
                 self._timing.after_step()
         except BaseException as exc:  # any crash must fail the pending requests
             logger.exception("engine loop died")
@@ -288,10 +319,10 @@ class AsyncEngine:
                 self._do_add(*cmd[1:])
             elif kind == "abort":
                 self._do_abort(cmd[1])
-            elif kind == "stats":
-                fut = cmd[1]
+            elif kind == "call":
+                fut = cmd[2]
                 try:
-                    result, exc = self.engine.stats(), None
+                    result, exc = getattr(self.engine, cmd[1])(), None
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     result, exc = None, e
                 post_threadsafe(fut.get_loop(), resolve_future, fut, result, exc)
@@ -335,8 +366,8 @@ class AsyncEngine:
                 break
             if cmd[0] == "add":
                 post_threadsafe(cmd[4].loop, resolve_future, cmd[5], None, dead)
-            elif cmd[0] == "stats":
-                post_threadsafe(cmd[1].get_loop(), resolve_future, cmd[1], None, dead)
+            elif cmd[0] == "call":
+                post_threadsafe(cmd[2].get_loop(), resolve_future, cmd[2], None, dead)
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
             out = final_output(request_id, stream, FinishReason.ERROR, reason)

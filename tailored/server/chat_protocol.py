@@ -18,7 +18,9 @@ from tailored.server.tools_protocol import (TOOL_CHOICES, ChatTool, check_forced
                                             tool_name_error)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-SUPPORTED_TEMPLATE_KWARGS = ("enable_thinking",)
+# chat_template_kwargs reach the template as its variables (vLLM's rule), but for these: the
+# request's own fields (messages, tools, add_generation_prompt) render them
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 
 
 class ChatMessage(BaseModel):
@@ -231,16 +233,23 @@ class ChatCompletionRequest(BaseRequest):
 
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _known_kwargs(cls, v: dict | None) -> dict | None:
-        # Unknown template switches would silently change the prompt, so they are rejected.
+    def _template_kwargs(cls, v: dict | None) -> dict | None:
+        # every key reaches the template (template_kwargs), as in vLLM; the request's own fields
+        # are set by their fields, not here
         for key in v or {}:
-            if key not in SUPPORTED_TEMPLATE_KWARGS:
-                raise ValueError(
-                    f"key {key!r} is not supported (supported: {', '.join(SUPPORTED_TEMPLATE_KWARGS)})"
-                )
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"key {key!r} is set by the request's own field '{key}', not "
+                                 "here")
         if v and not isinstance(v.get("enable_thinking", True), bool):
             raise ValueError("enable_thinking must be a boolean")
         return v
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs but enable_thinking (its own argument): the template's other
+        variables."""
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items()
+                if k != "enable_thinking"}
 
     @property
     def requested_max_tokens(self) -> int | None:

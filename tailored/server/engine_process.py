@@ -11,12 +11,15 @@ healthy / dead_reason, the same `RequestStream`s). The child builds the engine i
 initialized there only; the "spawn" start method), then loops: drain commands, step, send
 outputs. Messages are tuples over one duplex `multiprocessing.Pipe`:
 
-    parent -> child   ("add", rid, prompt_ids, sampling) | ("abort", rid) | ("stats", key)
-                      | ("shutdown",)
+    parent -> child   ("add", rid, prompt_ids, sampling) | ("abort", rid)
+                      | ("call", key, method) | ("shutdown",)
     child -> parent   ("ready",) | ("failed", exc_type, message)   (once, after the build)
                       ("added", rid, None | (exc_type, message))    (per add, before its outputs)
                       ("out", [RequestOutput, ...])                 (per step with outputs)
-                      ("stats", key, dict | message) | ("died", reason)
+                      ("result", key, value, None | (exc_type, message)) | ("died", reason)
+
+Besides the pipe, the child beats into shared memory (loop_watch.py), so the parent sees a loop
+that stopped finishing steps while work waits: `healthy` is False while it is stalled.
 
 Errors: a bad request's add error comes back as the engine raised it (ValueError -> 400); a
 failed build raises in `start()` (ValueError stays ValueError: `tailored serve` prints one
@@ -50,12 +53,15 @@ from tailored.server.async_engine import (
     put_all,
     resolve_future,
     route_outputs,
+    stall_reason,
     OutputSink,
 )
+from tailored.server.loop_watch import LoopWatch
 
 logger = logging.getLogger(__name__)
 
-_EXC_TYPES = {"ValueError": ValueError, "RuntimeError": RuntimeError, "OSError": OSError}
+_EXC_TYPES = {"ValueError": ValueError, "RuntimeError": RuntimeError, "OSError": OSError,
+              "AttributeError": AttributeError}
 
 
 def _exc(exc_type: str, message: str) -> BaseException:
@@ -71,11 +77,15 @@ class EngineProcess:
         the child with build_kwargs.
     switch_interval_s: sys.setswitchinterval in the child (None: Python's default).
     timing_log_s: the child logs engine.timer every this many seconds while busy.
+    stall_timeout_s: `healthy` turns False while work has waited this long for a step.
     """
 
     def __init__(self, build: Callable[..., Any], build_kwargs: dict | None = None, *,
                  timing_log_s: float = 10.0, switch_interval_s: float | None = None,
-                 log_level: str | int | None = None, ready_timeout_s: float | None = None) -> None:
+                 log_level: str | int | None = None, ready_timeout_s: float | None = None,
+                 stall_timeout_s: float = 60.0) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self.watch: LoopWatch | None = None  # shared with the child once it is spawned
         self._build = build
         self._build_kwargs = dict(build_kwargs or {})
         self._timing_log_s = timing_log_s
@@ -115,10 +125,11 @@ class EngineProcess:
         if env_set:
             os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         parent_end, child_end = ctx.Pipe(duplex=True)
+        self.watch = LoopWatch.shared(ctx)
         proc = ctx.Process(
             target=_child_main, name="tailored-engine", daemon=True,
             args=(child_end, self._build, self._build_kwargs, self._log_level,
-                  self._switch_interval_s, self._timing_log_s),
+                  self._switch_interval_s, self._timing_log_s, self.watch.cell),
         )
         try:
             proc.start()
@@ -172,11 +183,16 @@ class EngineProcess:
     @property
     def healthy(self) -> bool:
         return (self._proc is not None and self._proc.is_alive() and self._dead is None
-                and not self._stopping)
+                and not self._stopping and not self.stalled)
+
+    @property
+    def stalled(self) -> bool:
+        """Work has waited more than stall_timeout_s for the child's loop to finish a step."""
+        return self.watch is not None and self.watch.stalled_for() > self.stall_timeout_s
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead
+        return self._dead or (stall_reason(self) if self.watch is not None else None)
 
     @property
     def pid(self) -> int | None:
@@ -200,12 +216,19 @@ class EngineProcess:
 
     async def stats(self) -> dict:
         """engine.stats(), fetched in the child between steps."""
+        return await self.call("stats")
+
+    async def call(self, method: str):
+        """engine.<method>() (no arguments), called in the child between steps: stats,
+        flush_prefix_cache. Its error comes back as the engine raised it (ValueError,
+        AttributeError, else RuntimeError)."""
         fut = asyncio.get_running_loop().create_future()
-        key = ("stats", next(self._keys))
+        key = ("call", next(self._keys))
         with self._lock:
             self._check_alive()
             self._pending[key] = fut
-            self._send(("stats", key))
+            self._send(("call", key, method))
+        self.watch.submitted()
         return await fut
 
     def _submit(self, cmd: tuple) -> None:
@@ -218,6 +241,7 @@ class EngineProcess:
             self._streams[rid] = stream
             self._pending[("add", rid)] = fut
             self._send(("add", rid, prompt_ids, sampling))
+        self.watch.submitted()
 
     def _check_alive(self) -> None:
         if self._proc is None:
@@ -247,13 +271,12 @@ class EngineProcess:
                     self._dispatch(msg[1])
                 elif kind == "added":
                     self._added(msg[1], msg[2])
-                elif kind == "stats":
+                elif kind == "result":
                     with self._lock:
                         fut = self._pending.pop(msg[1], None)
                     if fut is not None:
-                        exc = _exc("RuntimeError", msg[2]) if isinstance(msg[2], str) else None
-                        post_threadsafe(fut.get_loop(), resolve_future, fut,
-                                        None if exc else msg[2], exc)
+                        exc = None if msg[3] is None else _exc(*msg[3])
+                        post_threadsafe(fut.get_loop(), resolve_future, fut, msg[2], exc)
                 elif kind == "died":
                     reason = msg[1]
         except (EOFError, OSError):
@@ -304,7 +327,8 @@ class EngineProcess:
 
 
 # ---- the child -----------------------------------------------------------------------------
-def _child_main(conn, build, build_kwargs, log_level, switch_interval_s, timing_log_s) -> None:
+def _child_main(conn, build, build_kwargs, log_level, switch_interval_s, timing_log_s,
+                watch_cell) -> None:
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the parent stops
     # us in order (in-flight requests finish), and a dead parent closes the pipe
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -323,7 +347,7 @@ def _child_main(conn, build, build_kwargs, log_level, switch_interval_s, timing_
         return
     conn.send(("ready",))
     try:
-        _child_loop(conn, engine, timing_log_s)
+        _child_loop(conn, engine, timing_log_s, LoopWatch(watch_cell))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone
     except BaseException as e:  # noqa: BLE001
@@ -335,14 +359,16 @@ def _child_main(conn, build, build_kwargs, log_level, switch_interval_s, timing_
         raise SystemExit(1) from None
 
 
-def _child_loop(conn, engine, timing_log_s: float) -> None:
+def _child_loop(conn, engine, timing_log_s: float, watch: LoopWatch) -> None:
     # the same log lines and windows as the in-thread loop (AsyncEngine)
     timing = TimingLog(getattr(engine, "timer", None), timing_log_s,
                        logging.getLogger("tailored.server.async_engine"))
     while True:
         if not engine.has_unfinished():
             timing.going_idle()
+            watch.beat(idle=True)
             conn.poll(None)  # sleep until a command arrives
+            watch.beat(idle=False)
             timing.waking()
         while conn.poll(0):
             msg = conn.recv()
@@ -359,15 +385,16 @@ def _child_loop(conn, engine, timing_log_s: float) -> None:
                     engine.abort_request(msg[1])
                 except Exception:  # a failed abort must not kill the loop
                     logger.exception("engine.abort_request(%r) failed", msg[1])
-            elif kind == "stats":
+            elif kind == "call":
                 try:
-                    conn.send(("stats", msg[1], engine.stats()))
-                except Exception as e:  # noqa: BLE001
-                    conn.send(("stats", msg[1], f"{type(e).__name__}: {e}"))
+                    conn.send(("result", msg[1], getattr(engine, msg[2])(), None))
+                except Exception as e:  # noqa: BLE001 - the caller's error
+                    conn.send(("result", msg[1], None, (type(e).__name__, str(e))))
             elif kind == "shutdown":
                 return
         if engine.has_unfinished():
             outputs = engine.step()
+            watch.beat(idle=False)
             if outputs:
                 conn.send(("out", outputs))
             timing.after_step()

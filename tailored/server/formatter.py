@@ -63,10 +63,19 @@ class Formatter(AnswerSplitter):
         self._exclude = None if include_usage else {"usage"}
         # chunk() before / after the text, for content and for reasoning deltas
         self._templates: dict[str, list[str]] = {}
+        # stream_options.continuous_usage_stats: every chunk carries `usage` with this
+        # choice's prompt and the completion tokens streamed so far (`tokens_sent`, counted
+        # by the stream), as vLLM's
+        self.continuous_usage = False
+        self.tokens_sent = 0
 
     def _envelope(self, choices):
         cls = ChatCompletionChunk if self.chat else CompletionStreamResponse
-        return cls(id=self.request_id, created=self.created, model=self.model, choices=choices)
+        env = cls(id=self.request_id, created=self.created, model=self.model, choices=choices)
+        if self.continuous_usage:
+            env.usage = UsageInfo.of(len(self._prompt_ids) or self.prompt_tokens,
+                                     self.tokens_sent)
+        return env
 
     def first_chunk(self) -> str | None:
         if not self.chat:
@@ -181,7 +190,8 @@ class Formatter(AnswerSplitter):
         finish) fill a template rendered once per request by the same pydantic models: the
         HTTP thread pays ~140 µs of CPU per streamed token and shares the GIL with the engine
         (kb/0011)."""
-        if finish is None and bool(text) != bool(reasoning) and not calls and not logprobs:
+        if (finish is None and bool(text) != bool(reasoning) and not calls and not logprobs
+                and not self.continuous_usage):
             kind = "content" if text else "reasoning"
             if kind not in self._templates:
                 args = (self._TEXT, "") if text else ("", self._TEXT)

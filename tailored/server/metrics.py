@@ -28,6 +28,12 @@ most `stats_timeout_s`, else the previous scrape's numbers; 0 while the engine i
     tailored:spec_decode_num_drafts_total   speculative verify chunks (one request, one step)
     tailored:spec_decode_num_draft_tokens_total     draft tokens verified
     tailored:spec_decode_num_accepted_tokens_total  draft tokens kept
+    tailored:kv_cache_usage_perc            share of the KV pages requests hold, 0..1 (vLLM's
+                                            name; pages only the prefix cache holds count free)
+    tailored:kv_cache_pages_used / _total   KV pages in use (the prefix cache's included) / all
+    tailored:kv_cache_pages_cached          of the used ones, pages only the prefix cache holds
+    tailored:gdn_state_slots_used / _total  GDN state slots of running requests / all
+    tailored:prefix_cache_entries / _max    prefix-cache entries kept / --prefix-cache-entries
 
 Each app has its own CollectorRegistry (not prometheus_client's global one), so several apps
 in one process do not collide. The per-token work is O(1) (a counter add, one histogram
@@ -79,6 +85,19 @@ _ENGINE_STATS = (
      "Speculative decoding: draft tokens verified.", True),
     ("spec_drafts_kept", "tailored:spec_decode_num_accepted_tokens",
      "Speculative decoding: draft tokens kept.", True),
+    ("used_pages", "tailored:kv_cache_pages_used",
+     "KV cache pages in use, by requests or the prefix cache.", False),
+    ("total_pages", "tailored:kv_cache_pages_total", "KV cache pages in all.", False),
+    ("cached_pages", "tailored:kv_cache_pages_cached",
+     "KV cache pages only the prefix cache holds (given back when requests need them).", False),
+    ("used_slots", "tailored:gdn_state_slots_used",
+     "GDN state slots held by running requests.", False),
+    ("total_slots", "tailored:gdn_state_slots_total",
+     "GDN state slots for requests in all (--max-num-seqs or fewer).", False),
+    ("prefix_cache_entries", "tailored:prefix_cache_entries",
+     "Prefix caching: entries kept.", False),
+    ("prefix_cache_capacity", "tailored:prefix_cache_entries_max",
+     "Prefix caching: most entries kept (--prefix-cache-entries).", False),
 )
 
 
@@ -210,6 +229,16 @@ class RequestMetrics:
             self._m.report()
 
 
+def kv_usage(stats: dict) -> float:
+    """The share of KV pages requests hold (vLLM's kv_cache_usage_perc), from engine.stats()."""
+    try:
+        total = stats.get("total_pages", 0)
+        used = stats.get("used_pages", 0) - stats.get("cached_pages", 0)
+        return max(0.0, used / total) if total else 0.0
+    except Exception:  # noqa: BLE001 - an engine reporting other things
+        return 0.0
+
+
 class _EngineCollector:
     """The engine's own numbers as of the last scrape (`update`), as Prometheus families."""
 
@@ -239,3 +268,9 @@ class _EngineCollector:
             v = self.stats.get(key, 0)
             f.add_metric(labels, float(v) if isinstance(v, (int, float)) else 0.0)
             yield f
+        f = GaugeMetricFamily("tailored:kv_cache_usage_perc",
+                              "KV cache usage, 0..1: the share of KV pages requests hold (1 "
+                              "means full; pages only the prefix cache holds count as free).",
+                              labels=["model_name"])
+        f.add_metric(labels, kv_usage(self.stats))
+        yield f

@@ -75,6 +75,8 @@ REQUEST_CONFIG = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class BaseRequest(BaseModel):
@@ -278,6 +280,11 @@ class BaseRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """stream_options.continuous_usage_stats with include_usage (vLLM's rule)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 

@@ -31,6 +31,7 @@ from tailored.server.chat_protocol import ChatCompletionRequest
 from tailored.server.completions_protocol import CompletionRequest
 from tailored.server.errors import OpenAIError, grammar_param, shown, validation_error_to_openai
 from tailored.server.formatter import Formatter
+from tailored.server.guard import AccessPolicy
 from tailored.server.http_io import (SSE_HEADERS, default_max_body_bytes, error_response,
                                      internal_error, read_json)
 from tailored.server.metrics import ServerMetrics
@@ -77,6 +78,7 @@ class Server:
         # by two server threads at once (the engine thread may still decode concurrently).
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tailored-tokenize")
         self.metrics = ServerMetrics(model_name)  # GET /metrics; its own registry per app
+        self.access = AccessPolicy()  # API keys, hosts (guard.py); build_app sets the app's
         self._close_ids: list[int] | None = None  # close_ids(), once encoded
 
     # ---- parsing and validation ----------------------------------------------------------
@@ -93,12 +95,14 @@ class Server:
         return req
 
     def authorize(self, request: Request) -> None:
-        """The one place an API-key check goes: every generation route (completions, chat,
-        responses, messages, count_tokens) calls it before reading the body. No key is
-        configured yet, so every request passes, whichever header carries its key
-        (`Authorization: Bearer ...`, OpenAI's SDKs; `x-api-key`, Anthropic's SDK and Claude
-        Code); a check raises OpenAIError(status=401, type="authentication_error")."""
-        return None
+        """The API-key check (`self.access`, guard.py): every generation route (completions,
+        chat, responses, messages, count_tokens) calls it before reading the body, and the
+        app's Guard middleware before every route. Without keys every request passes; else
+        one needs `Authorization: Bearer <key>` (OpenAI's SDKs), on the Messages routes also
+        `x-api-key` (Anthropic's SDK, Claude Code), or gets OpenAIError(status=401)."""
+        err = self.access.key_error(request.url.path, request.headers)
+        if err is not None:
+            raise err
 
     def check_model(self, model: str | None) -> None:
         """404 model_not_found unless `model` is None (the served model) or its name."""
@@ -188,6 +192,7 @@ class Server:
         """Each prompt's token ids (one but for a completions batch); tools: a chat request's
         active_tools, rendered; param: the field its messages came from (errors name it)."""
         if isinstance(req, ChatCompletionRequest):
+            extra = req.template_kwargs  # chat_template_kwargs: the template's variables
             try:
                 text = await self._tokenize(
                     self.tokenizer.apply_chat_template,
@@ -195,9 +200,12 @@ class Server:
                     add_generation_prompt=req.add_generation_prompt,
                     enable_thinking=req.enable_thinking,
                     tools=tools,
+                    **extra,
                 )
-            except ValueError as e:
-                raise OpenAIError(f"invalid {param}: {e}", param=param) from None
+            except ValueError as e:  # the template refused or failed (ChatTemplateError)
+                with_kw = (f" (rendered with chat_template_kwargs {sorted(extra)})"
+                           if extra else "")
+                raise OpenAIError(f"invalid {param}: {e}{with_kw}", param=param) from None
             return [await self.encode(text, param)]
         prompts = req.prompts
         out = []
@@ -328,6 +336,8 @@ class Server:
                                prompt_ids=prompts[i // n], echo=echoes[i // n],
                                prompt_logprobs=req.prompt_logprobs)
                     for i in range(len(streams))]
+            for f in fmts:  # stream_options.continuous_usage_stats: usage on every chunk
+                f.continuous_usage = req.continuous_usage
             trackers = [self.metrics.request(arrival, len(prompts[k // n]))
                         for k in range(len(streams))]
             record(request, num_prompt_tokens, trackers)  # (the access log's counts)

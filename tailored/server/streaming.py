@@ -88,6 +88,7 @@ async def stream_events(streams: list[RequestStream], fmts: list[Formatter],
                 yield "data: [DONE]\n\n"
                 return
             num_tokens += len(out.delta_token_ids)
+            fmt.tokens_sent += len(out.delta_token_ids)
             text, reasoning, calls, finish = fmt.delta(out)
             if fmt.stopped:  # its one call ended: the rest of the answer is not wanted
                 ended.add(i)

@@ -442,3 +442,28 @@ def test_eviction_for_pages_spares_entries_that_would_free_none():
     pool.free(list(hit.pages))
     pc.check_integrity()
     assert pool.num_free == pool.capacity
+
+
+def test_pages_only_the_cache_holds_and_the_pool_stats():
+    """What /metrics and /v1/loads report: the pages only entries hold (free on demand, so
+    not load) apart from the ones a running request shares; a flush keeps the latter."""
+    from tailored.engine.memory import SlotPool, pool_stats
+
+    pool = PagePool(64)
+    pc = PrefixCache(PS, range(10, 13), pool)
+    used = list(range(2000, 2096))  # 6 full pages
+    assert _made(pc, pool, "u", used) is not None
+    assert _made(pc, pool, "o", list(range(5000, 5080))) is not None  # 5 pages
+    assert pc.cache_only_pages() == 11
+    hit = pc.lookup("x", used + [1])
+    pool.share(list(hit.pages))  # a request running on `used`
+    slots = SlotPool(5)
+    slots.allocate()
+    assert pool_stats(pool, slots, pc) == {
+        "total_pages": 63, "used_pages": 11, "cached_pages": 5, "total_slots": 4,
+        "used_slots": 1, "prefix_cache_entries": 2, "prefix_cache_capacity": 3}
+    pc.clear()  # a gateway's flush: the request keeps its pages
+    assert pool.num_used == 6 and pc.cache_only_pages() == 0
+    pool.free(list(hit.pages))
+    assert pool.num_free == pool.capacity
+    assert pool_stats(pool, slots, None)["prefix_cache_entries"] == 0

@@ -664,9 +664,9 @@ BAD_REQUESTS = [
     ("m", {"messages": MSGS, "n": True}, 400, ["'n'"], "n"),
     (
         "m",
-        {"messages": MSGS, "chat_template_kwargs": {"custom": 1}},
+        {"messages": MSGS, "chat_template_kwargs": {"tools": 1}},
         400,
-        ["custom"],
+        ["'tools'", "own field"],
         "chat_template_kwargs",
     ),
     ("c", {"prompt": "SAY:REJECT"}, 400, ["rejected by the engine"], "prompt"),
