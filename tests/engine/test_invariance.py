@@ -13,7 +13,7 @@ from __future__ import annotations
 import invariance_checks as C
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 
 from tailored.config import EngineConfig
 from tailored.engine.engine import Engine

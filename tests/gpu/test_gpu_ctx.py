@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 from test_gpu import _no_tf32, _with_graphs, pytestmark  # noqa: F401 - the autouse fixture
 
 from tailored.model.batch import ForwardBatch

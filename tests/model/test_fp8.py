@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import checkpoint_tensors, copy_checkpoint
+from helpers import checkpoint_tensors, copy_checkpoint
 from safetensors import safe_open
 
 from tailored.config import ConfigError, ModelConfig
@@ -96,7 +96,7 @@ def test_fp8_plain_forward_is_the_dequantized_model(fp8_and_bf16):
     """The FP8 model computes exactly what a bf16-layout model holding the dequantized weights
     computes (fp32 on the CPU); how far both are from the bf16 checkpoint is the gate's
     business (random tiny weights amplify any weight change chaotically, kb/0001)."""
-    from conftest import new_cache, rel_err, run_seq
+    from helpers import new_cache, rel_err, run_seq
 
     mf, mb = fp8_and_bf16
     md = build_empty_model(mb.config, "cpu", torch.float32)

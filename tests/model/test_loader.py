@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import copy_checkpoint
+from helpers import copy_checkpoint
 
 from tailored.config import ConfigError, ModelConfig
 from tailored.model.loader import LoadError, load_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import new_cache, rel_err, run_seq
+from helpers import new_cache, rel_err, run_seq
 from tailored.model.batch import ForwardBatch
 
 

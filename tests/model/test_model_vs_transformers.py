@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import new_cache, rel_err, run_seq
+from helpers import new_cache, rel_err, run_seq
 
 LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 300]
 TOL = 1e-4

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 
 from tailored.gate import metrics as M
 from tailored.gate.prompts import DEFAULT_PROMPTS, REPO, load_prompts, sha256_file

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import new_cache, rel_err
+from helpers import new_cache, rel_err
 from test_kernel_path import _ids, _make_pair, _tensors, graph_stand_ins
 
 from tailored import flags, kernels

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import new_cache, rel_err
+from helpers import new_cache, rel_err
 
 from tailored import flags, kernels
 from tailored.config import ModelConfig

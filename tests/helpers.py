@@ -1,0 +1,53 @@
+"""Plain helpers the tests share (imported by name: `from helpers import new_cache`): cache and
+checkpoint builders, one sequence through the model, relative error. Fixtures live in
+conftest.py, which tests never import (a second conftest.py, tests/clients/, would shadow it)."""
+
+from __future__ import annotations
+
+import torch
+
+from tailored.model.batch import ForwardBatch
+from tailored.worker.cache import HybridCache
+
+
+def checkpoint_tensors(ckpt) -> dict:
+    """Every tensor of a checkpoint directory (all shards), by name."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+def copy_checkpoint(src, dst, edit):
+    """Copy a checkpoint (config.json + all tensors merged into one shard), the tensor dict
+    edited in place by `edit(dict)` first (tests of the loader's refusals)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    sd = checkpoint_tensors(src)
+    edit(sd)
+    save_file(sd, str(dst / "model.safetensors"))
+    return dst
+
+
+def new_cache(cfg, num_pages=256, page_size=16, num_slots=8, dtype=torch.float32,
+              state_dtype=torch.float32):
+    return HybridCache(cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots,
+                       dtype=dtype, device="cpu", state_dtype=state_dtype)
+
+
+def run_seq(model, cache, ids, start, slot, pages, logits_rows=None):
+    """Run one sequence's tokens `ids` at `start` through the model; returns logits of the rows."""
+    rows = list(range(len(ids))) if logits_rows is None else logits_rows
+    b = ForwardBatch.build([(list(ids), start, slot, start == 0, pages)], rows, "cpu")
+    h = model(b, cache)
+    return model.compute_logits(h[rows])
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
