@@ -12,8 +12,8 @@ from pydantic import BaseModel, Field, field_validator, model_serializer, model_
 from tailored.engine.types import MAX_LOGPROBS, StructuredOutput
 from tailored.server.errors import OpenAIError, shown
 from tailored.server.json_screen import MAX_JSON_DEPTH, check_json_body, json_too_deep
-from tailored.server.protocol import (EFFORTS, REQUEST_CONFIG, BaseRequest, UsageInfo,
-                                      thinking_for_effort, unix_now)
+from tailored.server.protocol import (EFFORTS, REQUEST_CONFIG, BaseRequest, PromptLogprobsOut,
+                                      UsageInfo, thinking_for_effort, unix_now)
 from tailored.server.tools_protocol import (TOOL_CHOICES, ChatTool, check_forced_tool_choice,
                                             tool_name_error)
 
@@ -301,22 +301,13 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(PromptLogprobsOut):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=unix_now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    # vLLM's prompt_logprobs of the rendered prompt (formatter.py), left out unless asked for
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler):
-        d = handler(self)
-        if d.get("prompt_logprobs") is None:
-            d.pop("prompt_logprobs", None)
-        return d
 
 
 class DeltaMessage(BaseModel):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_serializer
+from pydantic import BaseModel, Field, field_validator
 
 from tailored.engine.types import MAX_LOGPROBS
 from tailored.server.errors import OpenAIError
-from tailored.server.protocol import MAX_CHOICES, MAX_PROMPTS, BaseRequest, UsageInfo, unix_now
+from tailored.server.protocol import (MAX_CHOICES, MAX_PROMPTS, BaseRequest, PromptLogprobsOut,
+                                      UsageInfo, unix_now)
 
 def _is_token_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
@@ -86,21 +87,12 @@ class CompletionRequest(BaseRequest):
         super().check_supported()
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(PromptLogprobsOut):
     index: int = 0
     text: str
     # {"tokens", "token_logprobs", "top_logprobs", "text_offset"} (OpenAI's legacy shape)
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
-    # vLLM's prompt_logprobs (formatter.py), left out unless asked for
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler):
-        d = handler(self)
-        if d.get("prompt_logprobs") is None:
-            d.pop("prompt_logprobs", None)
-        return d
 
 
 class CompletionResponse(BaseModel):

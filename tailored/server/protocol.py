@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from tailored.engine.types import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from tailored.server.errors import OpenAIError, shown
@@ -312,6 +312,20 @@ class UsageInfo(BaseModel):
 
 def unix_now() -> int:
     return int(time.time())
+
+
+class PromptLogprobsOut(BaseModel):
+    """A response part with vLLM's `prompt_logprobs` of the prompt (formatter.py): left out of
+    the JSON unless the request asked for them."""
+
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class ModelCard(BaseModel):
