@@ -45,9 +45,25 @@
 #   D=bench/results/$(date +%F); mkdir -p $D && cp <files_at>/sbs/* $D/
 #   python -m tailored.bench summary --results-dir $D --latest bench/results/latest.json
 #
+# ---- the load sweep (docs/benchmarks.md "Under load" has the exact calls) -----------------------
+# Phases `up vllm PREC` (install + start, left running), `load ENGINE [PREC]` (c = 1, 8, 32, 64,
+# 128 x 8, 48, 160, 256, 512 prompts, 1024 in / 512 out, max-model-len 16384, one JSON per point:
+# ENGINE-PREC-cC.json; reuses a vLLM server that `up` left), `long ENGINE [PREC]` (one prompt of
+# 65,536 and of 120,000 tokens, one output token, max-model-len 131072: ENGINE-PREC-long-N.json),
+# `load-summary [PREC]` (the table; the `load` section into $SBS/latest.json) and `load-all`
+# (everything, for a machine without a per-call limit). PREC defaults to fp8. Here, after the
+# last call: cp <files_at>/sbs/{tailored,vllm}-PREC-{c,long-}*.json into
+# bench/results/<date>-<card>-load/, then `tailored bench load --results-dir THAT --latest
+# bench/results/latest.json` and `tailored bench --plot docs/img/load-<card>-<prec>.png
+# --latest bench/results/latest.json`. SBS_DRY_RUN=1 prints the servers' and the client's
+# commands and starts nothing (tests/tools/test_bench_load.py runs it on the CPU).
+#
 # Environment: SBS_DIR, KIT (default .baseline-kit), VLLM_PORT (8000), TAILORED_PORT (8001),
 # BASELINE_TMP (the kit's /tmp), HBM_BW (B/s for the roofline, default 4.3e12), CROSSCHECK (1),
-# TAILORED_SERVE_ARGS (extra `tailored serve` flags), READY_TIMEOUT (s, default 600).
+# TAILORED_SERVE_ARGS (extra `tailored serve` flags), READY_TIMEOUT (s, default 600);
+# SBS_CONCURRENCY / SBS_PROMPTS (comma lists: the side by side's c=1,32 x 16,256, or the load
+# sweep's points), SBS_LONG (65536,120000), SBS_LONG_PROMPTS (2), SBS_WARMUPS (warm-up requests
+# per load point: 1, as in the 2026-12-07 run), SBS_DRY_RUN (1: print, run nothing).
 # TAILORED_PORT and TAILORED_SERVE_ARGS are this script's settings, not switches: no child
 # process sees them (an unknown TAILORED_* name stops tailored at start, tailored/flags.py).
 set -uo pipefail
@@ -68,6 +84,10 @@ READY_TIMEOUT=${READY_TIMEOUT:-600}
 export PYTHONUNBUFFERED=1 TAILORED_CACHE=/tmp/tailored-cache HF_HUB_OFFLINE=1
 # Same engine limits for both servers (the kit's vLLM flags).
 MAX_MODEL_LEN=16384 MAX_NUM_SEQS=128 MAX_BATCHED=8192 GPU_UTIL=0.90
+# The load sweep's points and long prompts (SBS_* above override them)
+LOAD_CONCURRENCY=1,8,32,64,128 LOAD_PROMPTS=8,48,160,256,512 LONG_MAX_MODEL_LEN=131072
+LONG_LENS=${SBS_LONG:-65536,120000} LONG_PROMPTS=${SBS_LONG_PROMPTS:-2} WARMUPS=${SBS_WARMUPS:-1}
+DRY=${SBS_DRY_RUN:-0}
 
 T0=$(date +%s)
 stamp() { echo "[sbs +$(( $(date +%s) - T0 ))s] $*"; }
@@ -82,20 +102,38 @@ trap sync_out EXIT
 # The client: `tailored bench` from this tree (httpx is on the GPU machine; .whl adds sniffio etc.).
 client() { PYTHONPATH="$ROOT:$TSITE" python3 -m tailored.bench "$@"; }
 
+bench_client() {  # LABEL ARGS...: `tailored bench ARGS`, its console in $SBS/LABEL.txt
+  local label=$1; shift
+  if [ "$DRY" = 1 ]; then printf '+ tailored bench'; printf ' %q' "$@"; echo; return 0; fi
+  client "$@" 2>&1 | tee "$SBS/$label.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "WARNING: tailored bench exit $rc for $label (failed requests?)" \
+      | tee -a "$SBS/$label.txt"
+  sync_out
+}
+
 bench_both() {  # ENGINE PREC PORT CHECKPOINT_DIR ENGINE_CONFIG_JSON
   local engine=$1 prec=$2 port=$3 ckpt=$4 cfg=$5
   # SBS_CONCURRENCY / SBS_PROMPTS: a shorter run (e.g. 1 / 16, c=1 alone) when device time is short
   local conc=${SBS_CONCURRENCY:-1,32} prompts=${SBS_PROMPTS:-16,256}
   stamp "bench $engine $prec: c=$conc x $prompts, 1024 in / 512 out, ignore_eos, greedy"
-  client --base-url "http://127.0.0.1:$port" --model "$NAME" \
+  bench_client "$engine-$prec" --base-url "http://127.0.0.1:$port" --model "$NAME" \
       --concurrency "$conc" --num-prompts "$prompts" --input-len 1024 --output-len 512 --ignore-eos \
       --temperature 0 --precision "$prec" --hbm-bw "$HBM_BW" --label "$engine-$prec" \
-      --checkpoint-dir "$ckpt" --engine-config "$cfg" --out "$SBS/$engine-$prec.json" \
-      2>&1 | tee "$SBS/$engine-$prec.txt"
-  local rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || echo "WARNING: tailored bench exit $rc for $engine $prec (failed requests?)" \
-      | tee -a "$SBS/$engine-$prec.txt"
-  sync_out
+      --checkpoint-dir "$ckpt" --engine-config "$cfg" --out "$SBS/$engine-$prec.json"
+}
+
+bench_point() {  # ENGINE PREC LABEL CONC PROMPTS IN_LEN OUT_LEN: one load point, the server that
+  # start_engine started (EPORT, ECKPT, ECFG), one result file $SBS/LABEL.json
+  local engine=$1 prec=$2 label=$3 c=$4 n=$5 in_len=$6 out_len=$7
+  local args=(--base-url "http://127.0.0.1:$EPORT" --model "$NAME" --concurrency "$c"
+              --num-prompts "$n" --input-len "$in_len" --output-len "$out_len" --ignore-eos
+              --temperature 0 --num-warmups "$WARMUPS" --label "$label"
+              --checkpoint-dir "$ECKPT" --engine-config "$ECFG" --out "$SBS/$label.json")
+  # the decode roofline fraction means something with 512 output tokens, not with one
+  [ "$out_len" -gt 1 ] && args+=(--precision "$prec" --hbm-bw "$HBM_BW")
+  stamp "bench $engine $prec: c=$c x $n, $in_len in / $out_len out, ignore_eos, greedy"
+  bench_client "$label" "${args[@]}"
 }
 
 port_free() {  # PORT: die when something already listens there. Once a call's `timeout`
@@ -168,33 +206,55 @@ install_tailored() {
   touch "$TSITE/.done"
 }
 
-phase_vllm() {  # PREC
-  local prec=${1:?usage: vllm bf16|fp8} model
-  case "$prec" in bf16) model=$BTMP/model ;; fp8) model=$BTMP/model-fp8 ;; *) die "precision bf16|fp8" ;; esac
-  install_vllm || die "vLLM install failed"
-  install_tailored
-  bash "$R" --port "$VLLM_PORT" stop >/dev/null 2>&1 || true
-  port_free "$VLLM_PORT"
-  stamp "start vLLM $prec on :$VLLM_PORT"
-  OUT="$SBS" bash "$R" --port "$VLLM_PORT" serve "$prec" || die "vLLM serve failed"
-  if ! OUT="$SBS" bash "$R" --port "$VLLM_PORT" wait 540; then
-    bash "$R" --port "$VLLM_PORT" stop; die "vLLM $prec did not come up"
+# ---- the two servers --------------------------------------------------------------------------
+# start_engine ENGINE PREC MAX_MODEL_LEN TAG sets EPORT, ECKPT (the checkpoint folder the
+# manifest fingerprints) and ECFG (the engine config JSON: command, switches); stop_engine
+# ENGINE TAG stops it and keeps its log as ENGINE-server-TAG.log.
+EPORT= ECKPT= ECFG=
+
+vllm_up() {  # PREC MAX_MODEL_LEN: is the kit's server up on VLLM_PORT with this variant and length?
+  local pidf=$BTMP/vllm-$VLLM_PORT.pid
+  [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null || return 1
+  [ "$(cat "$BTMP/vllm-$VLLM_PORT.variant" 2>/dev/null)" = "$1" ] || return 1
+  python3 -c 'import json, sys, urllib.request as u
+d = json.load(u.urlopen(f"http://127.0.0.1:{sys.argv[1]}/v1/models", timeout=5))
+sys.exit(d["data"][0].get("max_model_len") != int(sys.argv[2]))' "$VLLM_PORT" "$2" 2>/dev/null
+}
+
+start_vllm() {  # PREC MAX_MODEL_LEN: the kit's server (its own flags; a later --max-model-len wins)
+  local prec=$1 maxlen=$2 extra=() args
+  case "$prec" in bf16) ECKPT=$BTMP/model ;; fp8) ECKPT=$BTMP/model-fp8 ;; *) die "precision bf16|fp8" ;; esac
+  [ "$maxlen" = "$MAX_MODEL_LEN" ] || extra=(--max-model-len "$maxlen")
+  EPORT=$VLLM_PORT
+  if [ "$DRY" = 1 ]; then
+    echo "+ bash $R --port $VLLM_PORT serve $prec ${extra[*]}"
+    args="(dry run) vllm serve $prec ${extra[*]}"
+  elif vllm_up "$prec" "$maxlen"; then
+    stamp "vLLM $prec (max-model-len $maxlen) is already up on :$VLLM_PORT: benchmarking it"
+  else
+    install_vllm || die "vLLM install failed"
+    bash "$R" --port "$VLLM_PORT" stop >/dev/null 2>&1 || true
+    port_free "$VLLM_PORT"
+    stamp "start vLLM $prec on :$VLLM_PORT ${extra[*]}"
+    OUT="$SBS" bash "$R" --port "$VLLM_PORT" serve "$prec" "${extra[@]}" || die "vLLM serve failed"
+    if ! OUT="$SBS" bash "$R" --port "$VLLM_PORT" wait 540; then
+      bash "$R" --port "$VLLM_PORT" stop; die "vLLM $prec did not come up"
+    fi
   fi
-  local args cfg
-  args=$(ps -o args= -p "$(cat "$BTMP/vllm-$VLLM_PORT.pid")" 2>/dev/null || echo "?")
-  cfg=$(python3 -c 'import json, sys; print(json.dumps({"engine": "vllm 0.25.1 (baseline kit)",
+  if [ "$DRY" != 1 ]; then
+    install_tailored
+    args=$(ps -o args= -p "$(cat "$BTMP/vllm-$VLLM_PORT.pid")" 2>/dev/null || echo "?")
+  fi
+  ECFG=$(python3 -c 'import json, sys; print(json.dumps({"engine": "vllm 0.25.1 (baseline kit)",
       "variant": sys.argv[1], "command": sys.argv[2],
       "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}))' "$prec" "$args")
-  bench_both vllm "$prec" "$VLLM_PORT" "$model" "$cfg"
-  if [ "${CROSSCHECK:-1}" = 1 ] && [ "$prec" = bf16 ]; then
-    stamp "cross-check: vllm bench serve c=1 x 16 on the same server"
-    OUT="$SBS" bash "$R" --port "$VLLM_PORT" bench "vllmbench-$prec-c1" 1 16 2>&1 | tail -n 30
-    client --compare "$SBS/vllm-$prec.json" "$SBS/vllmbench-$prec-c1.json" \
-        | tee "$SBS/crosscheck-vllmbench-$prec.txt"
-  fi
+}
+
+stop_vllm() {  # TAG
+  if [ "$DRY" = 1 ]; then echo "+ bash $R --port $VLLM_PORT stop"; return 0; fi
   stamp "stop vLLM"
   bash "$R" --port "$VLLM_PORT" stop
-  cp "$BTMP/vllm-$VLLM_PORT.log" "$SBS/vllm-server-$prec.log" 2>/dev/null || true
+  cp "$BTMP/vllm-$VLLM_PORT.log" "$SBS/vllm-server-$1.log" 2>/dev/null || true
 }
 
 TPID=
@@ -215,22 +275,31 @@ write_tailored_checkpoint() {  # PREC DIR
   PYTHONPATH="$TSITE:$ROOT" python3 -m tailored synth "$dir" --preset full --config-only "${dt[@]}"
 }
 
-phase_tailored() {  # PREC
-  local prec=${1:?usage: tailored bf16|fp8}
+start_tailored() {  # PREC MAX_MODEL_LEN TAG: `tailored serve`, the same limits as the kit's vLLM
+  local prec=$1 maxlen=$2 tag=$3
   case "$prec" in bf16|fp8) ;; *) die "precision bf16|fp8" ;; esac
-  install_tailored
-  local ckpt=/tmp/sbs-ckpt-$prec log=$SBS/tailored-server-$prec.log
-  write_tailored_checkpoint "$prec" "$ckpt" || die "tailored synth --config-only failed"
+  ECKPT=/tmp/sbs-ckpt-$prec EPORT=$TAILORED_PORT
+  local log=$SBS/tailored-server-$tag.log
   local flags=(--load-format dummy --served-model-name "$NAME" --host 127.0.0.1 --port "$TAILORED_PORT"
-               --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS"
+               --max-model-len "$maxlen" --max-num-seqs "$MAX_NUM_SEQS"
                --max-num-batched-tokens "$MAX_BATCHED" --gpu-memory-utilization "$GPU_UTIL")
   # shellcheck disable=SC2206
   local extra=(${TAILORED_SERVE_ARGS:-})
+  # switches from the environment (TAILORED_FP8_DENSE_DEQUANT=0 ..., docs/switches.md) go into
+  # the manifest with the command: the server inherits them
+  ECFG=$(python3 -c 'import json, os, sys; print(json.dumps({"engine": "tailored serve", "variant": sys.argv[1],
+      "command": "python3 -m tailored serve " + " ".join(sys.argv[2:]),
+      "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TAILORED_")
+                       and k not in ("TAILORED_CACHE", "TAILORED_COMMIT", "TAILORED_PORT", "TAILORED_SERVE_ARGS")}}))' \
+      "$prec" "$ECKPT" "${flags[@]}" "${extra[@]}")
+  if [ "$DRY" = 1 ]; then echo "+ python3 -m tailored serve $ECKPT ${flags[*]} ${extra[*]}"; return 0; fi
+  install_tailored
+  write_tailored_checkpoint "$prec" "$ECKPT" || die "tailored synth --config-only failed"
   port_free "$TAILORED_PORT"
-  stamp "start tailored serve $prec on :$TAILORED_PORT: $ckpt ${flags[*]} ${extra[*]}"
+  stamp "start tailored serve $prec on :$TAILORED_PORT: $ECKPT ${flags[*]} ${extra[*]}"
   # the launch configs tuned at this start are saved next to the results (kernels/tuning.py):
   # commit them as tailored/kernels/tuned.json and later starts on an H200 skip the tuning
-  TAILORED_TUNING_DUMP="$SBS/tuned-$prec.json" PYTHONPATH="$TSITE:$ROOT" setsid nohup python3 -m tailored serve "$ckpt" "${flags[@]}" "${extra[@]}" \
+  TAILORED_TUNING_DUMP="$SBS/tuned-$prec.json" PYTHONPATH="$TSITE:$ROOT" setsid nohup python3 -m tailored serve "$ECKPT" "${flags[@]}" "${extra[@]}" \
       > "$log" 2>&1 < /dev/null &
   TPID=$!
   trap 'stop_tailored; sync_out' EXIT
@@ -239,18 +308,76 @@ phase_tailored() {  # PREC
     echo "WARNING: the tailored server log never mentions fp8: is the FP8 path (issue 3 part 4) in?" \
         | tee "$SBS/tailored-fp8.warning"
   fi
-  local cfg
-  # switches from the environment (TAILORED_FP8_DENSE_DEQUANT=0 ..., docs/switches.md) go into
-  # the manifest with the command: the server inherited them
-  cfg=$(python3 -c 'import json, os, sys; print(json.dumps({"engine": "tailored serve", "variant": sys.argv[1],
-      "command": "python3 -m tailored serve " + " ".join(sys.argv[2:]),
-      "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TAILORED_")
-                       and k not in ("TAILORED_CACHE", "TAILORED_COMMIT", "TAILORED_PORT", "TAILORED_SERVE_ARGS")}}))' \
-      "$prec" "$ckpt" "${flags[@]}" "${extra[@]}")
-  bench_both tailored "$prec" "$TAILORED_PORT" "$ckpt" "$cfg"
-  stamp "stop tailored"
-  stop_tailored
-  trap sync_out EXIT
+}
+
+stop_engine() {  # ENGINE TAG
+  case "$1" in
+    vllm) stop_vllm "$2" ;;
+    tailored)
+      if [ "$DRY" = 1 ]; then echo "+ stop tailored serve"; return 0; fi
+      stamp "stop tailored"; stop_tailored; trap sync_out EXIT ;;
+  esac
+}
+
+start_engine() {  # ENGINE PREC MAX_MODEL_LEN TAG
+  case "$1" in
+    vllm) start_vllm "$2" "$3" ;;
+    tailored) start_tailored "$2" "$3" "$4" ;;
+    *) die "engine: vllm or tailored, not '$1'" ;;
+  esac
+}
+
+# ---- phases of the side by side (c=1 and c=32) --------------------------------------------------
+phase_vllm() {  # PREC
+  local prec=${1:?usage: vllm bf16|fp8}
+  start_vllm "$prec" "$MAX_MODEL_LEN"
+  bench_both vllm "$prec" "$VLLM_PORT" "$ECKPT" "$ECFG"
+  if [ "$DRY" != 1 ] && [ "${CROSSCHECK:-1}" = 1 ] && [ "$prec" = bf16 ]; then
+    stamp "cross-check: vllm bench serve c=1 x 16 on the same server"
+    OUT="$SBS" bash "$R" --port "$VLLM_PORT" bench "vllmbench-$prec-c1" 1 16 2>&1 | tail -n 30
+    client --compare "$SBS/vllm-$prec.json" "$SBS/vllmbench-$prec-c1.json" \
+        | tee "$SBS/crosscheck-vllmbench-$prec.txt"
+  fi
+  stop_vllm "$prec"
+}
+
+phase_tailored() {  # PREC
+  local prec=${1:?usage: tailored bf16|fp8}
+  start_tailored "$prec" "$MAX_MODEL_LEN" "$prec"
+  bench_both tailored "$prec" "$TAILORED_PORT" "$ECKPT" "$ECFG"
+  stop_engine tailored "$prec"
+}
+
+# ---- phases of the load sweep --------------------------------------------------------------------
+phase_up() {  # vllm PREC [MAX_MODEL_LEN]: install and start the kit's vLLM; `load` benchmarks it
+  [ "${1:-}" = vllm ] || die "usage: up vllm bf16|fp8 [MAX_MODEL_LEN] (tailored starts within its phase)"
+  start_vllm "${2:?usage: up vllm bf16|fp8}" "${3:-$MAX_MODEL_LEN}"
+}
+
+phase_load() {  # ENGINE [PREC]: one result file per concurrency, at max-model-len MAX_MODEL_LEN
+  local engine=${1:?usage: load vllm|tailored [bf16|fp8]} prec=${2:-fp8} concs prompts i
+  IFS=, read -r -a concs <<< "${SBS_CONCURRENCY:-$LOAD_CONCURRENCY}"
+  IFS=, read -r -a prompts <<< "${SBS_PROMPTS:-$LOAD_PROMPTS}"
+  [ "${#concs[@]}" = "${#prompts[@]}" ] || die "SBS_CONCURRENCY and SBS_PROMPTS: one value each per point"
+  start_engine "$engine" "$prec" "$MAX_MODEL_LEN" "$prec-load"
+  for i in "${!concs[@]}"; do
+    bench_point "$engine" "$prec" "$engine-$prec-c${concs[$i]}" "${concs[$i]}" "${prompts[$i]}" 1024 512
+  done
+  stop_engine "$engine" "$prec-load"
+}
+
+phase_long() {  # ENGINE [PREC]: one prompt of each SBS_LONG length, one output token
+  local engine=${1:?usage: long vllm|tailored [bf16|fp8]} prec=${2:-fp8} n
+  start_engine "$engine" "$prec" "$LONG_MAX_MODEL_LEN" "$prec-long"
+  for n in ${LONG_LENS//,/ }; do
+    bench_point "$engine" "$prec" "$engine-$prec-long-$n" 1 "$LONG_PROMPTS" "$n" 1
+  done
+  stop_engine "$engine" "$prec-long"
+}
+
+phase_load_summary() {  # [PREC]: the table, and the `load` section into $SBS/latest.json
+  stamp "load sweep of $SBS"
+  client load --results-dir "$SBS" --precision "${1:-fp8}" --latest "$SBS/latest.json"
 }
 
 phase_summary() {
@@ -268,7 +395,7 @@ phase_summary() {
 }
 
 cmd=${1:-}; shift || true
-case "$cmd" in stage|vllm|tailored|summary|all) mkdir -p "$SBS" ;; esac
+case "$cmd" in stage|vllm|tailored|summary|all|up|load|long|load-summary|load-all) mkdir -p "$SBS" ;; esac
 case "$cmd" in
   stage) phase_stage "$@" ;;
   split-chunks) phase_split_chunks ;;
@@ -282,5 +409,16 @@ case "$cmd" in
       (phase_tailored "$prec") || echo "tailored $prec failed"
     done
     phase_summary ;;
+  up) phase_up "$@" ;;
+  load) phase_load "$@" ;;
+  long) phase_long "$@" ;;
+  load-summary) phase_load_summary "$@" ;;
+  load-all)  # the load sweep in one go ([PREC]), for a machine without a per-call limit
+    for c in chunk1 chunk2; do [ -d ".baseline-wheels/$c" ] && phase_stage ".baseline-wheels/$c" >/dev/null; done
+    for engine in vllm tailored; do
+      (phase_load "$engine" "${1:-fp8}") || echo "load $engine failed"
+      (phase_long "$engine" "${1:-fp8}") || echo "long $engine failed"
+    done
+    [ "$DRY" = 1 ] || phase_load_summary "${1:-fp8}" ;;
   *) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d'; exit 1 ;;  # the header above
 esac

@@ -4,5 +4,7 @@ loadgen.py     asyncio + httpx streaming client for any OpenAI-compatible server
 results.py     result JSON (manifest, workload, metrics), `--compare` ratio table
 roofline.py    bytes / FLOPs per decode step from a ModelConfig; time floor; achieved fraction
 sidebyside.py  `bench/results/latest.json` from the JSONs of a side-by-side run
+loadsweep.py   its `load` section: both engines over c = 1..128 and two long prompts
+plot.py        `tailored bench --plot`: that section as a PNG (matplotlib, the `plot` extra)
 cli.py         `tailored bench` (add_parser / run)
 """

@@ -5,6 +5,8 @@
     tailored bench --compare A.json B.json            # ratio table A/B (vllm bench JSONs work too)
     tailored bench roofline --preset full --precision bf16|fp8 --batch 1 [--ctx-len N]
     tailored bench summary --results-dir DIR [--latest bench/results/latest.json]
+    tailored bench load --results-dir DIR [--card H100 --commit SHA] [--latest latest.json]
+    tailored bench --plot OUT.png --results-dir DIR | --latest bench/results/latest.json
 
 `tailored bench ...` and `python -m tailored.bench ...` are the same command.
 """
@@ -16,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-MODES = ("run", "compare", "roofline", "summary")
+MODES = ("run", "compare", "roofline", "summary", "load", "plot")
 
 
 def _csv_ints(s: str) -> list[int]:
@@ -59,7 +61,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nargs="?",
         choices=MODES,
         default=None,
-        help="run (default), compare, roofline or summary",
+        help="run (default), compare, roofline, summary, load (the load sweep's section of "
+        "latest.json) or plot",
     )
     g = p.add_argument_group("run: load generation against --base-url")
     g.add_argument(
@@ -184,13 +187,33 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="print JSON")
 
-    g = p.add_argument_group("summary (side-by-side results)")
+    g = p.add_argument_group("summary, load and plot (side-by-side results)")
     g.add_argument(
         "--results-dir",
         default=None,
-        help="folder with tailored-{bf16,fp8}.json and vllm-{bf16,fp8}.json",
+        help="summary: folder with tailored-{bf16,fp8}.json and vllm-{bf16,fp8}.json; load and "
+        "--plot: folder with the load sweep's {tailored,vllm}-PREC-cC.json and -long-N.json",
     )
-    g.add_argument("--latest", default=None, help="also write the summary JSON here")
+    g.add_argument(
+        "--latest",
+        default=None,
+        help="summary and load write their section into this latest.json (other sections "
+        "stay); --plot without --results-dir reads its `load` section",
+    )
+    g.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="draw output tok/s and TTFT p50 against concurrency for both engines (needs "
+        "matplotlib: the `plot` extra); precision from --precision (default fp8)",
+    )
+    g.add_argument("--card", default=None, help="load/plot: the GPU to state (default: its name)")
+    g.add_argument(
+        "--commit",
+        default=None,
+        help="load/plot: the tailored commit to state (default: the one the results recorded)",
+    )
+    g.add_argument("--note", default=None, help="load: a note stored with the section")
     return p
 
 
@@ -267,6 +290,63 @@ def cmd_summary(args) -> int:
     if args.latest:
         argv += ["--latest", args.latest]
     return sidebyside.main(argv)
+
+
+def _load_section(args):
+    """The load section from --results-dir (assembled) or --latest (read); None after an error
+    message."""
+    from tailored.bench import loadsweep
+
+    try:
+        if args.results_dir:
+            return loadsweep.assemble(
+                args.results_dir,
+                precision=args.precision or "fp8",
+                card=args.card,
+                commit=args.commit,
+                note=args.note,
+            )
+        if args.latest and args.mode != "load":
+            return loadsweep.load_section(args.latest)
+    except (loadsweep.NoLoadResults, OSError, ValueError) as e:
+        print(f"tailored bench: {e}", file=sys.stderr)
+        return None
+    print(f"tailored bench {args.mode or 'plot'}: give --results-dir DIR"
+          + ("" if args.mode == "load" else " or --latest FILE"), file=sys.stderr)
+    return None
+
+
+def cmd_load(args) -> int:
+    from tailored.bench import loadsweep
+
+    load = _load_section(args)
+    if load is None:
+        return 2
+    print(loadsweep.format_load(load))
+    if args.latest:
+        p = loadsweep.update_latest(args.latest, load)
+        print(f"wrote the load section into {p}", file=sys.stderr)
+    elif args.json:
+        print(json.dumps(load, indent=1))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from tailored.bench import plot
+
+    load = _load_section(args)
+    if load is None:
+        return 2
+    try:
+        p = plot.plot_load(load, args.plot)
+    except plot.PlotUnavailable as e:
+        print(f"tailored bench: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"tailored bench --plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {p} ({p.stat().st_size:,} bytes)", file=sys.stderr)
+    return 0
 
 
 def cmd_run(args) -> int:
@@ -351,18 +431,25 @@ def cmd_run(args) -> int:
 
 
 def run(args) -> int:
-    mode = args.mode or ("compare" if args.compare else "run")
-    if args.compare and mode != "compare":
-        print("tailored bench: --compare cannot be combined with mode " + mode, file=sys.stderr)
-        return 2
+    mode = args.mode or ("compare" if args.compare else "plot" if args.plot else "run")
+    for flag, its_mode in (("compare", "compare"), ("plot", "plot")):
+        if getattr(args, flag) and mode != its_mode:
+            print(f"tailored bench: --{flag} cannot be combined with mode {mode}", file=sys.stderr)
+            return 2
     if mode == "compare" and not args.compare:
         print("tailored bench compare: give --compare A.json B.json", file=sys.stderr)
         return 2
+    if mode == "plot" and not args.plot:
+        print("tailored bench plot: give --plot OUT.png", file=sys.stderr)
+        return 2
+    args.mode = mode
     return {
         "run": cmd_run,
         "compare": cmd_compare,
         "roofline": cmd_roofline,
         "summary": cmd_summary,
+        "load": cmd_load,
+        "plot": cmd_plot,
     }[mode](args)
 
 

@@ -278,6 +278,22 @@ def write_result(path: str | Path, result: dict) -> Path:
     return p
 
 
+def write_latest(path: str | Path, data: dict, keep: tuple[str, ...] = ("load",)) -> Path:
+    """Write `bench/results/latest.json`; sections named in `keep` that the file has and `data`
+    lacks stay (the side by side's summary does not drop the load sweep's section)."""
+    p = Path(path)
+    out = dict(data)
+    if keep and p.is_file():
+        try:
+            old = json.loads(p.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        out.update({k: old[k] for k in keep if k in old and k not in out})
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(out, indent=1) + "\n")
+    return p
+
+
 def load_runs(path: str | Path) -> tuple[dict, list[dict]]:
     """(header, runs) from a tailored result or a raw `vllm bench serve` JSON (one run)."""
     d = json.loads(Path(path).read_text())

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tailored.bench import roofline
-from tailored.bench.results import format_compare, load_runs, ratio
+from tailored.bench.results import format_compare, load_runs, ratio, write_latest
 
 ENGINES = ("tailored", "vllm")
 PRECISIONS = ("bf16", "fp8")
@@ -166,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     s = summarize(a.results_dir, hbm_bw=a.hbm_bw)
     text = json.dumps(s, indent=1) + "\n"
     (Path(a.results_dir) / "summary.json").write_text(text)
-    if a.latest:
-        Path(a.latest).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.latest).write_text(text)
+    if a.latest:  # keeps the file's `load` section (the load sweep, loadsweep.py)
+        write_latest(a.latest, s)
     print(format_summary(s))
     for prec in PRECISIONS:
         t, v = (result_path(a.results_dir, e, prec) for e in ENGINES)
