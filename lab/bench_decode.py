@@ -148,6 +148,12 @@ VARIANTS = {
     # batched step). Turned on after start it allocates the FP8 scratch outside the reserve.
     "moe_grouped": lambda: _flag(moe_grouped=True),
     "no_moe_grouped": lambda: _flag(moe_grouped=False),
+    # FP8 routed experts of eager prefill steps of >= 1024 / 6144 tokens W8A8 (e4m3
+    # activations per 128-wide group, kernels/moe_w8a8.py, kb/0061; a --prefill-variants one:
+    # the 8 x 1024 step, and the eager 1024-token prefill from 1024), before the grouped path
+    "moe_w8a8": lambda: _flag(moe_w8a8_from=1024),
+    "moe_w8a8_6144": lambda: _flag(moe_w8a8_from=6144),
+    "no_moe_w8a8": lambda: _flag(moe_w8a8_from=0),
     # FP8 experts' 64-row prefill tiles from 16 rows an expert, as bf16 (kb/0031 §3: worth a
     # try once the FP8 64-row tuned.json entry holds the bench's better config)
     "fp8_tiles16": lambda: _set("kernels.moe", "BM64_ABOVE_FP8", 16),

@@ -12,9 +12,15 @@ Variants, each timed alone (CUDA events, median of --reps calls after a warm-up)
                GEMM, weighted unsort. FP8: the experts dequantized to bf16 first
                (`moe_grouped.dequantize_experts`, timed inside "grouped" and alone as
                "dequant").
+  w8a8         FP8 only: `moe_w8a8.w8a8_experts_sorted` as the model calls it (x quantised per
+               128-wide group, gate_up + silu·mul + act quantisation, down to bf16 sorted rows;
+               kb/0061), its launch configs by `moe_w8a8.block_ms` and the autotuner.
+  w8a8:G×D     the same with gate_up / down BLOCK_M forced (64×64, 64×128), to revisit
+               `moe_w8a8.DOWN_BM128_ABOVE`; "quant" is the x quantisation alone.
 (A first run stacked the shared expert as expert 256, whose 8192 rows one program per N block
 walked alone: a tail that no prefill step has; kb/0031.)
-Prints ms per layer, TFLOP/s over 6·pairs·H·I and the relative difference to `tuned`.
+Prints µs per layer, TFLOP/s over 6·pairs·H·I and the relative difference to `tuned` (for
+w8a8: the error the e4m3 activations add to the W8A16 result).
 Usage: python lab/bench_moe_prefill.py [--tokens 1024,8192] [--fp8] [--json F]
 """
 
@@ -26,11 +32,12 @@ import statistics
 
 import torch
 
-from tailored.kernels import moe, moe_grouped
+from tailored.kernels import fp8_quant, moe, moe_grouped, moe_w8a8
 from tailored.model import fp8 as fp8mod
 
 E, K, H, I = 256, 8, 2048, 512  # routed experts only: prefill runs the shared one apart
 FIXED = [(64, 64, 64, 4), (128, 64, 64, 8), (128, 64, 128, 8)]
+W8A8_BM = [(64, 64), (64, 128)]  # (gate_up, down) BLOCK_M forced
 
 
 def timed(fn, reps: int) -> float:
@@ -115,6 +122,19 @@ def main() -> None:
                 res["dequant"] = timed(dequant, a.reps)
         except Exception as e:
             print(f"T={T} grouped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        if a.fp8:
+            try:
+                out = moe_w8a8.w8a8_experts(x, w, ids, wgu, wdn, *scales)
+                res["w8a8"] = timed(lambda: moe_w8a8.w8a8_experts_sorted(
+                    x, w, ids, wgu, wdn, *scales), a.reps)
+                res["w8a8:rel"] = ((out - ref_out).norm() / ref_out.norm()).item()
+                for bm in W8A8_BM:
+                    name = "w8a8:" + "x".join(map(str, bm))
+                    res[name] = timed(lambda bm=bm: moe_w8a8.w8a8_sorted(
+                        x, w, ids, wgu, wdn, *scales, block_m=bm), a.reps)
+                res["quant"] = timed(lambda: fp8_quant.quantize_groups(x), a.reps)
+            except Exception as e:
+                print(f"T={T} w8a8: {type(e).__name__}: {str(e)[:200]}", flush=True)
         row = {"tokens": T, "pairs": T * K, "gflop": flop / 1e9, "fp8": a.fp8, **res}
         rows.append(row)
         for name, ms in res.items():
@@ -122,7 +142,8 @@ def main() -> None:
                 continue
             tf = flop / (ms * 1e-3) / 1e12
             rel = res.get(name + ":rel")
-            print(f"T={T} {'fp8' if a.fp8 else 'bf16'} {name:24s} {ms:8.3f} ms  {tf:6.1f} TFLOP/s"
+            print(f"T={T} {'fp8' if a.fp8 else 'bf16'} {name:24s} {ms * 1e3:8.0f} µs  "
+                  f"{tf:6.1f} TFLOP/s"
                   + (f"  rel {rel:.1e}" if rel is not None else ""), flush=True)
     if a.json:
         with open(a.json, "w") as f:

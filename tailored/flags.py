@@ -99,6 +99,12 @@ class Flags:
         "MOE_GROUPED_FROM", 6144,
         "smallest eager prefill step (tokens) that takes the grouped experts", "kb/0031",
         lo=1, hi=1 << 20)
+    moe_w8a8_from: int = _switch(
+        "MOE_W8A8_FROM", 0,
+        "eager prefill steps of at least this many tokens run FP8 routed experts W8A8 (e4m3 "
+        "activations per 128-wide group, FP8 tensor-core dots) instead of the grouped "
+        "dequant path or fused_moe W8A16; 0 = off (GPU A/B and FP8 gate owed)", "kb/0061",
+        lo=0, hi=1 << 20)
 
     # --- the worker: graphs, dispatch, speculative decoding (worker/) ---
     prompts_in_graphs_up_to: int = _switch(

@@ -8,6 +8,9 @@ Same computation as `SparseMoeBlock` of the plain path, by step size:
   * large eager prefill steps (≥ `moe_grouped_from` tokens, bf16 activations on CUDA): torch's
     grouped GEMM (CUTLASS) over expert-sorted rows, FP8 experts dequantized into a scratch
     first (kb/0031: at 8192 tokens ~470 TFLOP/s against ~100 for the Triton expert GEMMs);
+  * with `moe_w8a8_from` > 0, eager prefill steps of at least that many tokens run FP8 experts
+    W8A8 instead (`kernels.moe_w8a8`: e4m3 activations per 128-wide group, FP8 dots, no bf16
+    scratch; kb/0061), before either of the above;
   * then one launch for the routed sum, the gated shared expert and, with
     `combine_next_norm`, the residual add and the next RMSNorm (kb/0023).
 Checked against the plain path in tests/worker/test_kernel_path.py.
@@ -21,6 +24,7 @@ from torch import nn
 from tailored import flags
 from tailored.kernels import moe_route
 from tailored.kernels import moe_grouped
+from tailored.kernels import moe_w8a8
 from tailored.kernels.moe import fused_moe, route_fused_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.moe_gemv import route_gemv_moe
@@ -39,21 +43,38 @@ def grouped_applies(tokens: int, dtype: torch.dtype, device: torch.device) -> bo
             and device.type == "cuda")
 
 
+def w8a8_applies(tokens: int) -> bool:
+    """Whether an eager MoE input of `tokens` rows over FP8 experts takes the W8A8 experts
+    (`moe_w8a8_from` > 0 and reached). Any activation dtype: the kernel path's bf16 on CUDA, its
+    fp32 in the CPU tests (Triton's interpreter). One rule for the forward, the warm-up and
+    the memory reserve."""
+    f = flags.current()
+    return 0 < f.moe_w8a8_from <= tokens
+
+
 def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens: int) -> int:
     """GPU bytes the grouped path allocates beyond what the cache plan's activation estimate
     covers (worker/memory_plan.py): the FP8 experts' bf16 scratch (one layer's gate_up +
     down, `dtype`) and, per token of the largest step, its k rows of gathered input, gate|up,
     activation and bf16 output (the estimate's fp32 pair terms, fused_moe's, are not
-    allocated on this path: conservative). 0 when the grouped path never applies."""
-    if not grouped_applies(step_tokens, dtype, torch.device("cuda")):  # a CUDA-only reserve
-        return 0
+    allocated on this path: conservative). 0 when the grouped path never applies.
+    FP8 experts with `moe_w8a8_from` reached by the largest step: also the W8A8 path's own
+    buffers (x's codes and scales, each pair's act codes and scales and `dtype` output), which
+    are below the grouped path's per-pair terms; the scratch stays reserved while the grouped
+    path can still apply below `moe_w8a8_from` (conservative)."""
     cfg = model.config
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    n = step_tokens * k * (H + 2 * I + I + H) * dtype.itemsize
     ex = model.model.layers[0].mlp.experts
+    w8a8 = 0
+    if fp8.is_fp8_experts(ex) and w8a8_applies(step_tokens):
+        w8a8 = step_tokens * (H + 4 * ((H + 127) // 128)
+                              + k * (I + 4 * ((I + 127) // 128) + H * dtype.itemsize))
+    if not grouped_applies(step_tokens, dtype, torch.device("cuda")):  # a CUDA-only reserve
+        return w8a8
+    n = step_tokens * k * (H + 2 * I + I + H) * dtype.itemsize
     if fp8.is_fp8_experts(ex):
         n += (ex.gate_up_proj.numel() + ex.down_proj.numel()) * dtype.itemsize
-    return n
+    return max(n, w8a8)
 
 
 def _route_experts(T: int, experts: torch.Tensor):
@@ -112,7 +133,7 @@ class MoEBlocks:
                               stack.gate_up_scale, stack.down_scale, reduce=False)
             return moe_combine_folded(pairs, k, x.dtype, norm)
         r, seg, sg, su = self.p_moe[i](x)
-        if in_gate_up and not self.use_grouped(x):
+        if in_gate_up and not self.use_grouped(x) and not self.use_w8a8(i, x):
             gate_up = mlp.experts.gate_up_proj
             pairs, _, _ = _route_experts(T, gate_up)(x, r, k, gate_up, mlp.experts.down_proj,
                                                      None, *self.experts.get(i, (None, None)))
@@ -123,6 +144,14 @@ class MoEBlocks:
         else:
             w, ids = ref.route_topk(r, k)
             aligned = None
+        if self.use_w8a8(i, x):
+            # FP8 experts W8A8: expert-sorted outputs, weighted and summed by the combine's
+            # gather as the grouped path's (kb/0061)
+            y, rows = moe_w8a8.w8a8_experts_sorted(
+                x, w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, *self.experts[i],
+                aligned=aligned)
+            shared = self.p_down[i](silu_mul(sg, su))
+            return moe_combine(y, k, seg, shared, norm, rows=rows, weights=w.contiguous())
         if self.use_grouped(x):
             # expert-sorted outputs, weighted and summed by the combine's gather (kb/0031)
             y, rows = self._grouped_experts(i, x, w, ids)
@@ -139,6 +168,12 @@ class MoEBlocks:
         bf16 on CUDA, not a prefill graph body or its warm-up."""
         return (grouped_applies(x.shape[0], x.dtype, x.device) and not self.fused_only
                 and not torch.cuda.is_current_stream_capturing())
+
+    def use_w8a8(self, i: int, x: torch.Tensor) -> bool:
+        """Whether layer i's MoE input x [T, H] takes the W8A8 experts: FP8 routed experts,
+        eager, `w8a8_applies`, not a prefill graph body or its warm-up (as `use_grouped`)."""
+        return (i in self.experts and w8a8_applies(x.shape[0]) and not self.fused_only
+                and (x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()))
 
     def _grouped_experts(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
         """Layer i's routed experts through `moe_grouped.grouped_experts_sorted`: (outputs in

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from tailored.kernels import moe as moe_kernels
+from tailored.kernels import moe_w8a8
 from tailored.model.batch import ForwardBatch, SeqInfo
-from tailored.model.kernel_moe import grouped_applies
+from tailored.model.kernel_moe import grouped_applies, w8a8_applies
 from tailored.model.kernel_mtp import mtp_eager
 
 
@@ -21,7 +22,8 @@ def warmup_lengths(km, batch_tokens: int) -> list[int]:
     can pick: fused_moe's pair-count buckets of few-row steps (33..128 tokens: a prompt's last
     chunk), each prefill M tile (`moe._blocks`: tuned per tile when first seen; `warmup_prefill`
     runs every length through fused_moe, as a prefill graph of that size would), the grouped
-    path, 1024 and batch_tokens itself."""
+    path, the W8A8 experts' launch classes (FP8 experts, from `moe_w8a8_from`: each down
+    BLOCK_M), 1024 and batch_tokens itself."""
     from tailored import flags
 
     E, k = km.cfg.num_experts, km.cfg.num_experts_per_tok
@@ -35,7 +37,15 @@ def warmup_lengths(km, batch_tokens: int) -> list[int]:
     grouped_from = flags.current().moe_grouped_from
     if grouped_applies(grouped_from, km.dtype, km.device):
         want.add(grouped_from)
+    w8a8_from = flags.current().moe_w8a8_from
+    if w8a8_applies(w8a8_from) and _fp8_experts(km):
+        want |= {w8a8_from, max(w8a8_from, fewest(moe_w8a8.DOWN_BM128_ABOVE))}
     return sorted(n for n in want if 1 < n <= batch_tokens)
+
+
+def _fp8_experts(km) -> bool:
+    """Whether km's MoE holds FP8 routed experts (their block scales: `MoEBlocks.experts`)."""
+    return bool(getattr(getattr(km, "moe", None), "experts", None))
 
 
 def sink_prefill(km, lengths: list[int]) -> ForwardBatch:
@@ -52,9 +62,11 @@ def sink_prefill(km, lengths: list[int]) -> ForwardBatch:
 @torch.no_grad()  # startup forwards: never keep autograd's saved activations
 def warmup_prefill(km, lengths, batch_tokens: int = 0) -> None:
     """Run prefills of these lengths into the pad sinks so that Triton compiles and FLA/MoE
-    autotuning happen at start-up. batch_tokens > 4: also one prefill of three sequences with
-    an odd token total up to that many, the shape of a mixed step (single prompts of even
-    lengths reach only the 1 and multiple-of-16 argument classes, kb/0030). With the MTP
+    autotuning happen at start-up (lengths an eager step sends to the grouped or the W8A8
+    experts run a second time, eagerly: the first holds the MoE to fused_moe). batch_tokens
+    > 4: also one prefill of three sequences with an odd token total up to that many, the
+    shape of a mixed step (single prompts of even lengths reach only the 1 and
+    multiple-of-16 argument classes, kb/0030). With the MTP
     layer in the cache, each length through it too (`warm_mtp`)."""
     for n in sorted(set(int(x) for x in lengths if x > 1)):
         # every length through fused_moe (a prefill graph of that size would launch it),
@@ -64,7 +76,7 @@ def warmup_prefill(km, lengths, batch_tokens: int = 0) -> None:
             km.forward_eager(sink_prefill(km, [n]))
         finally:
             km.moe.fused_only = False
-        if grouped_applies(n, km.dtype, km.device):
+        if grouped_applies(n, km.dtype, km.device) or (w8a8_applies(n) and _fp8_experts(km)):
             km.forward_eager(sink_prefill(km, [n]))
         if km.mtp_layer is not None:
             warm_mtp(km, n)
