@@ -296,6 +296,7 @@ def cmd_run(args) -> int:
         token_id_range=_id_range(args.token_id_range),
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,
+        random_text=args.random_text,
     )
     if wl == "agent-mix":
         return workloads.cmd_agent(args, base)

@@ -113,6 +113,7 @@ class Workload:
     request_rate: float | None = None
     slo_ttft_ms: float = SLO.ttft_ms
     slo_itl_ms: float = SLO.itl_ms
+    random_text: bool = False  # random prompts as text of input_len tokens (randtext.py)
 
     @property
     def warmups(self) -> int:
@@ -121,7 +122,8 @@ class Workload:
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
         d["num_warmups"] = self.warmups
-        d["dataset"] = "prompt-file" if self.prompt_files else "random-token-ids"
+        d["dataset"] = "prompt-file" if self.prompt_files else (
+            "random-text" if self.random_text else "random-token-ids")
         if not self.prompt_files:
             d["output_len"] = self.output_len or DEFAULT_OUTPUT_LEN
         d["token_id_range"] = list(self.token_id_range)
@@ -188,6 +190,14 @@ def prepare_requests(w: Workload, model: str, n: int, seed: int) -> list[Prepare
     if not w.prompt_files:
         out_len = w.output_len or DEFAULT_OUTPUT_LEN
         reqs = []
+        if w.random_text:
+            from tailored.bench.randtext import random_text_prompts
+
+            for text in random_text_prompts(n, w.input_len, seed):
+                body = _body_common(w, model, out_len)
+                body["prompt"] = text
+                reqs.append(PreparedRequest("completions", body, w.input_len, out_len))
+            return reqs
         for ids in random_token_prompts(n, w.input_len, seed, w.token_id_range):
             body = _body_common(w, model, out_len)
             body["prompt"] = ids

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-itl-ms", type=float, default=goodput.DEFAULT_ITL_MS,
                    help="... and time per output token <= this (default %(default)g); the run's "
                         "ITL p99 is checked against it too")
+    g.add_argument("--random-text", action="store_true",
+                   help="random prompts as text of exactly --input-len Qwen3.6 tokens instead "
+                        "of token ids (gateways such as SMG take text prompts only)")
     d = agentmix.AgentMix()
     g.add_argument("--agent-system-prompts", type=int, default=d.system_prompts,
                    help="agent mix: distinct system prompts (default %(default)s)")

@@ -124,6 +124,21 @@ def test_long_random_prompts_build_in_linear_time():
     assert times[120_000] < 2.0
 
 
+def test_random_text_prompts_have_the_exact_qwen_token_count():
+    from tailored.bench.randtext import random_text_prompts
+    from tailored.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    texts = random_text_prompts(2, 1000, seed=1)
+    assert texts == random_text_prompts(2, 1000, seed=1) and texts[0] != texts[1]
+    assert [len(tok.encode(t)) for t in texts] == [1000, 1000]
+    w = Workload(base_url="http://x", input_len=300, output_len=2, random_text=True)
+    r = loadgen.prepare_requests(w, MODEL, 1, 0)[0]
+    assert isinstance(r.body["prompt"], str) and r.prompt_len == 300
+    assert len(tok.encode(r.body["prompt"])) == 300
+    assert w.describe()["dataset"] == "random-text"
+
+
 # ---- the agent mix against a fake endpoint -------------------------------------------
 def test_agent_mix_sends_turns_in_order_each_extending_the_last(monkeypatch):
     mix = agentmix.AgentMix(system_prompts=2, conversations=4, turns=4, system_tokens=60,
