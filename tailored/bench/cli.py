@@ -54,6 +54,7 @@ def _json_arg(s: str) -> dict:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from tailored.bench import workloads
     from tailored.bench.roofline import DEFAULT_HBM_BW
 
     p.add_argument(
@@ -74,8 +75,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--concurrency",
         type=_csv_ints,
-        default=[1],
-        help="requests in flight, comma list for a sweep (e.g. 1,32)",
+        default=None,
+        help="requests in flight, comma list for a sweep (e.g. 1,32; default 1); with "
+        "--request-rate the cap in flight",
     )
     g.add_argument(
         "--num-prompts",
@@ -152,6 +154,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--save-requests", action="store_true", help="keep per-request timings")
     g.add_argument("--no-uvloop", action="store_true", help="plain asyncio even if uvloop exists")
+
+    workloads.add_arguments(p)
 
     g = p.add_argument_group("compare")
     g.add_argument(
@@ -350,10 +354,13 @@ def cmd_plot(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from tailored.bench import loadgen, results, roofline
+    from tailored.bench import loadgen, results, roofline, workloads
 
-    concs = args.concurrency
-    nps = args.num_prompts or [loadgen.default_num_prompts(c) for c in concs]
+    wl = workloads.resolve(args)
+    rates = args.request_rate
+    concs = args.concurrency or ([0] if rates else [1])
+    nps = args.num_prompts or (
+        [64] if rates else [loadgen.default_num_prompts(c) for c in concs])
     base = loadgen.Workload(
         base_url=args.base_url,
         model=args.model,
@@ -367,7 +374,12 @@ def cmd_run(args) -> int:
         request_timeout_s=args.request_timeout,
         extra_body=args.extra_body or {},
         token_id_range=_id_range(args.token_id_range),
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
+        random_text=args.random_text,
     )
+    if wl == "agent-mix":
+        return workloads.cmd_agent(args, base)
     runs = loadgen.run_sweep(
         base,
         concs,
@@ -375,6 +387,7 @@ def cmd_run(args) -> int:
         keep_requests=args.save_requests,
         use_uvloop=not args.no_uvloop,
         log=loadgen.stderr_log,
+        rates=rates,
     )
     if args.precision:
         cfg = _model_config(args)
@@ -399,8 +412,11 @@ def cmd_run(args) -> int:
     workload = base.describe()
     workload.pop("concurrency")
     workload.pop("num_prompts")
+    steps = rates or concs
     workload.update(
-        concurrency=concs, num_prompts=nps if len(nps) == len(concs) else nps * len(concs)
+        concurrency=concs, num_prompts=nps if len(nps) == len(steps) else nps * len(steps),
+        workload=wl, request_rate=[workloads.arrivals.rate_label(r) for r in rates or []]
+        or "inf", arrivals="poisson" if rates else "closed-loop",
     )
     manifest = results.build_manifest(
         base_url=args.base_url,
@@ -425,6 +441,7 @@ def cmd_run(args) -> int:
             f"{r['p99_tpot_ms']:>7.2f} {r['p50_itl_ms']:>8.2f} {r['p99_itl_ms']:>7.2f} "
             f"{r['p50_e2el_ms']:>9.0f}"
         )
+        print(workloads.goodput_line(r))
         for e in r["errors"]:
             print(f"     failed x{e['count']}: {e['error']}")
     return 0 if all(r["failed"] == 0 for r in runs) else 1

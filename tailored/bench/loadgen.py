@@ -3,8 +3,10 @@
 One benchmark run = one concurrency level: `num_warmups` warm-up requests (default: as many as the
 concurrency, like `vllm bench serve --num-warmups C`), then `num_prompts` requests sent by
 `concurrency` workers, each starting its next request as soon as the previous one finished
-(request rate infinite, at most `concurrency` in flight). Every request is streamed (SSE) with
-`stream_options.include_usage`, greedy by default.
+(request rate infinite, at most `concurrency` in flight). Or, with `request_rate`, open loop:
+requests sent at Poisson arrival times (arrivals.py), `concurrency` capping those in flight.
+Every request is streamed (SSE) with `stream_options.include_usage`, greedy by default; every
+run also reports goodput under an SLO (goodput.py).
 
 Prompts:
 * random: `input_len` token ids drawn uniformly from the regular vocabulary (ids 0..248043, spec
@@ -37,6 +39,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tailored.bench.arrivals import poisson_offsets, rate_label, run_paced
+from tailored.bench.goodput import SLO, goodput
 
 # Regular (non-special) token ids of the Qwen3.5/3.6 vocabulary (spec §10.1).
 REGULAR_TOKEN_IDS = (0, 248044)
@@ -103,21 +108,29 @@ class Workload:
     request_timeout_s: float = 1800.0
     token_id_range: tuple[int, int] = REGULAR_TOKEN_IDS
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # None: closed loop (`concurrency` workers); a rate (inf too): Poisson arrivals of that
+    # rate, `concurrency` the cap on requests in flight (0: none); arrivals.py
+    request_rate: float | None = None
+    slo_ttft_ms: float = SLO.ttft_ms
+    slo_itl_ms: float = SLO.itl_ms
+    random_text: bool = False  # random prompts as text of input_len tokens (randtext.py)
 
     @property
     def warmups(self) -> int:
-        return self.concurrency if self.num_warmups is None else self.num_warmups
+        return (self.concurrency or 1) if self.num_warmups is None else self.num_warmups
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
         d["num_warmups"] = self.warmups
-        d["dataset"] = "prompt-file" if self.prompt_files else "random-token-ids"
+        d["dataset"] = "prompt-file" if self.prompt_files else (
+            "random-text" if self.random_text else "random-token-ids")
         if not self.prompt_files:
             d["output_len"] = self.output_len or DEFAULT_OUTPUT_LEN
         d["token_id_range"] = list(self.token_id_range)
         d["prompt_files"] = list(self.prompt_files)
         d["streaming"] = True
-        d["request_rate"] = "inf"
+        d["request_rate"] = "inf" if self.request_rate is None else rate_label(self.request_rate)
+        d["arrivals"] = "closed-loop" if self.request_rate is None else "poisson"
         return d
 
 
@@ -127,6 +140,7 @@ class PreparedRequest:
     body: dict[str, Any]
     prompt_len: int | None  # exact when the prompt is token ids
     max_tokens: int
+    keep_text: bool = False  # collect the output text (multi-turn workloads resend it)
 
 
 def api_root(base_url: str) -> str:
@@ -176,6 +190,14 @@ def prepare_requests(w: Workload, model: str, n: int, seed: int) -> list[Prepare
     if not w.prompt_files:
         out_len = w.output_len or DEFAULT_OUTPUT_LEN
         reqs = []
+        if w.random_text:
+            from tailored.bench.randtext import random_text_prompts
+
+            for text in random_text_prompts(n, w.input_len, seed):
+                body = _body_common(w, model, out_len)
+                body["prompt"] = text
+                reqs.append(PreparedRequest("completions", body, w.input_len, out_len))
+            return reqs
         for ids in random_token_prompts(n, w.input_len, seed, w.token_id_range):
             body = _body_common(w, model, out_len)
             body["prompt"] = ids
@@ -216,6 +238,8 @@ class RequestResult:
     prompt_tokens: int | None = None
     max_tokens: int = 0
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
+    text: str = ""  # the output text, when the request asked to keep it
 
     @property
     def output_tokens(self) -> int:
@@ -288,6 +312,8 @@ async def send_request(client, root: str, req: PreparedRequest, t_run0: float) -
                         continue
                     text, finish = chunk_text(obj)
                     if text:
+                        if req.keep_text:
+                            res.text += text
                         res.text_chunks += 1
                         if res.ttft_s is None:
                             res.ttft_s = now - st
@@ -302,6 +328,9 @@ async def send_request(client, root: str, req: PreparedRequest, t_run0: float) -
                             res.usage_output_tokens = int(usage["completion_tokens"])
                         if usage.get("prompt_tokens") is not None:
                             res.prompt_tokens = int(usage["prompt_tokens"])
+                        details = usage.get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            res.cached_tokens = int(details["cached_tokens"])
                 if done:
                     break
         res.e2e_s = time.perf_counter() - st
@@ -388,6 +417,7 @@ def request_records(results: list[RequestResult]) -> list[dict[str, Any]]:
             "prompt_tokens": r.prompt_tokens,
             "text_chunks": r.text_chunks,
             "finish_reason": r.finish_reason,
+            "cached_tokens": r.cached_tokens,
             "itl_s": r.itl_s,
         }
         for r in results
@@ -418,7 +448,7 @@ def make_client(concurrency: int, timeout_s: float):
 async def run_once(w: Workload, *, keep_requests: bool = False, log=None) -> dict[str, Any]:
     """Warm up, then run `w.num_prompts` requests at `w.concurrency`; returns the run dict."""
     root = api_root(w.base_url)
-    async with make_client(w.concurrency, w.request_timeout_s) as client:
+    async with make_client(w.concurrency or w.num_prompts, w.request_timeout_s) as client:
         model = w.model or await discover_model(client, root)
         reqs = prepare_requests(w, model, w.num_prompts, w.seed)
         if w.warmups:
@@ -440,16 +470,23 @@ async def run_once(w: Workload, *, keep_requests: bool = False, log=None) -> dic
                             "smaller model needs --token-id-range, e.g. 0,4000)")
                 raise RuntimeError(f"warm-up request failed: {bad[0]}{hint}")
         t0 = time.perf_counter()
-        results = await _pool(client, root, reqs, w.concurrency, t0)
+        if w.request_rate is None:
+            results = await _pool(client, root, reqs, w.concurrency, t0)
+        else:
+            offsets = poisson_offsets(len(reqs), w.request_rate, w.seed)
+            results = await run_paced(lambda i: send_request(client, root, reqs[i], t0),
+                                      offsets, w.concurrency, t0)
         duration = time.perf_counter() - t0
-    run = summarize(results, duration, w.concurrency)
+    run = summarize(results, duration, w.concurrency or len(reqs))
     run["model"] = model
+    run["request_rate"] = "inf" if w.request_rate is None else rate_label(w.request_rate)
+    run.update(goodput(results, duration, SLO(w.slo_ttft_ms, w.slo_itl_ms), run))
     if keep_requests:
         run["requests"] = request_records(results)
     return run
 
 
-def _install_uvloop() -> str:
+def install_uvloop() -> str:
     try:
         import uvloop
 
@@ -467,18 +504,26 @@ def run_sweep(
     keep_requests: bool = False,
     use_uvloop: bool = True,
     log=None,
+    rates: list[float] | None = None,
 ) -> list[dict]:
-    """One run per (concurrency, num_prompts) pair, in order."""
+    """One run per (concurrency, num_prompts) pair, in order; with `rates`, one run per
+    (rate, num_prompts) pair at Poisson arrivals, `concurrencies[0]` the cap in flight."""
+    steps = rates or concurrencies
     if len(num_prompts) == 1:
-        num_prompts = num_prompts * len(concurrencies)
-    if len(num_prompts) != len(concurrencies):
-        raise ValueError("--num-prompts needs one value or one per --concurrency value")
-    loop_kind = _install_uvloop() if use_uvloop else "asyncio"
+        num_prompts = num_prompts * len(steps)
+    if len(num_prompts) != len(steps):
+        raise ValueError("--num-prompts needs one value or one per --concurrency "
+                         "(--request-rate) value")
+    loop_kind = install_uvloop() if use_uvloop else "asyncio"
     runs = []
-    for c, n in zip(concurrencies, num_prompts):
-        w = Workload(**{**asdict(base), "concurrency": c, "num_prompts": n})
+    pairs = [(concurrencies[0], n, r) for r, n in zip(rates, num_prompts)] if rates else \
+        [(c, n, None) for c, n in zip(concurrencies, num_prompts)]
+    for c, n, rate in pairs:
+        w = Workload(**{**asdict(base), "concurrency": c, "num_prompts": n, "request_rate": rate})
         if log:
-            log(f"run: concurrency {c}, {n} prompts -> {w.base_url}")
+            what = f"concurrency {c}" if rate is None else \
+                f"Poisson rate {rate_label(rate)}/s, cap {c or 'none'}"
+            log(f"run: {what}, {n} prompts -> {w.base_url}")
         run = asyncio.run(run_once(w, keep_requests=keep_requests, log=log))
         run["event_loop"] = loop_kind
         if log:
@@ -497,7 +542,8 @@ def one_line(run: dict[str, Any]) -> str:
         f"c={run['max_concurrency']} {run['completed']}/{run['num_prompts']} ok, "
         f"{run['output_throughput']:.1f} out tok/s, {run['request_throughput']:.3f} req/s, "
         f"TTFT p50 {run['p50_ttft_ms']:.1f} ms, TPOT p50 {run['p50_tpot_ms']:.2f} ms, "
-        f"ITL p99 {run['p99_itl_ms']:.2f} ms, E2E p50 {run['p50_e2el_ms']:.0f} ms"
+        f"ITL p99 {run['p99_itl_ms']:.2f} ms, E2E p50 {run['p50_e2el_ms']:.0f} ms, "
+        f"goodput {run.get('request_goodput', float('nan')):.3f} req/s"
     )
 
 
