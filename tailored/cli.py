@@ -1,5 +1,6 @@
 """`tailored` command line: `serve` (OpenAI HTTP server), `synth` (synthetic checkpoints), `gate` (accuracy gate),
-`bench` (load generator and roofline), `cluster` (N replicas behind a gateway, docs/scale-out.md)."""
+`bench` (load generator and roofline), `cluster` (N replicas behind a gateway, docs/scale-out.md),
+`tune` (search the engine's configuration for a deployment contract, docs/tune.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "qwen36-35b-a3b"
 
 
-def _serve_parser(sub) -> None:
+def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API")
     p.add_argument("checkpoint_dir", nargs="?", default=None,
                    help="Hugging Face checkpoint directory: config.json, safetensors shards, "
@@ -141,9 +142,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="Python log level (default: %(default)s)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="apply a profile written by `tailored tune` (docs/tune.md): its engine "
+                        "options and TAILORED_* switches; options given on this command line "
+                        "and switches set in the environment win over it. Refused when it was "
+                        "made for another checkpoint, precision or GPU kind (default: none)")
     from tailored.server.serve_options import add_front_door_options
 
     add_front_door_options(p)  # API keys, allowed hosts, the health bound (docs/serving.md)
+    return p
 
 
 def _synth_parser(sub) -> None:
@@ -236,12 +243,34 @@ def async_scheduling_on(mode: str, checkpoint_dir, device: str) -> bool:
                        else device).type == "cuda"
 
 
+def _apply_profile(args, switches):
+    """--profile: the profile checked against this checkpoint, precision and GPU, its options
+    set where the command line gave none; returns (profile or None, switches)."""
+    if not args.profile:
+        return None, switches
+    import os
+
+    from tailored.config import ModelConfig
+    from tailored.stack import embedded_checkpoint, pick_device
+    from tailored.tune import profile as prof
+
+    p = prof.load_profile(args.profile)
+    ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir is not None else embedded_checkpoint()
+    dev = pick_device("cpu" if args.checkpoint_dir is None and args.device == "auto"
+                      else None if args.device == "auto" else args.device)
+    prof.check_profile(p, checkpoint_dir=ckpt, precision=ModelConfig.from_dir(ckpt).precision,
+                       device_name=prof.gpu_kind(str(dev)))
+    p["applied"] = prof.apply_to_args(args, p, getattr(args, "explicit", set()))
+    return p, prof.switches_with(p, switches, os.environ)
+
+
 def cmd_serve(args) -> int:
     from tailored import flags
 
     # every TAILORED_* switch parsed once, strictly, before anything slow; the engine process
     # receives this record (tailored/flags.py)
-    switches = flags.activate(flags.Flags.from_env())
+    profile, switches = _apply_profile(args, flags.Flags.from_env())
+    switches = flags.activate(switches)
     _check_serve_args(args)
     from tailored.server.serve_options import access_policy
 
@@ -310,7 +339,13 @@ def cmd_serve(args) -> int:
                     max_model_len, sampling_defaults=defaults,
                     reasoning_parser=args.reasoning_parser,
                     max_body_bytes=args.max_body_bytes, access_log=args.access_log == "on",
-                    access=access)
+                    access=access, profile=_profile_summary(profile))
+    if profile is not None:
+        logging.getLogger("tailored").info(
+            "profile %s (sha256 %s, %s): applied %s; kept from the command line: %s",
+            profile["name"], profile["sha256"][:12], profile["file"],
+            ", ".join(f"{k}={v}" for k, v in profile["applied"].items()) or "nothing",
+            ", ".join(f"{k}={v}" for k, v in profile["kept"].items()) or "nothing")
     logging.getLogger("tailored").info(
         "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d, "
         "engine loop in %s%s",
@@ -344,6 +379,14 @@ def cmd_serve(args) -> int:
         # waiting on it
         async_engine.shutdown(timeout=2)
     return 0
+
+
+def _profile_summary(profile):
+    if profile is None:
+        return None
+    from tailored.tune.profile import summary
+
+    return summary(profile)
 
 
 def _bounded_shutdown_server(config, async_engine, timeout_s: float):
@@ -400,7 +443,7 @@ def cmd_synth(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tailored", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+    serve_parser = _serve_parser(sub)
     _synth_parser(sub)
     from tailored.gate.run import add_parser as gate_parser
 
@@ -411,7 +454,15 @@ def main(argv: list[str] | None = None) -> int:
     from tailored import cluster
 
     cluster.add_parser(sub)
+    from tailored.tune import cli as tune_cli
+
+    tune_cli.add_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.profile:  # explicit options win over the profile's
+        from tailored.tune.profile import explicit_options
+
+        args.explicit = explicit_options(serve_parser, argv[argv.index("serve") + 1:])
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -419,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_cli.run(args)
         if args.command == "cluster":
             return cluster.run(args)
+        if args.command == "tune":
+            return tune_cli.run(args)
         if args.command == "gate":
             from tailored.gate.run import run as cmd_gate
 

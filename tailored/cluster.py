@@ -337,14 +337,14 @@ class Cluster:
         then SIGKILL for what is left; hurry(): a second Ctrl-C came, kill now."""
         t0 = time.monotonic()
         if self.gateway is not None:
-            _terminate([self.gateway], 15.0, hurry)
+            terminate([self.gateway], 15.0, hurry)
             logger.info("gateway stopped (%.1f s)", time.monotonic() - t0)
         t0 = time.monotonic()
-        _terminate(self.replicas, self.args.shutdown_timeout + 20.0, hurry)
+        terminate(self.replicas, self.args.shutdown_timeout + 20.0, hurry)
         logger.info("replicas stopped (%.1f s)", time.monotonic() - t0)
 
 
-def _terminate(procs: list[subprocess.Popen], grace_s: float, hurry) -> None:
+def terminate(procs: list[subprocess.Popen], grace_s: float, hurry) -> None:
     """SIGTERM each process's group (its own session: a replica's engine process is in it),
     wait until every group is empty or grace_s passed (or hurry()), then SIGKILL the rest."""
     for p in procs:

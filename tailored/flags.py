@@ -30,11 +30,18 @@ PREFIX = "TAILORED_"
 
 def _switch(env: str, default, why: str, kb: str = "", layer: str = "kernel path", *,
             lo: int | None = None, hi: int | None = None, power_of_2: bool = False,
-            choices: tuple[str, ...] | None = None, secret: bool = False):
+            choices: tuple[str, ...] | None = None, secret: bool = False,
+            numerics: bool | None = None, tune: bool | None = None):
     """A dataclass field carrying its switch's declaration in the field metadata. secret: its
-    value is never shown (snapshot and changed say "(set)")."""
+    value is never shown (snapshot and changed say "(set)"). numerics: flipping it may change
+    the model's output bits (default: every switch outside "settings"; False only where the
+    two sides are bitwise the same or the output is the greedy output either way); `tailored
+    tune` gates such a candidate with the accuracy gate (docs/tune.md). tune: `tailored tune`
+    may search it (default: every switch outside "settings")."""
     meta = {"env": PREFIX + env, "why": why, "kb": kb, "layer": layer, "lo": lo, "hi": hi,
-            "power_of_2": power_of_2, "choices": choices, "secret": secret}
+            "power_of_2": power_of_2, "choices": choices, "secret": secret,
+            "numerics": layer != "settings" if numerics is None else numerics,
+            "tune": layer != "settings" if tune is None else tune}
     return field(default=default, metadata=meta, repr=not secret)
 
 
@@ -130,11 +137,11 @@ class Flags:
     mtp_fp8_head: bool = _switch(
         "MTP_FP8_HEAD", True,
         "the MTP drafts through an FP8 copy of lm_head (half the bytes; verify keeps bf16)",
-        "kb/0035", "worker")
+        "kb/0035", "worker", numerics=False)
     spec_drafts_on_device: bool = _switch(
         "SPEC_DRAFTS_ON_DEVICE", True,
         "after a whole verify step the next drafts stay on the device and the next step "
-        "launches under the chain", "kb/0035", "worker")
+        "launches under the chain", "kb/0035", "worker", numerics=False)
 
     # --- Triton kernels (kernels/) ---
     gdn_dv_split: int = _switch(
@@ -156,7 +163,7 @@ class Flags:
     pdl: bool = _switch(
         "PDL", True,
         "programmatic dependent launch for every Triton kernel on sm_90 (bitwise the same; "
-        "FP8 c=1 +7 %)", "kb/0041", "kernels")
+        "FP8 c=1 +7 %)", "kb/0041", "kernels", numerics=False)
     bf16_gemv_fp8_cfgs: bool = _switch(
         "BF16_GEMV_FP8_CFGS", True,
         "the bf16 GEMV takes the FP8 GEMV's launch configs by shape", "kb/0042", "kernels")
@@ -167,11 +174,11 @@ class Flags:
     tuning: str = _switch(
         "TUNING", "",
         "launch-config table to pre-fill the autotuners from: empty = the shipped "
-        "kernels/tuned.json, a path, or 'off'", "kb/0020", "kernels")
+        "kernels/tuned.json, a path, or 'off'", "kb/0020", "kernels", tune=False)
     tuning_dump: str = _switch(
         "TUNING_DUMP", "",
         "write the launch configs tuned at warm-up to this path (merged with a table of the "
-        "same GPU there)", "kb/0020", "kernels")
+        "same GPU there)", "kb/0020", "kernels", numerics=False, tune=False)
 
     # --- settings ---
     gdn_state_dtype: str = _switch(
@@ -301,12 +308,15 @@ def markdown() -> str:
            "Every `TAILORED_*` environment variable `tailored` reads, generated from "
            "`tailored/flags.py` (`python -m tailored.flags > docs/switches.md`). An unknown "
            "`TAILORED_*` name or a bad value stops the start with a message naming it. "
-           "Manifests of the gate and the benchmarks record every value.", ""]
+           "Manifests of the gate and the benchmarks record every value. *numerics*: flipping "
+           "it may change output bits, so `tailored tune` lets it in only where the contract "
+           "allows numerics to change and the accuracy gate passes (docs/tune.md).", ""]
     groups: dict[str, list] = {}
     for f in dataclasses.fields(Flags):
         groups.setdefault(f.metadata["layer"], []).append(f)
     for layer, fs in groups.items():
-        out += [f"## {layer}", "", "| variable | default | values | why | kb |", "|---|---|---|---|---|"]
+        out += [f"## {layer}", "", "| variable | default | values | why | kb | numerics |",
+                "|---|---|---|---|---|---|"]
         for f in fs:
             m = f.metadata
             if f.type in ("bool", bool):
@@ -317,7 +327,8 @@ def markdown() -> str:
             else:
                 values = " / ".join(m["choices"]) if m["choices"] else "text"
                 default = f.default or "(empty)"
-            out.append(f"| `{m['env']}` | {default} | {values} | {m['why']} | {m['kb']} |")
+            out.append(f"| `{m['env']}` | {default} | {values} | {m['why']} | {m['kb']} | "
+                       f"{'changes' if m['numerics'] else 'same'} |")
         out.append("")
     return "\n".join(out)
 

@@ -31,6 +31,30 @@ from tailored.model.loader import load_checkpoint
 from tailored.synth import build_empty_model, write_synthetic_checkpoint
 
 
+def pytest_addoption(parser):
+    parser.addoption("--contract", action="append", default=[], metavar="NAME",
+                     help="run only the tests marked @pytest.mark.contract(NAME) "
+                          "(docs/contracts.md; repeatable)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "contract(name): the test checks the named contract "
+                            "(tailored/tune/invariants.py, docs/contracts.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = set(config.getoption("--contract"))
+    if not wanted:
+        return
+    keep, drop = [], []
+    for item in items:
+        names = {m.args[0] for m in item.iter_markers("contract") if m.args}
+        (keep if names & wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 # every test starts from the switches' defaults, whatever TAILORED_* the shell has set (a test
 # that needs another value sets it with the `switches` fixture or `flags.override`)
 flags.activate(flags.Flags())

@@ -106,6 +106,7 @@ def build_app(
     reasoning_parser: str | None = None,
     access_log: bool = False,
     access: AccessPolicy | None = None,
+    profile: dict | None = None,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts `async_engine` (idempotent) and shuts it down.
 
@@ -119,6 +120,8 @@ def build_app(
     access_log: one log line per request (access_log.py; `tailored serve` turns it on).
     access: API keys, their exempt routes and the Host allow-list (guard.py; None: no key,
     any host). Non-JSON POST bodies get 415 either way.
+    profile: the `tailored serve --profile` summary (name, sha256, engine, switches), which
+    /version and /metrics (tailored:profile_info) carry; None: no profile.
     """
     server = Server(
         async_engine,
@@ -145,6 +148,8 @@ def build_app(
     app = FastAPI(title="tailored", lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False)
     app.state.server = server
+    if profile is not None:
+        server.metrics.set_profile(profile["name"], profile["sha256"])
     if access is not None:
         server.access = access
     app.add_middleware(Guard, policy=server.access)  # hosts, keys, content types (guard.py)
@@ -197,7 +202,8 @@ def build_app(
     async def version():
         """What this server is: the package version and every switch it runs with
         (tailored/flags.py), which `tailored bench` records in its manifest."""
-        return {"version": _package_version(), "switches": flags.current().snapshot()}
+        return {"version": _package_version(), "switches": flags.current().snapshot(),
+                "profile": profile}
 
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, max_model_len=max_model_len)

@@ -46,7 +46,7 @@ import asyncio
 import logging
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -145,6 +145,12 @@ class ServerMetrics:
             labels + ["handler", "status"], registry=reg)
         self._engine = _EngineCollector(model_name)
         reg.register(self._engine)
+
+    def set_profile(self, name: str, sha256: str) -> None:
+        """`tailored serve --profile`: a gauge of 1 labelled with the profile's name and hash."""
+        Gauge("tailored:profile_info", "The profile the server applies (tailored serve "
+              "--profile): its name and sha256, value 1.", ["model_name", "profile", "sha256"],
+              registry=self.registry).labels(self.model_name, name, sha256).set(1)
 
     def request(self, arrival: float, num_prompt_tokens: int) -> RequestMetrics:
         """The tracker of one request the engine accepted. arrival: time.monotonic() when the

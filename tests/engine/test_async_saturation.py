@@ -13,6 +13,7 @@ def tok(qwen_tok):
     return qwen_tok
 
 
+@pytest.mark.contract("concurrency-soak")
 def test_queue_beyond_max_num_seqs_keeps_pipelining(tiny_model, tok):
     e = make(tiny_model, tok, True, max_num_seqs=2)
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

@@ -184,6 +184,7 @@ def workload(engine: Engine, n=12, **sp) -> None:
         engine.add_request(f"r{i}", prompt(i, 3 + (i * 11) % 29), params)
 
 
+@pytest.mark.contract("stops-and-usage")
 def test_single_request_text_ids_usage():
     e = make_engine()
     e.add_request("a", prompt(0, 10), SamplingParams(max_tokens=12, temperature=0.0))
@@ -197,6 +198,7 @@ def test_single_request_text_ids_usage():
     [(5, 64, 9, 8), (64, 16, 9, 8), (7, 14, 4, 8), (64, 64, 3, 1)],
     ids=["chunked", "preempting", "chunked-preempting-3slots", "serial"],
 )
+@pytest.mark.contract("mixed-step-isolation")
 @pytest.mark.parametrize("use_sampler", [False, True], ids=["hash", "seeded-sampler"])
 def test_outputs_independent_of_batching_chunking_and_preemption(
     budget, num_pages, num_slots, max_num_seqs, use_sampler
@@ -220,6 +222,7 @@ def test_outputs_independent_of_batching_chunking_and_preemption(
     assert e.runner.max_batch <= max_num_seqs
 
 
+@pytest.mark.contract("identical-concurrent-greedy")
 def test_identical_prompts_concurrently_identical_outputs():
     e = make_engine(num_slots=5, eos_mod=None)
     for i in range(12):  # more than the slots: slots are reused (LIFO) while others run
@@ -263,6 +266,7 @@ def run_one(p, **sp) -> dict:
     return run(e)["x"]
 
 
+@pytest.mark.contract("stops-and-usage")
 def test_stop_beats_max_tokens_on_the_same_token():
     base = run_one(prompt(2, 5), max_tokens=8)
     # EOS as the max_tokens-th token (via stop_token_ids on whatever that token is)

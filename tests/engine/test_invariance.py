@@ -52,6 +52,7 @@ def test_alone_equals_inside_a_batch_of_32(tiny_model, tok):
                                         max_model_len=256, tol=TOL)
 
 
+@pytest.mark.contract("identical-concurrent-greedy")
 def test_identical_prompts_concurrently_identical_outputs(tiny_model, tok):
     """8 copies at once, on slots dirtied by earlier requests (LIFO reuse), chunked admission."""
     C.identical_prompts_identical_outputs(lambda **kw: make_engine(tiny_model, tok, **kw),
@@ -63,6 +64,7 @@ def engines_by_budget(tiny_model, tok):
     return {b: make_engine(tiny_model, tok, budget=b, max_model_len=300) for b in (4096, 64, 37)}
 
 
+@pytest.mark.contract("chunked-prefill-equals-single-pass")
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 127, 128, 129])
 def test_chunked_prefill_equals_single_pass_and_prefill_decode(tiny_model, engines_by_budget, T):
     """For each budget (single pass 4096, chunks of 64 = page multiple, 37 = misaligned):
@@ -90,6 +92,7 @@ def test_4097_chunked_prefill_decode_equals_single_pass(tiny_model, tok):
 
 # 1100 steps reach every fixed spot row of the check (positions 1023/1024 included) at ~13 ms
 # a step on one core; the 2000 of before (~27 s) run in the slow tier
+@pytest.mark.contract("long-context")
 @pytest.mark.parametrize("n", [1100, pytest.param(2000, marks=pytest.mark.slow)])
 def test_long_generation_equals_one_prefill_at_spot_positions(tiny_model, tok, n):
     """failure-cases §7: n decode steps on the CPU (the GPU suite runs 8192)."""
@@ -97,6 +100,7 @@ def test_long_generation_equals_one_prefill_at_spot_positions(tiny_model, tok, n
         lambda **kw: make_engine(tiny_model, tok, **kw), n=n, tol=TOL)
 
 
+@pytest.mark.contract("mixed-step-isolation")
 def test_steps_leave_other_slots_and_pages_bit_identical(tiny_model, tok):
     """Every step — prefill-only with several new requests, mixed prefill+decode, a step that
     skips a live running request — leaves each slot and KV page it does not name bit-identical
@@ -104,6 +108,7 @@ def test_steps_leave_other_slots_and_pages_bit_identical(tiny_model, tok):
     C.steps_leave_other_slots_and_pages_bit_identical(lambda **kw: make_engine(tiny_model, tok, **kw))
 
 
+@pytest.mark.contract("pools-return-to-baseline")
 def test_abort_frees_pages_and_slots(tiny_model, tok):
     """Aborts while waiting, mid-prefill and mid-decode: pools return to their baseline."""
     C.abort_frees_pages_and_slots(make_engine(tiny_model, tok, budget=32, max_num_seqs=3,

@@ -63,6 +63,7 @@ def test_slot_pool():
         SlotPool(1)
 
 
+@pytest.mark.contract("pools-return-to-baseline")
 def test_random_churn_returns_to_baseline():
     rng = random.Random(0)
     pool = PagePool(33)

@@ -175,6 +175,7 @@ def check_idle(engine, entries_kept: bool = True):
     assert s.pages.num_free == s.pages.capacity
 
 
+@pytest.mark.contract("prefix-cache-hit-equals-cold")
 @pytest.mark.parametrize("on", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("plen", [96, 101], ids=["page_aligned", "partial_page"])
 def test_next_turn_hits_and_decodes_as_a_cold_run(tiny_model, tok, on, plen):
@@ -221,6 +222,7 @@ def test_chained_turns_chunked_prefill_and_the_same_prompt_again(tiny_model, tok
     check_idle(e)
 
 
+@pytest.mark.contract("prefix-cache-hit-equals-cold")
 def test_eviction_and_preemption_keep_answers_and_leak_nothing(tiny_model, tok):
     """A page pool too small for everyone: entries are evicted before running requests are
     preempted, preempted requests recompute (hitting their own prompt's entry), and every

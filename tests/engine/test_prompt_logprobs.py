@@ -92,6 +92,7 @@ def test_alone_every_position_and_the_same_tokens(tiny_model, hf_model, qwen_tok
     assert got["a"]["ids"] == got["b"]["ids"] and len(got["a"]["ids"]) == 4
 
 
+@pytest.mark.contract("prompt-logprobs-equal-reference")
 def test_across_chunked_prefill(tiny_model, hf_model, qwen_tok):
     """A 70-token prompt in chunks of at most 16 (the LM head runs chunk by chunk)."""
     prompt = ids(70, 2)
@@ -99,6 +100,7 @@ def test_across_chunked_prefill(tiny_model, hf_model, qwen_tok):
     check(hf_model, prompt, got["a"]["plp"], 2)
 
 
+@pytest.mark.contract("prompt-logprobs-equal-reference")
 def test_after_a_prefix_cache_entry_of_the_same_prefix(tiny_model, hf_model, qwen_tok):
     """A cached prefix would skip positions: the request takes no hit and is still exact; a
     request without prompt logprobs after it hits as usual."""
@@ -113,6 +115,7 @@ def test_after_a_prefix_cache_entry_of_the_same_prefix(tiny_model, hf_model, qwe
     assert again["c"]["ids"] == got["b"]["ids"]
 
 
+@pytest.mark.contract("prompt-logprobs-equal-reference")
 def test_in_a_batch_with_other_requests(tiny_model, hf_model, qwen_tok):
     """Beside decoding requests and other prompts, with async scheduling and chunks of 24:
     each asking request exact, the others' tokens as when alone; max_tokens 0 with prompt

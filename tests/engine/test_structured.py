@@ -241,6 +241,7 @@ def test_async_launches_structured_requests_ahead_with_the_sync_answers():
     assert sum(resampled[True]) >= 5 and not resampled[False], resampled
 
 
+@pytest.mark.contract("openai-api-behaviour")
 def test_engine_answers_follow_the_schema(engine):
     tok = engine.tokenizer
     p = tok.encode("def fibonacci(n):")

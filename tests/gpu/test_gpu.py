@@ -204,6 +204,7 @@ def test_fast_path_matches_plain_full_width(dtype, precision, variant, switches)
     print(f"fast vs plain ({dtype}, {precision}): max per-token rel err per step {errs}")
 
 
+@pytest.mark.contract("graph-replay-equals-eager")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_cuda_graph_replay_equals_eager_bitwise(precision):
     """The captured decode graph computes exactly what its body computes eagerly (bf16)."""
@@ -414,6 +415,7 @@ def test_mixed_step_replays_both_graphs(dtype, precision):
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
                                              (torch.bfloat16, "fp8")])
+@pytest.mark.contract("graph-replay-equals-eager")
 @torch.no_grad()
 def test_prefill_graph_replay_equals_its_body_and_tracks_eager(dtype, precision):
     """Prefill CUDA graphs (kb/0013): the replay computes exactly its body, and the padded

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[2] / "tailored"
 MAX_LINES = 600
 
@@ -66,6 +68,7 @@ def _graph():
     return modules, {m: _imports(p, modules) for m, p in modules.items()}
 
 
+@pytest.mark.contract("house-rules")
 def test_no_import_cycle():
     modules, g = _graph()
     edges = {m: {t for t, _ in deps if t != m and not m.startswith(t + ".")} for m, deps in g.items()}
@@ -103,6 +106,7 @@ LAYER_RULES = {  # a module under the key may not import modules under any of th
 }
 
 
+@pytest.mark.contract("house-rules")
 def test_layers_depend_one_way():
     _, g = _graph()
     bad = []
@@ -121,12 +125,14 @@ def test_no_module_imports_another_modules_private_names():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.contract("house-rules")
 def test_no_file_over_600_lines():
     long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
 
 
+@pytest.mark.contract("house-rules")
 def test_switches_are_read_in_flags_only():
     """`TAILORED_` may appear in strings and comments elsewhere (messages, docs), but only
     tailored/flags.py reads the environment for it."""

@@ -40,6 +40,7 @@ def rel_err(a, b):
                                        (37, 16, 4, 128, 64),
                                        (100, 8, 2, 64, 48),  # 25 rows an expert: 64-row tiles
                                        (203, 8, 2, 64, 48)])  # 50 rows an expert: 128-row tiles
+@pytest.mark.contract("kernel-equals-reference")
 def test_fused_moe(dtype, T, E, k, H, I):
     """T·k < E (the first two cases): the compact expert grid (kb/0016)."""
     from tailored.kernels.moe import fused_moe
@@ -555,6 +556,7 @@ def test_gdn_verify_equals_token_by_token_decode(dtype, B, n, HK, HV, Dk, Dv, dv
                          dv_split=3)
 
 
+@pytest.mark.contract("kernel-equals-reference")
 @pytest.mark.parametrize("dv_split", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,HK,HV,Dk,Dv", [(1, 2, 4, 16, 16), (3, 4, 8, 32, 32), (5, 2, 4, 16, 32)])
@@ -651,6 +653,7 @@ def test_bf16_states_are_the_fp32_steps_rounded(dtype, dv_split):
     assert s_v[others].isnan().all()
 
 
+@pytest.mark.contract("kernel-equals-reference")
 @pytest.mark.parametrize("splits", [1, 3, 16, 32, None])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page,lens", [(16, [1, 17, 100]), (4, [7, 64, 129, 2]), (16, [300])])

@@ -13,6 +13,7 @@ def _ids(T, seed):
     return torch.randint(0, 248044, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.contract("chunked-prefill-equals-single-pass")
 @pytest.mark.parametrize("T,chunk", [(65, 16), (129, 64), (130, 50), (64, 1)])
 def test_chunked_prefill_equals_single_pass(tiny_model, T, chunk):
     ids = _ids(T, T)
@@ -24,6 +25,7 @@ def test_chunked_prefill_equals_single_pass(tiny_model, T, chunk):
     assert rel_err(last, ref) <= 1e-5
 
 
+@pytest.mark.contract("mixed-step-isolation")
 def test_mixed_batch_equals_separate_runs_and_spares_other_slots(tiny_model):
     """Decode rows + several new prefills in one step == each alone; slots outside untouched."""
     cfg = tiny_model.config

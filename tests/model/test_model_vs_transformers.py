@@ -18,6 +18,7 @@ def _pages(T, page_size=16):
     return list(range(1, 2 + T // page_size))
 
 
+@pytest.mark.contract("model-equals-transformers")
 @pytest.mark.parametrize("T", LENGTHS)
 def test_full_prefill_matches_transformers(tiny_model, hf_model, T):
     g = torch.Generator().manual_seed(T)
@@ -29,6 +30,7 @@ def test_full_prefill_matches_transformers(tiny_model, hf_model, T):
     assert rel_err(ours, ref) <= TOL
 
 
+@pytest.mark.contract("model-equals-transformers")
 @pytest.mark.parametrize("T", [t for t in LENGTHS if t > 1])
 def test_prefill_then_decode_matches_transformers(tiny_model, hf_model, T):
     g = torch.Generator().manual_seed(1000 + T)

@@ -25,6 +25,7 @@ CASES = [
 ]
 
 
+@pytest.mark.contract("openai-api-behaviour")
 @pytest.mark.parametrize("text,thinking,reasoning,content", CASES)
 def test_split_whole_and_every_cut(text, thinking, reasoning, content):
     assert split(text, thinking) == (reasoning, content)

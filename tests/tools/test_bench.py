@@ -418,6 +418,7 @@ def test_live_failures_are_counted_not_raised(live):
     assert run["errors"][0]["count"] == 3 and "HTTP 400" in run["errors"][0]["error"]
 
 
+@pytest.mark.contract("concurrency-soak")
 def test_soak_answers_under_concurrency_equal_the_answers_alone(live):
     """failure-cases §9: the soak tool against the real app (CPU plain path, fp32): every
     answer at concurrency 8 equals the same request's answer alone, streamed or not."""

@@ -116,6 +116,7 @@ SWITCHES = {"shared_in_moe_up_to": 128, "gdn_dv_split": 4, "moe_route_in_gate_up
             "moe_gemv_up_to": 4, "bf16_gemv_up_to": 4}
 
 
+@pytest.mark.contract("kernel-path-equals-plain")
 @pytest.mark.parametrize("variant", ["bf16", "fp8_switches", "fp8_dense_dequant"])
 def test_steps_match_plain_path(variant, request, switches, monkeypatch):
     """bf16, fp8_dense_dequant: the switches' defaults, as served (routing + align in one or
@@ -430,6 +431,7 @@ def test_engine_greedy_same_with_kernels_on_and_off(tiny4_fp8_ckpt):
         assert rel_err(h_on[r], h_off[r]) < 1e-4, r
 
 
+@pytest.mark.contract("mixed-step-isolation")
 def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny4_ckpt):
     """The slot/page isolation check of the invariance suite on the kernel path (eager: the
     interpreter has no graphs; tests/gpu/test_gpu_invariance.py runs it with graphs)."""
@@ -443,6 +445,7 @@ def test_kernel_path_steps_leave_other_slots_and_pages_bit_identical(tiny4_ckpt)
     C.steps_leave_other_slots_and_pages_bit_identical(make, quick=True)
 
 
+@pytest.mark.contract("kernel-path-equals-plain")
 @pytest.mark.parametrize("T,n", [(2, 8), (65, 72)])
 def test_prefill_graph_body_equals_eager_prefill(bf16_pair, T, n):
     """The body a prefill CUDA graph captures (kb/0013), run eagerly on n ≥ T padded rows of

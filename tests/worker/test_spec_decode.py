@@ -175,6 +175,7 @@ def test_drafter_needs_the_mtp_head():
 
 
 # ---- the engine --------------------------------------------------------------------------------
+@pytest.mark.contract("spec-greedy-equals-plain")
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_greedy_output_unchanged_by_drafts(plain, tok, n):
     eng = _stack(n).engine
@@ -212,6 +213,7 @@ def test_sampling_requests_do_not_draft_and_keep_their_seeded_output(tok):
     assert eng.runner.spec_stats[0] > 0
 
 
+@pytest.mark.contract("stops-and-usage")
 def test_stops_at_every_position_of_an_accepted_block(plain, tok):
     """failure-cases §5: a stop token id at each of the first 16 output positions, with
     max_tokens just below, at and above it, and stop strings ending at several positions: the
@@ -240,6 +242,7 @@ def test_stops_at_every_position_of_an_accepted_block(plain, tok):
     assert engines[1].runner.spec_stats[2] > 0
 
 
+@pytest.mark.contract("spec-greedy-equals-plain")
 def test_preemption_and_recompute_with_drafts(plain, tok):
     """A KV pool too small for all four requests at once: preempted requests recompute and
     draft again; outputs unchanged."""
