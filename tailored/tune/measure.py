@@ -55,8 +55,9 @@ class Server:
     def __enter__(self) -> str:
         port = free_port()
         cmd = [sys.executable, "-m", "tailored.cli", "serve", *self.serve_args,
-               "--host", "127.0.0.1", "--port", str(port), "--access-log", "off",
-               "--log-level", "warning"]
+               "--host", "127.0.0.1", "--port", str(port), "--access-log", "off"]
+        if "--log-level" not in self.serve_args:
+            cmd += ["--log-level", "warning"]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.proc = cluster.start(cmd, self.log, self.env)
         url = f"http://127.0.0.1:{port}"

@@ -109,14 +109,15 @@ def kb_record(kb_dir: Path, started: str, contract, baseline: dict, records: lis
     path.write_text("".join(json.dumps(x, sort_keys=True, default=str) + "\n" for x in lines))
     index = kb_dir / "README.md"
     rel = path.relative_to(kb_dir).as_posix()
-    if index.is_file() and rel not in index.read_text():
+    if index.is_file():  # one line per run, replaced when a resumed run ends
         g = gain(baseline, chosen)["output_throughput"]["ratio"]
-        with index.open("a") as f:
-            f.write(f"\n- [{rel}]({rel}): `tailored tune` of contract {contract.name} on "
-                    f"{target_desc}: {len(records)} candidates, "
-                    f"{sum(r['status'] == search.REJECTED for r in records)} rejected; chose "
-                    f"{', '.join(f'{k}={v}' for k, v in chosen['changed'].items()) or 'the defaults'}"
-                    f" (output tok/s x{g:.2f})\n" if g else "\n")
+        line = (f"- [{rel}]({rel}): `tailored tune` of contract {contract.name} on "
+                f"{target_desc}: {len(records)} candidates, "
+                f"{sum(r['status'] == search.REJECTED for r in records)} rejected; chose "
+                f"{', '.join(f'{k}={v}' for k, v in chosen['changed'].items()) or 'the defaults'}"
+                + (f" (output tok/s x{g:.2f})" if g else ""))
+        kept = [ln for ln in index.read_text().splitlines() if f"[{rel}]" not in ln]
+        index.write_text("\n".join(kept).rstrip("\n") + "\n\n" + line + "\n")
     return path
 
 

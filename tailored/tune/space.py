@@ -110,6 +110,8 @@ def switch_values(f: dataclasses.Field) -> list:
         return [True, False] if f.default else [False, True]
     if f.type in ("int", int):
         vals = {f.default, f.default // 2, f.default * 2} | ({0} if m["lo"] == 0 else set())
+        if f.default == 0:  # off by default: try it on at a middling size
+            vals.add(min(m["hi"], 2048))
         ok = [v for v in vals if m["lo"] <= v <= m["hi"]
               and not (m["power_of_2"] and v & (v - 1))]
         return [f.default] + sorted(v for v in ok if v != f.default)
@@ -157,11 +159,10 @@ def build_space(contract, target: Target) -> Space:
         fixed[k] = v
         choices.pop(k, None)
     if not contract.numerics.may_change:  # nothing that surely changes numerics is drawn
+        # (each GDN state dtype either resolves as the default's or changes numerics)
+        choices.pop("gdn_state_dtype", None)
         choices = {k: v for k, v in choices.items()
-                   if not numerics_changes({k: v[-1]}, {k: v[0]}, target) or k in COVERED}
-        if "gdn_state_dtype" in choices:
-            choices["gdn_state_dtype"] = [v for v in choices["gdn_state_dtype"]
-                                          if resolved_gdn(v, target) == resolved_gdn("auto", target)]
+                   if k in COVERED or not numerics_changes({k: v[-1]}, {k: v[0]}, target)}
     choices = {k: v for k, v in choices.items() if len(v) > 1}
     return Space(choices, serve_defaults(target), fixed, target)
 
