@@ -243,14 +243,17 @@ def test_config_and_cli_names():
 
 
 # ---- the kernel path: verify graph bodies without an MTP layer --------------------------------
-def test_kernel_path_verifies_lookup_drafts_without_an_mtp_layer(tiny4_ckpt, monkeypatch):
-    """Prompt lookup alone on the kernel path (Triton's interpreter, random tiny weights):
+@pytest.mark.parametrize("method", ["ngram", "ngram+mtp"])
+def test_kernel_path_verifies_lookup_drafts(tiny4_ckpt, monkeypatch, method):
+    """Prompt lookup on the kernel path (Triton's interpreter, random tiny weights):
     `KernelForward.forward` sends verify steps to the verify graph's body (no graph captured:
-    the body runs eagerly, as a replay computes it) of a SpecGraphs with no MTP layer, whose
-    snapshots the host path commits (`HybridCache.commit_many` from `kept_batch`); prompts
-    beside verify chunks split off. Random weights never repeat a prompt, so the lookup is
-    replaced by drafts that are the plain run's next tokens with some wrong ones among them
-    (every kept count happens). Tokens: the plain path's without drafts."""
+    the body runs eagerly, as a replay computes it). Alone: a SpecGraphs with no MTP layer,
+    whose snapshots the host path commits (`HybridCache.commit_many` from `kept_batch`).
+    Beside the MTP head: the device chain accepts lookup drafts (host ids) and MTP drafts left
+    on the device (placeholders) alike. Random weights never repeat a prompt, so the lookup is
+    replaced by the plain run's next tokens with wrong ones among them (every kept count
+    happens), and by nothing at some steps (the MTP's drafts then). Tokens: the plain path's
+    without drafts."""
     from tailored import kernels
     from tailored.engine.drafting import Drafting
     from tailored.worker.spec_graphs import SpecGraphs
@@ -265,7 +268,7 @@ def test_kernel_path_verifies_lookup_drafts_without_an_mtp_layer(tiny4_ckpt, mon
         return build_stack(tiny4_ckpt, device="cpu", dtype="float32", progress=False,
                            kernels=kernels_, max_model_len=64, max_num_seqs=4, num_pages=24,
                            async_scheduling=False, num_speculative_tokens=drafts,
-                           speculative_method="ngram", spec_min_acceptance=0,
+                           speculative_method=method, spec_min_acceptance=0,
                            spec_max_running=4).engine
 
     def generate(eng):
@@ -279,19 +282,27 @@ def test_kernel_path_verifies_lookup_drafts_without_an_mtp_layer(tiny4_ckpt, mon
     def lookup(self, req, k):
         m = len(req.output_ids)
         want = outs["plain"][req.request_id][m:m + k]
+        if method == "ngram+mtp" and m % 4 == 1:
+            return []
         return [t + 1 for t in want] if m % 3 == 0 else want[:-1] + [want[-1] + (m % 2)]
 
     monkeypatch.setattr(Drafting, "lookup", lookup)
     eng = stack("on", 2)
     kf = eng.runner.kernel
     kf.spec = SpecGraphs(kf.km, kf.pool, 2, 4, kf.max_pages)
-    assert not kf.spec.has_mtp and eng.runner.spec.drafter is None
+    if method == "ngram":
+        assert not kf.spec.has_mtp and eng.runner.spec.drafter is None
+    else:
+        assert kf.spec.has_mtp
+        eng.runner.spec.drafter.spec = kf.spec
     kf.use_graphs = True
     kf.decode.forward = kf.km.forward_eager  # no decode graph: what a replay computes
     calls = []
-    body = kf.spec.verify_body
-    kf.spec.verify_body = lambda B: calls.append(B) or body(B)
+    for name in ("verify_body", "chain_body"):
+        body = getattr(kf.spec, name)
+        setattr(kf.spec, name, lambda B, body=body, name=name: calls.append(name) or body(B))
     outs["verify"] = generate(eng)
     assert outs["verify"] == outs["plain"]
     verify, drafted, kept = eng.runner.spec_stats
-    assert calls and 0 < kept < drafted
+    assert "verify_body" in calls and 0 < kept < drafted
+    assert ("chain_body" in calls) == (method == "ngram+mtp")
