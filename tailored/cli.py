@@ -76,18 +76,40 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "nothing overlaps and each token would arrive a step later) (default: "
                         "%(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="N",
-                   help="speculative decoding, N in 0..8 (0 = off): the checkpoint's MTP head "
-                        "drafts N tokens per decode step of each greedy request without "
-                        "penalties, and the model verifies them in the same step, so the output "
-                        "stays the greedy output. Drafting pauses while more than "
-                        "--spec-max-running requests run. On CUDA the verify and drafting steps "
-                        "replay CUDA graphs. Every 10 s the log reports the share of drafts "
-                        "kept since start (default: %(default)s)")
+                   help="speculative decoding, N in 0..8 (0 = off): up to N tokens are drafted "
+                        "per decode step of each greedy request without penalties (by the "
+                        "checkpoint's MTP head, or prompt lookup: --speculative-method), and "
+                        "the model verifies them in the same step, so the output stays the "
+                        "greedy output. Drafting pauses while more than --spec-max-running "
+                        "requests run. On CUDA the verify and drafting steps replay CUDA "
+                        "graphs. Every 10 s the log reports the share of drafts kept since "
+                        "start (default: %(default)s)")
+    p.add_argument("--speculative-method", choices=["mtp", "ngram", "ngram+mtp"], default=None,
+                   help="with --num-speculative-tokens, where drafts come from. mtp: the "
+                        "checkpoint's MTP head; ngram: prompt lookup (vLLM's method of that "
+                        "name), the tokens that followed the last earlier occurrence of the "
+                        "request's last n tokens in its own prompt and output, for repetitive "
+                        "text (code edits, JSON, quoting); no MTP head is loaded; ngram+mtp: "
+                        "prompt lookup where it finds a match, else the MTP head "
+                        "(default: mtp)")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
+                   help="with --speculative-method ngram or ngram+mtp: the longest n-gram "
+                        "looked up; the longest that matches wins (default: 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
+                   help="with --speculative-method ngram or ngram+mtp: the shortest n-gram "
+                        "that may match (default: 2, at most --prompt-lookup-max)")
+    p.add_argument("--spec-min-acceptance", type=float, default=None, metavar="RATE",
+                   help="with --num-speculative-tokens: adaptive draft length. A request's "
+                        "next step verifies the largest k <= N drafts with a^k >= RATE, a "
+                        "being its recent share of drafts kept; below RATE for one draft it "
+                        "pauses drafting (8 to 64 steps) and probes again. 0 = always N "
+                        "drafts (default: 0.5)")
     p.add_argument("--spec-max-running", type=int, default=None, metavar="B",
                    help="with --num-speculative-tokens: requests draft only while at most B "
                         "run; verify steps replay CUDA graphs up to B sequences. Each sequence "
                         "of such a graph keeps N GDN state snapshots of ~33 MB each at full "
-                        "size (~64 MB with --gdn-state-dtype float32) (default: 8, at most "
+                        "size (~64 MB with --gdn-state-dtype float32). On an H100 two drafts "
+                        "made c=1 faster and c=8 27%% slower (kb/0061) (default: 2, at most "
                         "--max-num-seqs)")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="benchmarks on random weights only, needs --num-speculative-tokens: "
@@ -198,8 +220,21 @@ def _check_serve_args(args) -> None:
         raise ValueError(f"--prefix-cache-entries must be >= 0, got {args.prefix_cache_entries}")
     if args.spec_max_running is not None and args.spec_max_running < 1:
         raise ValueError(f"--spec-max-running must be >= 1, got {args.spec_max_running}")
-    if args.spec_max_running is not None and args.num_speculative_tokens == 0:
-        raise ValueError("--spec-max-running needs --num-speculative-tokens >= 1")
+    for flag in ("spec_max_running", "speculative_method", "prompt_lookup_max",
+                 "prompt_lookup_min", "spec_min_acceptance"):
+        if getattr(args, flag) is not None and args.num_speculative_tokens == 0:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --num-speculative-tokens >= 1")
+    lo = 2 if args.prompt_lookup_min is None else args.prompt_lookup_min
+    hi = 4 if args.prompt_lookup_max is None else args.prompt_lookup_max
+    if (args.prompt_lookup_min is not None or args.prompt_lookup_max is not None) and (
+            args.speculative_method or "mtp") == "mtp":
+        raise ValueError("--prompt-lookup-max/min need --speculative-method ngram or ngram+mtp")
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--prompt-lookup-min must be in 1..--prompt-lookup-max, got {lo} "
+                         f"and {hi} (defaults 2 and 4)")
+    ma = args.spec_min_acceptance
+    if ma is not None and not 0 <= ma <= 1:  # also NaN
+        raise ValueError(f"--spec-min-acceptance must be in [0, 1], got {ma}")
     rate = args.spec_synthetic_acceptance
     if rate is not None and not 0 <= rate <= 1:  # also NaN
         raise ValueError(f"--spec-synthetic-acceptance must be in [0, 1], got {rate}")
@@ -230,6 +265,14 @@ def _check_serve_args(args) -> None:
             sock.bind((args.host, args.port))
         except OSError as e:
             raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+
+
+def speculative_options(args) -> dict:
+    """EngineConfig fields of the speculative-decoding flags that were given (the others keep
+    EngineConfig's defaults)."""
+    return {k: getattr(args, k) for k in ("spec_max_running", "speculative_method",
+                                          "prompt_lookup_max", "prompt_lookup_min",
+                                          "spec_min_acceptance") if getattr(args, k) is not None}
 
 
 def async_scheduling_on(mode: str, checkpoint_dir, device: str) -> bool:
@@ -300,7 +343,7 @@ def cmd_serve(args) -> int:
                                              args.device),
         num_speculative_tokens=args.num_speculative_tokens,
         spec_synthetic_acceptance=args.spec_synthetic_acceptance,
-        spec_max_running=8 if args.spec_max_running is None else args.spec_max_running,
+        **speculative_options(args),
         grammar_warmup=True,
         prefix_cache_entries=args.prefix_cache_entries,
     )

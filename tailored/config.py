@@ -233,6 +233,9 @@ class ModelConfig:
 
 GDN_STATE_DTYPES = ("auto", "float32", "bfloat16")  # EngineConfig.gdn_state_dtype's names
 MAX_SPECULATIVE_TOKENS = 8  # drafts a step at most (vLLM's recipe uses 1-3 with this head)
+# EngineConfig.speculative_method's names: the MTP head's drafts, prompt lookup's (n-gram,
+# engine/prompt_lookup.py), or prompt lookup's where it finds a match, else the MTP's
+SPECULATIVE_METHODS = ("mtp", "ngram", "ngram+mtp")
 
 
 @dataclass(frozen=True)
@@ -263,10 +266,20 @@ class EngineConfig:
         this probability instead of comparing it with the target's token (vLLM's 'synthetic'
         rejection sampler, used by the baseline kit's `serve mtp`); the output is then not the
         greedy output. None = real verification.
+    speculative_method: where drafts come from (SPECULATIVE_METHODS): "mtp" the MTP head;
+        "ngram" prompt lookup alone (engine/prompt_lookup.py: the tokens that followed the last
+        earlier occurrence of the request's last n tokens, n from prompt_lookup_max down to
+        prompt_lookup_min; the MTP head is then neither loaded nor run); "ngram+mtp" prompt
+        lookup where it finds a match, else the MTP's drafts.
     spec_max_running: requests draft only while at most this many run; verify steps are
         captured in CUDA graphs up to this batch size (worker/spec_graphs.py), with GDN snapshots
-        of num_speculative_tokens states a sequence. Whether drafting pays at large batches
-        is a measurement (kb/0033): the experts' reads grow less than the tokens verified.
+        of num_speculative_tokens states a sequence. 2: on an H100 (FP8, acceptance 0.8) two
+        drafts made c=1 15-37 % faster and c=8 27 % slower; interpolated in log(c) the gain
+        is gone between c=2 and c=4 (kb/0061).
+    spec_min_acceptance: adaptive draft length (engine/draft_pace.py): a request's next step
+        verifies the largest k <= num_speculative_tokens drafts with a^k >= this, a being its
+        recent share of drafts kept; below it for one draft, the request pauses drafting and
+        probes again later. 0 = always num_speculative_tokens drafts.
     """
 
     page_size: int = 16
@@ -283,7 +296,11 @@ class EngineConfig:
     async_scheduling: bool = True  # launch decode step N+1 before reading step N's tokens
     num_speculative_tokens: int = 0  # MTP drafts per decode step (greedy requests), 0 = off
     spec_synthetic_acceptance: float | None = None  # benchmarks with random weights only
-    spec_max_running: int = 8  # draft only while at most this many requests run
+    spec_max_running: int = 2  # draft only while at most this many requests run
+    speculative_method: str = "mtp"  # mtp, ngram or ngram+mtp (SPECULATIVE_METHODS)
+    prompt_lookup_max: int = 4  # n-gram lengths prompt lookup tries, longest first
+    prompt_lookup_min: int = 2
+    spec_min_acceptance: float = 0.5  # adaptive draft length; 0 = always N drafts
     # build structured output's grammar compiler on a thread at start (`tailored serve`: ~2.5 s
     # of one core for Qwen's vocabulary); off, the first structured request builds it
     grammar_warmup: bool = False
@@ -304,6 +321,25 @@ class EngineConfig:
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
             raise ValueError(f"gdn_state_dtype (TAILORED_GDN_STATE_DTYPE) must be one of "
                              f"{', '.join(GDN_STATE_DTYPES)}, got {self.gdn_state_dtype!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}"
+                             f", got {self.speculative_method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if not 0 <= self.spec_min_acceptance <= 1:  # also NaN
+            raise ValueError(f"spec_min_acceptance must be in [0, 1], got "
+                             f"{self.spec_min_acceptance}")
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Speculative decoding drafts with the MTP head (its weights, KV layer and graphs)."""
+        return self.num_speculative_tokens > 0 and self.speculative_method != "ngram"
+
+    @property
+    def uses_ngram(self) -> bool:
+        """Speculative decoding drafts by prompt lookup (engine/prompt_lookup.py)."""
+        return self.num_speculative_tokens > 0 and self.speculative_method != "mtp"
 
     @property
     def gdn_state_dtype_name(self) -> str:

@@ -125,7 +125,9 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
                          f"max_position_embeddings {cfg.max_position_embeddings}")
     tok = load_tokenizer(ckpt)
     t0 = time.monotonic()
-    model = build_empty_model(cfg, dev, dt)
+    # prompt-lookup drafts alone need no MTP head: its weights are not loaded
+    model = build_empty_model(cfg, dev, dt,
+                              with_mtp=not (ec.num_speculative_tokens > 0 and not ec.uses_mtp))
     if load_format == "dummy":
         init_dummy_weights(model, seed, init=dummy_init)
         log.info("dummy weights drawn on %s in %.1f s", dev, time.monotonic() - t0)

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import replace
 
 from tailored.config import EngineConfig
+from tailored.engine.drafting import Drafting
 from tailored.engine.memory import PagePool, SlotPool
 from tailored.engine.prefix_cache import PrefixCache
 from tailored.engine.types import (
@@ -96,6 +96,8 @@ class Scheduler:
         # the previous step's token set the grammar's mask (runner.resample); the Engine sets
         # it where its runner can. Off: a structured request keeps its batch synchronous
         self.structured_ahead = False
+        # speculative decoding: who drafts, and which drafts (engine/drafting.py)
+        self.drafts = Drafting(engine_config, self.pages)
         n_snap = engine_config.prefix_cache_entries
         self.prefix = (PrefixCache(self.page_size, range(num_slots, num_slots + n_snap),
                                    self.pages) if n_snap > 0 else None)
@@ -138,6 +140,7 @@ class Scheduler:
             return None
         self.stop_ids.pop(request_id, None)
         self.no_ahead.discard(request_id)
+        self.drafts.forget(request_id)
         if self.prefix is not None:
             self.prefix.forget(request_id)
         if req.status is RequestStatus.RUNNING:
@@ -169,8 +172,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            drafts = self._usable_drafts(req, budget)
-            # with drafts the pages are free already (_usable_drafts): no preemption
+            drafts = self.drafts.for_decode(req, budget, len(self.running))
+            # with drafts the pages are free already (Drafting.for_decode): no preemption
             if not self._grow(req, 1 + len(drafts), scheduled):
                 blocked = True
                 continue
@@ -240,8 +243,8 @@ class Scheduler:
             budget -= n
 
         seqs = tuple(decodes + prefills)
-        if self.config.num_speculative_tokens > 0:
-            seqs = tuple(self._chain_pages(list(seqs)))
+        if self.drafts.mtp:
+            seqs = tuple(self.drafts.chain_pages(list(seqs), self.requests))
         return SchedulerOutput(seqs=seqs, num_tokens=sum(len(s.token_ids) for s in seqs),
                                state_copies=tuple(state_copies), page_copies=tuple(page_copies),
                                snapshots=self._snapshots(prefills))
@@ -342,6 +345,8 @@ class Scheduler:
             assert len(extra) <= seq.num_draft, f"{rid!r}: more tokens kept than drafts"
             # a verify chunk keeps len(extra) drafts: its rejected positions are not cached
             req.num_computed_tokens -= seq.num_draft - len(extra)
+            if seq.num_draft:  # the draft length adapts to the kept share (draft_pace.py)
+                self.drafts.record(req, seq.num_draft, len(extra))
             req.output_ids[-1] = token
             req.num_new_tokens = 1
             lp = model_out.logprobs.get(rid)  # (a request with logprobs has no drafts)
@@ -379,10 +384,12 @@ class Scheduler:
         need = 0
         for seq in seqs:
             req = self.requests.get(seq.request_id)
-            # seq.mtp: the next step's drafts come from this step's results
+            # seq.mtp: the next step's drafts come from this step's results; wants_sync: the
+            # next step drafts (after this step's token)
             if (req is None or req.status is not RequestStatus.RUNNING or not seq.sample
                     or len(seq.token_ids) != 1 or seq.start_pos != req.num_computed_tokens
-                    or seq.request_id in self.no_ahead or seq.mtp):
+                    or seq.request_id in self.no_ahead or seq.mtp
+                    or self.drafts.wants_sync(req, len(self.running))):
                 return False
             sp = req.sampling
             # penalties read the host's token history; a grammar masks from the tokens before
@@ -474,69 +481,6 @@ class Scheduler:
         req.pages = []
         req.slot = 0
 
-    def _drafting(self, req: Request) -> bool:
-        """Whether `req` runs the MTP head this step: speculative decoding on, a request that
-        can draft, and at most spec_max_running requests running (the MTP KV of a request's
-        positions computed while more ran stays unwritten: its later drafts are worse, and
-        still verified)."""
-        ec = self.config
-        # not while its last token is pending (a step launched ahead, async scheduling): the
-        # next drafts come from that token's step. A request can reach here from a step that
-        # did not draft when a preemption in the same schedule brought the running count down
-        # to spec_max_running (kb/0032 §6)
-        return (ec.num_speculative_tokens > 0 and req.sampling.can_draft
-                and len(self.running) <= ec.spec_max_running
-                and not (req.output_ids and req.output_ids[-1] == PENDING_TOKEN))
-
-    def _tokens_left(self, req: Request) -> int:
-        """Tokens `req` may still emit (max_tokens, max_model_len)."""
-        return min(req.sampling.max_tokens - len(req.output_ids),
-                   self.config.max_model_len - req.num_tokens)
-
-    def _usable_drafts(self, req: Request, budget: int) -> list[int]:
-        """The drafts a decode of `req` verifies this step: as many of its proposed drafts as
-        the step budget, its length limits (a step emits at most drafts + 1 tokens) and the
-        free pages allow without a preemption; none otherwise."""
-        if not req.draft_ids or not self._drafting(req):
-            return []
-        d = min(len(req.draft_ids), budget - 1, self._tokens_left(req) - 1)
-        if d <= 0:
-            return []
-        if _cdiv(req.num_computed_tokens + 1 + d, self.page_size) - len(req.pages) \
-                > self.pages.num_free:
-            return []
-        return req.draft_ids[:d]
-
-    def _wanted_drafts(self, req: Request) -> int:
-        """Drafts worth proposing after this step: num_speculative_tokens, no more than the
-        next step could use (it emits drafts + 1 of the tokens left after this step's one)."""
-        return max(0, min(self.config.num_speculative_tokens, self._tokens_left(req) - 2))
-
-    def _num_propose(self, req: Request, end: int) -> int:
-        """Drafts the MTP proposes after a sampling chunk of `req` that ends at position `end`:
-        `_wanted_drafts`, no more than its pages hold (the chain writes the MTP KV of
-        positions end .. end + drafts - 2)."""
-        n = self._wanted_drafts(req)
-        return n if n <= 1 else min(n, len(req.pages) * self.page_size - end + 1)
-
-    def _chain_pages(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """After every request of the step has its pages: pages for the MTP chains of the
-        drafting chunks that sample, oldest first, from the pages still free (never by
-        preempting, never ahead of another request's chunk)."""
-        out = []
-        for seq in seqs:
-            req = self.requests[seq.request_id]
-            want = self._wanted_drafts(req) if seq.mtp and seq.sample else 0
-            if want > seq.num_propose:
-                end = seq.start_pos + len(seq.token_ids)
-                need = _cdiv(end + want - 1, self.page_size) - len(req.pages)
-                if need > 0 and self.pages.num_free:
-                    req.pages += self.pages.allocate(min(need, self.pages.num_free))
-                    seq = replace(seq, page_ids=tuple(req.pages),
-                                  num_propose=self._num_propose(req, end))
-            out.append(seq)
-        return out
-
     def _scheduled(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = req.num_computed_tokens
         end = start + n
@@ -548,12 +492,12 @@ class Scheduler:
         else:
             tokens = req.output_ids[start - len(req.prompt_ids) : end - len(req.prompt_ids)]
         sample = end == req.num_tokens
-        mtp = self._drafting(req)
+        mtp = self.drafts.runs_mtp(req, len(self.running))
         if not mtp:
             req.draft_ids = []  # drafts of an earlier position: never usable later
         # the pages the MTP chain writes are added after every request has its chunk's pages
-        # (`_chain_pages`): here only what the pages already held cover
-        num_propose = self._num_propose(req, end + len(drafts)) if mtp and sample else 0
+        # (`Drafting.chain_pages`): here only what the pages already held cover
+        num_propose = self.drafts.num_propose(req, end + len(drafts)) if mtp and sample else 0
         P = len(req.prompt_ids)
         # prompt logprobs: the row at position p predicts prompt token p + 1 (a recompute's
         # repeats are ignored by the engine, which keeps the first)

@@ -28,7 +28,7 @@ def make_draft_head(model, ec: EngineConfig, device: torch.device) -> DraftHead 
     """With speculative decoding on the kernel path on a GPU: an FP8 copy of lm_head for the
     MTP's drafts (kb/0035; the `mtp_fp8_head` switch off: none). Made before the cache is
     planned, so that its memory counts as used."""
-    if (ec.num_speculative_tokens <= 0 or not flags.current().mtp_fp8_head
+    if (not ec.uses_mtp or not flags.current().mtp_fp8_head
             or device.type != "cuda" or getattr(model, "mtp", None) is None
             or not kernel_path_asked(ec, device)
             or kernels.unavailable_reason("cuda", model.lm_head.weight.dtype)):
@@ -66,7 +66,10 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
     kf = KernelForward(km, max_batch=ec.max_num_seqs,
                        max_pages=math.ceil(ec.max_model_len / ec.page_size) + 1,
                        use_graphs=not ec.enforce_eager)
-    if ec.num_speculative_tokens > 0 and kf.use_graphs and km.mtp_layer is not None:
+    # verify graphs; with the MTP head also its MTP and chain graphs (prompt lookup alone:
+    # verify graphs only, the host accepts)
+    if ec.num_speculative_tokens > 0 and kf.use_graphs and (km.mtp_layer is not None
+                                                            or not ec.uses_mtp):
         from tailored.worker.spec_graphs import SpecGraphs
 
         kf.spec = SpecGraphs(km, kf.pool, ec.num_speculative_tokens, spec_max_batch(ec),

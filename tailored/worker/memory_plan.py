@@ -75,8 +75,9 @@ def plan_cache(cfg: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: t
 
 
 def mtp_layers(ec: EngineConfig) -> int:
-    """MTP layers the cache holds KV for: 1 with speculative decoding, else 0."""
-    return 1 if ec.num_speculative_tokens > 0 else 0
+    """MTP layers the cache holds KV for: 1 with the MTP head's drafts, else 0 (prompt lookup
+    alone needs none)."""
+    return 1 if ec.uses_mtp else 0
 
 
 def state_dtype(ec: EngineConfig) -> torch.dtype:

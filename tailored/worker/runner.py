@@ -167,8 +167,11 @@ class ModelRunner:
                       else (None, None))
         if timer is not None:
             timer.runner_phase("launch", t)
-        # the MTP reads this step's hidden states after its tokens are known (collect)
-        spec = (batch, hidden) if chain is None and any(s.mtp for s in sched.seqs) else None
+        # the MTP reads this step's hidden states after its tokens are known (collect); a
+        # verify step's drafts are accepted there (prompt lookup's too, with no MTP)
+        spec = ((batch, hidden) if chain is None and (verify_step and rows
+                                                      or any(s.mtp for s in sched.seqs))
+                else None)
         return LaunchedStep(sched, sampled_seqs, sampled, events, spec, chain, syn, drafts_in,
                             prompt_lps)
 

@@ -1,13 +1,17 @@
 """Speculative decoding's host side: the drafter, acceptance, state commits, statistics.
 
-With `--num-speculative-tokens N` a greedy request's decode step verifies up to N MTP drafts
-(worker/drafter.py). After a step the runner hands its result here:
+With `--num-speculative-tokens N` a greedy request's decode step verifies up to N drafts: the
+MTP head's (worker/drafter.py) or prompt lookup's, which the scheduler proposes from the
+request's own tokens (engine/prompt_lookup.py) and which reach the runner as any other drafts
+do, in the chunk's token ids. After a step the runner hands its result here:
   * a whole verify step replayed from its CUDA graph: acceptance, GDN state commits and the
     next drafts already run on the device (`chain`, kb/0034); the host emits the kept tokens
     without waiting for them and the next drafts stay on the device as placeholders
     (`chained`, worker/chain_drafts.py, kb/0035);
   * any other step with drafting requests: the host accepts, commits and runs the MTP over
-    the step's rows for the next drafts (`speculate`).
+    the step's rows for the next drafts (`speculate`). With prompt lookup alone
+    (`--speculative-method ngram`) there is no MTP head (`drafter` None, no chain): every
+    verify step takes this path, which then only accepts and commits.
 """
 
 from __future__ import annotations
@@ -59,16 +63,22 @@ class SpecDecoding:
         # the first line 10 s after the start of serving, not at the first verify step (whose
         # 1-step totals read as a rate of nothing)
         self._logged = time.monotonic()
-        self.drafter = None
+        self.drafter = None  # the MTP head's (none with prompt lookup alone)
         if n == 0:
             return
-        self.drafter = MTPDrafter(model, cache, km=kernel.km if kernel else None,
-                                  spec=kernel.spec if kernel else None, draft_head=draft_head)
+        if ec.uses_mtp:
+            self.drafter = MTPDrafter(model, cache, km=kernel.km if kernel else None,
+                                      spec=kernel.spec if kernel else None, draft_head=draft_head)
         if ec.spec_max_running > ec.max_num_seqs:
             log.warning("spec_max_running %d is above max_num_seqs %d: drafting while at most "
                         "%d run", ec.spec_max_running, ec.max_num_seqs, ec.max_num_seqs)
-        log.info("speculative decoding: %d MTP draft%s a step for greedy requests while at "
-                 "most %d run%s", n, "s" if n > 1 else "", spec_max_batch(ec), "" if rate is None
+        source = {"mtp": "MTP", "ngram": f"prompt-lookup ({ec.prompt_lookup_min}.."
+                  f"{ec.prompt_lookup_max}-gram)", "ngram+mtp": "prompt-lookup or else MTP"}
+        log.info("speculative decoding: up to %d %s draft%s a step for greedy requests while at "
+                 "most %d run, %s%s", n, source[ec.speculative_method], "s" if n > 1 else "",
+                 spec_max_batch(ec), "adaptive length (a draft when its chance of being kept "
+                 f"is >= {ec.spec_min_acceptance})" if ec.spec_min_acceptance > 0 else
+                 "fixed length", "" if rate is None
                  else f", synthetic acceptance {rate} (benchmarks only: not the greedy output)")
 
     def chain(self, sched: SchedulerOutput, batch: ForwardBatch, sampled, n_rows: int):
@@ -76,7 +86,7 @@ class SpecDecoding:
         synthetic kept counts drawn for it or None); (None, None) when the step was not one
         verify replay (split beside prompts, eager, no graphs)."""
         spec = self.kernel.spec if self.kernel is not None else None
-        if spec is None or not spec.whole_step(batch, n_rows):
+        if spec is None or self.drafter is None or not spec.whole_step(batch, n_rows):
             return None, None
         rate = self.synthetic_acceptance
         syn = None
@@ -192,7 +202,7 @@ class SpecDecoding:
                 owners.append(s.request_id)
         self.cache.commit_many(commits)
         drafts = {}
-        for rid, d in zip(owners, self.drafter.propose(hidden, rows)):
+        for rid, d in zip(owners, self.drafter.propose(hidden, rows) if rows else ()):
             if rid is not None and d:
                 drafts[rid] = tuple(d)
         return ModelOutput(token_ids=out_ids, bad=bad, extra_ids=extra, draft_ids=drafts)

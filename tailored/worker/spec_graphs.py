@@ -26,6 +26,9 @@ two graphs per padded batch size B (SPEC_BATCH_SIZES):
     replay the runner replays it right after the sampler: no sync until the tokens and the
     next drafts are read, together. Output [B, 1 + N]: kept drafts, then the next drafts.
 
+Without an MTP layer (prompt-lookup drafts alone, `--speculative-method ngram`: the cache has
+none) only the verify graphs are captured; the runner accepts and commits on the host.
+
 Steps where the verify graph ran beside other work (prompt chunks, `KernelForward.forward`) take the
 host path instead: the runner reads the verified tokens, keeps the matching drafts and commits
 the states (one sync), then fills and replays the mtp graph (the second). Rows of pad
@@ -61,15 +64,14 @@ def snapshot_bytes(cfg, num_draft: int, max_batch: int, dtype: torch.dtype,
 
 
 class SpecGraphs:
-    """The verify, MTP and chain graphs of one kernel path. num_draft: N drafts a step;
-    max_batch: the largest padded batch captured; max_pages: page-table width; draft_head:
-    the FP8 lm_head copy the MTP drafts with (worker/draft_head.py) or None."""
+    """The verify, MTP and chain graphs of one kernel path (the verify graphs alone where
+    it has no MTP layer). num_draft: N drafts a step; max_batch: the largest padded batch
+    captured; max_pages: page-table width; draft_head: the FP8 lm_head copy the MTP drafts
+    with (worker/draft_head.py) or None."""
 
     def __init__(self, km, pool: GraphPool, num_draft: int, max_batch: int, max_pages: int,
                  draft_head=None):
-        if km.mtp_layer is None:
-            raise ValueError("SpecGraphs: the kernel path has no MTP layer (cache "
-                             "mtp_layers=1)")
+        self.has_mtp = km.mtp_layer is not None
         self.km, self.pool, self.max_pages, self.draft_head = km, pool, max_pages, draft_head
         self.N, self.n = num_draft, num_draft + 1
         self.sizes = tuple(b for b in SPEC_BATCH_SIZES if b < max_batch) + (max_batch,)
@@ -369,6 +371,10 @@ class SpecGraphs:
         st["c_lens"].fill_(1)
         sizes = sorted(self.sizes, reverse=True)
         self.pool.capture(self.verify, sizes, self.verify_body)
+        if not self.has_mtp:
+            log.info("captured verify CUDA graphs (%d drafts, no MTP) for batch sizes %s",
+                     self.N, sorted(self.verify))
+            return
         self.pool.capture(self.mtp, sizes, self.mtp_body)
         # every sequence a pad (st["seq"] zero): the bodies the capture runs commit nothing.
         # Their warm-up also compiles the commit kernel for both state dtypes (else the first

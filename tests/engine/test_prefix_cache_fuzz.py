@@ -146,8 +146,9 @@ CONFIGS = {
     "small_pool_async_chunked": dict(num_pages=26, max_num_seqs=4, budget=48, on=True),
     "one_entry": dict(entries=1),
     "one_entry_small_pool": dict(entries=1, num_pages=24, budget=64),
-    "spec": dict(num_speculative_tokens=2),
-    "spec_small_pool_chunked": dict(num_speculative_tokens=2, num_pages=26, budget=48),
+    "spec": dict(num_speculative_tokens=2, spec_max_running=8),
+    "spec_small_pool_chunked": dict(num_speculative_tokens=2, spec_max_running=8, num_pages=26,
+                                    budget=48),
 }
 
 

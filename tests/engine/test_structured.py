@@ -161,7 +161,7 @@ def engine(request):
     # that draft and are launched ahead
     return build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="off",
                        max_model_len=768, max_num_seqs=8, num_speculative_tokens=2,
-                       async_scheduling=request.param).engine
+                       spec_max_running=8, async_scheduling=request.param).engine
 
 
 def _run(engine, reqs):

@@ -117,7 +117,8 @@ def test_engine_with_drafts_on_the_gpu(precision, tmp_path):
     for n, rate in ((0, None), (2, None), (2, 1.0)):
         st = build_stack(ckpt, load_format="dummy", device="cuda", progress=False,
                          max_model_len=512, max_num_seqs=4, num_speculative_tokens=n,
-                         spec_synthetic_acceptance=rate, prefill_graphs=False)
+                         spec_max_running=4, spec_synthetic_acceptance=rate,
+                         prefill_graphs=False)
         eng = st.engine
         sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         for i in range(3):
@@ -153,7 +154,7 @@ def test_engine_lone_rows_and_arriving_prompts_take_the_verify_graph(tmp_path):
                                       num_layers=4, config_only=True, precision="bf16")
     st = build_stack(ckpt, load_format="dummy", device="cuda", progress=False,
                      max_model_len=512, max_num_seqs=4, num_speculative_tokens=2,
-                     spec_synthetic_acceptance=1.0, prefill_graphs=False)
+                     spec_max_running=4, spec_synthetic_acceptance=1.0, prefill_graphs=False)
     eng = st.engine
     kf = eng.runner.kernel
     splits = []
@@ -278,3 +279,56 @@ def test_pdl_changes_no_bit_in_the_verify_and_chain_graphs(precision, switches):
     for h, t, d in results[1:]:
         assert torch.equal(h, h0) and d == d0
         assert all(torch.equal(a, b_) for a, b_ in zip(t, t0))
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram+mtp"])
+def test_engine_with_prompt_lookup_drafts_on_the_nano_model(method):
+    """Prompt-lookup drafts on the GPU (the nano checkpoint, bf16, graphs): with prompt lookup
+    alone no MTP head is loaded and only the verify graphs are captured (the host accepts and
+    commits the verify graph's snapshots); beside the MTP head, lookup drafts go through the
+    device chain. Three requests that quote their prompts, against the engine without drafts:
+    the first tokens and the lengths (bf16: a verify GEMM of several rows may round an argmax
+    otherwise than one row, kb/0033), drafts kept, verify graphs replayed."""
+    from pathlib import Path
+
+    import tailored
+    from tailored.engine.types import SamplingParams
+    from tailored.stack import build_stack
+
+    nano = Path(tailored.__file__).parent / "data" / "nano"
+    texts = ["Permission is hereby granted, free of charge, to any person obtaining a copy of "
+             "this software, to deal in the Software without restriction.\n\nQuoted again:\n\n"
+             "Permission is hereby granted, free of charge, to any person",
+             "This program is free software; you can redistribute it and/or modify it under "
+             "the terms of the GNU General Public License.\n\nThe notice reads: \"This program "
+             "is free software;",
+             "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
+             "    parser.add_argument('--input', default=None)\n"
+             "    return parser.parse_args(argv)\n\n\ndef parse_args(argv):\n"]
+    outs, engines = {}, {}
+    for n in (0, 3):
+        st = build_stack(nano, device="cuda", progress=False, max_model_len=512,
+                         max_num_seqs=4, num_speculative_tokens=n, speculative_method=method,
+                         spec_max_running=4, prefill_graphs=False)
+        eng = engines[n] = st.engine
+        for i, t in enumerate(texts):
+            eng.add_request(f"r{i}", st.tokenizer.encode(t),
+                            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        got = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.delta_token_ids)
+        outs[n] = got
+    eng = engines[3]
+    spec = eng.runner.kernel.spec
+    assert spec is not None and spec.verify
+    if method == "ngram":
+        assert eng.runner.model.mtp is None and not spec.has_mtp and not spec.mtp
+    else:
+        assert spec.has_mtp and spec.chains
+    verify, drafted, kept = eng.runner.spec_stats
+    assert kept > 0.3 * drafted
+    for r in outs[0]:
+        assert len(outs[3][r]) == 40 and outs[3][r][:8] == outs[0][r][:8]
+    same = sum(outs[3][r] == outs[0][r] for r in outs[0])
+    print(f"{method}: {same} of {len(outs[0])} completions identical, {kept}/{drafted} kept")

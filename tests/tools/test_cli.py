@@ -32,6 +32,16 @@ from tailored.stack import build_stack
     (["--num-speculative-tokens", "1", "--spec-max-running", "0"],
      "--spec-max-running must be >= 1"),
     (["--spec-max-running", "4"], "--spec-max-running needs --num-speculative-tokens >= 1"),
+    (["--speculative-method", "ngram"],
+     "--speculative-method needs --num-speculative-tokens >= 1"),
+    (["--num-speculative-tokens", "2", "--prompt-lookup-max", "3"],
+     "--prompt-lookup-max/min need --speculative-method ngram or ngram+mtp"),
+    (["--num-speculative-tokens", "2", "--speculative-method", "ngram", "--prompt-lookup-min",
+      "5"], "--prompt-lookup-min must be in 1..--prompt-lookup-max, got 5 and 4"),
+    (["--num-speculative-tokens", "2", "--speculative-method", "ngram", "--prompt-lookup-min",
+      "0"], "--prompt-lookup-min must be in 1..--prompt-lookup-max, got 0 and 4"),
+    (["--num-speculative-tokens", "2", "--spec-min-acceptance", "1.5"],
+     "--spec-min-acceptance must be in [0, 1]"),
     (["--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
 ])
 def test_bad_serve_flags(tiny_ckpt, capsys, flags, msg):
@@ -170,3 +180,22 @@ def test_every_serve_option_shows_help_and_its_default(capsys):
         assert len(text.split("(default: ")[0].split()) >= 2, f"{name}: help too short: {text!r}"
         if a.default not in (None, False):
             assert f"(default: {a.default}" in text, f"{name}: help does not name {a.default!r}"
+
+
+def test_speculative_flags_become_engine_config_fields():
+    """The flags given (and only those) reach EngineConfig; vLLM's
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5} spelled as flags."""
+    import argparse
+
+    from tailored.cli import speculative_options
+    from tailored.config import EngineConfig
+
+    ns = argparse.Namespace(spec_max_running=None, speculative_method="ngram",
+                            prompt_lookup_max=5, prompt_lookup_min=None,
+                            spec_min_acceptance=0.0)
+    kw = speculative_options(ns)
+    assert kw == {"speculative_method": "ngram", "prompt_lookup_max": 5,
+                  "spec_min_acceptance": 0.0}
+    ec = EngineConfig(num_speculative_tokens=3, **kw)
+    assert ec.uses_ngram and not ec.uses_mtp and ec.prompt_lookup_min == 2
+    assert ec.spec_max_running == 2

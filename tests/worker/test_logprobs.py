@@ -66,7 +66,7 @@ def engine(request):
     # scheduling the logprobs ride with ids read a step later
     return build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="off",
                        max_model_len=512, max_num_seqs=8, num_speculative_tokens=2,
-                       async_scheduling=request.param).engine
+                       spec_max_running=8, async_scheduling=request.param).engine
 
 
 def run(engine, reqs):
@@ -153,7 +153,8 @@ def client():
     from tailored.server.async_engine import AsyncEngine
 
     st = build_stack(NANO, device="cpu", dtype="float32", progress=False, kernels="off",
-                     max_model_len=512, max_num_seqs=8, num_speculative_tokens=2)
+                     max_model_len=512, max_num_seqs=8, num_speculative_tokens=2,
+                     spec_max_running=8)
     with TestClient(build_app(AsyncEngine(st.engine), st.tokenizer, "nano", 512,
                               reasoning_parser="qwen3")) as c:
         yield c
@@ -209,7 +210,8 @@ def test_engine_logprobs_on_the_gpu_beside_graphs_and_drafts():
     """The device path: pinned host copies behind the ids' event, async scheduling, the decode
     and verify CUDA graphs replayed for the requests that draft beside those asking logprobs."""
     eng = build_stack(NANO, device="cuda", dtype="bfloat16", progress=False,
-                      max_model_len=512, max_num_seqs=8, num_speculative_tokens=2).engine
+                      max_model_len=512, max_num_seqs=8, num_speculative_tokens=2,
+                      spec_max_running=8).engine
     p = eng.tokenizer.encode("def fibonacci(n):")
     got = run(eng, {
         "lp": (p, SamplingParams(temperature=0.0, max_tokens=32, logprobs=5)),
