@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""When do drafts pay (kb/0061): output tok/s of greedy requests at c = 1, 2, 4 ... with no
+"""When do drafts pay (kb/0062): output tok/s of greedy requests at c = 1, 2, 4 ... with no
 drafts, with the MTP head's drafts at a synthetic acceptance, and with prompt lookup that finds
 nothing (random weights never repeat), its draft length adaptive (pauses: steps launched ahead
 as without drafts) or fixed (every step waits for the previous one's token to look up).

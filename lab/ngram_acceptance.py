@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Acceptance of prompt-lookup (n-gram) drafts, MTP drafts and both on the nano model (CPU),
-by kind of prompt: code edits, JSON, quoting (kb/0061).
+by kind of prompt: code edits, JSON, quoting (kb/0062).
 
 In-process, the real engine, scheduler and runner (plain PyTorch path, fp32), one greedy
 request at a time (c = 1). For each setting and category it reports the drafts proposed and

@@ -109,7 +109,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "run; verify steps replay CUDA graphs up to B sequences. Each sequence "
                         "of such a graph keeps N GDN state snapshots of ~33 MB each at full "
                         "size (~64 MB with --gdn-state-dtype float32). On an H100 two drafts "
-                        "made c=1 faster and c=8 27%% slower (kb/0061) (default: 2, at most "
+                        "made c=1 faster and c=8 27%% slower (kb/0062) (default: 2, at most "
                         "--max-num-seqs)")
     p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="benchmarks on random weights only, needs --num-speculative-tokens: "

@@ -275,7 +275,7 @@ class EngineConfig:
         captured in CUDA graphs up to this batch size (worker/spec_graphs.py), with GDN snapshots
         of num_speculative_tokens states a sequence. 2: on an H100 (FP8, acceptance 0.8) two
         drafts made c=1 15-37 % faster and c=8 27 % slower; interpolated in log(c) the gain
-        is gone between c=2 and c=4 (kb/0061).
+        is gone between c=2 and c=4 (kb/0062).
     spec_min_acceptance: adaptive draft length (engine/draft_pace.py): a request's next step
         verifies the largest k <= num_speculative_tokens drafts with a^k >= this, a being its
         recent share of drafts kept; below it for one draft, the request pauses drafting and

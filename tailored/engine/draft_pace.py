@@ -27,7 +27,7 @@ With prompt lookup alone, a step that finds no match counts as a rejected first 
 ready to draft costs the step (on CUDA it cannot be launched ahead), and text that never repeats
 should pause like drafts that never match.
 
-The constants come from a simulation of Bernoulli acceptances (kb/0061): at a steady a = 0.8 a
+The constants come from a simulation of Bernoulli acceptances (kb/0062): at a steady a = 0.8 a
 request drafts at ~98 % of its steps; at a <= 0.3 at ~3-8 % (probes); a collapse from high to no
 acceptance pauses within ~7 verify steps. Deterministic: the same kept counts give the same
 lengths (tests/engine/test_draft_pace.py feeds fake acceptance sequences). The lengths only

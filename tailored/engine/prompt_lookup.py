@@ -15,7 +15,7 @@ occurred before.
 Cost: each request keeps its tokens in a growing int32 array (4 bytes a token, appended as
 tokens come). A lookup is min_n vectorised comparisons over the array (the occurrences of the
 last min_n tokens), then one narrowing pass per further n over those occurrences only: O(L)
-in numpy, no Python loop over the context (kb/0061: ~20 µs at L = 32k on one core; 32k
+in numpy, no Python loop over the context (kb/0062: ~20 µs at L = 32k on one core; 32k
 copies of one token, the worst case, ~0.5 ms). It runs only for requests that draft, while at most
 spec_max_running requests run.
 """

@@ -80,7 +80,7 @@ def test_incremental_sync_equals_a_fresh_array():
 
 def test_a_lookup_on_a_32k_context_is_cheap():
     """No O(L²), no Python loop over the context: a lookup at 32k tokens takes well under a
-    millisecond (kb/0061: ~20 µs on one core; the bound leaves room for a busy machine), and
+    millisecond (kb/0062: ~20 µs on one core; the bound leaves room for a busy machine), and
     the worst case, one token repeated 32k times, a few."""
     rng = np.random.default_rng(0)
     ids = (rng.zipf(1.3, 32768) % 5000).tolist()  # frequent tokens, like text
