@@ -508,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         args.explicit = explicit_options(serve_parser, argv[argv.index("serve") + 1:])
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: thousands of lines a benchmark or tune run
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         if args.command == "bench":
             return bench_cli.run(args)

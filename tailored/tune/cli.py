@@ -33,9 +33,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="measure at most N candidates in this invocation, then write the "
                         "report of what is done (rerun to continue) (default: no limit)")
-    p.add_argument("--kb", default=str(REPO / "kb"),
-                   help="the knowledge base the run's record goes to (kb/tune/, an index "
-                        "line in its README.md) (default: %(default)s)")
+    p.add_argument("--kb", default=None, metavar="DIR",
+                   help="the knowledge base the run's record goes to: DIR/tune/, and an index "
+                        "line in DIR/README.md if there is one; give the checkout's kb/ to "
+                        "keep the record with the project (default: OUT/kb, nothing written "
+                        "outside OUT)")
     p.add_argument("--contract-tests", action="store_true",
                    help="before the search, run the tests marked with the contracts the space "
                         "can touch (docs/contracts.md); options whose contracts fail are "
@@ -155,7 +157,11 @@ def run(args) -> int:
     allr = [baseline | {"trial": 0}] + records
     chosen = report.choose(contract, allr)
     profile = prof.make_profile(
-        contract.name, engine=sp.engine_options(chosen["candidate"]),
+        contract.name,
+        # the contract's memory settings, as every candidate was served with them
+        engine={"max_model_len": max_len,
+                "gpu_memory_utilization": contract.memory.gpu_memory_utilization}
+        | sp.engine_options(chosen["candidate"]),
         switches=sp.switches_of(chosen["candidate"]), checkpoint=fp, precision=mc.precision,
         gpu=contract.gpu, contract={"name": contract.name, "sha256": contract.sha256()},
         measured={"chosen": chosen["metrics"], "defaults": baseline["metrics"],
@@ -168,7 +174,7 @@ def run(args) -> int:
                               space=space.describe(), baseline=baseline, records=records,
                               complete=complete, profile_path=profile_path,
                               plot_path=plot_path)
-    kb = report.kb_record(Path(args.kb), started, contract, baseline, records, chosen,
+    kb = report.kb_record(Path(args.kb) if args.kb else out / "kb", started, contract, baseline, records, chosen,
                           out / "report.json", gpu_name)
     g = rep["gain"]
     log(f"chose trial {chosen['trial']} ({', '.join(f'{k}={v}' for k, v in chosen['changed'].items()) or 'the defaults'}): "
