@@ -303,7 +303,8 @@ def _apply_profile(args, switches):
                       else None if args.device == "auto" else args.device)
     prof.check_profile(p, checkpoint_dir=ckpt, precision=ModelConfig.from_dir(ckpt).precision,
                        device_name=prof.gpu_kind(str(dev)))
-    p["applied"] = prof.apply_to_args(args, p, getattr(args, "explicit", set()))
+    p["applied"] = prof.apply_to_args(args, p, getattr(args, "explicit", set()),
+                                      getattr(args, "option_types", {}))
     return p, prof.switches_with(p, switches, os.environ)
 
 
@@ -506,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         from tailored.tune.profile import explicit_options
 
         args.explicit = explicit_options(serve_parser, argv[argv.index("serve") + 1:])
+        args.option_types = {a.dest: a.type for a in serve_parser._actions if a.type}
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: thousands of lines a benchmark or tune run

@@ -425,8 +425,13 @@ def request_records(results: list[RequestResult]) -> list[dict[str, Any]]:
 
 
 async def discover_model(client, root: str) -> str:
-    resp = await client.get(f"{root}/v1/models")
-    resp.raise_for_status()
+    import httpx
+
+    try:
+        resp = await client.get(f"{root}/v1/models")
+        resp.raise_for_status()
+    except httpx.HTTPError as e:  # a server that is down or not an OpenAI endpoint
+        raise RuntimeError(f"GET {root}/v1/models failed: {type(e).__name__}: {e}") from None
     data = resp.json().get("data") or []
     if not data:
         raise RuntimeError(f"{root}/v1/models lists no model")

@@ -146,7 +146,9 @@ def run(args) -> int:
         baseline, records, started, complete = search.run_search(
             ctx, stop_after=args.stop_after, log=log)
     except KeyboardInterrupt:
-        log(f"interrupted: rerun `tailored tune {args.contract} --out {out}` to continue")
+        kb_arg = f" --kb {args.kb}" if args.kb else ""
+        log(f"interrupted: rerun `tailored tune {args.contract} --out {out}{kb_arg}` to "
+            "continue")
         return 130
     fp = checkpoint_fingerprint(ckpt)
     manifest = build_manifest(base_url=None, checkpoint_dir=None, engine_config=None,
@@ -184,7 +186,8 @@ def run(args) -> int:
     log(f"wrote {profile_path}, {out / 'report.json'}, {plot_path}, {kb}"
         + ("" if complete else f" ({len(records)}/{contract.search.trials} candidates: rerun "
                                "to continue)"))
-    return 0
+    # a run whose chosen point misses an SLO still writes its profile, but a script can tell
+    return 0 if rep["chosen"]["slo_met"] else 1
 
 
 def _version(name: str) -> str | None:

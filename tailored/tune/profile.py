@@ -77,9 +77,19 @@ def load_profile(path: str | Path) -> dict:
         raise ProfileError(f"--profile {p}: not valid YAML: {e}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ProfileError(f"--profile {p}: not a {SCHEMA} file (written by `tailored tune`)")
-    for k in ("name", "checkpoint", "precision", "gpu", "engine", "switches"):
+    for k, kind in (("name", str), ("checkpoint", dict), ("precision", str), ("gpu", str),
+                    ("engine", dict), ("switches", dict)):
         if k not in data:
             raise ProfileError(f"--profile {p}: field {k!r} missing")
+        if not isinstance(data[k], kind):  # a hand edit that recomputed the hash
+            raise ProfileError(f"--profile {p}: field {k!r} must be a "
+                               f"{'mapping' if kind is dict else 'string'}, got "
+                               f"{type(data[k]).__name__}")
+    bad_types = sorted(k for k, v in data["engine"].items()
+                       if v is not None and not isinstance(v, (bool, int, float, str)))
+    if bad_types:
+        raise ProfileError(f"--profile {p}: engine option(s) {', '.join(bad_types)} must be "
+                           "single values")
     if data.get("sha256") != profile_hash(data):
         raise ProfileError(f"--profile {p}: its sha256 does not match its contents (edited by "
                            "hand?): rerun `tailored tune`, or give the options you want "
@@ -144,9 +154,11 @@ def explicit_options(parser, argv: list[str]) -> set[str]:
     return {k for k, v in vars(ns).items() if v is not sentinel}
 
 
-def apply_to_args(args, p: dict, explicit: set[str]) -> dict[str, Any]:
+def apply_to_args(args, p: dict, explicit: set[str],
+                  types: dict[str, Any] | None = None) -> dict[str, Any]:
     """Set the profile's engine options on `args` where not explicit; returns {applied},
-    and stores the kept ones on p['kept']."""
+    and stores the kept ones on p['kept']. types: the serve options' argparse types, so a
+    number option never takes a string (or a bool) from a profile."""
     applied, kept = {}, {}
     for k, v in p["engine"].items():
         if not hasattr(args, k):
@@ -157,6 +169,16 @@ def apply_to_args(args, p: dict, explicit: set[str]) -> dict[str, Any]:
             continue
         if k == "prefill_graphs" and isinstance(v, bool):
             v = "on" if v else "off"
+        if (types or {}).get(k) in (int, float) and v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ProfileError(f"profile {p['name']!r}: engine option {k!r} is "
+                               f"{type(v).__name__} {v!r}, the option takes a number")
+        have = getattr(args, k)  # the option's default: a value of the type it parses to
+        if (have is not None and v is not None and type(v) is not type(have)
+                and not (isinstance(have, float) and type(v) is int)):
+            raise ProfileError(f"profile {p['name']!r}: engine option {k!r} is "
+                               f"{type(v).__name__} {v!r}, the option takes a "
+                               f"{type(have).__name__}")
         setattr(args, k, v)
         applied[k] = v
     p["kept"] = kept

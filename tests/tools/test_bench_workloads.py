@@ -245,3 +245,14 @@ def test_live_chat_mix_at_poisson_rates_and_the_agent_mix(live, tmp_path):
     a = run["agent"]
     assert a["per_turn"][1]["cached_tokens"] > 0  # turn 2 resends turn 1: the prefix cache hits
     assert 0 < a["cached_tokens"] < a["prompt_tokens"]
+
+
+def test_bench_against_a_server_that_is_down_says_so_in_one_line(capsys):
+    """The random workload asks GET /v1/models first: a refused connection is an error
+    line naming the URL, not a traceback."""
+    from tailored.cli import main
+
+    rc = main(["bench", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1",
+               "--input-len", "4", "--output-len", "1", "--num-warmups", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "http://127.0.0.1:9/v1/models failed" in err and "Traceback" not in err

@@ -122,6 +122,27 @@ def test_a_hand_edited_profile_is_refused(tmp_path, capsys):
     assert "sha256 does not match" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("field,value,needle", [
+    ("engine", None, "field 'engine' must be a mapping"),
+    ("precision", 5, "field 'precision' must be a string"),
+    ("gpu", 5, "field 'gpu' must be a string"),
+    ("engine", {"max_num_seqs": [1, 2]}, "must be single values"),
+    ("engine", {"max_num_seqs": "abc"}, "engine option 'max_num_seqs' is str 'abc', the option takes a number"),
+])
+def test_a_rehashed_profile_with_bad_types_gets_an_error_not_a_traceback(
+        tmp_path, capsys, field, value, needle):
+    """An edit that also recomputed the hash passes the sha256 check: the types are checked."""
+    import yaml
+
+    p = _nano_profile()
+    p[field] = value
+    p["sha256"] = prof.profile_hash(p)
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(p, sort_keys=False))
+    assert main(["serve", "--profile", str(f), "--port", "1"]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_explicit_options_win_over_the_profile():
     import argparse
 
