@@ -19,13 +19,14 @@ Usage: python lab/probe_scaled_mm_blockwise.py [--rows 1024,8192]
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from tailored.kernels.fp8_quant import dequantize_groups, quantize_groups
 from tailored.model import fp8 as fp8mod
+
+import bench_moe_prefill  # lab/: run from the repository root, as its other scripts
 
 # (name, N, K) of the FP8 dense projections (full config: GDN qkv|z, GDN out, attention q|k|v
 # with the output gate, attention o, shared expert gate|up and down)
@@ -34,17 +35,8 @@ SHAPES = [("gdn_in_qkvz", 12288, 2048), ("gdn_out", 2048, 4096), ("attn_qkv", 92
 
 
 def timed(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(out)
+    """Median µs of `reps` calls (bench_moe_prefill's CUDA-event timer, in µs)."""
+    return bench_moe_prefill.timed(fn, reps) * 1e3
 
 
 def scaled_mm_blockwise(q, s, w, ws_t):

@@ -51,3 +51,20 @@ def run_seq(model, cache, ids, start, slot, pages, logits_rows=None):
 
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def stop_id_cases(ids, ref, positions: int) -> dict:
+    """Requests of prompt `ids` that stop on a token of its greedy output `ref`: for each of
+    ref's first `positions` tokens not seen before in it, stop_token_ids=[that token] with
+    max_tokens just before, at and after its position (a stop inside, at the end of and past
+    an accepted block of drafts)."""
+    from tailored.engine.types import SamplingParams
+
+    cases = {}
+    for cut in range(positions):
+        if ref[cut] not in ref[:cut]:
+            for mt in (cut, cut + 1, cut + 2):
+                if mt >= 1:
+                    cases[f"id{cut}-{mt}"] = (ids, SamplingParams(
+                        max_tokens=mt, temperature=0, ignore_eos=True, stop_token_ids=[ref[cut]]))
+    return cases

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import stop_id_cases
 
 import tailored
 from tailored.config import EngineConfig
@@ -112,13 +113,7 @@ def test_stops_and_limits_inside_accepted_blocks(plain, tok):
     where the engine without drafts does (ids, text, finish reason)."""
     ref = plain[0]["p0"]
     ids = tok.encode(QUOTE)
-    cases = {}
-    for cut in range(12):
-        if ref[cut] not in ref[:cut]:
-            for mt in (cut, cut + 1, cut + 2):
-                if mt >= 1:
-                    cases[f"id{cut}-{mt}"] = (ids, SamplingParams(
-                        max_tokens=mt, temperature=0, ignore_eos=True, stop_token_ids=[ref[cut]]))
+    cases = stop_id_cases(ids, ref, 12)
     text = tok.decode(ref)
     for k, end in enumerate(range(5, len(text), max(1, len(text) // 10))):
         cases[f"str{k}"] = (ids, _greedy(stop=[text[end - 3:end]]))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import stop_id_cases
 
 import tailored
 from tailored.config import EngineConfig, ModelConfig
@@ -223,13 +224,7 @@ def test_stops_at_every_position_of_an_accepted_block(plain, tok):
     text, finish reason; usage = the ids returned, checked in _run), nothing after a stop."""
     ref = plain[0]["g0"]
     ids = tok.encode(PROMPTS[0])
-    reqs = {}
-    for cut in range(16):
-        if ref[cut] not in ref[:cut]:
-            for mt in (cut, cut + 1, cut + 2):
-                if mt >= 1:
-                    reqs[f"id{cut}-{mt}"] = (ids, SamplingParams(
-                        max_tokens=mt, temperature=0, ignore_eos=True, stop_token_ids=[ref[cut]]))
+    reqs = stop_id_cases(ids, ref, 16)
     text = tok.decode(ref)
     for k, end in enumerate(range(6, len(text), max(1, len(text) // 12))):
         reqs[f"str{k}"] = (ids, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
