@@ -27,6 +27,17 @@ def _rates(s: str) -> list[float]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _slo_ms(s: str) -> float:
+    """An SLO bound in milliseconds: a finite number > 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds > 0, got {s}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workloads, arrivals and goodput (docs/benchmarks.md#workloads)")
     g.add_argument("--workload", choices=WORKLOADS, default=None,
@@ -38,9 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Poisson arrivals at R requests/s (inf: all at once), one run per rate; "
                         "--concurrency then caps the requests in flight (default: no cap); "
                         "the arrival times follow --seed")
-    g.add_argument("--slo-ttft-ms", type=float, default=goodput.DEFAULT_TTFT_MS,
+    g.add_argument("--slo-ttft-ms", type=_slo_ms, default=goodput.DEFAULT_TTFT_MS,
                    help="goodput counts requests with TTFT <= this (default %(default)g)")
-    g.add_argument("--slo-itl-ms", type=float, default=goodput.DEFAULT_ITL_MS,
+    g.add_argument("--slo-itl-ms", type=_slo_ms, default=goodput.DEFAULT_ITL_MS,
                    help="... and time per output token <= this (default %(default)g); the run's "
                         "ITL p99 is checked against it too")
     g.add_argument("--random-text", action="store_true",

@@ -256,3 +256,13 @@ def test_bench_against_a_server_that_is_down_says_so_in_one_line(capsys):
                "--input-len", "4", "--output-len", "1", "--num-warmups", "0"])
     err = capsys.readouterr().err
     assert rc == 2 and "http://127.0.0.1:9/v1/models failed" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag,value", [("--slo-ttft-ms", "-5"), ("--slo-itl-ms", "nan"),
+                                        ("--slo-itl-ms", "0"), ("--slo-ttft-ms", "inf")])
+def test_an_slo_bound_must_be_a_positive_finite_number(flag, value, capsys):
+    from tailored.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
