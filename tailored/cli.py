@@ -291,8 +291,7 @@ def _apply_profile(args, switches):
     set where the command line gave none; returns (profile or None, switches)."""
     if not args.profile:
         return None, switches
-    import os
-
+    from tailored import flags
     from tailored.config import ModelConfig
     from tailored.stack import embedded_checkpoint, pick_device
     from tailored.tune import profile as prof
@@ -305,7 +304,7 @@ def _apply_profile(args, switches):
                        device_name=prof.gpu_kind(str(dev)))
     p["applied"] = prof.apply_to_args(args, p, getattr(args, "explicit", set()),
                                       getattr(args, "option_types", {}))
-    return p, prof.switches_with(p, switches, os.environ)
+    return p, prof.switches_with(p, switches, flags.set_in_env())
 
 
 def cmd_serve(args) -> int:

@@ -270,6 +270,14 @@ def _parse(f: dataclasses.Field, raw: str):
     return raw
 
 
+def set_in_env(environ=None) -> frozenset[str]:
+    """The switches' variables `environ` (default os.environ) sets to a non-empty value: the
+    ones an explicit environment setting outranks (e.g. a serve profile's switches give way)."""
+    env = os.environ if environ is None else environ
+    return frozenset(f.metadata["env"] for f in dataclasses.fields(Flags)
+                     if env.get(f.metadata["env"], "").strip())
+
+
 _active: Flags | None = None
 
 

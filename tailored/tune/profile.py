@@ -185,12 +185,13 @@ def apply_to_args(args, p: dict, explicit: set[str],
     return applied
 
 
-def switches_with(p: dict, switches, environ) -> Any:
-    """The Flags record with the profile's switches the environment does not set."""
+def switches_with(p: dict, switches, set_in_env: frozenset[str]) -> Any:
+    """The Flags record with the profile's switches but those the environment sets
+    (`flags.set_in_env()`)."""
     import dataclasses
 
     by_env = {f.metadata["env"]: f.name for f in dataclasses.fields(switches)}
-    changes = {by_env[k]: v for k, v in p["switches"].items() if not environ.get(k, "").strip()}
+    changes = {by_env[k]: v for k, v in p["switches"].items() if k not in set_in_env}
     return switches.replace(**changes) if changes else switches
 
 

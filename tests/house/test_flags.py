@@ -97,3 +97,8 @@ def test_build_stack_keeps_the_active_record_and_activates_a_given_one(tiny_ckpt
     build_stack(tiny_ckpt, device="cpu", dtype="float32", kernels="off", progress=False,
                 max_model_len=64, max_num_seqs=2, switches=given)
     assert flags.current() is given
+
+
+def test_set_in_env_names_only_switches_given_a_value():
+    env = {"TAILORED_PDL": "0", "TAILORED_GDN_DV_SPLIT": "  ", "PATH": "/bin"}
+    assert flags.set_in_env(env) == frozenset({"TAILORED_PDL"})
