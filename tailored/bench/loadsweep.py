@@ -215,29 +215,19 @@ def assemble(results_dir: str | Path, *, precision: str = "fp8", card: str | Non
             headers[e]["long"].append(h)
             longs.setdefault(n, {})[e] = (p, r)
 
-    def files_of(by_engine):
-        return {e: by_engine[e][0].name if e in by_engine else None for e in ENGINES}
-
-    points = []
-    for c in sorted(sweep):
-        by = sweep[c]
-        pt: dict[str, Any] = {"concurrency": c}
+    def point(label: str, value: int, by: dict, metrics) -> dict[str, Any]:
+        """One point: both engines' prompt and failure counts, each metric as a pair with
+        its ratio, the files it came from (by: engine -> (path, run))."""
+        pt: dict[str, Any] = {label: value}
         pt["num_prompts"] = {e: by[e][1].get("num_prompts") if e in by else None for e in ENGINES}
         pt["failed"] = {e: by[e][1].get("failed") if e in by else None for e in ENGINES}
-        for key, run_key in POINT_METRICS:
+        for key, run_key in metrics:
             pt[key] = _pair({e: _num(by[e][1].get(run_key)) for e in by})
-        pt["files"] = files_of(by)
-        points.append(pt)
-    long_points = []
-    for n in sorted(longs):
-        by = longs[n]
-        lp: dict[str, Any] = {"prompt_tokens": n}
-        lp["num_prompts"] = {e: by[e][1].get("num_prompts") if e in by else None for e in ENGINES}
-        lp["failed"] = {e: by[e][1].get("failed") if e in by else None for e in ENGINES}
-        for key, run_key in LONG_METRICS:
-            lp[key] = _pair({e: _num(by[e][1].get(run_key)) for e in by})
-        lp["files"] = files_of(by)
-        long_points.append(lp)
+        pt["files"] = {e: by[e][0].name if e in by else None for e in ENGINES}
+        return pt
+
+    points = [point("concurrency", c, sweep[c], POINT_METRICS) for c in sorted(sweep)]
+    long_points = [point("prompt_tokens", n, longs[n], LONG_METRICS) for n in sorted(longs)]
 
     manifests = {e: _engine_manifest(headers[e]) for e in ENGINES}
     first = next(m for m in (manifests["tailored"], manifests["vllm"]) if m)
