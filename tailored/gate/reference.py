@@ -93,13 +93,14 @@ def hf_text_config(cfg, attn_impl: str = "sdpa"):
     return hcfg
 
 
-def shared_state_dict(model) -> dict[str, torch.Tensor]:
+def shared_state_dict(model, consume: bool = False) -> dict[str, torch.Tensor]:
     """Our model's tensors under HF names (the same storage; MTP dropped). Block-FP8 weights
-    are dequantized to the model dtype (new tensors) and their scales dropped."""
+    are dequantized to the model dtype (new tensors) and their scales dropped; consume: each
+    FP8 weight is emptied in `model` once dequantized (`fp8.dequantized_state_dict`)."""
     if model.config.fp8 is not None:
         from tailored.model.fp8 import dequantized_state_dict
 
-        sd = dequantized_state_dict(model, model.lm_head.weight.dtype)
+        sd = dequantized_state_dict(model, model.lm_head.weight.dtype, consume)
     else:
         sd = model.state_dict()
     return {k: v for k, v in sd.items() if not k.startswith("mtp.")}
@@ -128,14 +129,16 @@ def reference_from_state_dict(cfg, state_dict: dict[str, torch.Tensor], device,
     return hf.eval().requires_grad_(False)  # new Parameter objects; ours keep their flags
 
 
-def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = "sdpa"):
+def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = "sdpa",
+                   consume: bool = False):
     """The reference for the engine `model` (our Qwen36ForCausalLM).
 
-    mode 'shared': adopt `model`'s tensors. mode 'checkpoint': load `checkpoint_dir` again
-    (same dtype/device as `model`) and adopt that copy.
+    mode 'shared': adopt `model`'s tensors (consume: an FP8 model's weights are emptied as they
+    are dequantized; only its lm_head still runs). mode 'checkpoint': load `checkpoint_dir`
+    again (same dtype/device as `model`) and adopt that copy.
     """
     if mode == "shared":
-        sd = shared_state_dict(model)
+        sd = shared_state_dict(model, consume)
     elif mode == "checkpoint":
         from tailored.model.loader import load_checkpoint
 

@@ -340,8 +340,14 @@ def _run(args) -> int:
         stack, prompts, args.max_new_tokens, args.max_num_batched_tokens, args.hidden_from,
         args.one_at_a_time)
     t = time.monotonic()
+    consume = fp8 and mode == "shared"
+    if consume:  # the engine has run: its cache, graphs and FP8 weights make room (80 GB cards)
+        stack.engine.runner.release()
+        _free(dev)
     hf = load_reference(cfg, stack.engine.runner.model, mode, stack.checkpoint_dir,
-                        args.reference_attn)
+                        args.reference_attn, consume=consume)
+    if consume:
+        _free(dev)
     timings["reference_load_s"] = time.monotonic() - t
     kw = {"max_new_tokens": args.max_new_tokens, "max_scored": args.max_scored_positions}
     t = time.monotonic()

@@ -239,21 +239,45 @@ def convert_model_(model: nn.Module, qcfg: Fp8Config) -> list[str]:
 
 
 @torch.no_grad()
-def dequantized_state_dict(model: nn.Module, dtype) -> dict[str, torch.Tensor]:
+def dequantized_state_dict(model: nn.Module, dtype, consume: bool = False,
+                           ) -> dict[str, torch.Tensor]:
     """Our model's state dict with every FP8 weight dequantized to `dtype` and the scales
     dropped: the bf16 weights of "the FP8 checkpoint dequantized into the reference". Tensors
-    that are not FP8 are shared (no copy); FP8 ones are new tensors (the full model: ≈ 67 GB)."""
+    that are not FP8 are shared (no copy); FP8 ones are new tensors (the full model: ≈ 67 GB).
+    consume: each FP8 weight and its scales are emptied in `model` once dequantized (lm_head
+    kept), so the peak is the bf16 copy alone, not the copy beside the FP8 weights (≈ 35 GB
+    more): how the FP8 gate fits an 80 GB card. `model` cannot run afterwards."""
     sd = {}
     mods = dict(model.named_modules())
-    for key, t in model.state_dict().items():
+    source = model.state_dict()
+    for key in list(source):
+        t = source.pop(key)  # no reference left here once `model`'s attribute is emptied
         if key.endswith("_scale_inv"):
             continue
         owner, _, leaf = key.rpartition(".")
         mod = mods.get(owner)
         if isinstance(mod, Fp8Linear) and leaf == "weight":
             t = dequantize_block(mod.weight, mod.weight_scale_inv, dtype)
+            names = ("weight", "weight_scale_inv")
         elif t.dtype == FP8 and leaf in ("gate_up_proj", "down_proj"):
             t = DequantExperts(t, getattr(mod, leaf + "_scale_inv"), dtype,
                                leaf == "gate_up_proj").all()
+            names = (leaf, leaf + "_scale_inv")
+        else:
+            names = ()
         sd[key] = t
+        if consume and names and not key.startswith("lm_head."):
+            for name in names:
+                empty_tensor(mod, name)
     return sd
+
+
+def empty_tensor(mod: nn.Module, name: str) -> None:
+    """Replace `mod.<name>` (a parameter or buffer) by an empty tensor of its dtype and device:
+    its storage is freed once nothing else holds it."""
+    old = getattr(mod, name)
+    new = torch.empty(0, dtype=old.dtype, device=old.device)
+    if isinstance(old, nn.Parameter):
+        setattr(mod, name, nn.Parameter(new, requires_grad=False))
+    else:
+        mod.register_buffer(name, new)

@@ -61,6 +61,12 @@ class ModelRunner:
         self.kernel = start_kernel_path(model, self.cache, cfg, ec, self.device, draft_head)
         self.spec = SpecDecoding(model, self.cache, ec, self.kernel, draft_head)
 
+    def release(self) -> None:
+        """Drop the cache, the kernel path (its graphs, stacked experts and scratch) and the
+        speculative decoding: their device memory is freed once collected, and this runner
+        cannot run another step. The FP8 gate's reference needs that memory on an 80 GB card."""
+        self.cache = self.kernel = self.spec = None
+
     @property
     def spec_stats(self) -> list[int]:
         """[verify steps, drafts verified, drafts kept] since start (server metrics)."""

@@ -92,6 +92,24 @@ def test_loader_fp8_is_the_quantized_bf16_checkpoint(fp8_and_bf16):
                 assert torch.equal(v, fp8.dequantize_block(q, s, torch.float32)), k
 
 
+def test_consuming_dequantization_gives_the_same_weights_and_frees_the_fp8_ones(tiny_fp8_ckpt):
+    """consume=True (the FP8 gate on an 80 GB card): the same dequantized values as the plain
+    call, and afterwards every FP8 weight and scale of the model is empty except lm_head."""
+    m = build_empty_model(ModelConfig.from_dir(tiny_fp8_ckpt), "cpu", torch.float32)
+    load_checkpoint(m, tiny_fp8_ckpt, progress=False)
+    want = fp8.dequantized_state_dict(m, torch.float32)
+    fp8_keys = [k for k, v in m.state_dict().items() if v.dtype == fp8.FP8]
+    assert fp8_keys
+    got = fp8.dequantized_state_dict(m, torch.float32, consume=True)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    after = m.state_dict()
+    for k in fp8_keys:
+        assert after[k].numel() == 0 and after[k].dtype == fp8.FP8, k
+        scale = k + "_scale_inv" if not k.endswith(".weight") else k[:-6] + "weight_scale_inv"
+        assert after[scale].numel() == 0, scale
+    assert after["model.norm.weight"].numel() > 0 and after["lm_head.weight"].numel() > 0
+
+
 def test_fp8_plain_forward_is_the_dequantized_model(fp8_and_bf16):
     """The FP8 model computes exactly what a bf16-layout model holding the dequantized weights
     computes (fp32 on the CPU); how far both are from the bf16 checkpoint is the gate's

@@ -87,6 +87,20 @@ def test_gate_tiny_fp8_against_dequantized_and_bf16_references(tmp_path):
     assert vb["overall"]["max_logit_err"] > 1e-2  # FP8 rounding shows against the bf16 weights
 
 
+def test_fp8_gate_with_shared_weights_consumes_the_engine_and_still_passes(tmp_path):
+    """--reference-weights shared (the GPU default): the engine's cache, kernel path and FP8
+    weights are released before the reference is built, and the verdict is the same."""
+    from tailored.gate.run import run
+
+    out = tmp_path / "gate-fp8-shared.json"
+    assert run(gate_args("--preset", "tiny-fp8", "--only", "code", "--max-new-tokens", "8",
+                         "--reference-weights", "shared", "--report", str(out))) == 0
+    r = json.loads(out.read_text())
+    assert r["manifest"]["reference_weights"] == "shared"
+    assert r["overall"]["top1"] == 1.0 and r["overall"]["greedy_match"] == 1
+    assert r["vs_bf16_reference"]["overall"]["max_logit_err"] > 1e-2
+
+
 def test_gate_one_at_a_time_runs_each_prompt_alone(monkeypatch, tmp_path, capsys):
     """--one-at-a-time (kb/0042): each prompt goes through the engine alone, so every decode
     step has one row (the c=1 path); the gate still passes on the tiny preset and records the
