@@ -416,6 +416,9 @@ def cmd_serve(args) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout + 15)
     try:
         _bounded_shutdown_server(config, async_engine, args.shutdown_timeout).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        logging.getLogger("tailored").info("stopped (Ctrl-C)")
+        return 130  # a shell's code for a Ctrl-C'd command, without a traceback
     finally:
         # a second Ctrl-C makes uvicorn skip the app's shutdown: stop the engine here (a no-op
         # after a normal shutdown), or the engine process would keep the interpreter's exit

@@ -335,6 +335,20 @@ def test_serve_sigterm_ends_a_long_stream_after_the_shutdown_timeout(tmp_path, m
     assert "shutdown timeout: ending the requests still in flight" in text, text[-3000:]
 
 
+def test_serve_ctrl_c_when_idle_stops_without_a_traceback(tmp_path):
+    """Ctrl-C is how a user stops `tailored serve`: a log line and a shell's 130, no
+    traceback (uvicorn re-raises the signal after its graceful shutdown)."""
+    p, url, log = _serve(tmp_path, "--max-model-len", "512", "--engine-process", "off")
+    try:
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(30)
+    finally:
+        _wait_exit(p)
+    text = log.read_text()
+    assert p.returncode == 130 and "stopped (Ctrl-C)" in text, (p.returncode, text[-2000:])
+    assert "Traceback" not in text, text[-3000:]
+
+
 def test_serve_second_ctrl_c_exits_at_once_with_the_engine_process(tmp_path):
     """A second Ctrl-C makes uvicorn skip the app's shutdown; the engine process must still be
     stopped (else the interpreter's exit waits on it): exit within seconds, not after
@@ -349,6 +363,7 @@ def test_serve_second_ctrl_c_exits_at_once_with_the_engine_process(tmp_path):
         _wait_exit(p)
     text = log.read_text()
     assert took < 20, (took, text[-2000:])
+    assert p.returncode == 130 and "stopped (Ctrl-C)" in text, (p.returncode, text[-2000:])
     pid = next((int(w) for line in text.splitlines() if "engine running in process" in line
                 for w in line.split() if w.isdigit()), None)
     assert pid is not None, text[-2000:]
