@@ -125,9 +125,10 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
                          f"max_position_embeddings {cfg.max_position_embeddings}")
     tok = load_tokenizer(ckpt)
     t0 = time.monotonic()
-    # prompt-lookup drafts alone need no MTP head: its weights are not loaded
+    # the MTP head only where MTP drafts run: without drafts, or with prompt-lookup drafts
+    # alone, its weights (a whole MoE layer, ~1.7 GB bf16 at full size) are not loaded
     model = build_empty_model(cfg, dev, dt,
-                              with_mtp=not (ec.num_speculative_tokens > 0 and not ec.uses_mtp))
+                              with_mtp=ec.uses_mtp)
     if load_format == "dummy":
         init_dummy_weights(model, seed, init=dummy_init)
         log.info("dummy weights drawn on %s in %.1f s", dev, time.monotonic() - t0)

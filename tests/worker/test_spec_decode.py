@@ -140,7 +140,7 @@ def test_drafter_matches_the_training_chain():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab"))
     from nano import evaluate as ev
 
-    st = _stack(0)
+    st = _stack(3)
     model = st.engine.runner.model
     ids = load_tokenizer(NANO).encode(PROMPTS[1] + "):\n        self.path = path\n")[:40]
     seq = torch.tensor([ids])
@@ -161,7 +161,9 @@ def test_drafter_matches_the_training_chain():
 
 
 def test_drafter_needs_the_mtp_head():
-    st = _stack(0)
+    # without MTP drafts the head is not even loaded (a whole MoE layer at full size)
+    assert _stack(0).engine.runner.model.mtp is None
+    st = _stack(3)
     model = st.engine.runner.model
     mtp, model.mtp = model.mtp, None
     cache = HybridCache(model.config, 4, 16, 2, torch.float32, "cpu", mtp_layers=1)
