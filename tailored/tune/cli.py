@@ -106,6 +106,7 @@ def run(args) -> int:
     from tailored.bench.results import build_manifest, checkpoint_fingerprint
     from tailored.tokenizer import load_tokenizer
     from tailored.tune import profile as prof, report, search, space as sp
+    from tailored.tune.preflight import preflight
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -120,6 +121,7 @@ def run(args) -> int:
             update={"trials": args.trials})})
     ckpt, embedded, mc, target, gpu_name = _target(contract)
     space = sp.build_space(contract, target)
+    preflight(contract, sp.tunable_switches())  # before any server starts
     if args.list_space:
         print(json.dumps(space.describe(), indent=1, default=str))
         return 0

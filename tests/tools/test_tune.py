@@ -43,6 +43,32 @@ def test_contract_errors_name_the_field_and_the_fix(data, field, fix):
     assert line.startswith(f"c.yaml: {field}: ") and "fix:" in line and fix in line
 
 
+@pytest.mark.parametrize("over,needle", [
+    ({"traffic": {"concurrency": 2, "prompts": "no/such/file.jsonl"}},
+     "traffic.prompts: no such prompt file"),
+    ({"traffic": {"concurrency": 2, "prompts": "BAD"}}, "traffic.prompts: "),
+    ({"search": {"fixed": {"max_num_seqs": 0}}}, "search.fixed.max_num_seqs: 0 is not"),
+    ({"search": {"fixed": {"prefill_graphs": "sometimes"}}}, "search.fixed.prefill_graphs"),
+    ({"search": {"fixed": {"enforce_eager": "yes"}}}, "search.fixed.enforce_eager"),
+    ({"search": {"fixed": {"TAILORED_MOE_W8A8_FROM": -3}}}, "search.fixed.TAILORED_MOE_W8A8"),
+    ({"traffic": {"concurrency": 2, "input_tokens": 900, "output_tokens": 200},
+      "memory": {"max_model_len": 1024}}, "memory.max_model_len: 1024 <"),
+])
+def test_tune_refuses_a_contract_whose_trials_would_all_fail_before_starting_anything(
+        tmp_path, capsys, over, needle):
+    """Checked in a second, before any server starts (exit code 2, the field named)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\nnot json\n')
+    data = {"name": "x", "traffic": {"concurrency": 2}, **over}
+    if data["traffic"].get("prompts") == "BAD":
+        data["traffic"]["prompts"] = str(bad)
+    (tmp_path / "c.yaml").write_text(json.dumps(data))
+    rc = main(["tune", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err, err
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
 def test_the_docs_example_contracts_load(tmp_path):
     """docs/tune.md's two example contracts are valid contracts as written."""
     text = (REPO / "docs" / "tune.md").read_text()
