@@ -1,0 +1,2 @@
+def add_parser(sub):
+    return sub.add_parser("bench")
