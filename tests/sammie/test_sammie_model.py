@@ -75,7 +75,7 @@ def test_outputs_match_transformers_with_the_same_weights(ckpt, hf):
         assert theirs.std() > 0.1 or theirs.abs().max() > 0.3  # not a degenerate output
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
     # the synthetic statistics spread the scores (most queries low, some high), not all ~0.5
-    assert det.scores.std() > 0.05 and (det.scores > 0.3).float().mean() < 0.5
+    assert det.scores.std() > 0.02 and (det.scores > 0.3).float().mean() < 0.5
 
 
 def test_one_batch_of_several_images_and_prompts_matches_rows_alone(ckpt):
