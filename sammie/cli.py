@@ -1,6 +1,6 @@
 """`sammie` command line: `serve` (the segmentation server), `synth` (synthetic checkpoints),
-`gate` (numerics against transformers' Sam3Model), `bench` (load client; `bench reference`:
-the reference server). docs/sammie.md is the manual."""
+`gate` (numerics against transformers' Sam3Model), `bench` (the load client), `reference` (the
+reference server it measures against). docs/sammie.md is the manual."""
 
 from __future__ import annotations
 
