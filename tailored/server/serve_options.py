@@ -46,9 +46,11 @@ def add_front_door_options(p: argparse.ArgumentParser) -> None:
                         "(/health_generate) wait for its token (default: %(default)s)")
 
 
-def read_keys(api_key: list[str] | None, api_key_file: str | None, env_keys: str) -> tuple:
+def read_keys(api_key: list[str] | None, api_key_file: str | None, env_keys: str,
+              env_name: str = "TAILORED_API_KEY") -> tuple:
     """Every key of the three sources (module docstring), in order, without duplicates.
-    Raises ValueError naming the source of a bad key or an unreadable file."""
+    Raises ValueError naming the source of a bad key or an unreadable file. env_name: the
+    variable env_keys came from (sammie's is SAMMIE_API_KEY)."""
     found: list[tuple[str, str]] = [(k, "--api-key") for k in api_key or ()]
     if api_key_file is not None:
         try:
@@ -59,7 +61,7 @@ def read_keys(api_key: list[str] | None, api_key_file: str | None, env_keys: str
         if not keys:
             raise ValueError(f"--api-key-file {api_key_file}: no key in it")
         found += [(k, "--api-key-file") for k in keys]
-    found += [(k.strip(), "TAILORED_API_KEY") for k in env_keys.split(",") if k.strip()]
+    found += [(k.strip(), env_name) for k in env_keys.split(",") if k.strip()]
     out: list[str] = []
     for key, where in found:
         if not key or not key.isascii() or not key.isprintable() or any(

@@ -8,6 +8,9 @@ Checked by reading the source (ast), so a violation fails here before anyone rev
   * no module imports another module's private (`_name`) names;
   * no file over 600 lines;
   * no `TAILORED_*` environment read outside tailored/flags.py.
+The same rules hold for sammie/ (the segmentation server, docs/sammie.md), whose switches are
+`SAMMIE_*` in sammie/flags.py; sammie may use tailored's public names, tailored never imports
+sammie.
 """
 
 from __future__ import annotations
@@ -18,12 +21,18 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "tailored"
+PKGS = (PKG, PKG.parent / "sammie")
+ROOTS = tuple(p.name for p in PKGS)
 MAX_LINES = 600
+
+
+def _sources():
+    return [p for pkg in PKGS for p in sorted(pkg.rglob("*.py"))]
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for p in sorted(PKG.rglob("*.py")):
+    for p in _sources():
         rel = p.relative_to(PKG.parent).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
@@ -40,7 +49,7 @@ def _is_type_checking(node: ast.If) -> bool:
 
 def _imports(path: Path, modules: dict) -> list[tuple[str, list[str]]]:
     """(imported module, names taken from it) of every import in `path` outside
-    `if TYPE_CHECKING:` blocks, resolved to tailored modules."""
+    `if TYPE_CHECKING:` blocks, resolved to tailored / sammie modules."""
     tree = ast.parse(path.read_text(), str(path))
     skip = set()
     for node in ast.walk(tree):
@@ -52,10 +61,10 @@ def _imports(path: Path, modules: dict) -> list[tuple[str, list[str]]]:
             continue
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.startswith("tailored"):
+                if a.name.startswith(ROOTS):
                     found.append((a.name, []))
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.startswith("tailored"):
+                and node.module.startswith(ROOTS):
             names = [a.name for a in node.names]
             subs = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in modules]
             found.append((node.module, [n for n in names if f"{node.module}.{n}" not in modules]))
@@ -103,6 +112,8 @@ LAYER_RULES = {  # a module under the key may not import modules under any of th
     "tailored.ops": ("tailored.model", "tailored.worker", "tailored.engine", "tailored.server",
                      "tailored.kernels"),
     "tailored.worker": ("tailored.server", "tailored.stack"),
+    "tailored": ("sammie",),
+    "sammie.model": ("sammie.engine", "sammie.server", "sammie.gate", "sammie.bench"),
 }
 
 
@@ -127,26 +138,27 @@ def test_no_module_imports_another_modules_private_names():
 
 @pytest.mark.contract("house-rules")
 def test_no_file_over_600_lines():
-    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
+    long = {str(p.relative_to(PKG.parent)): n for p in _sources()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
 
 
 @pytest.mark.contract("house-rules")
 def test_switches_are_read_in_flags_only():
-    """`TAILORED_` may appear in strings and comments elsewhere (messages, docs), but only
-    tailored/flags.py reads the environment for it."""
+    """`TAILORED_` (`SAMMIE_`) may appear in strings and comments elsewhere (messages, docs),
+    but only tailored/flags.py (sammie/flags.py) reads the environment for it."""
     bad = []
-    for p in PKG.rglob("*.py"):
-        if p.name == "flags.py" and p.parent == PKG:
-            continue
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Call):
-                f = ast.unparse(node.func)
-                if f in ("os.environ.get", "os.getenv", "environ.get", "getenv") and node.args \
-                        and "TAILORED" in ast.unparse(node.args[0]):
+    for pkg, prefix in ((PKG, "TAILORED"), (PKGS[1], "SAMMIE")):
+        for p in pkg.rglob("*.py"):
+            if p.name == "flags.py" and p.parent == pkg:
+                continue
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, ast.Call):
+                    f = ast.unparse(node.func)
+                    if f in ("os.environ.get", "os.getenv", "environ.get", "getenv") \
+                            and node.args and prefix in ast.unparse(node.args[0]):
+                        bad.append(f"{p.relative_to(PKG.parent)}:{node.lineno}")
+                elif isinstance(node, ast.Subscript) and ast.unparse(node.value) in (
+                        "os.environ", "environ") and prefix in ast.unparse(node.slice):
                     bad.append(f"{p.relative_to(PKG.parent)}:{node.lineno}")
-            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) in (
-                    "os.environ", "environ") and "TAILORED" in ast.unparse(node.slice):
-                bad.append(f"{p.relative_to(PKG.parent)}:{node.lineno}")
     assert not bad, bad

@@ -1,0 +1,5 @@
+import sys
+
+from sammie.cli import main
+
+sys.exit(main())

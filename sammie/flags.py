@@ -1,0 +1,70 @@
+"""Sammie's switch table: every `SAMMIE_*` environment variable, declared once, read here only.
+
+Its own table, not tailored's: the two servers are deployed apart, and a `TAILORED_*` name
+means nothing to sammie (nor the reverse). The same rules as tailored/flags.py: an unknown
+`SAMMIE_*` name or a bad value stops the start with a message naming it; `snapshot()` is what
+manifests record (a secret's value shows as "(set)"). docs/sammie.md lists them. Manifests come
+from tailored/gate/manifest.py, shared, so the commit that a copy without git records is still
+`TAILORED_COMMIT`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+
+PREFIX = "SAMMIE_"
+
+
+def _switch(env: str, default: str, why: str, secret: bool = False):
+    return field(default=default, metadata={"env": PREFIX + env, "why": why, "secret": secret},
+                 repr=not secret)
+
+
+@dataclass(frozen=True)
+class Flags:
+    api_key: str = _switch(
+        "API_KEY", "", "API keys `sammie serve` accepts, comma-separated, beside --api-key and "
+        "--api-key-file; never shown", secret=True)
+    cache: str = _switch(
+        "CACHE", "", "directory for the tiny synthetic checkpoint `sammie serve` writes when "
+        "given none; empty = ~/.cache/sammie")
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Flags":
+        env = os.environ if environ is None else environ
+        known = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
+        for name in env:
+            if name.startswith(PREFIX) and name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                raise ValueError(f"{name}: not a sammie switch{hint}; docs/sammie.md lists them")
+        return cls(**{f.name: env[n].strip() for n, f in known.items() if env.get(n, "").strip()})
+
+    def snapshot(self) -> dict:
+        return {f.metadata["env"]: ("(set)" if getattr(self, f.name) else "")
+                if f.metadata["secret"] else getattr(self, f.name)
+                for f in dataclasses.fields(self)}
+
+
+def markdown_rows() -> list[str]:
+    """The table's rows for docs/sammie.md."""
+    return [f"| `{f.metadata['env']}` | {f.metadata['why']} |" for f in dataclasses.fields(Flags)]
+
+
+_active: Flags | None = None
+
+
+def current() -> Flags:
+    global _active
+    if _active is None:
+        _active = Flags.from_env()
+    return _active
+
+
+def activate(flags: Flags) -> Flags:
+    global _active
+    _active = flags
+    return flags
