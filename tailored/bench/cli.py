@@ -6,6 +6,7 @@
     tailored bench roofline --preset full --precision bf16|fp8 --batch 1 [--ctx-len N]
     tailored bench summary --results-dir DIR [--latest bench/results/latest.json]
     tailored bench load --results-dir DIR [--card H100 --commit SHA] [--latest latest.json]
+    tailored bench peers --results-dir DIR [--precision fp8] [--latest latest.json]
     tailored bench --plot OUT.png --results-dir DIR | --latest bench/results/latest.json
 
 `tailored bench ...` and `python -m tailored.bench ...` are the same command.
@@ -18,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-MODES = ("run", "compare", "roofline", "summary", "load", "plot")
+MODES = ("run", "compare", "roofline", "summary", "load", "peers", "plot")
 
 
 def _csv_ints(s: str) -> list[int]:
@@ -63,7 +64,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=MODES,
         default=None,
         help="run (default), compare, roofline, summary, load (the load sweep's section of "
-        "latest.json) or plot",
+        "latest.json), peers (tailored vs SGLang vs vLLM: its `peers` section) or plot",
     )
     g = p.add_argument_group("run: load generation against --base-url")
     g.add_argument(
@@ -335,6 +336,27 @@ def cmd_load(args) -> int:
     return 0
 
 
+def cmd_peers(args) -> int:
+    from tailored.bench import peers
+
+    if not args.results_dir:
+        print("tailored bench peers: --results-dir is required", file=sys.stderr)
+        return 2
+    try:
+        section = peers.assemble(args.results_dir, precision=args.precision or "fp8",
+                                 card=args.card, commit=args.commit, note=args.note)
+    except (peers.NoPeerResults, OSError, ValueError) as e:
+        print(f"tailored bench peers: {e}", file=sys.stderr)
+        return 2
+    print(peers.format_peers(section))
+    if args.latest:
+        print(f"wrote the peers section into {peers.update_latest(args.latest, section)}",
+              file=sys.stderr)
+    elif args.json:
+        print(json.dumps(section, indent=1))
+    return 0
+
+
 def cmd_plot(args) -> int:
     from tailored.bench import plot
 
@@ -466,6 +488,7 @@ def run(args) -> int:
         "roofline": cmd_roofline,
         "summary": cmd_summary,
         "load": cmd_load,
+        "peers": cmd_peers,
         "plot": cmd_plot,
     }[mode](args)
 
