@@ -8,6 +8,7 @@
     tailored bench load --results-dir DIR [--card H100 --commit SHA] [--latest latest.json]
     tailored bench peers --results-dir DIR [--precision fp8] [--latest latest.json]
     tailored bench --plot OUT.png --results-dir DIR | --latest bench/results/latest.json
+    tailored bench --plot OUT.png --plot-kind cdf|goodput --plot-inputs A.json B.json ...
 
 `tailored bench ...` and `python -m tailored.bench ...` are the same command.
 """
@@ -212,6 +213,26 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="draw output tok/s and TTFT p50 against concurrency for both engines (needs "
         "matplotlib: the `plot` extra); precision from --precision (default fp8)",
     )
+    g.add_argument(
+        "--plot-kind",
+        choices=("load", "cdf", "goodput"),
+        default="load",
+        help="--plot draws the load sweep (default), latency CDFs (TTFT, ITL) per engine or "
+        "goodput against request rate per engine",
+    )
+    g.add_argument(
+        "--plot-inputs",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="cdf / goodput: result files, one line each (default with --results-dir: its "
+        "ENGINE-PREC-WORKLOAD.json peers files of --plot-workload)",
+    )
+    g.add_argument("--plot-workload", default="chat-mix",
+                   help="cdf / goodput with --results-dir: the workload's files (default "
+                   "%(default)s)")
+    g.add_argument("--plot-point", default=None, metavar="c=N|rate=R",
+                   help="cdf: the run to draw (default: each file's last)")
     g.add_argument("--card", default=None, help="load/plot: the GPU to state (default: its name)")
     g.add_argument(
         "--commit",
@@ -357,9 +378,41 @@ def cmd_peers(args) -> int:
     return 0
 
 
+def _plot_latency(args) -> int:
+    from tailored.bench import peers, plot, plotlatency
+
+    inputs = args.plot_inputs
+    if not inputs and args.results_dir:
+        try:
+            found = peers.find_files(args.results_dir, args.precision or "fp8")
+        except peers.NoPeerResults as e:
+            print(f"tailored bench --plot: {e}", file=sys.stderr)
+            return 2
+        inputs = [p for (_, tag), p in sorted(found.items()) if tag == args.plot_workload]
+    if not inputs:
+        print("tailored bench --plot: give --plot-inputs FILE... (or --results-dir DIR with "
+              "peers files)", file=sys.stderr)
+        return 2
+    try:
+        if args.plot_kind == "cdf":
+            p = plotlatency.plot_cdfs(inputs, args.plot, point=args.plot_point, title=args.note)
+        else:
+            p = plotlatency.plot_goodput(inputs, args.plot, title=args.note)
+    except plot.PlotUnavailable as e:
+        print(f"tailored bench: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"tailored bench --plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {p} ({p.stat().st_size:,} bytes)", file=sys.stderr)
+    return 0
+
+
 def cmd_plot(args) -> int:
     from tailored.bench import plot
 
+    if args.plot_kind != "load":
+        return _plot_latency(args)
     load = _load_section(args)
     if load is None:
         return 2
