@@ -126,3 +126,32 @@ def _has_xgrammar() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_serve_draws_the_gates_stable_dummy_weights(tiny_ckpt, monkeypatch):
+    """The full-size soak compares greedy answers, which means something only on the gate's
+    well-conditioned fixture: `tailored serve --load-format dummy --dummy-init stable --seed S`
+    must build the model exactly as `tailored gate --load-format dummy --seed S` does (same
+    build_stack arguments for the weights; the gate's default init is the stable one)."""
+    import tailored.stack
+    from tailored.cli import main as cli_main
+
+    class Built(Exception):
+        pass
+
+    calls = []
+
+    def capture(ckpt, **kw):
+        calls.append({k: kw.get(k) for k in ("load_format", "seed", "dummy_init", "num_layers")})
+        raise Built
+
+    monkeypatch.setattr(tailored.stack, "build_stack", capture)
+    with pytest.raises(Built):
+        cli_main(["serve", str(tiny_ckpt), "--load-format", "dummy", "--dummy-init", "stable",
+                  "--seed", "3", "--engine-process", "off", "--device", "cpu"])
+    with pytest.raises(Built):
+        cli_main(["gate", str(tiny_ckpt), "--load-format", "dummy", "--seed", "3",
+                  "--device", "cpu"])
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert calls[0] == {"load_format": "dummy", "seed": 3, "dummy_init": "stable",
+                        "num_layers": None}
