@@ -140,3 +140,45 @@ def test_cli_peers(peers_dir, tmp_path, capsys):
     assert json.loads(latest.read_text())["peers"]["card"] == "H200"
     assert bench_main(["peers", "--results-dir", str(tmp_path / "none")]) == 2
     assert bench_main(["peers"]) == 2
+
+
+def test_peers_script_dry_run_writes_what_the_section_reads(tmp_path):
+    """lab/peers.sh's dry run: every engine's servers and clients, and result names that
+    `tailored bench peers` reads back into all four workloads for all three engines."""
+    import os
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBS_", "PEERS_"))}
+    env.update(SBS_DRY_RUN="1", SBS_DIR=str(tmp_path))
+    r = subprocess.run(["bash", "lab/peers.sh", "all", "fp8"], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    serves = [ln for ln in r.stdout.splitlines() if " serve " in ln and ln.startswith("+ ")]
+    assert any("sglang/remote.sh --port 8002 serve fp8 --context-length 16384" in s
+               for s in serves)
+    assert any("remote.sh --port 8000 serve fp8 --max-model-len 131072 --enable-prefix-caching"
+               in s for s in serves)
+    assert any("tailored serve" in s and "--prefix-cache-entries 64" in s for s in serves)
+    outs = []
+    for ln in r.stdout.splitlines():
+        if ln.startswith("+ tailored bench --base-url"):
+            words = shlex.split(ln[2:])
+            assert "--save-requests" in words  # the CDFs need the per-request records
+            outs.append(Path(words[words.index("--out") + 1]).name)
+    assert len(outs) == 18  # 3 engines x (random, chat mix, agent mix, 3 long prompts)
+    for name in outs:
+        engine, prec, tag = peers.FILE_RE.fullmatch(name).group(1, 2, 3)
+        runs = ([_run(c) for c in (1, 32, 128)] if tag == "random" else
+                [_run(0, rate=r) for r in (1.0, 2.0)] if tag == "chat-mix" else [_run(1)])
+        _write(tmp_path, engine, tag, runs, prec)
+    s = peers.assemble(tmp_path)
+    assert list(s["workloads"]) == ["random", "chat-mix", "agent-mix", "long"]
+    for block in s["workloads"].values():
+        for p in block["points"]:
+            assert all(p["output_tok_s" if "output_tok_s" in p else "goodput_req_s"][e]
+                       is not None for e in peers.ENGINES)
+    assert [p["point"] for p in s["workloads"]["long"]["points"]] == [
+        "16384 tokens", "65536 tokens", "120000 tokens"]
