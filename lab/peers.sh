@@ -11,12 +11,14 @@
 # (sourced) starts and stops vLLM and tailored, lab/peers/sglang/remote.sh SGLang.
 #
 #   stage-sglang DIR         add an SGLang kit chunk (lab/peers/sglang/fetch.sh's chunkNN)
-#   up sglang|vllm PREC      install (first time) and start that engine, left running
+#   stage-vllm026 DIR        add a vLLM 0.26.0 kit chunk (lab/peers/vllm026/fetch.sh's chunkNN)
+#   up ENGINE PREC           install (first time) and start sglang, vllm or vllm026, left running
 #   run ENGINE [PREC]        random, chat mix and agent mix against ENGINE (started if not up)
 #   long ENGINE [PREC]       the long prompts, the engine restarted at 131072
 #   summary [PREC]           the peers section into $SBS_DIR/latest.json, plots peers-PREC-*.png
 #   all [PREC]               everything, for a machine without a per-call limit
-# ENGINE: tailored, sglang or vllm; PREC: fp8 (default) or bf16.
+# ENGINE: tailored, sglang, vllm (0.25.1, the baseline kit) or vllm026 (0.26.0, the newest vLLM on
+# torch 2.11: `all` runs it when PEERS_VLLM026=1); PREC: fp8 (default) or bf16.
 #
 # Environment (besides side_by_side.sh's): SGLANG_PORT (8002), SGLANG_VARIANT (PREC, or
 # PREC-lowlat: the cookbook's MTP settings), PEERS_WORKLOADS ("random chat-mix agent-mix"),
@@ -79,9 +81,28 @@ start_sglang() {  # PREC MAX_MODEL_LEN: the kit's server; sets EPORT, ECKPT, ECF
       "variant": sys.argv[1], "command": sys.argv[2]}))' "$variant" "$args")
 }
 
+# vLLM 0.26.0 (lab/peers/vllm026: the newest vLLM on torch 2.11): the 0.25.1 kit's server and
+# phases, pointed at its own install (BASELINE_TMP) and port
+V026_TMP=${V026_TMP:-/tmp/v026}
+VLLM026_PORT=${VLLM026_PORT:-8003}
+start_vllm026() {  # PREC MAX_MODEL_LEN
+  local -x BASELINE_TMP=$V026_TMP
+  local BTMP=$V026_TMP VLLM_PORT=$VLLM026_PORT VLLM_LABEL="vllm 0.26.0 (lab/peers/vllm026)"
+  if [ "$DRY" != 1 ] && [ ! -d "$V026_TMP/site/vllm" ]; then
+    stamp "install vLLM 0.26.0"; bash "$ROOT/lab/peers/vllm026/remote.sh" install || die "vLLM 0.26.0 install failed"
+  fi
+  start_vllm "$@"
+}
+stop_vllm026() {  # TAG
+  local -x BASELINE_TMP=$V026_TMP
+  local BTMP=$V026_TMP VLLM_PORT=$VLLM026_PORT
+  stop_vllm "$@"
+}
+
 peer_start() {  # ENGINE PREC MAX_MODEL_LEN TAG
   case "$1" in
     sglang) start_sglang "$2" "$3" ;;
+    vllm026) start_vllm026 "$2" "$3" ;;
     *) start_engine "$@" ;;
   esac
 }
@@ -92,6 +113,7 @@ peer_stop() {  # ENGINE TAG
       if [ "$DRY" = 1 ]; then echo "+ bash $SG --port $SGLANG_PORT stop"; return 0; fi
       stamp "stop SGLang"; bash "$SG" --port "$SGLANG_PORT" stop
       cp "$SGTMP/sglang-$SGLANG_PORT.log" "$SBS/sglang-server-$2.log" 2>/dev/null || true ;;
+    vllm026) stop_vllm026 "026-$2" ;;
     *) stop_engine "$@" ;;
   esac
 }
@@ -106,7 +128,7 @@ peer_bench() {  # ENGINE PREC WORKLOAD ARGS...: one result file ENGINE-PREC-WORK
 }
 
 phase_run() {  # ENGINE [PREC]
-  local engine=${1:?usage: run tailored|sglang|vllm [bf16|fp8]} prec=${2:-fp8} wl
+  local engine=${1:?usage: run tailored|sglang|vllm|vllm026 [bf16|fp8]} prec=${2:-fp8} wl
   peer_start "$engine" "$prec" "$MAX_MODEL_LEN" "$prec-peers"
   for wl in $WORKLOADS; do
     case "$wl" in
@@ -125,7 +147,7 @@ phase_run() {  # ENGINE [PREC]
 }
 
 phase_peer_long() {  # ENGINE [PREC]
-  local engine=${1:?usage: long tailored|sglang|vllm [bf16|fp8]} prec=${2:-fp8} n
+  local engine=${1:?usage: long tailored|sglang|vllm|vllm026 [bf16|fp8]} prec=${2:-fp8} n
   peer_start "$engine" "$prec" "$LONG_MAX_MODEL_LEN" "$prec-peers-long"
   for n in ${PEER_LONG//,/ }; do
     peer_bench "$engine" "$prec" "long-$n" --input-len "$n" --output-len 1 --ignore-eos \
@@ -149,20 +171,23 @@ phase_peer_summary() {  # [PREC]
 }
 
 cmd=${1:-}; shift || true
-case "$cmd" in stage-sglang|up|run|long|summary|all) mkdir -p "$SBS" ;; esac
+case "$cmd" in stage-sglang|stage-vllm026|up|run|long|summary|all) mkdir -p "$SBS" ;; esac
 case "$cmd" in
   stage-sglang) bash "$SG" stage "${1:?usage: stage-sglang DIR}" ;;
+  stage-vllm026) bash "$ROOT/lab/peers/vllm026/remote.sh" stage "${1:?usage: stage-vllm026 DIR}" ;;
   up)
     case "${1:-}" in
       sglang) start_sglang "${2:?usage: up sglang bf16|fp8}" "$MAX_MODEL_LEN" ;;
       vllm) start_vllm "${2:?usage: up vllm bf16|fp8}" "$MAX_MODEL_LEN" ;;
-      *) die "usage: up sglang|vllm bf16|fp8" ;;
+      vllm026) start_vllm026 "${2:?usage: up vllm026 bf16|fp8}" "$MAX_MODEL_LEN" ;;
+      *) die "usage: up sglang|vllm|vllm026 bf16|fp8" ;;
     esac ;;
   run) phase_run "$@" ;;
   long) phase_peer_long "$@" ;;
   summary) phase_peer_summary "$@" ;;
   all)
-    for engine in vllm sglang tailored; do
+    engines="vllm sglang tailored"; [ "${PEERS_VLLM026:-0}" = 1 ] && engines="vllm vllm026 sglang tailored"
+    for engine in $engines; do
       (phase_run "$engine" "${1:-fp8}") || echo "run $engine failed"
       (phase_peer_long "$engine" "${1:-fp8}") || echo "long $engine failed"
     done

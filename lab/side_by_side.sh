@@ -248,9 +248,10 @@ start_vllm() {  # PREC MAX_MODEL_LEN: the kit's server (its own flags; a later -
     install_tailored
     args=$(ps -o args= -p "$(cat "$BTMP/vllm-$VLLM_PORT.pid")" 2>/dev/null || echo "?")
   fi
-  ECFG=$(python3 -c 'import json, sys; print(json.dumps({"engine": "vllm 0.25.1 (baseline kit)",
+  ECFG=$(python3 -c 'import json, sys; print(json.dumps({"engine": sys.argv[3],
       "variant": sys.argv[1], "command": sys.argv[2],
-      "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}))' "$prec" "$args")
+      "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}))' "$prec" "$args" \
+      "${VLLM_LABEL:-vllm 0.25.1 (baseline kit)}")
 }
 
 stop_vllm() {  # TAG

@@ -4,14 +4,17 @@
 Input: a folder of `tailored bench` results, one file per engine, precision and workload, as
 `lab/peers.sh` writes them:
 
-    {tailored,sglang,vllm}-PREC-random.json      random 1024 in / 512 out, c = 1, 32, 128
-    {tailored,sglang,vllm}-PREC-chat-mix.json    the chat mix at Poisson rates (one run each)
-    {tailored,sglang,vllm}-PREC-agent-mix.json   the agent mix (one run)
-    {tailored,sglang,vllm}-PREC-long-N.json      one prompt of N tokens (one run each file)
+    ENGINE-PREC-random.json      random 1024 in / 512 out, c = 1, 32, 128
+    ENGINE-PREC-chat-mix.json    the chat mix at Poisson rates (one run each)
+    ENGINE-PREC-agent-mix.json   the agent mix (one run)
+    ENGINE-PREC-long-N.json      one prompt of N tokens (one run each file)
+
+ENGINE: tailored, sglang (0.5.17), vllm (0.25.1, the baseline kit) or vllm026 (0.26.0, the
+newest vLLM on the GPU machine's torch 2.11; optional).
 
 Output, per workload and point (a run: `c=32`, `rate=4`, `all`, `N tokens`): each engine's
 output tok/s, TTFT p50/p99, ITL p50/p99 and goodput (requests and output tokens per second
-within the run's SLO), the best peer (the better of SGLang and vLLM on that metric) and the
+within the run's SLO), the best peer (the best of the others on that metric) and the
 ratio tailored / best peer (for TTFT and ITL lower is better: < 1 is a win). The chat mix also
 gets a point `max`: each engine's highest goodput over its rates. Then the issue's targets,
 each met or not, and each engine's manifest condensed. Only what the files carry: a value
@@ -30,8 +33,8 @@ from tailored.bench.loadsweep import condensed_manifest
 from tailored.bench.results import load_runs, ratio, write_latest
 
 SCHEMA = "tailored-peers/1"
-ENGINES = ("tailored", "sglang", "vllm")
-PEERS = ("sglang", "vllm")
+ENGINES = ("tailored", "sglang", "vllm", "vllm026")
+PEERS = ENGINES[1:]
 WORKLOADS = ("random", "chat-mix", "agent-mix", "long")
 # (section key, run key, higher is better)
 METRICS = (
@@ -53,7 +56,8 @@ TARGETS = (
     ("agent-mix", "all", "ttft_p50_ms", 0.5, "max"),
     ("long", None, "ttft_p50_ms", 0.7, "max"),
 )
-FILE_RE = re.compile(r"(tailored|sglang|vllm)-(\w+?)-(random|chat-mix|agent-mix|long-(\d+))\.json")
+FILE_RE = re.compile(r"(tailored|sglang|vllm|vllm026)-(\w+?)-(random|chat-mix|agent-mix|long-(\d+))"
+                     r"\.json")
 
 
 class NoPeerResults(ValueError):
@@ -157,7 +161,7 @@ def assemble(results_dir: str | Path, *, precision: str = "fp8", card: str | Non
         "date": min((h.get("date") or "" for hs in headers.values() for h in hs), default=None)
         or None,
         "note": note,
-        "ratio": "tailored / the better of SGLang and vLLM at each point (TTFT, ITL: lower is "
+        "ratio": "tailored / the best of the peers at each point (TTFT, ITL: lower is "
                  "better, < 1 is a win; throughput, goodput: > 1 is a win)",
         "results_dir": str(results_dir),
         "workloads": workloads,
@@ -209,10 +213,13 @@ def format_peers(s: dict[str, Any]) -> str:
     def f(x, nd=0):
         return "—" if x is None else f"{x:,.{nd}f}"
 
+    shown = [e for e in ENGINES if e != "vllm026" or any(
+        p[k].get(e) is not None for b in s["workloads"].values() for p in b["points"]
+        for k, _, _ in METRICS if k in p)]
     lines = [f"{s.get('card') or '?'}, {s['precision']}: tailored vs SGLang vs vLLM "
              f"(ratio = tailored / best peer)",
-             f"{'workload':<10} {'point':<13} {'metric':<14} {'tailored':>10} {'sglang':>10} "
-             f"{'vllm':>10} {'ratio':>7}"]
+             f"{'workload':<10} {'point':<13} {'metric':<14} "
+             + " ".join(f"{e:>10}" for e in shown) + f" {'ratio':>7}"]
     for w, block in s["workloads"].items():
         for p in block["points"]:
             for key, _, _ in METRICS:
@@ -221,8 +228,8 @@ def format_peers(s: dict[str, Any]) -> str:
                 v = p[key]
                 nd = 2 if key.startswith("goodput_req") else (1 if "itl" in key else 0)
                 r = "—" if v["ratio"] is None else f"{v['ratio']:.2f}×"
-                lines.append(f"{w:<10} {p['point']:<13} {key:<14} {f(v['tailored'], nd):>10} "
-                             f"{f(v['sglang'], nd):>10} {f(v['vllm'], nd):>10} {r:>7}")
+                lines.append(f"{w:<10} {p['point']:<13} {key:<14} "
+                             + " ".join(f"{f(v[e], nd):>10}" for e in shown) + f" {r:>7}")
     for t in s["targets"]:
         sym = "≥" if t["kind"] == "min" else "≤"
         verdict = {True: "met", False: "NOT met", None: "no data"}[t["met"]]

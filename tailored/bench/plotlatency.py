@@ -7,7 +7,7 @@ drawn is the one named by --plot-point (`c=32`, `rate=4`; default the file's las
 needs the per-request records, which `tailored bench --save-requests` keeps.
 goodput: requests and output tokens per second within the SLO against the Poisson request
 rate, one line per file, over the file's runs at a finite rate (`--request-rate` sweeps).
-The engine's name comes from the file name (tailored-..., sglang-..., vllm-...), else its label.
+The engine's name comes from the file name (tailored-, sglang-, vllm-, vllm026-), else its label.
 matplotlib is imported here only (the `plot` extra), on its Agg canvas.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from tailored.bench.plot import INSTALL_HINT, PlotUnavailable
 from tailored.bench.results import load_runs
 
-COLORS = {"tailored": "#1f6fb4", "vllm": "#d9822b", "sglang": "#2a9d4b"}
+COLORS = {"tailored": "#1f6fb4", "vllm": "#d9822b", "sglang": "#2a9d4b", "vllm026": "#a0522d"}
 
 
 def engine_of(path: str | Path, header: dict) -> str:

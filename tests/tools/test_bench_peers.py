@@ -66,18 +66,24 @@ def test_points_best_peer_and_ratio(peers_dir):
     rnd = {p["point"]: p for p in s["workloads"]["random"]["points"]}
     assert list(rnd) == ["c=1", "c=32", "c=128"]
     assert rnd["c=1"]["output_tok_s"] == {"tailored": 600.0, "sglang": 300.0, "vllm": 240.0,
-                                          "best_peer": "sglang", "ratio": 2.0}
+                                          "vllm026": None, "best_peer": "sglang", "ratio": 2.0}
     assert rnd["c=128"]["output_tok_s"]["best_peer"] == "vllm"
     assert rnd["c=128"]["output_tok_s"]["ratio"] == pytest.approx(4000 / 4800)
     # lower is better for the latencies: the best peer is the fastest
     assert rnd["c=1"]["ttft_p50_ms"]["best_peer"] == "sglang"  # 40 ms beside vLLM's 50
     assert rnd["c=1"]["ttft_p50_ms"]["ratio"] == pytest.approx(20 / 40)
     assert rnd["c=128"]["ttft_p99_ms"]["best_peer"] == "sglang"
-    assert rnd["c=1"]["files"] == {e: f"{e}-fp8-random.json" for e in peers.ENGINES}
+    assert rnd["c=1"]["files"] == {e: f"{e}-fp8-random.json" if e != "vllm026" else None
+                                   for e in peers.ENGINES}
     # every metric the issue names is there, for each engine
     for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                 "goodput_req_s", "goodput_tok_s"):
         assert set(peers.ENGINES) <= set(rnd["c=32"][key])
+    # vLLM 0.26.0, when it ran, is one more peer: here it is the best at c=32
+    _write(peers_dir, "vllm026", "random", [_run(32, tok_s=5000.0)])
+    c32 = {p["point"]: p for p in peers.assemble(peers_dir)["workloads"]["random"]["points"]}
+    assert c32["c=32"]["output_tok_s"]["best_peer"] == "vllm026"
+    assert c32["c=32"]["output_tok_s"]["ratio"] == pytest.approx(2500 / 5000)
 
 
 def test_chat_mix_rates_missing_points_and_max_goodput(peers_dir):
@@ -87,7 +93,7 @@ def test_chat_mix_rates_missing_points_and_max_goodput(peers_dir):
     r8 = chat["rate=8"]["goodput_req_s"]
     assert r8["vllm"] is None and r8["best_peer"] == "sglang" and r8["ratio"] == 3.5
     mx = chat["max"]
-    assert mx["goodput_req_s"] == {"tailored": 7.0, "sglang": 3.5, "vllm": 3.0,
+    assert mx["goodput_req_s"] == {"tailored": 7.0, "sglang": 3.5, "vllm": 3.0, "vllm026": None,
                                    "best_peer": "sglang", "ratio": 2.0}
     assert mx["goodput_tok_s"]["tailored"] == 700.0
     assert mx["of"] == ["rate=2", "rate=4", "rate=8"]
@@ -98,7 +104,8 @@ def test_long_prompts_and_nan(peers_dir):
     longs = {p["point"]: p for p in s["workloads"]["long"]["points"]}
     assert list(longs) == ["65536 tokens", "120000 tokens"]
     assert longs["65536 tokens"]["itl_p50_ms"] == {
-        "tailored": None, "sglang": None, "vllm": None, "best_peer": None, "ratio": None}
+        "tailored": None, "sglang": None, "vllm": None, "vllm026": None, "best_peer": None,
+        "ratio": None}
     assert longs["120000 tokens"]["ttft_p50_ms"]["sglang"] is None
     assert longs["120000 tokens"]["ttft_p50_ms"]["ratio"] == pytest.approx(5000 / 4000)
     assert longs["120000 tokens"]["files"]["sglang"] is None
@@ -153,6 +160,7 @@ def test_peers_script_dry_run_writes_what_the_section_reads(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SBS_", "PEERS_"))}
     env.update(SBS_DRY_RUN="1", SBS_DIR=str(tmp_path))
+    env["PEERS_VLLM026"] = "1"
     r = subprocess.run(["bash", "lab/peers.sh", "all", "fp8"], cwd=repo, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -168,7 +176,8 @@ def test_peers_script_dry_run_writes_what_the_section_reads(tmp_path):
             words = shlex.split(ln[2:])
             assert "--save-requests" in words  # the CDFs need the per-request records
             outs.append(Path(words[words.index("--out") + 1]).name)
-    assert len(outs) == 18  # 3 engines x (random, chat mix, agent mix, 3 long prompts)
+    assert any("remote.sh --port 8003 serve fp8" in s for s in serves)  # vLLM 0.26.0
+    assert len(outs) == 24  # 4 engines x (random, chat mix, agent mix, 3 long prompts)
     for name in outs:
         engine, prec, tag = peers.FILE_RE.fullmatch(name).group(1, 2, 3)
         runs = ([_run(c) for c in (1, 32, 128)] if tag == "random" else

@@ -8,8 +8,8 @@
 #      DROP_FA3=1: without FlashAttention 3) into DEST/slim,
 #   3. packs every wheel to install (the slim sglang-kernel for the PyPI one) with MANIFEST
 #      (group, file, sha256) into DEST/sglang-kit.tar and cuts it into DEST/chunkNN/ folders of
-#      at most CHUNK_MIB MiB (default 48: a device call copies the repository tree, ~12 MiB,
-#      plus the carried folders, 64 MiB in all); each chunk also holds KIT_SHA256.
+#      at most CHUNK_MIB MiB (../pack_chunks.sh; default 48: a device call copies the repository
+#      tree, ~12 MiB, plus the carried folders, 64 MiB in all); each chunk holds KIT_SHA256.
 # On the GPU machine: remote.sh stage DEST/chunkNN (one call each), then remote.sh install.
 #
 # Environment: PYTHON (default python3), INDEX_URL (default: pip's own default index),
@@ -19,7 +19,6 @@ set -euo pipefail
 KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 DEST=${1:?usage: fetch.sh DEST}
 PY=${PYTHON:-python3}
-CHUNK_MIB=${CHUNK_MIB:-48}
 LOCK=$KIT/wheels.lock
 die() { echo "fetch.sh: $*" >&2; exit 1; }
 command -v sha256sum >/dev/null || die "needs sha256sum (coreutils)"
@@ -62,21 +61,4 @@ done < "$LOCK"
 echo "== $n wheels as pinned; payload $(du -sm "$DEST/payload" | cut -f1) MiB"
 
 # 3. One tar (wheels are compressed already), cut into chunks.
-tar --sort=name --mtime=2026-01-01 --owner=0 --group=0 --numeric-owner \
-    -C "$DEST/payload" -cf "$DEST/sglang-kit.tar" .
-sum=$(sha256sum "$DEST/sglang-kit.tar" | cut -d' ' -f1)
-size=$(stat -c %s "$DEST/sglang-kit.tar")
-part=$((CHUNK_MIB * 1024 * 1024))
-parts=$(( (size + part - 1) / part ))
-rm -rf "$DEST"/chunk[0-9][0-9]
-for i in $(seq 0 $((parts - 1))); do
-  c=$(printf '%s/chunk%02d' "$DEST" "$i"); mkdir -p "$c"
-  tail -c +$((i * part + 1)) "$DEST/sglang-kit.tar" | head -c "$part" > "$c/sglang-kit.tar.$(printf %02d "$i")"
-  echo "$sum $parts" > "$c/KIT_SHA256"
-done
-joined=$(cat "$DEST"/chunk[0-9][0-9]/sglang-kit.tar.[0-9][0-9] | sha256sum | cut -d' ' -f1)
-[ "$joined" = "$sum" ] || die "the parts do not join back to sglang-kit.tar"
-for c in "$DEST"/chunk[0-9][0-9]; do
-  printf '%s  %5.1f MiB\n' "$c" "$(du -sb "$c" | awk '{print $1 / 1048576}')"
-done
-echo "== sglang-kit.tar $(awk -v s="$size" 'BEGIN {printf "%.1f", s / 1048576}') MiB in $parts chunks, sha256 $sum"
+bash "$KIT/../pack_chunks.sh" "$DEST/payload" "$DEST" sglang-kit

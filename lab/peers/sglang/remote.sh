@@ -67,19 +67,9 @@ stage)
   ;;
 
 install)
-  cd "$STAGE" 2>/dev/null || die "no $STAGE: stage every chunk first"
-  [ -f KIT_SHA256 ] || die "no KIT_SHA256: stage the chunks of one fetch.sh run"
-  read -r want parts < KIT_SHA256
-  have=$(ls sglang-kit.tar.[0-9][0-9] 2>/dev/null | wc -l)
-  [ "$have" = "$parts" ] || die "$have of $parts parts staged: stage every chunkNN"
-  cat sglang-kit.tar.[0-9][0-9] > sglang-kit.tar
-  got=$(sha256sum sglang-kit.tar | cut -d' ' -f1)
-  [ "$got" = "$want" ] || die "joined tar sha256 $got, expected $want"
-  rm -rf kit && mkdir kit && tar -xf sglang-kit.tar -C kit && rm -f sglang-kit.tar
-  cd kit
-  while read -r group file sum; do
-    [ "$(sha256sum "$file" | cut -d' ' -f1)" = "$sum" ] || die "sha256 mismatch: $file"
-  done < MANIFEST
+  [ -d "$STAGE" ] || die "no $STAGE: stage every chunk first"
+  bash "$KIT/../unpack_chunks.sh" "$STAGE" sglang-kit "$STAGE/kit"
+  cd "$STAGE/kit"
   wheels=() absent=()
   while read -r group file _; do
     case "$group" in
