@@ -5,7 +5,8 @@
 # KIT_SHA256 ("sha256-of-the-tar number-of-parts"). unpack_chunks.sh joins and checks them.
 set -euo pipefail
 PAYLOAD=${1:?usage: pack_chunks.sh PAYLOAD DEST NAME} DEST=${2:?} NAME=${3:?}
-part=$(( ${CHUNK_MIB:-48} * 1024 * 1024 ))
+mib=${CHUNK_MIB:-48}
+part=$(( mib * 1024 * 1024 ))
 tar --sort=name --mtime=2026-01-01 --owner=0 --group=0 --numeric-owner -C "$PAYLOAD" \
     -cf "$DEST/$NAME.tar" .
 sum=$(sha256sum "$DEST/$NAME.tar" | cut -d' ' -f1)
@@ -14,7 +15,9 @@ parts=$(( (size + part - 1) / part ))
 rm -rf "$DEST"/chunk[0-9][0-9]
 for i in $(seq 0 $((parts - 1))); do
   c=$(printf '%s/chunk%02d' "$DEST" "$i"); mkdir -p "$c"
-  tail -c +$((i * part + 1)) "$DEST/$NAME.tar" | head -c "$part" > "$c/$NAME.tar.$(printf %02d "$i")"
+  # (dd, not tail | head: under pipefail head's early exit kills tail with SIGPIPE)
+  dd if="$DEST/$NAME.tar" of="$c/$NAME.tar.$(printf %02d "$i")" bs=1M skip=$((i * mib)) \
+     count="$mib" status=none
   echo "$sum $parts" > "$c/KIT_SHA256"
 done
 joined=$(cat "$DEST"/chunk[0-9][0-9]/"$NAME".tar.[0-9][0-9] | sha256sum | cut -d' ' -f1)

@@ -2,10 +2,12 @@
 """Import SGLang's serving path on the GPU machine and list every module it lacks, in one go.
 
 A plain `import sglang.launch_server` stops at the first missing package. Here a last-resort
-import hook records each top-level module that nothing on sys.path provides and hands back an
-empty stand-in, so the imports go on and every missing name is reported; errors other than a
-missing module are reported per root. The stand-ins exist only in this process: it proves
-nothing about running, only what the kit must add (issue 57's kit, remote.sh probe).
+import hook records each top-level package that SGLang's own code imports and nothing on
+sys.path provides, and hands back an empty stand-in, so the imports go on and every missing
+name is reported; imports by other packages fail as usual (their `try: import x` fallbacks stay
+as they are); errors other than a missing module are reported per root. The stand-ins exist
+only in this process: it proves nothing about running, only what the kit must add (issue 57's
+kit, remote.sh probe).
 
     python3 probe_imports.py [--roots a.b,c.d]      # exit 1 when something is missing
 """
@@ -27,6 +29,16 @@ EXPECTED_ABSENT = {"torch_npu", "sgl_kernel_npu", "mlx", "mlx_lm", "aiter", "mor
                    "pplx_kernels", "setuptools_scm", "habana_frameworks", "intel_extension_for_pytorch"}
 
 
+class _StandInBase:
+    """What a class deriving from a stand-in gets as its base: takes any arguments."""
+
+    def __init_subclass__(cls, **kw):
+        pass
+
+    def __init__(self, *a, **k):
+        pass
+
+
 class _Anything(types.ModuleType):
     """A module whose every attribute is another stand-in (classes can derive from it)."""
 
@@ -43,7 +55,34 @@ class _Anything(types.ModuleType):
         return _Anything(f"{self.__name__}()")
 
     def __mro_entries__(self, bases):
-        return (object,)
+        base = self.__dict__.get("_as_base")
+        if base is None:  # one class per stand-in: two stand-in bases are two classes
+            base = type(self.__name__.rsplit(".", 1)[-1], (_StandInBase,), {})
+            self.__dict__["_as_base"] = base
+        return (base,)
+
+    def __or__(self, other):  # `Stub | None` in annotations
+        return self
+
+    __ror__ = __or__
+
+    def __getitem__(self, key):  # `Stub[int]`
+        return self
+
+    def __iter__(self):
+        return iter(())
+
+
+def _asked_by_sglang() -> bool:
+    """Whether the import being resolved comes from SGLang's own code (the first frame outside
+    the import machinery and this file belongs to a module named sglang...)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if not name.startswith(("importlib", "_frozen_importlib")) and name != __name__:
+            return name.split(".")[0] in ("sglang", "sgl_kernel")
+        f = f.f_back
+    return False
 
 
 class Recorder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -52,9 +91,12 @@ class Recorder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         top = fullname.split(".")[0]
-        if top == "sglang" or top == "sgl_kernel":
+        if top in ("sglang", "sgl_kernel"):
             return None  # the kit's own packages must import for real
-        self.missing.setdefault(top, fullname)
+        if top not in self.missing:  # a new name: only a whole package that is absent
+            if "." in fullname or not _asked_by_sglang():
+                return None  # a real package's missing submodule, or not SGLang asking
+            self.missing[top] = fullname
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec):
