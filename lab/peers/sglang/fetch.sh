@@ -49,7 +49,7 @@ while read -r spec hash _ group file; do
     # 2. sm_90 only
     rm -rf "$DEST/slim"
     args=(); [ "${SLIM_LZMA:-1}" = 1 ] && args+=(--lzma); [ "${DROP_FA3:-0}" = 1 ] && args+=(--drop-fa3)
-    echo "== slim_sglang_kernel.py ${args[*]} (about 1-3 minutes)"
+    echo "== slim_sglang_kernel.py ${args[*]} (about 10 minutes: LZMA over 500 MiB of cubins)"
     "$PY" "$KIT/slim_sglang_kernel.py" "$DEST/pypi/$file" "$DEST/slim" "${args[@]}"
     cp "$DEST/slim/$file" "$DEST/payload/"
     group=always
