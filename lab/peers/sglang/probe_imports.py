@@ -26,7 +26,8 @@ from import_closure import ROOTS  # noqa: E402  (this folder's list of serving m
 # optional by design, or not for CUDA: their absence is expected and not reported
 EXPECTED_ABSENT = {"torch_npu", "sgl_kernel_npu", "mlx", "mlx_lm", "aiter", "mori", "vllm",
                    "deep_ep", "mate", "zbal", "kt_kernel", "nixl_ep", "petit_kernel",
-                   "pplx_kernels", "setuptools_scm", "habana_frameworks", "intel_extension_for_pytorch"}
+                   "pplx_kernels", "setuptools_scm", "habana_frameworks",
+                   "intel_extension_for_pytorch"}
 
 
 class _StandInBase:
