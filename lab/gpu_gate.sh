@@ -10,6 +10,9 @@
 # invariance: tests/gpu/test_gpu_invariance.py (engine-level invariances, kernel path + graphs).
 # golden: lab/make_golden.py on the full-size gate fixture → $OUT/golden-full/ (reason: GOLDEN_REASON).
 # soak: tailored.bench.soak against a served fp32 full-width model (failure-cases §9).
+# soak-full: the full-size soak of issue 57 (docs/accuracy.md#soak): all 40 layers, bf16 (and/or
+#   FP8: SOAK_PRECS="bf16 fp8"), the gate's stable dummy init, 600 prompts x 5 rounds at c=128;
+#   report $OUT/soak-full-PREC.json, server log $OUT/server-soak-full-PREC.log.
 # GATE_ARGS: extra gate flags, e.g. "--only code,json" (the stable full-size fixture of kb/0008 is
 # already the default for --load-format dummy).
 source "$(dirname "$0")/device_env.sh" gpu_gate
@@ -53,6 +56,33 @@ if [[ " $PARTS " == *" soak "* ]]; then
         --prompts 96 --concurrency 64 --rounds "${SOAK_ROUNDS:-3}" --max-tokens 64 \
         --structured-every 3 --prefix-every 4 --json "$OUT/soak.json" 2>&1 | tail -12
     kill $spid; wait $spid 2>/dev/null
+fi
+if [[ " $PARTS " == *" soak-full "* ]]; then
+    # issue 57 item 4: >= 3,000 requests at c=128 over mixed prompt lengths (1-1200 tokens),
+    # half streamed, 10% of clients leaving mid-stream, every 5th prompt extending the one
+    # before (prefix-cache hits, references cold), every 10th under a grammar; every answer
+    # against the same request alone, ties within the gate's tie gap allowed (SOAK_TIE_GAP, or
+    # the gap of a gate report: SOAK_GATE_REPORT), at most 5% decisive differences (the gate's
+    # min_match_fraction 0.95); 0 errors; requests, KV pages, state slots back to idle
+    for prec in ${SOAK_PRECS:-bf16}; do
+        d=/tmp/full; [ "$prec" = fp8 ] && d=/tmp/full-fp8
+        gap=(--tie-gap "${SOAK_TIE_GAP:-0.1}")
+        [ -n "${SOAK_GATE_REPORT:-}" ] && gap=(--tie-gap-from "$SOAK_GATE_REPORT")
+        stamp "full-size soak $prec: 600 prompts x 5 rounds at c=128 (+600 references alone)"
+        python3 -m tailored serve "$d" --load-format dummy --dummy-init stable \
+            --max-model-len 4096 --max-num-seqs 128 --prefix-cache-entries 64 --port 8001 \
+            > "$OUT/server-soak-full-$prec.log" 2>&1 &
+        spid=$!
+        if wait_for_server 8001 $spid "$OUT/server-soak-full-$prec.log" 300; then
+            timeout "${SOAK_FULL_S:-500}" python3 -m tailored.bench.soak \
+                --base-url http://127.0.0.1:8001 --prompts "${SOAK_PROMPTS:-600}" \
+                --rounds "${SOAK_ROUNDS:-5}" --concurrency 128 --max-tokens 64 \
+                --max-prompt-len 1200 --structured-every 10 --prefix-every 5 \
+                --disconnect-fraction 0.1 "${gap[@]}" --max-decisive-fraction 0.05 \
+                --json "$OUT/soak-full-$prec.json" 2>&1 | tail -16
+        fi
+        kill $spid; wait $spid 2>/dev/null
+    done
 fi
 if [[ " $PARTS " == *" golden "* ]]; then
     stamp "full-size goldens (dummy, stable init, seed 0, bf16 reference)"

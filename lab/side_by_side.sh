@@ -60,7 +60,8 @@
 #
 # Environment: SBS_DIR, KIT (default .baseline-kit), VLLM_PORT (8000), TAILORED_PORT (8001),
 # BASELINE_TMP (the kit's /tmp), HBM_BW (B/s for the roofline, default 4.3e12), CROSSCHECK (1),
-# TAILORED_SERVE_ARGS (extra `tailored serve` flags), READY_TIMEOUT (s, default 600);
+# TAILORED_SERVE_ARGS (extra `tailored serve` flags), VLLM_SERVE_ARGS (extra `vllm serve` flags),
+# READY_TIMEOUT (s, default 600);
 # SBS_CONCURRENCY / SBS_PROMPTS (comma lists: the side by side's c=1,32 x 16,256, or the load
 # sweep's points), SBS_LONG (65536,120000), SBS_LONG_PROMPTS (2), SBS_WARMUPS (warm-up requests
 # per load point: 1, as in the 2026-12-07 run), SBS_DRY_RUN (1: print, run nothing).
@@ -225,6 +226,8 @@ start_vllm() {  # PREC MAX_MODEL_LEN: the kit's server (its own flags; a later -
   local prec=$1 maxlen=$2 extra=() args
   case "$prec" in bf16) ECKPT=$BTMP/model ;; fp8) ECKPT=$BTMP/model-fp8 ;; *) die "precision bf16|fp8" ;; esac
   [ "$maxlen" = "$MAX_MODEL_LEN" ] || extra=(--max-model-len "$maxlen")
+  # shellcheck disable=SC2206
+  extra+=(${VLLM_SERVE_ARGS:-})  # lab/peers.sh: prefix caching and its cached-token counts
   EPORT=$VLLM_PORT
   if [ "$DRY" = 1 ]; then
     echo "+ bash $R --port $VLLM_PORT serve $prec ${extra[*]}"
@@ -245,9 +248,10 @@ start_vllm() {  # PREC MAX_MODEL_LEN: the kit's server (its own flags; a later -
     install_tailored
     args=$(ps -o args= -p "$(cat "$BTMP/vllm-$VLLM_PORT.pid")" 2>/dev/null || echo "?")
   fi
-  ECFG=$(python3 -c 'import json, sys; print(json.dumps({"engine": "vllm 0.25.1 (baseline kit)",
+  ECFG=$(python3 -c 'import json, sys; print(json.dumps({"engine": sys.argv[3],
       "variant": sys.argv[1], "command": sys.argv[2],
-      "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}))' "$prec" "$args")
+      "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}}))' "$prec" "$args" \
+      "${VLLM_LABEL:-vllm 0.25.1 (baseline kit)}")
 }
 
 stop_vllm() {  # TAG
@@ -394,6 +398,8 @@ phase_summary() {
   done
 }
 
+# sourced (lab/peers.sh reuses the servers' start and stop and the client): functions only
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then return 0; fi
 cmd=${1:-}; shift || true
 case "$cmd" in stage|vllm|tailored|summary|all|up|load|long|load-summary|load-all) mkdir -p "$SBS" ;; esac
 case "$cmd" in

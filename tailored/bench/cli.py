@@ -6,7 +6,9 @@
     tailored bench roofline --preset full --precision bf16|fp8 --batch 1 [--ctx-len N]
     tailored bench summary --results-dir DIR [--latest bench/results/latest.json]
     tailored bench load --results-dir DIR [--card H100 --commit SHA] [--latest latest.json]
+    tailored bench peers --results-dir DIR [--precision fp8] [--latest latest.json]
     tailored bench --plot OUT.png --results-dir DIR | --latest bench/results/latest.json
+    tailored bench --plot OUT.png --plot-kind cdf|goodput --plot-inputs A.json B.json ...
 
 `tailored bench ...` and `python -m tailored.bench ...` are the same command.
 """
@@ -18,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-MODES = ("run", "compare", "roofline", "summary", "load", "plot")
+MODES = ("run", "compare", "roofline", "summary", "load", "peers", "plot")
 
 
 def _csv_ints(s: str) -> list[int]:
@@ -63,7 +65,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=MODES,
         default=None,
         help="run (default), compare, roofline, summary, load (the load sweep's section of "
-        "latest.json) or plot",
+        "latest.json), peers (tailored vs SGLang vs vLLM: its `peers` section) or plot",
     )
     g = p.add_argument_group("run: load generation against --base-url")
     g.add_argument(
@@ -211,6 +213,26 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="draw output tok/s and TTFT p50 against concurrency for both engines (needs "
         "matplotlib: the `plot` extra); precision from --precision (default fp8)",
     )
+    g.add_argument(
+        "--plot-kind",
+        choices=("load", "cdf", "goodput"),
+        default="load",
+        help="--plot draws the load sweep (default), latency CDFs (TTFT, ITL) per engine or "
+        "goodput against request rate per engine",
+    )
+    g.add_argument(
+        "--plot-inputs",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="cdf / goodput: result files, one line each (default with --results-dir: its "
+        "ENGINE-PREC-WORKLOAD.json peers files of --plot-workload)",
+    )
+    g.add_argument("--plot-workload", default="chat-mix",
+                   help="cdf / goodput with --results-dir: the workload's files (default "
+                   "%(default)s)")
+    g.add_argument("--plot-point", default=None, metavar="c=N|rate=R",
+                   help="cdf: the run to draw (default: each file's last)")
     g.add_argument("--card", default=None, help="load/plot: the GPU to state (default: its name)")
     g.add_argument(
         "--commit",
@@ -335,9 +357,62 @@ def cmd_load(args) -> int:
     return 0
 
 
+def cmd_peers(args) -> int:
+    from tailored.bench import peers
+
+    if not args.results_dir:
+        print("tailored bench peers: --results-dir is required", file=sys.stderr)
+        return 2
+    try:
+        section = peers.assemble(args.results_dir, precision=args.precision or "fp8",
+                                 card=args.card, commit=args.commit, note=args.note)
+    except (peers.NoPeerResults, OSError, ValueError) as e:
+        print(f"tailored bench peers: {e}", file=sys.stderr)
+        return 2
+    print(peers.format_peers(section))
+    if args.latest:
+        print(f"wrote the peers section into {peers.update_latest(args.latest, section)}",
+              file=sys.stderr)
+    elif args.json:
+        print(json.dumps(section, indent=1))
+    return 0
+
+
+def _plot_latency(args) -> int:
+    from tailored.bench import peers, plot, plotlatency
+
+    inputs = args.plot_inputs
+    if not inputs and args.results_dir:
+        try:
+            found = peers.find_files(args.results_dir, args.precision or "fp8")
+        except peers.NoPeerResults as e:
+            print(f"tailored bench --plot: {e}", file=sys.stderr)
+            return 2
+        inputs = [p for (_, tag), p in sorted(found.items()) if tag == args.plot_workload]
+    if not inputs:
+        print("tailored bench --plot: give --plot-inputs FILE... (or --results-dir DIR with "
+              "peers files)", file=sys.stderr)
+        return 2
+    try:
+        if args.plot_kind == "cdf":
+            p = plotlatency.plot_cdfs(inputs, args.plot, point=args.plot_point, title=args.note)
+        else:
+            p = plotlatency.plot_goodput(inputs, args.plot, title=args.note)
+    except plot.PlotUnavailable as e:
+        print(f"tailored bench: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"tailored bench --plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {p} ({p.stat().st_size:,} bytes)", file=sys.stderr)
+    return 0
+
+
 def cmd_plot(args) -> int:
     from tailored.bench import plot
 
+    if args.plot_kind != "load":
+        return _plot_latency(args)
     load = _load_section(args)
     if load is None:
         return 2
@@ -466,6 +541,7 @@ def run(args) -> int:
         "roofline": cmd_roofline,
         "summary": cmd_summary,
         "load": cmd_load,
+        "peers": cmd_peers,
         "plot": cmd_plot,
     }[mode](args)
 

@@ -278,9 +278,10 @@ def write_result(path: str | Path, result: dict) -> Path:
     return p
 
 
-def write_latest(path: str | Path, data: dict, keep: tuple[str, ...] = ("load",)) -> Path:
+def write_latest(path: str | Path, data: dict,
+                 keep: tuple[str, ...] = ("load", "peers")) -> Path:
     """Write `bench/results/latest.json`; sections named in `keep` that the file has and `data`
-    lacks stay (the side by side's summary does not drop the load sweep's section)."""
+    lacks stay (the side by side's summary drops neither the load sweep's nor the peers')."""
     p = Path(path)
     out = dict(data)
     if keep and p.is_file():
