@@ -40,6 +40,15 @@ class _Kind:
     gpu_steps: int = 0  # steps with a GPU span (not: CPU, or no sampled row)
 
 
+def step_kind(seqs) -> str:
+    """The kind of a step of ScheduledSeqs: prefill (no decode row), decode (every row one
+    token), verify (every row a decode row, some with drafts) or mixed."""
+    # a decode row: its last token and its drafts (a verify chunk of speculative decoding)
+    decode_rows = sum(1 for s in seqs if len(s.token_ids) == 1 + s.num_draft and s.start_pos > 0)
+    return ("prefill" if not decode_rows else "mixed" if decode_rows < len(seqs)
+            else "verify" if any(s.num_draft for s in seqs) else "decode")
+
+
 class StepTimer:
     """Accumulates phase times per step kind; `summary()` renders and `reset()` clears them."""
 
