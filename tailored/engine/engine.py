@@ -219,8 +219,13 @@ class Engine:
         outputs += self._emit_step(applied)
         if nxt is not None and nxt.deferred:  # the grammars took this step's tokens just now
             outputs += self._resample_deferred(nxt)
+        t_end = time.perf_counter()
         self.timer.record(step_kind(sched_out.seqs), len(sched_out.seqs), sched_out.num_tokens,
-                          t_start, t_sched, t_exec, time.perf_counter())
+                          t_start, t_sched, t_exec, t_end)
+        # the step's wall time, which every stream in it waited for: the step budget's cost
+        # model (engine/step_budget.py). A step launched ahead ran on the device while the
+        # previous call finished: this call's time is what remained of it, its cost to ITL
+        self.scheduler.budget.observe(sched_out.seqs, t_end - t_start)
         return outputs
 
     def has_unfinished(self) -> bool:

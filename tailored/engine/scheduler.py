@@ -30,10 +30,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
+from tailored import flags
 from tailored.config import EngineConfig
 from tailored.engine.drafting import Drafting
 from tailored.engine.memory import PagePool, SlotPool
 from tailored.engine.prefix_cache import PrefixCache
+from tailored.engine.step_budget import StepBudget
 from tailored.engine.types import (
     PENDING_TOKEN,
     FinishReason,
@@ -101,6 +103,10 @@ class Scheduler:
         n_snap = engine_config.prefix_cache_entries
         self.prefix = (PrefixCache(self.page_size, range(num_slots, num_slots + n_snap),
                                    self.pages) if n_snap > 0 else None)
+        # how many prompt tokens a step may carry while requests decode, from the measured
+        # step cost (engine/step_budget.py; the engine reports each step's time)
+        sw = flags.current()
+        self.budget = StepBudget(engine_config.prefill_stall_factor, sw.min_prefill_chunk)
 
     # ---- requests in / out -------------------------------------------------------------------
     def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -181,13 +187,25 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= 1 + len(drafts)
 
+        # while requests decode, the prompt tokens that fit the step's time budget (a plan
+        # without a limit otherwise), spent oldest first: running prompts, then admissions
+        # (sized by the decode step of every request that will decode beside them)
+        partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        plan = self.budget.plan(sum(len(s.token_ids) for s in decodes),
+                                min(len(partial) + len(self.waiting),
+                                    self.max_running - len(decodes)))
+
         # 2) prefill chunks of running requests (partial prompt or recompute), oldest first
-        for req in [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
+        for req in partial:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            n = self._to_save_point(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = plan.take(req.num_computed_tokens,
+                          min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:
+                break
+            n = self._to_save_point(req, n)
             if not self._grow(req, n, scheduled):
                 blocked = True
                 continue
@@ -209,7 +227,11 @@ class Scheduler:
                    if self.prefix and req.sampling.prompt_logprobs is None else None)
             done = hit.length if hit else 0
             req.num_computed_tokens = done  # (0 without a hit: a new or preempted request)
-            n = self._to_save_point(req, min(req.num_tokens - done, budget))
+            n = plan.take(done, min(req.num_tokens - done, budget))
+            if n == 0:
+                req.num_computed_tokens = 0
+                break
+            n = self._to_save_point(req, n)
             shared = list(hit.pages[:done // ps]) if hit else []  # full pages: read only
             need = _cdiv(done + n, ps) - len(shared)
             if self.slots.num_free == 0:
@@ -414,9 +436,12 @@ class Scheduler:
                 # with prefix caching, evicted entries' pages, a hit's shared pages and a chunk
                 # cut at a save point may all let the head in where free pages alone would not
                 # (its pages cannot be foreseen cheaply here): no step ahead
+                # (the head's first chunk as schedule() would size it: the step budget's plan)
+                first = self.budget.plan(len(seqs), min(len(self.waiting),
+                                                        self.max_running - len(seqs))).take(
+                    0, min(head.num_tokens, budget))
                 if self.prefix is not None or (self.pages.num_free - need
-                                               >= _cdiv(min(head.num_tokens, budget),
-                                                        self.page_size)):
+                                               >= _cdiv(first, self.page_size)):
                     return False
         return True
 
