@@ -107,6 +107,8 @@ class Engine:
         self._runner_error = ""
         if hasattr(runner, "timer"):
             runner.timer = self.timer
+        if self.scheduler.budget.on:  # the step budget's fit goes into the timing log line
+            self.timer.notes = self.scheduler.budget.describe
 
     # ---- API ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:

@@ -259,6 +259,16 @@ class StepBudget:
         if self.on:
             self.cost.observe(StepShape.of(seqs), seconds * 1e3)
 
+    def describe(self) -> str:
+        """One line for the server's step-timing log: the fit and its samples."""
+        t = self.cost.theta()
+        c = self.cost
+        return (f"step cost ms = {t[0]:.2f} + {t[1]:.2f} cover + {t[2]:.4f}/decode token + "
+                f"{t[3]:.2f} a prompt forward + {t[4]:.4f}/prompt token + {t[5]:.3f}/M pairs "
+                f"({len(c.decode)} decode, {len(c.prefill)} prompt samples, {c.outliers} "
+                f"outliers{'' if c.ready else ', not ready'}; target {self.stall_factor:g}x "
+                f"decode: {self.target_ms(64):.1f} ms at 64 rows, {self.target_ms(128):.1f} at 128)")
+
     def target_ms(self, decode_tokens: int) -> float:
         """The longest a step may take that holds `decode_tokens` decode tokens for prompt
         chunks: stall_factor x their decode-only step (what their ITL is otherwise)."""

@@ -56,6 +56,7 @@ class StepTimer:
         self.kinds: dict[str, _Kind] = {}
         self.runner_ms: dict[str, float] = {}  # build/launch/wait of the step in flight
         self._last_end: float | None = None
+        self.notes = None  # a callable whose line ends the summary (the step budget's fit)
 
     def runner_phase(self, name: str, t0: float) -> float:
         """Record runner phase `name` as now − t0 ms; returns now (the next phase's t0)."""
@@ -101,6 +102,8 @@ class StepTimer:
             parts.append(f"{name}: {k.steps} steps, {k.rows / n:.1f} rows, {k.tokens / n:.0f} tokens, "
                          f"ms/step {sum(k.ms.values()) / n:.2f} = {phases}"
                          + (f" (gpu {k.gpu_ms / k.gpu_steps:.2f})" if k.gpu_steps else ""))
+        if self.notes is not None:
+            parts.append(self.notes())
         return "; ".join(parts)
 
     def reset(self) -> None:

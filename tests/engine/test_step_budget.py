@@ -190,7 +190,10 @@ def test_a_long_prompt_among_short_ones_progresses_and_does_not_starve():
 def test_engine_feeds_the_budget_and_outputs_do_not_depend_on_it():
     """The engine reports each step's time to the budget; a budget that chunks prompts
     finely (fixed model) changes no output (test_engine's fake runner checks the cache)."""
-    from test_engine import make_engine, run, workload
+    from test_engine import FakeRunner, FakeTokenizer, make_engine, model_config, run, workload
+
+    from tailored.config import EngineConfig
+    from tailored.engine.engine import Engine
 
     ref = make_engine()
     workload(ref, temperature=0.0)
@@ -219,6 +222,15 @@ def test_engine_feeds_the_budget_and_outputs_do_not_depend_on_it():
     workload(e2, temperature=0.0)
     assert run(e2) == want
     assert len(live.cost.decode) > 5 and len(live.cost.prefill) > 0
+    # the fit is in the server's step-timing line when the budget is on from the start
+    assert make_engine().timer.notes is None  # off (the CPU default): the line is as before
+    e4 = Engine(model_config(), EngineConfig(page_size=4, max_num_seqs=8,
+                                             max_num_batched_tokens=64, max_model_len=256,
+                                             prefill_stall_factor=2.5),
+                FakeRunner(page_size=4), FakeTokenizer())
+    workload(e4, temperature=0.0)
+    assert run(e4) == want
+    assert "step cost ms = " in e4.timer.summary() and "prompt samples" in e4.timer.summary()
 
 
 def test_async_engine_with_the_budget_equals_sync(tiny_model, qwen_tok):
