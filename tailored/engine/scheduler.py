@@ -11,7 +11,9 @@ recompute never samples before it has caught up with every known token, and then
 exactly the token that was next anyway.
 
 Ordering inside a step (`SchedulerOutput.seqs`): decode rows first (1 token, state already in
-the slot), then prefill chunks of running requests, then newly admitted requests.
+the slot), then prefill chunks of running requests, then newly admitted requests. While
+requests decode, the prompt tokens a step carries follow a time budget from the measured step
+cost (engine/step_budget.py, docs/scheduling.md), within max_num_batched_tokens.
 
 Priority is arrival order (`Request.seq_no`): the running list is kept sorted by it; when pages
 run short the *newest* running request not yet scheduled in this step is preempted (it may be
@@ -188,12 +190,13 @@ class Scheduler:
             budget -= 1 + len(drafts)
 
         # while requests decode, the prompt tokens that fit the step's time budget (a plan
-        # without a limit otherwise), spent oldest first: running prompts, then admissions
-        # (sized by the decode step of every request that will decode beside them)
+        # without a limit otherwise), spent oldest first: running prompts, then admissions;
+        # the load (decoding + waiting requests) says whether chunks can meet it at all
         partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        plan = self.budget.plan(sum(len(s.token_ids) for s in decodes),
-                                min(len(partial) + len(self.waiting),
-                                    self.max_running - len(decodes)))
+        plan = (self.budget.plan(sum(len(s.token_ids) for s in decodes),
+                                 min(len(partial) + len(self.waiting),
+                                     self.max_running - len(decodes)))
+                if partial or self.waiting else None)  # (no prompt work: no plan)
 
         # 2) prefill chunks of running requests (partial prompt or recompute), oldest first
         for req in partial:

@@ -249,3 +249,35 @@ def test_async_engine_with_the_budget_equals_sync(tiny_model, qwen_tok):
         got.append(run(e, script))
     assert got[0][:3] == got[1][:3]
     assert got[1][3] >= 3  # steps were launched ahead
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_load_small_pools_with_the_budget_on(seed):
+    """test_scheduler's random load (small pools: preemption, recompute, aborts) with a budget
+    that chunks prompts beside decodes: every step keeps the scheduler's invariants, the pools
+    come back whole and every request ends."""
+    from test_scheduler import check_invariants, make, req, step
+
+    rng = random.Random(seed)
+    s = make(page_size=4, num_pages=12, num_slots=5, max_num_seqs=4, budget=rng.choice([8, 32]))
+    s.budget = ready_budget(min_chunk=2, prior=(1.0, 0.0, 1.0, 1.0, 0.5, 0.0))
+    plans = []
+    plan_of = s.budget.plan
+    s.budget.plan = lambda *a: plans.append(plan_of(*a)) or plans[-1]
+    reqs = [req(f"r{i}", n_prompt=rng.randint(1, 20), max_tokens=rng.randint(1, 16))
+            for i in range(30)]
+    for r in reqs:
+        s.add(r)
+    steps = 0
+    while s.has_unfinished():
+        step(s, lambda q: 62 if (q.start_pos * 31 + len(q.request_id)) % 17 == 0 else 5)
+        check_invariants(s)
+        steps += 1
+        if steps % 7 == 0 and s.running and rng.random() < 0.3:
+            s.abort(rng.choice(s.running).request_id)
+        assert steps < 5000
+    # chunks were taken under a time limit (not only with nothing decoding)
+    assert sum(p.limited and p.chunks > 0 for p in plans) > 5
+    assert s.pages.num_free == s.pages.capacity
+    assert s.slots.num_free == s.slots.capacity
+    assert all(r.finish_reason is not None for r in reqs)
