@@ -44,6 +44,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default: 8192 on cuda, as the vLLM "
                         "baseline; 2048 on cpu)")
+    p.add_argument("--prefill-stall-factor", type=float, default=None, metavar="F",
+                   help="while requests decode, a step that also carries prompt tokens is cut "
+                        "to take at most F x the measured decode-only step, its first chunk at "
+                        "least TAILORED_MIN_PREFILL_CHUNK tokens (docs/scheduling.md); 0 = "
+                        "off, the token budget alone (default: 2.5 on cuda, 0 on cpu)")
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV cache page (default: %(default)s)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
@@ -202,6 +207,9 @@ def _check_serve_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if args.prefill_stall_factor is not None and not 0 <= args.prefill_stall_factor < 100:
+        raise ValueError(f"--prefill-stall-factor must be 0 (off) or in (0, 100), got "
+                         f"{args.prefill_stall_factor}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -334,6 +342,9 @@ def cmd_serve(args) -> int:
         # large prefill steps on the GPU: every step streams all 256 experts' weights of each
         # layer, and its host cost is per layer, not per token (kb/0011)
         max_num_batched_tokens=args.max_num_batched_tokens or (8192 if on_gpu else 2048),
+        # a prompt chunk holds every decode for its step: cut it to a time budget (kb/0063)
+        prefill_stall_factor=args.prefill_stall_factor if args.prefill_stall_factor is not None
+        else (2.5 if on_gpu else 0.0),
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kernels=args.kernels,
@@ -390,9 +401,10 @@ def cmd_serve(args) -> int:
             ", ".join(f"{k}={v}" for k, v in profile["applied"].items()) or "nothing",
             ", ".join(f"{k}={v}" for k, v in profile["kept"].items()) or "nothing")
     logging.getLogger("tailored").info(
-        "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, page_size %d, "
-        "engine loop in %s%s",
-        max_model_len, kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["page_size"],
+        "engine: max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
+        "prefill_stall_factor %g, page_size %d, engine loop in %s%s",
+        max_model_len, kw["max_num_seqs"], kw["max_num_batched_tokens"],
+        kw["prefill_stall_factor"], kw["page_size"],
         f"process {async_engine.pid}" if args.engine_process == "on" else "a thread",
         f", GIL switch interval {sys.getswitchinterval() * 1e3:g} ms"
         if args.gil_switch_interval_ms is not None else "")

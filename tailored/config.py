@@ -245,6 +245,10 @@ class EngineConfig:
     page_size: tokens per KV page of the 10 attention layers.
     max_num_seqs: most requests running at once (= GDN state slots in use, slot 0 is the pad sink).
     max_num_batched_tokens: token budget of one engine step (decode + prefill chunks).
+    prefill_stall_factor: while requests decode, a step carrying prompt tokens is cut to take
+        at most this many times the measured decode-only step (its first chunk at least
+        TAILORED_MIN_PREFILL_CHUNK tokens; at a load too low for such chunks the token budget
+        decides); engine/step_budget.py, docs/scheduling.md. 0 = off.
     max_model_len: longest prompt + completion accepted.
     num_pages: KV pages; None = sized from memory (GPU) or from max_num_seqs*max_model_len (CPU).
     kernels: 'auto' runs the Triton kernel path (model/kernel_model.py) on CUDA and the plain PyTorch
@@ -301,6 +305,10 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # n-gram lengths prompt lookup tries, longest first
     prompt_lookup_min: int = 2
     spec_min_acceptance: float = 0.5  # adaptive draft length; 0 = always N drafts
+    # while requests decode, a step that also carries prompt tokens is sized to take at most
+    # this many times the measured decode-only step (engine/step_budget.py); 0 = off, the fixed
+    # max_num_batched_tokens budget alone (`tailored serve` turns it on on CUDA)
+    prefill_stall_factor: float = 0.0
     # build structured output's grammar compiler on a thread at start (`tailored serve`: ~2.5 s
     # of one core for Qwen's vocabulary); off, the first structured request builds it
     grammar_warmup: bool = False
@@ -327,6 +335,9 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
                              f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if not 0 <= self.prefill_stall_factor < 100:  # also NaN
+            raise ValueError(f"prefill_stall_factor must be 0 (off) or in (0, 100), got "
+                             f"{self.prefill_stall_factor}")
         if not 0 <= self.spec_min_acceptance <= 1:  # also NaN
             raise ValueError(f"spec_min_acceptance must be in [0, 1], got "
                              f"{self.spec_min_acceptance}")

@@ -180,6 +180,13 @@ class Flags:
         "write the launch configs tuned at warm-up to this path (merged with a table of the "
         "same GPU there)", "kb/0020", "kernels", numerics=False, tune=False)
 
+    # --- the engine's scheduler (engine/step_budget.py, docs/scheduling.md) ---
+    min_prefill_chunk: int = _switch(
+        "MIN_PREFILL_CHUNK", 256,
+        "with --prefill-stall-factor on, the oldest prompt gets at least this many tokens "
+        "a step however short the time budget (no prompt starves)", "kb/0063", "engine",
+        lo=1, hi=1 << 20)
+
     # --- settings ---
     gdn_state_dtype: str = _switch(
         "GDN_STATE_DTYPE", "auto",

@@ -20,7 +20,6 @@ Finish reasons, first match wins (failure-cases §5: stop conditions before max_
 from __future__ import annotations
 
 import logging
-import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
@@ -30,10 +29,10 @@ from tailored.config import EngineConfig, ModelConfig
 from tailored.engine.detokenizer import IncrementalDetokenizer
 from tailored.engine.grammar import Grammars, Guide, with_mask
 from tailored.engine.memory import pool_stats
+from tailored.engine.request_checks import check_request
 from tailored.engine.scheduler import Scheduler
-from tailored.engine.step_timing import StepTimer
+from tailored.engine.step_timing import StepTimer, step_kind
 from tailored.engine.types import (
-    MAX_LOGPROBS,
     PENDING_TOKEN,
     FinishReason,
     ModelOutput,
@@ -108,6 +107,8 @@ class Engine:
         self._runner_error = ""
         if hasattr(runner, "timer"):
             runner.timer = self.timer
+        if self.scheduler.budget.on:  # the step budget's fit goes into the timing log line
+            self.timer.notes = self.scheduler.budget.describe
 
     # ---- API ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -115,20 +116,8 @@ class Engine:
         prompt_ids = list(prompt_ids)
         if request_id in self._requests or any(o.request_id == request_id for o in self._pending):
             raise ValueError(f"duplicate request id {request_id!r}")
-        if not prompt_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        lo, hi = min(prompt_ids), max(prompt_ids)
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
-        _check_sampling(sampling)
-        total, limit = len(prompt_ids) + sampling.max_tokens, self.engine_config.max_model_len
-        if total > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total}"
-                f" exceeds max_model_len {limit}"
-            )
+        check_request(prompt_ids, sampling, self.model_config.vocab_size,
+                      self.engine_config.max_model_len)
         req = Request(request_id, prompt_ids, sampling, eos_token_ids=self.eos_token_ids)
         if sampling.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt_ids)
@@ -232,14 +221,13 @@ class Engine:
         outputs += self._emit_step(applied)
         if nxt is not None and nxt.deferred:  # the grammars took this step's tokens just now
             outputs += self._resample_deferred(nxt)
-        seqs = sched_out.seqs
-        # a decode row: its last token and its drafts (a verify chunk of speculative decoding)
-        decode_rows = sum(1 for s in seqs
-                          if len(s.token_ids) == 1 + s.num_draft and s.start_pos > 0)
-        kind = ("prefill" if not decode_rows else "mixed" if decode_rows < len(seqs)
-                else "verify" if any(s.num_draft for s in seqs) else "decode")
-        self.timer.record(kind, len(seqs), sched_out.num_tokens, t_start, t_sched, t_exec,
-                          time.perf_counter())
+        t_end = time.perf_counter()
+        self.timer.record(step_kind(sched_out.seqs), len(sched_out.seqs), sched_out.num_tokens,
+                          t_start, t_sched, t_exec, t_end)
+        # the step's wall time, which every stream in it waited for: the step budget's cost
+        # model (engine/step_budget.py). A step launched ahead ran on the device while the
+        # previous call finished: this call's time is what remained of it, its cost to ITL
+        self.scheduler.budget.observe(sched_out.seqs, t_end - t_start)
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -571,28 +559,3 @@ def _output(
         delta_logprobs=logprobs,
         num_cached_tokens=req.num_cached_tokens,
     )
-
-
-def _check_sampling(sp: SamplingParams) -> None:
-    """Raise ValueError for settings the sampler cannot honour."""
-    if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got "
-                         f"{sp.prompt_logprobs}")
-    if sp.max_tokens < (0 if sp.prompt_logprobs is not None else 1):
-        raise ValueError(f"max_tokens must be >= 1 (0 only with prompt logprobs, the prompt "
-                         f"alone), got {sp.max_tokens}")
-    if not 0 <= sp.min_tokens <= sp.max_tokens:
-        raise ValueError(f"min_tokens must be in 0..max_tokens ({sp.max_tokens}), got "
-                         f"{sp.min_tokens}")
-    if sp.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
-    if not 0 < sp.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
-    if not 0 <= sp.min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {sp.min_p}")
-    if sp.repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {sp.repetition_penalty}")
-    if sp.logprobs is not None and not 0 <= sp.logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {sp.logprobs}")
-    if sp.logit_bias and not all(math.isfinite(b) for b in sp.logit_bias.values()):
-        raise ValueError("logit_bias values must be finite numbers")

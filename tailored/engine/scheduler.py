@@ -11,7 +11,9 @@ recompute never samples before it has caught up with every known token, and then
 exactly the token that was next anyway.
 
 Ordering inside a step (`SchedulerOutput.seqs`): decode rows first (1 token, state already in
-the slot), then prefill chunks of running requests, then newly admitted requests.
+the slot), then prefill chunks of running requests, then newly admitted requests. While
+requests decode, the prompt tokens a step carries follow a time budget from the measured step
+cost (engine/step_budget.py, docs/scheduling.md), within max_num_batched_tokens.
 
 Priority is arrival order (`Request.seq_no`): the running list is kept sorted by it; when pages
 run short the *newest* running request not yet scheduled in this step is preempted (it may be
@@ -30,10 +32,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
+from tailored import flags
 from tailored.config import EngineConfig
 from tailored.engine.drafting import Drafting
 from tailored.engine.memory import PagePool, SlotPool
 from tailored.engine.prefix_cache import PrefixCache
+from tailored.engine.step_budget import StepBudget
 from tailored.engine.types import (
     PENDING_TOKEN,
     FinishReason,
@@ -101,6 +105,10 @@ class Scheduler:
         n_snap = engine_config.prefix_cache_entries
         self.prefix = (PrefixCache(self.page_size, range(num_slots, num_slots + n_snap),
                                    self.pages) if n_snap > 0 else None)
+        # how many prompt tokens a step may carry while requests decode, from the measured
+        # step cost (engine/step_budget.py; the engine reports each step's time)
+        sw = flags.current()
+        self.budget = StepBudget(engine_config.prefill_stall_factor, sw.min_prefill_chunk)
 
     # ---- requests in / out -------------------------------------------------------------------
     def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -181,13 +189,26 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= 1 + len(drafts)
 
+        # while requests decode, the prompt tokens that fit the step's time budget (a plan
+        # without a limit otherwise), spent oldest first: running prompts, then admissions;
+        # the load (decoding + waiting requests) says whether chunks can meet it at all
+        partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        plan = (self.budget.plan(sum(len(s.token_ids) for s in decodes),
+                                 min(len(partial) + len(self.waiting),
+                                     self.max_running - len(decodes)))
+                if partial or self.waiting else None)  # (no prompt work: no plan)
+
         # 2) prefill chunks of running requests (partial prompt or recompute), oldest first
-        for req in [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]:
+        for req in partial:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            n = self._to_save_point(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = plan.take(req.num_computed_tokens,
+                          min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:
+                break
+            n = self._to_save_point(req, n)
             if not self._grow(req, n, scheduled):
                 blocked = True
                 continue
@@ -209,7 +230,11 @@ class Scheduler:
                    if self.prefix and req.sampling.prompt_logprobs is None else None)
             done = hit.length if hit else 0
             req.num_computed_tokens = done  # (0 without a hit: a new or preempted request)
-            n = self._to_save_point(req, min(req.num_tokens - done, budget))
+            n = plan.take(done, min(req.num_tokens - done, budget))
+            if n == 0:
+                req.num_computed_tokens = 0
+                break
+            n = self._to_save_point(req, n)
             shared = list(hit.pages[:done // ps]) if hit else []  # full pages: read only
             need = _cdiv(done + n, ps) - len(shared)
             if self.slots.num_free == 0:
@@ -414,9 +439,12 @@ class Scheduler:
                 # with prefix caching, evicted entries' pages, a hit's shared pages and a chunk
                 # cut at a save point may all let the head in where free pages alone would not
                 # (its pages cannot be foreseen cheaply here): no step ahead
+                # (the head's first chunk as schedule() would size it: the step budget's plan)
+                first = self.budget.plan(len(seqs), min(len(self.waiting),
+                                                        self.max_running - len(seqs))).take(
+                    0, min(head.num_tokens, budget))
                 if self.prefix is not None or (self.pages.num_free - need
-                                               >= _cdiv(min(head.num_tokens, budget),
-                                                        self.page_size)):
+                                               >= _cdiv(first, self.page_size)):
                     return False
         return True
 

@@ -40,6 +40,15 @@ class _Kind:
     gpu_steps: int = 0  # steps with a GPU span (not: CPU, or no sampled row)
 
 
+def step_kind(seqs) -> str:
+    """The kind of a step of ScheduledSeqs: prefill (no decode row), decode (every row one
+    token), verify (every row a decode row, some with drafts) or mixed."""
+    # a decode row: its last token and its drafts (a verify chunk of speculative decoding)
+    decode_rows = sum(1 for s in seqs if len(s.token_ids) == 1 + s.num_draft and s.start_pos > 0)
+    return ("prefill" if not decode_rows else "mixed" if decode_rows < len(seqs)
+            else "verify" if any(s.num_draft for s in seqs) else "decode")
+
+
 class StepTimer:
     """Accumulates phase times per step kind; `summary()` renders and `reset()` clears them."""
 
@@ -47,6 +56,7 @@ class StepTimer:
         self.kinds: dict[str, _Kind] = {}
         self.runner_ms: dict[str, float] = {}  # build/launch/wait of the step in flight
         self._last_end: float | None = None
+        self.notes = None  # a callable whose line ends the summary (the step budget's fit)
 
     def runner_phase(self, name: str, t0: float) -> float:
         """Record runner phase `name` as now − t0 ms; returns now (the next phase's t0)."""
@@ -92,6 +102,8 @@ class StepTimer:
             parts.append(f"{name}: {k.steps} steps, {k.rows / n:.1f} rows, {k.tokens / n:.0f} tokens, "
                          f"ms/step {sum(k.ms.values()) / n:.2f} = {phases}"
                          + (f" (gpu {k.gpu_ms / k.gpu_steps:.2f})" if k.gpu_steps else ""))
+        if self.notes is not None:
+            parts.append(self.notes())
         return "; ".join(parts)
 
     def reset(self) -> None:
