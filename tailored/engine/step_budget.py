@@ -38,8 +38,8 @@ stall_factor 0):
     minimum chunk, every chunk breaks the target anyway, and a few large stalls hurt the
     streams less (and ITL p99 not at all while they stay under 1 % of the gaps) than many
     small ones that each pay d.
-The defaults (--prefill-stall-factor 2.5 on CUDA, 256 tokens) and what lab/sched_sim.py
-predicts for them: kb/0063, docs/scheduling.md.
+The values (--prefill-stall-factor 2.5 proposed, off by default until measured on the GPU;
+256 tokens) and what lab/sched_sim.py predicts for them: kb/0063, docs/scheduling.md.
 """
 
 from __future__ import annotations
