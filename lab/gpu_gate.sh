@@ -16,6 +16,10 @@
 # GATE_ARGS: extra gate flags, e.g. "--only code,json" (the stable full-size fixture of kb/0008 is
 # already the default for --load-format dummy).
 source "$(dirname "$0")/device_env.sh" gpu_gate
+# the full-size bf16 model leaves ~14 GiB of an H100 beside its 65 GiB of weights: without
+# expandable segments 11-12 GiB of it sat reserved-but-unallocated and the gate ran out of
+# memory (kb/0064); harmless on the H200
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 PARTS=${*:-tests bf16 fp8}
 GATE_ARGS=${GATE_ARGS:-}
 full_configs
