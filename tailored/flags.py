@@ -174,7 +174,7 @@ class Flags:
     tuning: str = _switch(
         "TUNING", "",
         "launch-config table to pre-fill the autotuners from: empty = the shipped "
-        "kernels/tuned.json, a path, or 'off'", "kb/0020", "kernels", tune=False)
+        "one of this GPU model (kernels/tuned*.json), a path, or 'off'", "kb/0020", "kernels", tune=False)
     tuning_dump: str = _switch(
         "TUNING_DUMP", "",
         "write the launch configs tuned at warm-up to this path (merged with a table of the "

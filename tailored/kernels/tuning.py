@@ -11,8 +11,9 @@ launch at once and only unknown keys benchmark. Entries apply only on the GPU mo
 measured on and only when the config is still one of the launcher's candidates (a stale table
 falls back to tuning, never to a config the kernel no longer offers).
 
-  TAILORED_TUNING=PATH    table to load (default: tailored/kernels/tuned.json when present;
-                          "off" loads none)
+  TAILORED_TUNING=PATH    table to load (default: the one of tailored/kernels/tuned*.json
+                          measured on this GPU model, e.g. tuned.json (H200) beside
+                          tuned-h100.json; "off" loads none)
   TAILORED_TUNING_DUMP=PATH   after warm-up (stack.build_stack), write every choice made so far
 
 Source: Triton's `Autotuner.cache` (triton/runtime/autotuner.py, 3.6), a dict from the key tuple
@@ -45,6 +46,20 @@ def _config_id(kwargs: dict, num_warps: int, num_stages: int) -> tuple:
     return tuple(sorted(kwargs.items())), int(num_warps), int(num_stages)
 
 
+def shipped_table(gpu: str, directory: Path = DEFAULT_TABLE.parent) -> Path:
+    """The shipped table measured on `gpu` (a `torch.cuda.get_device_name()`): the first of
+    directory's tuned*.json (sorted) whose "gpu" is that name, else tuned.json (whose GPU
+    check then says which GPU it is for). One file per GPU model, so a dump from another card
+    is added beside the others, never over them."""
+    for path in sorted(directory.glob("tuned*.json")):
+        try:
+            if json.loads(path.read_text()).get("gpu") == gpu:
+                return path
+        except (OSError, ValueError, AttributeError):
+            continue
+    return directory / DEFAULT_TABLE.name
+
+
 def _load_table() -> dict:
     """The table for this GPU: {name: [entry]}; {} when off, absent, unreadable or measured on
     another GPU model."""
@@ -52,7 +67,8 @@ def _load_table() -> dict:
     if _TABLE is not None:
         return _TABLE
     env = flags.current().tuning
-    path = None if env == "off" else Path(env) if env else DEFAULT_TABLE
+    path = None if env == "off" else Path(env) if env else (
+        shipped_table(_device_name()) if _device_name() != "cpu" else DEFAULT_TABLE)
     _TABLE = {}
     if path is None or not path.is_file():
         if env and env != "off":

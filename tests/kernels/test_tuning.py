@@ -150,3 +150,14 @@ def test_shipped_table_configs_are_offered(monkeypatch, switches):
     assert all("DOT_F16" in r["kwargs"] for r in down)
     f16 = {(r["key"][3], r["key"][4]) for r in down if r["kwargs"]["DOT_F16"]}
     assert {(64, True), (256, False)} <= f16  # B=8 and B=32, as measured (kb/0044 §4, 0047)
+
+
+def test_the_shipped_table_is_chosen_by_gpu_model(tmp_path):
+    """One table per GPU model beside the others: the one measured on this card is loaded; an
+    unknown card falls back to tuned.json (whose GPU check then declines it)."""
+    _write(tmp_path / "tuned.json", "NVIDIA H200", [])
+    _write(tmp_path / "tuned-h100.json", "NVIDIA H100 80GB HBM3", [])
+    (tmp_path / "tuned-broken.json").write_text("{not json")
+    assert tuning.shipped_table("NVIDIA H100 80GB HBM3", tmp_path).name == "tuned-h100.json"
+    assert tuning.shipped_table("NVIDIA H200", tmp_path).name == "tuned.json"
+    assert tuning.shipped_table("NVIDIA B200", tmp_path).name == "tuned.json"
