@@ -105,10 +105,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "that may match (default: 2, at most --prompt-lookup-max)")
     p.add_argument("--spec-min-acceptance", type=float, default=None, metavar="RATE",
                    help="with --num-speculative-tokens: adaptive draft length. A request's "
-                        "next step verifies the largest k <= N drafts with a^k >= RATE, a "
-                        "being its recent share of drafts kept; below RATE for one draft it "
-                        "pauses drafting (8 to 64 steps) and probes again. 0 = always N "
-                        "drafts (default: 0.5)")
+                        "next step verifies the largest k <= N drafts with a_1 x ... x a_k >= RATE, "
+                        "a_j being its recent share of drafts kept at position j; below RATE "
+                        "for one draft it pauses drafting (4, then 8, ... up to 64 steps) and "
+                        "probes again. 0 = always N drafts (default: 0.5)")
     p.add_argument("--spec-max-running", type=int, default=None, metavar="B",
                    help="with --num-speculative-tokens: requests draft only while at most B "
                         "run; verify steps replay CUDA graphs up to B sequences. Each sequence "

@@ -195,6 +195,9 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         p = Path(path) / "config.json"
+        if not Path(path).is_dir():
+            raise ConfigError(f"no such checkpoint directory: {path} (a Hugging Face checkpoint "
+                              "directory; leave it out to serve the embedded nano model)")
         if not p.is_file():
             raise ConfigError(f"no config.json in {path}")
         try:

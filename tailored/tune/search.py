@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,9 +143,11 @@ def run_search(ctx: Context, *, stop_after: int | None = None, log=print) -> tup
 
     c = ctx.contract
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(
-        seed=c.search.seed, n_startup_trials=max(2, min(5, c.search.trials // 3)),
-        constraints_func=lambda ft: ft.user_attrs.get("constraints", [1.0]))
+    with warnings.catch_warnings():  # optuna 5 deprecates constraints_func (4.x has no other)
+        warnings.filterwarnings("ignore", message=".*constraints_func.*")
+        sampler = optuna.samplers.TPESampler(
+            seed=c.search.seed, n_startup_trials=max(2, min(5, c.search.trials // 3)),
+            constraints_func=lambda ft: ft.user_attrs.get("constraints", [1.0]))
     ctx.out.mkdir(parents=True, exist_ok=True)
     study = optuna.create_study(
         study_name=f"{c.name}-{c.sha256()[:12]}", storage=f"sqlite:///{ctx.out / 'study.db'}",

@@ -81,7 +81,8 @@ def test_busy_port_detected_before_loading(tiny_ckpt, capsys):
     assert "cannot listen" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["list_config", "llama", "missing_dir", "corrupt_shard"])
+@pytest.mark.parametrize("case", ["list_config", "llama", "missing_dir", "empty_dir",
+                                  "corrupt_shard"])
 def test_bad_checkpoints(tiny_ckpt, tmp_path, capsys, case):
     d = tmp_path / "c"
     if case == "list_config":
@@ -90,6 +91,8 @@ def test_bad_checkpoints(tiny_ckpt, tmp_path, capsys, case):
     elif case == "llama":
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    elif case == "empty_dir":
+        d.mkdir()
     elif case == "corrupt_shard":
         shutil.copytree(tiny_ckpt, d)
         shard = next(d.glob("*.safetensors"))
@@ -99,7 +102,8 @@ def test_bad_checkpoints(tiny_ckpt, tmp_path, capsys, case):
     errs = [ln for ln in lines if "tailored serve: error:" in ln]
     assert len(errs) == 1 and "Traceback" not in "\n".join(lines)
     err = errs[0]
-    assert {"list_config": "JSON object", "llama": "model_type='llama'", "missing_dir": "no config.json",
+    assert {"list_config": "JSON object", "llama": "model_type='llama'", "missing_dir": "no such checkpoint directory",
+            "empty_dir": "no config.json",
             "corrupt_shard": "cannot read shard"}[case] in err
 
 
