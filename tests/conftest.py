@@ -131,6 +131,23 @@ def tiny_fp8_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_nvfp4_ckpt(tmp_path_factory):
+    """The tiny preset (same seed) in NVFP4, ModelOpt's layout (synth --dtype nvfp4)."""
+    d = tmp_path_factory.mktemp("tiny-nvfp4")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, progress=False, tokenizer=False,
+                                      precision="nvfp4")
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_ct_ckpt(tmp_path_factory):
+    """The tiny preset in NVFP4, compressed-tensors' layout (synth --dtype nvfp4 --format
+    compressed-tensors)."""
+    d = tmp_path_factory.mktemp("tiny-nvfp4-ct")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, progress=False, tokenizer=False,
+                                      precision="nvfp4", nvfp4_format="compressed-tensors")
+
+
+@pytest.fixture(scope="session")
 def tiny4_ckpt(tmp_path_factory):
     """The tiny preset cut to its first 4 layers (3 GDN + 1 attention: both layer kinds; the
     MTP head too), for the kernel-path tests: Triton's interpreter costs per program launched,

@@ -48,7 +48,7 @@ class KernelModel:
         self.cfg = model.config
         self.cache = cache
         self.device = cache.k.device
-        self.dtype = model.lm_head.weight.dtype
+        self.dtype = model.model.embed_tokens.weight.dtype
         fla = (fla_chunk() if (use_fla and self.device.type == "cuda"
                                and self.dtype != torch.float32) else None)
         # per layer: the input projections (one GEMM per weight kind), the mixer's output
