@@ -167,7 +167,7 @@ def tiny4_fp8_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gate_presets():
-    """The gate's preset checkpoints ($TAILORED_CACHE/tiny-seed0 and tiny-fp8-seed0, written
+    """The gate's preset checkpoints ($TAILORED_CACHE/tiny-seed0, tiny-fp8-seed0, ..., written
     on first use by `preset_checkpoint`), made under a file lock: on a fresh cache two
     pytest-xdist workers would both write one, and the later one replaces (rmtree) the
     directory the other may be reading."""
@@ -180,7 +180,8 @@ def gate_presets():
     d.mkdir(parents=True, exist_ok=True)
     with open(d / ".presets.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return {name: preset_checkpoint(name) for name in ("tiny", "tiny-fp8")}
+        return {name: preset_checkpoint(name)
+                for name in ("tiny", "tiny-fp8", "tiny-nvfp4", "tiny-nvfp4-ct")}
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,7 @@ def check_bf16_source(src, ckpt: Path, args):
     if not cfg.quantized:
         if args.bf16_reference:
             raise ValueError("--bf16-reference applies to FP8 and NVFP4 checkpoints only; "
-                             f"{ckpt} is not one (no FP8 quantization_config)")
+                             f"{ckpt} is not one (no FP8 or NVFP4 quantization_config)")
         return None
     if src is None or src == "dummy" or args.load_format == "dummy":
         return src
