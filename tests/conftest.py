@@ -166,6 +166,14 @@ def tiny4_fp8_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny4_nvfp4_ckpt(tmp_path_factory):
+    """`tiny4_ckpt` in NVFP4, ModelOpt's layout."""
+    d = tmp_path_factory.mktemp("tiny4-nvfp4")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, num_layers=4, progress=False,
+                                      tokenizer=False, precision="nvfp4")
+
+
+@pytest.fixture(scope="session")
 def gate_presets():
     """The gate's preset checkpoints ($TAILORED_CACHE/tiny-seed0, tiny-fp8-seed0, ..., written
     on first use by `preset_checkpoint`), made under a file lock: on a fresh cache two

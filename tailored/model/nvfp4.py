@@ -129,7 +129,11 @@ def quantize_fp8_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Nvfp4Linear(nn.Module):
     """A bias-free linear with an NVFP4 weight; forward = x @ dequantize(weight)ᵀ (the plain
-    path dequantizes on every call; the kernel path reads the packed weight)."""
+    path dequantizes on every call). `fast`: the kernel path's W4A16 forward, set by it
+    (`fast(x, weight, weight_scale, weight_scale_2)`, kernels/nvfp4_gemv.py) for the linears
+    it calls through the module (lm_head)."""
+
+    fast = None
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -144,6 +148,8 @@ class Nvfp4Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast(x, self.weight, self.weight_scale, self.weight_scale_2)
         return F.linear(x, self.dequantized(x.dtype))
 
 
