@@ -174,13 +174,13 @@ def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Te
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                  scale_2: torch.Tensor) -> torch.Tensor:
     """x [T, K] · dequantize(W)ᵀ → [T, N] for an NVFP4 linear on the kernel path (lm_head):
-    W4A16 GEMVs of up to `nvfp4_gemv_up_to` rows each while T is at most 4 of them (each
-    reads the packed weight once: 4.5 bits an element); above, W dequantized into a scratch
-    in x's dtype (one launch) and one GEMM."""
+    up to `nvfp4_gemv_up_to` rows, W4A16 GEMVs of 16 rows each (each reads the packed weight
+    once: 4.5 bits an element); above, W dequantized into a scratch in x's dtype (one
+    launch) and one GEMM."""
     T = x.shape[0]
-    up_to = flags.current().nvfp4_gemv_up_to
-    if up_to and 1 <= T <= 4 * up_to:
-        parts = [nvfp4_gemv(x[i:i + up_to], packed, scale, scale_2) for i in range(0, T, up_to)]
+    if 1 <= T <= flags.current().nvfp4_gemv_up_to:
+        parts = [nvfp4_gemv(x[i:i + MAX_ROWS], packed, scale, scale_2)
+                 for i in range(0, T, MAX_ROWS)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     w = torch.empty(packed.shape[0], 2 * packed.shape[1], dtype=x.dtype, device=x.device)
     return F.linear(x, dequantize_into(packed, scale, scale_2, w))

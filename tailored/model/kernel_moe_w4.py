@@ -1,7 +1,7 @@
 """The MoE block of a layer with NVFP4 routed experts on the kernel path (spec §7, §9.2).
 
 Same computation as `SparseMoe` of the plain path over `nvfp4.DequantExperts`, by step size:
-  * up to `nvfp4_gemv_up_to` rows (decode): the experts as W4A16 GEMVs on the packed weights,
+  * up to `nvfp4_gemv_up_to` rows (decode, 64): the experts as W4A16 GEMVs on the packed weights,
     one (token, expert) pair a program (`kernels.nvfp4_moe`);
   * above (prefill, large decode batches): the layer's experts dequantized into a bf16
     scratch that every layer reuses (one launch each for gate_up and down,

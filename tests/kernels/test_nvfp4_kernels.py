@@ -87,7 +87,7 @@ def test_dequantize_into_is_bitwise_the_reference(lead, N, K, parts, dtype):
     assert dequantize_into(p, s, s2, out) is out and torch.equal(out, want)
 
 
-@pytest.mark.parametrize("T,E,H,I,k", [(1, 8, 64, 32, 2), (3, 4, 32, 48, 2), (16, 8, 48, 16, 3)])
+@pytest.mark.parametrize("T,E,H,I,k", [(1, 8, 64, 32, 2), (3, 4, 32, 48, 2), (40, 4, 32, 16, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_pairs_match_the_reference_experts(T, E, H, I, k, dtype):
     from tailored.kernels.nvfp4_moe import nvfp4_moe_pairs
