@@ -224,3 +224,14 @@ def test_config_json_of_both_layouts_round_trips(tiny_nvfp4_ckpt, tiny_nvfp4_ct_
         assert raw["quantization_config"]["quant_method"] == fmt
         cfg = ModelConfig.from_dir(d)
         assert cfg.precision == "nvfp4" and cfg.quantized and cfg.fp8 is None
+
+
+def test_synth_cli_writes_either_layout_and_refuses_format_without_nvfp4(tmp_path, capsys):
+    from tailored.cli import main
+
+    out = tmp_path / "ct"
+    assert main(["synth", str(out), "--dtype", "nvfp4", "--format", "compressed-tensors"]) == 0
+    assert "nvfp4 (compressed-tensors)" in capsys.readouterr().out
+    assert ModelConfig.from_dir(out).nvfp4.format == "compressed-tensors"
+    assert main(["synth", str(tmp_path / "x"), "--format", "compressed-tensors"]) == 2
+    assert "--dtype nvfp4 only" in capsys.readouterr().err and not (tmp_path / "x").exists()
