@@ -67,7 +67,7 @@ class Nvfp4Config:
     `ignore`). `kind(module)` answers 'nvfp4', 'fp8' or None (bf16)."""
 
     format: str
-    layers: dict = field(default_factory=dict)
+    layers: dict = field(default_factory=dict, hash=False)  # (a dict cannot be hashed)
     ignore: tuple[str, ...] = ()
     targets: tuple[str, ...] = ()
     activations_note: str = ""
