@@ -14,6 +14,7 @@ stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 full_configs() {
     python3 -m tailored synth /tmp/full --preset full --config-only 2>&1 | tail -1
     python3 -m tailored synth /tmp/full-fp8 --preset full --config-only --dtype fp8 2>&1 | tail -1
+    python3 -m tailored synth /tmp/full-nvfp4 --preset full --config-only --dtype nvfp4 2>&1 | tail -1
 }
 # wait_for_server PORT PID LOG [SECONDS]: until GET /health answers; on the server's death, its log
 wait_for_server() {

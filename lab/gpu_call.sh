@@ -57,7 +57,7 @@ for need in "tests TESTS" "tune TUNE_DROP" "bench BENCHES" "ab AB_VARIANTS"; do
     set -- $need
     if want "$1" && [ -z "${!2:-}" ]; then echo "PARTS has $1: set $2"; exit 2; fi
 done
-ckpt() { [ "$1" = fp8 ] && echo /tmp/full-fp8 || echo /tmp/full; }
+ckpt() { [ "$1" = bf16 ] && echo /tmp/full || echo "/tmp/full-$1"; }
 # ';'-separated entries of $1, blank ones dropped (a blank pytest entry would run everything)
 entries() {
     local -a raw

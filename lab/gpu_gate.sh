@@ -6,7 +6,8 @@
 #
 # Prepare here: bash lab/fetch_wheels.sh   (.whl/, git-ignored; fla-core for bf16 prefill)
 # Run there:    device run, carry [".whl"],
-#               command: TAILORED_COMMIT=<sha> bash lab/gpu_gate.sh [tests] [invariance] [bf16] [fp8] [soak] [golden]
+#               command: TAILORED_COMMIT=<sha> bash lab/gpu_gate.sh [tests] [invariance] [bf16] [fp8] [nvfp4] [soak] [golden]
+# nvfp4: the full-size dummy model in NVFP4 (ModelOpt's layout, docs/nvfp4.md), gated as fp8 is.
 # invariance: tests/gpu/test_gpu_invariance.py (engine-level invariances, kernel path + graphs).
 # golden: lab/make_golden.py on the full-size gate fixture → $OUT/golden-full/ (reason: GOLDEN_REASON).
 # soak: tailored.bench.soak against a served fp32 full-width model (failure-cases §9).
@@ -34,9 +35,9 @@ if [[ " $PARTS " == *" invariance "* ]]; then
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_invariance.py 2>&1 \
         | grep -v "^$" | grep -v "Warning\|warn" | tail -20
 fi
-for prec in bf16 fp8; do
+for prec in bf16 fp8 nvfp4; do
     [[ " $PARTS " == *" $prec "* ]] || continue
-    d=/tmp/full; [ "$prec" = fp8 ] && d=/tmp/full-fp8
+    d=/tmp/full; [ "$prec" != bf16 ] && d=/tmp/full-$prec
     stamp "gate full $prec (dummy weights, seed 0)"
     TAILORED_COMMIT=${TAILORED_COMMIT:-unknown} timeout 330 python3 -m tailored gate "$d" \
         --load-format dummy --device cuda --dtype bfloat16 --report "$OUT/gate-$prec.json" \

@@ -190,9 +190,16 @@ def _synth_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="draw the random values on this device (cuda is faster)")
     p.add_argument("--config-only", action="store_true",
                    help="write config and tokenizer files only (for serve --load-format dummy)")
-    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+    p.add_argument("--dtype", choices=["bf16", "fp8", "nvfp4"], default="bf16",
                    help="fp8: Qwen's block-FP8 layout (e4m3 weights + 128x128 weight_scale_inv, "
-                        "per-expert experts, quantization_config): the bf16 values quantized")
+                        "per-expert experts, quantization_config): the bf16 values quantized; "
+                        "nvfp4: NVFP4 (4-bit E2M1 + e4m3 scale per 16 + fp32 global) in the "
+                        "layout of --format (docs/nvfp4.md)")
+    p.add_argument("--format", choices=["modelopt", "compressed-tensors"], default="modelopt",
+                   dest="nvfp4_format",
+                   help="--dtype nvfp4 only: modelopt (the official release's: experts, shared "
+                        "expert and lm_head NVFP4, GDN and attention projections FP8 per tensor) "
+                        "or compressed-tensors (llm-compressor's nvfp4-pack-quantized)")
 
 
 MAX_STEP_TOKENS = 65536  # largest --max-num-batched-tokens (16 GiB of activation reserve)
@@ -490,13 +497,16 @@ def _require_cuda_if_asked(device: str) -> None:
 def cmd_synth(args) -> int:
     from tailored.synth import write_synthetic_checkpoint
 
+    if args.nvfp4_format != "modelopt" and args.dtype != "nvfp4":
+        raise ValueError(f"--format {args.nvfp4_format} applies to --dtype nvfp4 only")
     if not args.config_only:  # before any directory is made (found by a new-user trial)
         _require_cuda_if_asked(args.device)
     out = write_synthetic_checkpoint(args.out_dir, args.preset, seed=args.seed,
                                      num_layers=args.num_layers, config_only=args.config_only, device=args.device,
-                                     precision=args.dtype)
+                                     precision=args.dtype, nvfp4_format=args.nvfp4_format)
     what = "config and tokenizer files of the" if args.config_only else "a"
-    print(f"wrote {what} {args.preset} {args.dtype} checkpoint to {Path(out).resolve()}")
+    kind = f"{args.dtype} ({args.nvfp4_format})" if args.dtype == "nvfp4" else args.dtype
+    print(f"wrote {what} {args.preset} {kind} checkpoint to {Path(out).resolve()}")
     return 0
 
 

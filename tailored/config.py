@@ -60,6 +60,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     # block-FP8 weights (spec §9.1; tailored.model.fp8.Fp8Config), None for a bf16 checkpoint
     fp8: Any = None
+    # NVFP4 weights, ModelOpt or compressed-tensors layout (spec §9.2;
+    # tailored.model.nvfp4_config.Nvfp4Config), None otherwise
+    nvfp4: Any = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -------------------------------------------------------------------------
@@ -77,8 +80,16 @@ class ModelConfig:
 
     @property
     def precision(self) -> str:
-        """'fp8' for a block-FP8 checkpoint, else 'bf16' (the weights' storage, not --dtype)."""
+        """'fp8' for a block-FP8 checkpoint, 'nvfp4' for an NVFP4 one, else 'bf16' (the
+        weights' storage, not --dtype)."""
+        if self.nvfp4 is not None:
+            return "nvfp4"
         return "fp8" if self.fp8 is not None else "bf16"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the checkpoint stores quantized weights (FP8 or NVFP4)."""
+        return self.fp8 is not None or self.nvfp4 is not None
 
     @property
     def load_max_layers(self) -> int | None:
@@ -154,10 +165,12 @@ class ModelConfig:
         else:
             eos_ids = (int(eos),)
         from tailored.model.fp8 import Fp8Config, Fp8FormatError
+        from tailored.model.nvfp4_config import Nvfp4Config, Nvfp4FormatError
 
         try:
-            fp8 = Fp8Config.from_config(cfg)
-        except Fp8FormatError as e:
+            nvfp4 = Nvfp4Config.from_config(cfg)
+            fp8 = None if nvfp4 is not None else Fp8Config.from_config(cfg)
+        except (Fp8FormatError, Nvfp4FormatError) as e:
             raise ConfigError(str(e)) from None
         head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
         mc = cls(
@@ -187,6 +200,7 @@ class ModelConfig:
             dtype=str(text.get("dtype", text.get("torch_dtype", "bfloat16"))),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
             fp8=fp8,
+            nvfp4=nvfp4,
             raw=cfg,
         )
         mc.validate()

@@ -78,6 +78,12 @@ class Flags:
         "MOE_GEMV_UP_TO", 2,
         "FP8 experts of inputs up to this many rows run as GEMVs, one (token, expert) pair a "
         "program; 0 = tiled GEMMs", "kb/0039", lo=0, hi=ROUTE_ONE_PROGRAM_UP_TO)
+    nvfp4_gemv_up_to: int = _switch(
+        "NVFP4_GEMV_UP_TO", 64,
+        "NVFP4 routed experts (a program per token-expert pair) and lm_head (16 rows a launch) "
+        "of inputs up to this many rows run as W4A16 GEMVs on the packed weights; above, they "
+        "are dequantized into a bf16 scratch first (all experts of a layer: ~2 GB of traffic); "
+        "0 = never", "kb/0065", lo=0, hi=256)
     fp8_dense_dequant: bool = _switch(
         "FP8_DENSE_DEQUANT", True,
         "FP8 dense projections are also held dequantized (2.8 GB) for cuBLAS above the GEMV "

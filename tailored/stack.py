@@ -142,6 +142,11 @@ def build_stack(checkpoint_dir: str | Path | None, *, load_format: str = "auto",
         log.info("block-FP8 checkpoint: e4m3 weights with 128x128 scales stay FP8, activations "
                  "%s (W8A16; activation_scheme %r of the config is not used)", dt_name,
                  cfg.fp8.activation_scheme)
+    if cfg.nvfp4 is not None:
+        q = cfg.nvfp4
+        log.info("NVFP4 checkpoint (%s layout): 4-bit weights with e4m3 scales per 16 stay "
+                 "packed, activations %s (W4A16)%s", q.format, dt_name,
+                 f"; {q.activations_note}" if q.activations_note else "")
     runner = ModelRunner(model, cfg, ec, dev, dt)
     engine = Engine(cfg, ec, runner, tok)
     return Stack(engine, tok, cfg, ec, ckpt)

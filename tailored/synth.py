@@ -112,12 +112,17 @@ GENERATION_CONFIG = {
 SHARD_BYTES = 4 * 1024**3
 
 
+PRECISIONS = ("bf16", "fp8", "nvfp4")
+
+
 def preset_config(preset: str, num_layers: int | None = None, precision: str = "bf16",
-                  **overrides) -> dict:
+                  nvfp4_format: str = "modelopt", **overrides) -> dict:
     """The full config.json dict (top level qwen3_5_moe with text_config) for a preset.
-    precision 'fp8' adds Qwen's block-FP8 quantization_config (spec §9.1)."""
-    if precision not in ("bf16", "fp8"):
-        raise ValueError(f"unknown precision {precision!r}; choose bf16 or fp8")
+    precision 'fp8' adds Qwen's block-FP8 quantization_config (spec §9.1); 'nvfp4' the NVFP4
+    one of `nvfp4_format`, 'modelopt' (the official release's) or 'compressed-tensors'
+    (spec §9.2, model/nvfp4_config.py)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if preset not in ("tiny", "full"):
         raise ValueError(f"unknown preset {preset!r}; choose tiny or full")
     text = deepcopy(FULL_TEXT_CONFIG)
@@ -144,6 +149,10 @@ def preset_config(preset: str, num_layers: int | None = None, precision: str = "
         from tailored.model.fp8 import Fp8Config
 
         out["quantization_config"] = Fp8Config().to_json()
+    if precision == "nvfp4":
+        from tailored.model.nvfp4_config import release_layout
+
+        out["quantization_config"] = release_layout(n, text["layer_types"], nvfp4_format)
     return out
 
 
@@ -218,7 +227,9 @@ def fill_random_(t: torch.Tensor, name: str, g: torch.Generator) -> None:
 
 def build_empty_model(cfg: ModelConfig, device, dtype, with_mtp: bool = True):
     """Allocate the model's parameters uninitialised on `device` (no CPU init pass). For a
-    block-FP8 config (cfg.fp8) the converted linears and experts are FP8 + fp32 scales."""
+    block-FP8 config (cfg.fp8) the converted linears and experts are FP8 + fp32 scales; for
+    an NVFP4 one (cfg.nvfp4) packed NVFP4 + scales and per-tensor FP8 (model/nvfp4.py)."""
+    from tailored.model import nvfp4
     from tailored.model.fp8 import convert_model_
     from tailored.model.qwen36 import Qwen36ForCausalLM
 
@@ -228,6 +239,8 @@ def build_empty_model(cfg: ModelConfig, device, dtype, with_mtp: bool = True):
         model = model.to(dtype)
         if cfg.fp8 is not None:
             convert_model_(model, cfg.fp8)
+        if cfg.nvfp4 is not None:
+            nvfp4.convert_model_(model, cfg.nvfp4)
     model = model.to_empty(device=device)
     # An inference engine never back-propagates; with requires_grad left on, every forward
     # outside inference_mode (CUDA-graph warm-up and capture at startup) keeps autograd's saved
@@ -265,13 +278,17 @@ def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16, init: str = "
     gate can compare it with both.
     """
     from tailored.model.fp8 import FP8, quantize_block, quantize_experts
+    from tailored.model.nvfp4 import PACKED
 
     params = dict(model.named_parameters())
     L = model.config.num_hidden_layers
     for name, p in params.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith(("_scale_inv", "_scale", "_scale_2")):
             continue  # set with its weight
         ck = to_checkpoint_name(name)
+        if p.dtype == PACKED or model.config.nvfp4 is not None and p.dtype == FP8:
+            _dummy_nvfp4_(params, name, p, ck, seed, init, L, dtype)
+            continue
         if p.dtype != FP8:
             _draw_(p.data, ck, seed, init, L)
             continue
@@ -284,6 +301,35 @@ def init_dummy_weights(model, seed: int = 0, dtype=torch.bfloat16, init: str = "
         p.data.copy_(q)
         scale.data.copy_(s)
         del full, q
+
+
+def _dummy_nvfp4_(params, name, p, ck, seed, init, L, dtype) -> None:
+    """One quantized weight of an NVFP4 model (`name`: an NVFP4 or per-tensor FP8 linear's
+    weight, or NVFP4 experts) from the bf16 values of the same seed, quantized as synth
+    writes them (so the gate can compare it with the bf16 dummy model)."""
+    from tailored.model import nvfp4
+
+    full = torch.empty(_bf16_shape(name, p), dtype=dtype, device=p.device)
+    _draw_(full, ck, seed, init, L)
+    if p.dtype == nvfp4.FP8:  # per-tensor FP8: every block scale is the tensor's one
+        q, s = nvfp4.quantize_fp8_tensor(full)
+        p.data.copy_(q)
+        params[name[:-len("weight")] + "weight_scale_inv"].data.fill_(s)
+        return
+    if p.dim() == 3:
+        out = nvfp4.quantize_experts(full, 2 if name.endswith("gate_up_proj") else 1)
+        base = name
+    else:
+        out = nvfp4.quantize(full)
+        base = name[:-len(".weight")] + ".weight"
+    for t, suffix in zip(out, ("", "_scale", "_scale_2")):
+        params[base + suffix].data.copy_(t)
+
+
+def _bf16_shape(name: str, p) -> tuple[int, ...]:
+    """The bf16 shape of a quantized parameter: FP8 keeps it; packed NVFP4 halves the last
+    dimension."""
+    return tuple(p.shape) if p.dtype != torch.uint8 else (*p.shape[:-1], 2 * p.shape[-1])
 
 
 def tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -308,6 +354,23 @@ def fp8_tensor_names(cfg: ModelConfig) -> set[str]:
         model = Qwen36ForCausalLM(cfg, with_mtp=True)
         convert_model_(model, cfg.fp8)
     return {to_checkpoint_name(n) for n, p in model.named_parameters() if p.dtype == FP8}
+
+
+def nvfp4_tensor_kinds(cfg: ModelConfig) -> dict[str, str]:
+    """Checkpoint name → 'nvfp4' or 'fp8' (per-tensor) of the bf16 tensors an NVFP4 config
+    stores quantized, decided by the loader's own conversion (nvfp4.convert_model_). Empty for
+    another config."""
+    if cfg.nvfp4 is None:
+        return {}
+    from tailored.model import nvfp4
+    from tailored.model.qwen36 import Qwen36ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen36ForCausalLM(cfg, with_mtp=True)
+        nvfp4.convert_model_(model, cfg.nvfp4)
+    kinds = {nvfp4.PACKED: "nvfp4", nvfp4.FP8: "fp8"}
+    return {to_checkpoint_name(n): kinds[p.dtype] for n, p in model.named_parameters()
+            if p.dtype in kinds and not n.endswith(("_scale", "_scale_inv"))}
 
 
 def _checkpoint_tensors(fp8_names: set[str], name: str, t: torch.Tensor):
@@ -339,7 +402,7 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
                                num_layers: int | None = None, progress: bool = True,
                                shard_bytes: int = SHARD_BYTES, tokenizer: bool = True,
                                config_only: bool = False, device: str = "cpu",
-                               precision: str = "bf16") -> Path:
+                               precision: str = "bf16", nvfp4_format: str = "modelopt") -> Path:
     """Write a checkpoint directory; returns its path. Deterministic for (preset, seed, num_layers).
 
     precision 'fp8': Qwen's block-FP8 release layout (spec §9.1) — the bf16 values of the same
@@ -347,6 +410,9 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
     [ceil(out/128), ceil(in/128)], routed experts per expert
     (`mlp.experts.E.{gate,up,down}_proj.weight` + scale), the rest bf16; config.json gets the
     quantization_config.
+    precision 'nvfp4': the NVFP4 layout `nvfp4_format` ('modelopt': the official release's,
+    'compressed-tensors': llm-compressor's), the bf16 values of the same seed quantized by the
+    reference quantizer (model/nvfp4.py; tensors as model/nvfp4_tensors.py names them).
 
     config_only: write config, generation config and tokenizer files but no weights (for
     `tailored serve --load-format dummy`, e.g. the full preset on a machine without 70 GB of disk).
@@ -357,15 +423,19 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_dict = preset_config(preset, num_layers, precision)
+    from tailored.model import nvfp4_tensors
+
+    cfg_dict = preset_config(preset, num_layers, precision, nvfp4_format)
     cfg = ModelConfig.from_dict(cfg_dict)
     specs = [] if config_only else tensor_specs(cfg)
     fp8_names = fp8_tensor_names(cfg)
+    kinds = nvfp4_tensor_kinds(cfg)
     # plan shards first so file names carry the total count, as HF does
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in specs:
-        nbytes = (1 if name in fp8_names else 2) * math.prod(shape)
+        nbytes = ((1 if name in fp8_names else 2) * math.prod(shape) if not kinds
+                  else nvfp4_tensors.stored_bytes(kinds.get(name), shape))
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -379,7 +449,9 @@ def write_synthetic_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: 
         tensors = {}
         for name, shape in shard:
             t = random_tensor(name, shape, seed, device=device)
-            for out_name, out_t in _checkpoint_tensors(fp8_names, name, t):
+            pairs = (_checkpoint_tensors(fp8_names, name, t) if name not in kinds else
+                     nvfp4_tensors.checkpoint_tensors(kinds[name], nvfp4_format, name, t))
+            for out_name, out_t in pairs:
                 tensors[out_name] = out_t.cpu()
                 weight_map[out_name] = fname
                 total += out_t.numel() * out_t.element_size()

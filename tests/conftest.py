@@ -131,6 +131,23 @@ def tiny_fp8_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_nvfp4_ckpt(tmp_path_factory):
+    """The tiny preset (same seed) in NVFP4, ModelOpt's layout (synth --dtype nvfp4)."""
+    d = tmp_path_factory.mktemp("tiny-nvfp4")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, progress=False, tokenizer=False,
+                                      precision="nvfp4")
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_ct_ckpt(tmp_path_factory):
+    """The tiny preset in NVFP4, compressed-tensors' layout (synth --dtype nvfp4 --format
+    compressed-tensors)."""
+    d = tmp_path_factory.mktemp("tiny-nvfp4-ct")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, progress=False, tokenizer=False,
+                                      precision="nvfp4", nvfp4_format="compressed-tensors")
+
+
+@pytest.fixture(scope="session")
 def tiny4_ckpt(tmp_path_factory):
     """The tiny preset cut to its first 4 layers (3 GDN + 1 attention: both layer kinds; the
     MTP head too), for the kernel-path tests: Triton's interpreter costs per program launched,
@@ -149,8 +166,16 @@ def tiny4_fp8_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny4_nvfp4_ckpt(tmp_path_factory):
+    """`tiny4_ckpt` in NVFP4, ModelOpt's layout."""
+    d = tmp_path_factory.mktemp("tiny4-nvfp4")
+    return write_synthetic_checkpoint(d, "tiny", seed=0, num_layers=4, progress=False,
+                                      tokenizer=False, precision="nvfp4")
+
+
+@pytest.fixture(scope="session")
 def gate_presets():
-    """The gate's preset checkpoints ($TAILORED_CACHE/tiny-seed0 and tiny-fp8-seed0, written
+    """The gate's preset checkpoints ($TAILORED_CACHE/tiny-seed0, tiny-fp8-seed0, ..., written
     on first use by `preset_checkpoint`), made under a file lock: on a fresh cache two
     pytest-xdist workers would both write one, and the later one replaces (rmtree) the
     directory the other may be reading."""
@@ -163,7 +188,8 @@ def gate_presets():
     d.mkdir(parents=True, exist_ok=True)
     with open(d / ".presets.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return {name: preset_checkpoint(name) for name in ("tiny", "tiny-fp8")}
+        return {name: preset_checkpoint(name)
+                for name in ("tiny", "tiny-fp8", "tiny-nvfp4", "tiny-nvfp4-ct")}
 
 
 @pytest.fixture(scope="session")

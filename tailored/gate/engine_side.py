@@ -70,7 +70,7 @@ def engine_greedy(engine, prompts: dict[str, list[int]], max_new_tokens: int,
         engine.add_request(name, ids, sp)
         if capture:
             n, H = len(ids) + max_new_tokens - 1, model.config.hidden_size
-            dev, dt = runner.device, model.lm_head.weight.dtype
+            dev, dt = runner.device, model.model.embed_tokens.weight.dtype
             hidden[name] = torch.zeros(n, H, dtype=dt, device=dev)
             filled[name] = torch.zeros(n, dtype=torch.bool, device=dev)
 

@@ -9,10 +9,11 @@ Two ways to give it weights (`load_reference`):
   * checkpoint  — a second, independent load of the checkpoint files (our loader into a fresh
                   model, then adopted the same way): a weight changed in the engine's model after
                   loading (a quantization pass, a bug, tests/tools/test_gate.py's nudge) shows up.
-  * FP8 engines: both modes hand the reference the FP8 weights dequantized to the model dtype
-    (`fp8.dequantized_state_dict`, new tensors: ≈ 67 GB at full size) — "the FP8 weights
-    dequantized into the reference" of issue 4. The other FP8 reference, the bf16 checkpoint
-    the FP8 one was quantized from, is `bf16_reference`.
+  * FP8 and NVFP4 engines: both modes hand the reference the quantized weights dequantized to
+    the model dtype (`fp8.dequantized_state_dict`, `nvfp4.dequantized_state_dict`; new tensors:
+    ≈ 67 GB at full size) — "the quantized weights dequantized into the reference" of issues 4
+    and 48. The other reference, the bf16 checkpoint they were quantized from, is
+    `bf16_reference`.
 
 Parameter names: ours equal HF's (`model.*`, `lm_head.weight`; fused experts
 `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]); `mtp.*` is not part of HF's
@@ -94,13 +95,19 @@ def hf_text_config(cfg, attn_impl: str = "sdpa"):
 
 
 def shared_state_dict(model, consume: bool = False) -> dict[str, torch.Tensor]:
-    """Our model's tensors under HF names (the same storage; MTP dropped). Block-FP8 weights
-    are dequantized to the model dtype (new tensors) and their scales dropped; consume: each
-    FP8 weight is emptied in `model` once dequantized (`fp8.dequantized_state_dict`)."""
-    if model.config.fp8 is not None:
+    """Our model's tensors under HF names (the same storage; MTP dropped). Block-FP8 and
+    NVFP4 weights are dequantized to the model dtype (new tensors) and their scales dropped;
+    consume: each FP8 weight is emptied in `model` once dequantized
+    (`fp8.dequantized_state_dict`)."""
+    dtype = model.model.embed_tokens.weight.dtype  # lm_head may be NVFP4 (uint8)
+    if model.config.nvfp4 is not None:
+        from tailored.model.nvfp4 import dequantized_state_dict
+
+        sd = dequantized_state_dict(model, dtype)
+    elif model.config.fp8 is not None:
         from tailored.model.fp8 import dequantized_state_dict
 
-        sd = dequantized_state_dict(model, model.lm_head.weight.dtype, consume)
+        sd = dequantized_state_dict(model, dtype, consume)
     else:
         sd = model.state_dict()
     return {k: v for k, v in sd.items() if not k.startswith("mtp.")}
@@ -142,20 +149,20 @@ def load_reference(cfg, model, mode: str, checkpoint_dir=None, attn_impl: str = 
     elif mode == "checkpoint":
         from tailored.model.loader import load_checkpoint
 
-        if cfg.fp8 is not None and model.lm_head.weight.is_cuda:
+        if cfg.quantized and model.lm_head.weight.is_cuda:
             # engine FP8 + a second FP8 load + its dequantized bf16 copy: ~137 GB at full size
-            raise ValueError("--reference-weights checkpoint with an FP8 checkpoint on CUDA "
-                             "needs three copies of the weights; use shared (the default)")
+            raise ValueError("--reference-weights checkpoint with a quantized checkpoint on "
+                             "CUDA needs three copies of the weights; use shared (the default)")
         from tailored.synth import build_empty_model
 
-        p = model.lm_head.weight
+        p = model.model.embed_tokens.weight
         fresh = build_empty_model(cfg, p.device, p.dtype, with_mtp=False)
         load_checkpoint(fresh, checkpoint_dir, progress=False,  # skips mtp.*
                         max_layers=cfg.load_max_layers)
         sd = shared_state_dict(fresh)
     else:
         raise ValueError(f"unknown reference weights mode {mode!r}; use shared or checkpoint")
-    return reference_from_state_dict(cfg, sd, model.lm_head.weight.device, attn_impl)
+    return reference_from_state_dict(cfg, sd, model.model.embed_tokens.weight.device, attn_impl)
 
 
 def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: int = 0,
@@ -170,7 +177,7 @@ def bf16_reference(cfg, device, dtype, source, attn_impl: str = "sdpa", seed: in
     from tailored.model.loader import load_checkpoint
     from tailored.synth import build_empty_model, init_dummy_weights
 
-    cfg_b = replace(cfg, fp8=None)
+    cfg_b = replace(cfg, fp8=None, nvfp4=None)
     m = build_empty_model(cfg_b, device, dtype, with_mtp=False)
     if source == "dummy":
         init_dummy_weights(m, seed, init=dummy_init)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from tailored.gate import metrics as M
 from tailored.gate.engine_side import engine_greedy, engine_teacher_forced, gate_engine_kwargs
 from tailored.gate.manifest import manifest
 from tailored.gate.prompts import DEFAULT_PROMPTS, REPO, ids_sha256, load_prompts, sha256_file
+from tailored.gate.sources import PRESETS, bf16_source, check_bf16_source, preset_checkpoint
 from tailored.gate.reference import (
     bf16_reference,
     load_reference,
@@ -49,13 +48,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "gate", help="accuracy gate: engine vs transformers on the frozen prompt set",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint_dir", nargs="?", default=None, help="Hugging Face checkpoint dir")
-    p.add_argument("--preset", choices=["tiny", "tiny-fp8", "nano"], default=None,
+    p.add_argument("--preset", choices=[*PRESETS, "nano"], default=None,
                    help="tiny: synthetic tiny checkpoint, seed 0 (CI; fp32 by default); tiny-fp8: "
-                        "the same in block FP8 (checked against its dequantized weights and "
-                        "against tiny); nano: the packaged trained nano model")
+                        "the same in block FP8, tiny-nvfp4 / tiny-nvfp4-ct in NVFP4 (ModelOpt's / "
+                        "compressed-tensors' layout), each checked against its dequantized "
+                        "weights and against tiny; nano: the packaged trained nano model")
     p.add_argument("--bf16-reference", default=None,
-                   help="FP8 checkpoints: the bf16 checkpoint it was quantized from (the second "
-                        "reference; --load-format dummy draws it from --seed)")
+                   help="FP8 / NVFP4 checkpoints: the bf16 checkpoint it was quantized from (the "
+                        "second reference; --load-format dummy draws it from --seed)")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="engine and reference dtype (default float32 for --preset tiny and on "
@@ -105,6 +105,18 @@ def _section(path: Path, dtype: str) -> tuple[str, dict]:
     if dtype not in data:
         raise ValueError(f"{path} has no thresholds section {dtype!r}")
     return dtype, data[dtype]
+
+
+def section_name(path: Path, precision: str, dtype: str) -> str:
+    """The thresholds section of an engine computing in `dtype` on `precision` weights: the
+    dtype's for bf16 weights; the precision's for quantized weights in bf16; in fp32
+    "<precision>-float32" where the file has one (its vs_bf16_reference bound), else float32."""
+    if precision == "bf16":
+        return dtype
+    if dtype != "float32":
+        return precision
+    own = f"{precision}-float32"
+    return own if own in json.loads(Path(path).read_text()) else dtype
 
 
 def score_prompt(hf, model, h_ref: torch.Tensor, h_eng: torch.Tensor, positions: list[int],
@@ -250,30 +262,6 @@ def public(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if not k.startswith("_")}
 
 
-def preset_checkpoint(name: str) -> Path:
-    """tiny: the synthetic tiny preset, seed 0 (random weights; the goldens' model), written
-    once to $TAILORED_CACHE/tiny-seed0; tiny-fp8: the same values in block FP8
-    ($TAILORED_CACHE/tiny-fp8-seed0). nano: the packaged trained nano model (tailored/data/nano),
-    the better fixture for bf16 (kb/0001)."""
-    from tailored.stack import cache_dir
-    from tailored.synth import write_synthetic_checkpoint
-
-    if name == "nano":
-        d = REPO / "tailored" / "data" / "nano"
-        if not (d / "config.json").is_file():
-            raise FileNotFoundError(f"no nano checkpoint in {d}")
-        return d
-    precision = "fp8" if name == "tiny-fp8" else "bf16"
-    d = cache_dir() / ("tiny-seed0" if precision == "bf16" else "tiny-fp8-seed0")
-    if not (d / "model.safetensors.index.json").is_file() or not (d / "tokenizer.json").is_file():
-        tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")  # rename: never a half-written dir
-        write_synthetic_checkpoint(tmp, "tiny", seed=0, progress=False, precision=precision)
-        if d.exists():
-            shutil.rmtree(d)
-        tmp.rename(d)
-    return d
-
-
 def resolve(args):
     """(checkpoint dir, device, dtype name, reference mode) from the options."""
     from tailored.stack import pick_device
@@ -332,15 +320,16 @@ def _run(args) -> int:
                         **gate_engine_kwargs(lens, args.max_new_tokens,
                                              max_num_batched_tokens=args.max_num_batched_tokens))
     cfg = stack.model_config
-    fp8 = cfg.fp8 is not None
-    # the engine's compute dtype picks the section; an FP8 checkpoint computed in bf16 has its own
-    section, th = _section(args.thresholds, "fp8" if fp8 and dtype != "float32" else dtype)
+    quantized = cfg.quantized
+    # the engine's compute dtype picks the section; a quantized checkpoint computed in bf16 has
+    # its own ("fp8", "nvfp4"), and in fp32 "<precision>-float32" where the file has one
+    section, th = _section(args.thresholds, section_name(args.thresholds, cfg.precision, dtype))
     t_built = time.monotonic()
     ids, eng_tokens, eng_hidden, timings = engine_pass(
         stack, prompts, args.max_new_tokens, args.max_num_batched_tokens, args.hidden_from,
         args.one_at_a_time)
     t = time.monotonic()
-    consume = fp8 and mode == "shared"
+    consume = cfg.fp8 is not None and mode == "shared"
     if consume:  # the engine has run: its cache, graphs and FP8 weights make room (80 GB cards)
         stack.engine.runner.release()
         _free(dev)
@@ -368,16 +357,17 @@ def _run(args) -> int:
     o = M.overall(records)
     found = M.breaches(o, th) + (relative_breaches(o, floor, th) if floor else [])
     vs_bf16 = None
-    if fp8:  # the second FP8 reference: the bf16 weights before quantization
+    if quantized:  # the second reference: the bf16 weights before quantization
         del hf
         _free(dev)
         vs_bf16 = {"source": str(bf16_src) if bf16_src else None}
         if bf16_src is None:
-            vs_bf16["note"] = ("not run: give --bf16-reference DIR (the bf16 checkpoint this FP8 "
-                               "one was quantized from), or use --load-format dummy")
+            vs_bf16["note"] = ("not run: give --bf16-reference DIR (the bf16 checkpoint this "
+                               f"{cfg.precision.upper()} one was quantized from), or use "
+                               "--load-format dummy")
         else:
             t = time.monotonic()
-            hf = bf16_reference(cfg, dev, stack.engine.runner.model.lm_head.weight.dtype,
+            hf = bf16_reference(cfg, dev, stack.engine.runner.model.model.embed_tokens.weight.dtype,
                                 bf16_src, args.reference_attn, args.seed, args.dummy_init)
             timings["bf16_reference_load_s"] = time.monotonic() - t
             rec_b = score_all(hf, stack, prompts, ids, eng_tokens, eng_hidden,
@@ -399,8 +389,9 @@ def _run(args) -> int:
     if args.max_new_tokens < th["min_match_tokens"]:
         notes.append(f"max_new_tokens {args.max_new_tokens} < min_match_tokens "
                      f"{th['min_match_tokens']}: greedy match checked over {args.max_new_tokens}")
-    if fp8:
-        notes.append("FP8 engine: 'overall' is against the FP8 weights dequantized into the "
+    if quantized:
+        p = cfg.precision.upper()
+        notes.append(f"{p} engine: 'overall' is against the {p} weights dequantized into the "
                      "reference; 'vs_bf16_reference' against the bf16 weights they came from")
     passed = not (found and enforced)
     report = {
@@ -438,89 +429,6 @@ def _free(dev) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def check_bf16_source(src, ckpt: Path, args):
-    """Validate the bf16 reference of an FP8 gate before the run: FP8 checkpoint only; a
-    directory must be a bf16 checkpoint of the same architecture whose weights the FP8 ones
-    are a quantization of (layer 0's in_proj_qkv / q_proj and one expert: dequantized FP8 within
-    e4m3 rounding of the bf16 tensor, relative error ≤ 0.1 where a genuine quantization gives
-    ~0.03). Raises ValueError naming the problem. Returns src."""
-    from tailored.config import ModelConfig
-
-    cfg = ModelConfig.from_dir(ckpt)
-    if cfg.fp8 is None:
-        if args.bf16_reference:
-            raise ValueError("--bf16-reference applies to FP8 checkpoints only; "
-                             f"{ckpt} is not one (no FP8 quantization_config)")
-        return None
-    if src is None or src == "dummy" or args.load_format == "dummy":
-        return src
-    src = Path(src)
-    other = ModelConfig.from_dir(src)  # ConfigError for a missing/bad config.json
-    if other.fp8 is not None:
-        raise ValueError(f"--bf16-reference {src} is itself an FP8 checkpoint")
-    same = ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
-            "vocab_size", "layer_types")
-    diff = [f for f in same if getattr(other, f) != getattr(cfg, f)]
-    if diff:
-        raise ValueError(f"--bf16-reference {src} is another model: {diff[0]} differs")
-    _check_quantized_from(ckpt, src)
-    return src
-
-
-def _check_quantized_from(fp8_dir: Path, bf16_dir: Path) -> None:
-    from safetensors import safe_open
-
-    from tailored.model.fp8 import dequantize_block
-    from tailored.model.loader import checkpoint_files
-
-    def where(d):
-        return {n: d / f for f, names in checkpoint_files(d).items() for n in names}
-
-    qf, bf = where(fp8_dir), where(bf16_dir)
-    pre = "model.language_model.layers.0."
-    pairs = []
-    for mod in ("linear_attn.in_proj_qkv", "self_attn.q_proj", "mlp.shared_expert.up_proj"):
-        w = pre + mod + ".weight"
-        if w in qf and w in bf and w[:-len("weight")] + "weight_scale_inv" in qf:
-            pairs.append((w, w, w[:-len("weight")] + "weight_scale_inv", None))
-    e = pre + "mlp.experts.0.down_proj.weight"
-    if e in qf and pre + "mlp.experts.down_proj" in bf:  # fused bf16 experts
-        pairs.append((e, pre + "mlp.experts.down_proj", e + "_scale_inv", 0))
-    elif e in qf and e in bf:
-        pairs.append((e, e, e + "_scale_inv", None))
-    if not pairs:
-        raise ValueError(f"--bf16-reference {bf16_dir}: none of layer 0's FP8 weights is there")
-    for qn, bn, sn, expert in pairs:
-        with safe_open(str(qf[qn]), "pt") as f:
-            q = f.get_tensor(qn)
-        with safe_open(str(qf[sn]), "pt") as f:
-            sc = f.get_tensor(sn)
-        with safe_open(str(bf[bn]), "pt") as f:
-            b = f.get_tensor(bn)
-        b = (b[expert] if expert is not None else b).float()
-        if b.shape != q.shape:
-            raise ValueError(f"--bf16-reference {bf16_dir}: {bn} has shape {tuple(b.shape)}, "
-                             f"the FP8 {qn} {tuple(q.shape)}")
-        err = ((dequantize_block(q, sc, torch.float32) - b).norm() / b.norm().clamp_min(1e-12)).item()
-        if not err <= 0.1:
-            raise ValueError(f"--bf16-reference {bf16_dir} is not what the FP8 weights were "
-                             f"quantized from: {qn} differs from its bf16 tensor by {err:.2f} "
-                             "(relative; block-FP8 rounding gives ~0.03)")
-
-
-def bf16_source(args, ckpt: Path):
-    """Where the bf16 weights behind an FP8 checkpoint come from: --bf16-reference DIR, the
-    tiny preset for --preset tiny-fp8 (its FP8 twin is quantized from it), 'dummy' for
-    --load-format dummy (same seed), else None (that comparison is then reported as not run)."""
-    if args.bf16_reference:
-        return Path(args.bf16_reference)
-    if args.preset == "tiny-fp8":
-        return preset_checkpoint("tiny")
-    if args.load_format == "dummy":
-        return "dummy"
-    return None
 
 
 def _print_summary(r: dict) -> None:

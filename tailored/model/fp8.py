@@ -64,7 +64,8 @@ class Fp8Config:
         method = q.get("quant_method")
         if method != "fp8":
             raise Fp8FormatError(f"unsupported quantization_config.quant_method {method!r}: "
-                                 "tailored loads bf16 checkpoints and Qwen's block FP8 ('fp8')")
+                                 "tailored loads bf16 checkpoints, Qwen's block FP8 ('fp8') and "
+                                 "NVFP4 ('modelopt', 'compressed-tensors')")
         fmt = q.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise Fp8FormatError(f"unsupported FP8 fmt {fmt!r}; only e4m3 is supported")

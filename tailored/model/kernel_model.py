@@ -22,18 +22,32 @@ from torch import nn
 
 from tailored import flags
 from tailored.kernels.norm import add_rms_norm_1p
-from tailored.model import fp8
+from tailored.kernels.nvfp4_gemv import nvfp4_linear
+from tailored.model import fp8, nvfp4
 from tailored.model.batch import ForwardBatch
-from tailored.model.fp8 import Fp8Linear
 from tailored.model.kernel_attention import AttentionBlocks
 from tailored.model.kernel_gdn import GdnBlocks, fla_chunk
 from tailored.model.kernel_moe import MoEBlocks
+from tailored.model.kernel_moe_w4 import Scratch, W4Experts
 from tailored.model.moe_stack import ExpertStack, stack_shared_expert
-from tailored.model.projections import Proj, ProjGroup, dense_dequant_bytes, layer_projections
+from tailored.model.projections import (
+    Proj,
+    ProjGroup,
+    dense_dequant_bytes,
+    held_dequantized,
+    layer_projections,
+)
 from tailored.model.step_plan import build_plan
 from tailored.ops import reference as ref
 
 log = logging.getLogger("tailored.kernels")
+
+
+def nvfp4_experts(ex: nn.Module) -> tuple:
+    """NVFP4 routed experts as the W4A16 kernels take them: ((gate_up packed, scale,
+    scale_2), (down packed, scale, scale_2)), the module's own tensors."""
+    return ((ex.gate_up_proj.data, ex.gate_up_proj_scale.data, ex.gate_up_proj_scale_2.data),
+            (ex.down_proj.data, ex.down_proj_scale.data, ex.down_proj_scale_2.data))
 
 
 class KernelModel:
@@ -48,7 +62,7 @@ class KernelModel:
         self.cfg = model.config
         self.cache = cache
         self.device = cache.k.device
-        self.dtype = model.lm_head.weight.dtype
+        self.dtype = model.model.embed_tokens.weight.dtype
         fla = (fla_chunk() if (use_fla and self.device.type == "cuda"
                                and self.dtype != torch.float32) else None)
         # per layer: the input projections (one GEMM per weight kind), the mixer's output
@@ -61,12 +75,14 @@ class KernelModel:
         # routed experts + the shared one as expert E (kb/0019; FP8: with block scales)
         stacks: dict[int, ExpertStack] = {}
         experts: dict[int, tuple] = {}  # FP8 experts: block scales (gate_up, down)
-        dq = (self.dtype if flags.current().fp8_dense_dequant and model.config.fp8 is not None
-              else None)
+        w4: dict[int, tuple] = {}  # NVFP4 experts: (gate_up, down) packed + scales
+        dt = self.dtype
+
+        def group(mods):  # linears sharing an input (`held_dequantized`: also held in dt)
+            return ProjGroup(mods, dequant=dt if held_dequantized(mods) else None)
 
         def single(m):  # one linear's projection
-            return Proj.dequantized([m], dq) if dq is not None and \
-                isinstance(m, Fp8Linear) else Proj([m])
+            return Proj.dequantized([m], dt) if held_dequantized([m]) else Proj([m])
 
         # the decoder layers, then the MTP layer when the cache holds its KV (speculative
         # decoding): layer num_hidden_layers, run by `kernel_mtp.mtp_eager`
@@ -79,14 +95,17 @@ class KernelModel:
             self.p_fc = Proj([model.mtp.fc])
         for i, layer in enumerate(self.layers):
             ins, out, moe, down = layer_projections(layer)
-            p_in[i] = ProjGroup(ins, dequant=dq)
+            p_in[i] = group(ins)
             p_out[i] = single(out)
-            p_moe[i] = ProjGroup(moe, dequant=dq)
+            p_moe[i] = group(moe)
             p_route[i] = p_moe[i].leading(2)
             p_down[i] = single(down)
             mlp = layer.mlp
             ex = mlp.experts
             scales = None
+            if nvfp4.is_nvfp4_experts(ex):  # no stack: the shared expert stays dense
+                w4[i] = nvfp4_experts(ex)
+                continue
             if fp8.is_fp8_experts(ex):
                 scales = (
                     fp8.expert_block_scales(ex.gate_up_proj_scale_inv, True),
@@ -97,12 +116,21 @@ class KernelModel:
                 scales = stack.routed_scales() if scales is not None else None
             if scales is not None:
                 experts[i] = scales
-        if dq is not None:
-            log.info("FP8 dense projections held dequantized in %s (%.2f GiB; "
-                     "TAILORED_FP8_DENSE_DEQUANT, kb/0026)", str(dq).removeprefix("torch."),
-                     dense_dequant_bytes(model, dq) / 1024**3)
+        if w4:  # one bf16 scratch for every layer's experts above the GEMV sizes
+            (gu, _, _), (dn, _, _) = next(iter(w4.values()))
+            scratch = Scratch((*gu.shape[:2], 2 * gu.shape[2]), (*dn.shape[:2], 2 * dn.shape[2]),
+                              dt, self.device)
+            w4 = {i: W4Experts(*e, self.cfg.num_experts_per_tok, scratch) for i, e in w4.items()}
+        held = dense_dequant_bytes(model, dt)
+        if held:
+            log.info("quantized dense projections held dequantized in %s as well (%.2f GiB; "
+                     "FP8: TAILORED_FP8_DENSE_DEQUANT, kb/0026; NVFP4 always, kb/0065)",
+                     str(dt).removeprefix("torch."), held / 1024**3)
+        if isinstance(model.lm_head, nvfp4.Nvfp4Linear):
+            model.lm_head.fast = nvfp4_linear  # W4A16 GEMVs on CUDA (kernels/nvfp4_gemv.py)
         self.p_in, self.p_out = p_in, p_out
-        self.moe = MoEBlocks(self.layers, self.cfg, p_moe, p_route, p_down, stacks, experts)
+        self.moe = MoEBlocks(self.layers, self.cfg, p_moe, p_route, p_down, stacks, experts,
+                             w4)
         self.gdn = GdnBlocks(self.layers, self.cfg, cache, p_in, p_out, fla)
         self.attn = AttentionBlocks(self.layers, self.cfg, cache, p_in, p_out)
 

@@ -29,7 +29,8 @@ from tailored.kernels.moe import fused_moe, route_fused_moe
 from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
 from tailored.kernels.moe_gemv import route_gemv_moe
 from tailored.kernels.moe_route import route_align
-from tailored.model import fp8
+from tailored.model import fp8, nvfp4
+from tailored.model.kernel_moe_w4 import scratch_bytes
 from tailored.model.moe_stack import ExpertStack
 from tailored.ops import reference as ref
 
@@ -58,6 +59,7 @@ def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens:
     down, `dtype`) and, per token of the largest step, its k rows of gathered input, gate|up,
     activation and bf16 output (the estimate's fp32 pair terms, fused_moe's, are not
     allocated on this path: conservative). 0 when the grouped path never applies.
+    NVFP4 experts: their bf16 scratch always (kernel_moe_w4.py; prefill steps use it).
     FP8 experts with `moe_w8a8_from` reached by the largest step: also the W8A8 path's own
     buffers (x's codes and scales, each pair's act codes and scales and `dtype` output), which
     are below the grouped path's per-pair terms; the scratch stays reserved while the grouped
@@ -65,13 +67,15 @@ def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens:
     cfg = model.config
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     ex = model.model.layers[0].mlp.experts
+    # NVFP4 experts: their bf16 scratch (kernel_moe_w4.Scratch), allocated with the kernel path
+    w4 = scratch_bytes(ex, dtype) if nvfp4.is_nvfp4_experts(ex) else 0
     w8a8 = 0
     if fp8.is_fp8_experts(ex) and w8a8_applies(step_tokens):
         w8a8 = step_tokens * (H + 4 * ((H + 127) // 128)
                               + k * (I + 4 * ((I + 127) // 128) + H * dtype.itemsize))
     if not grouped_applies(step_tokens, dtype, torch.device("cuda")):  # a CUDA-only reserve
-        return w8a8
-    n = step_tokens * k * (H + 2 * I + I + H) * dtype.itemsize
+        return w8a8 + w4
+    n = w4 + step_tokens * k * (H + 2 * I + I + H) * dtype.itemsize
     if fp8.is_fp8_experts(ex):
         n += (ex.gate_up_proj.numel() + ex.down_proj.numel()) * dtype.itemsize
     return max(n, w8a8)
@@ -93,10 +97,12 @@ class MoEBlocks:
     expert as routed expert E, kb/0019), experts (FP8 block scales of the routed experts)."""
 
     def __init__(self, layers: list, cfg, p_moe: dict, p_route: dict, p_down: dict,
-                 stacks: dict[int, ExpertStack], experts: dict[int, tuple]):
+                 stacks: dict[int, ExpertStack], experts: dict[int, tuple],
+                 w4: dict[int, tuple] | None = None):
         self.layers, self.cfg = layers, cfg
         self.p_moe, self.p_route, self.p_down = p_moe, p_route, p_down
         self.stacks, self.experts = stacks, experts
+        self.w4 = w4 or {}  # NVFP4 experts: `nvfp4_moe.W4Experts` by layer
         self._scratch: tuple | None = None  # the grouped path's bf16 copy of FP8 experts
         # fused_moe even where the grouped path applies: prefill graph bodies and their warm-up
         # runs, which must tune what the capture will launch (a grouped step tuned a new tile
@@ -107,6 +113,8 @@ class MoEBlocks:
         """The MoE block of layer i on its normed input x [T, H]. norm = (residual, weight,
         eps): returns (residual + block output, the next norm of it) from the combine's launch
         (kb/0023) instead of the block output."""
+        if i in self.w4:
+            return self.w4[i](x, self.p_moe[i], self.p_down[i], norm, self)
         f = flags.current()
         cfg, mlp = self.cfg, self.layers[i].mlp
         E, k, T = cfg.num_experts, cfg.num_experts_per_tok, x.shape[0]

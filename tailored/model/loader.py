@@ -7,7 +7,11 @@ tensors (`model.visual.*`) are skipped. Block-FP8 checkpoints (spec §9.1, `mode
 converted linear's float8_e4m3fn `weight` and its `weight_scale_inv` (fp32 or bf16, kept fp32);
 per-expert scales go into the fused `gate_up_proj_scale_inv[e, 0|1]` / `down_proj_scale_inv[e]`.
 An FP8 tensor for a module the config does not convert, or a bf16 one for a converted module,
-is a LoadError (no silent re-quantization or up-cast). Every text tensor is consumed exactly once and every
+is a LoadError (no silent re-quantization or up-cast). NVFP4 checkpoints, ModelOpt's or
+compressed-tensors' (spec §9.2, `model/nvfp4_tensors.py` says where each of their tensors goes):
+packed uint8 weights, e4m3 group scales and fp32 global scales into the NVFP4 modules, ModelOpt's
+per-tensor FP8 scales into the block scales of `Fp8Linear`; input and KV-cache scales are checked
+and dropped (weight-only execution). Every text tensor is consumed exactly once and every
 parameter is set exactly once; shapes and dtypes are checked. Anything else is a LoadError that
 names the tensor.
 """
@@ -23,11 +27,12 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from tailored.model import nvfp4_tensors
 from tailored.model.qwen36 import Qwen36ForCausalLM
 
 log = logging.getLogger("tailored.loader")
 
-ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)
 _PER_EXPERT = re.compile(
     r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
@@ -70,8 +75,8 @@ def param_name(ckpt_name: str) -> str | None:
 class _Tracker:
     """Records which parameter pieces were written so that nothing is set twice or missed."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter]):
-        self.params = params
+    def __init__(self, params: dict[str, torch.nn.Parameter], fmt: str | None = None):
+        self.params, self.fmt = params, fmt  # fmt: the NVFP4 layout, None otherwise
         self.whole: set[str] = set()
         self.pieces: dict[str, set[tuple[int, str]]] = {}
 
@@ -98,13 +103,23 @@ class _Tracker:
                 if lack:
                     e, p = min(lack)
                     # the per-expert tensor name as it is on disk
-                    leaf = "weight_scale_inv" if name.endswith("_scale_inv") else "weight"
-                    prefix = name.rsplit(".", 1)[0]
+                    prefix, _, pleaf = name.rpartition(".")
+                    leaf = _expert_leaf(pleaf, self.fmt)
                     more = f" (and {len(lack) - 1} more expert pieces)" if len(lack) > 1 else ""
                     out.append(f"{_disk_name(prefix)}.{e}.{p}_proj.{leaf}{more}")
                 continue
             out.append(_disk_name(name))
         return out
+
+
+def _expert_leaf(pleaf: str, fmt: str | None) -> str:
+    """The on-disk leaf of a fused expert parameter's per-expert pieces."""
+    if pleaf.endswith("_scale_inv"):
+        return "weight_scale_inv"
+    if not fmt:
+        return "weight"
+    suffix = next((x for x in ("_scale_2", "_scale") if pleaf.endswith(x)), "")
+    return nvfp4_tensors.disk_leaf(suffix, fmt)
 
 
 def _disk_name(pname: str) -> str:
@@ -123,7 +138,7 @@ def load_checkpoint(model: Qwen36ForCausalLM, ckpt_dir: str | Path, progress: bo
     params = dict(model.named_parameters())
     cfg = model.config
     inter = cfg.moe_intermediate_size
-    tracker = _Tracker(params)
+    tracker = _Tracker(params, cfg.nvfp4.format if cfg.nvfp4 is not None else None)
     files = checkpoint_files(ckpt_dir)
     total = sum(len(v) for v in files.values())
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
@@ -158,8 +173,12 @@ def _load_files(model, ckpt_dir, files, params, tracker, bar, inter, max_layers)
                 if t.dtype not in ALLOWED_DTYPES:
                     raise LoadError(
                         f"tensor {name} has dtype {t.dtype}; tailored loads bf16/fp16/fp32 "
-                        "checkpoints and Qwen's block FP8 (float8_e4m3fn + weight_scale_inv)"
+                        "checkpoints, Qwen's block FP8 (float8_e4m3fn + weight_scale_inv) and "
+                        "NVFP4 (uint8 + e4m3 scales)"
                     )
+                if model.config.nvfp4 is not None and _load_nvfp4(name, pname, t, params,
+                                                                  tracker, inter, model):
+                    continue
                 pe = _PER_EXPERT.match(pname)
                 if pe:
                     prefix, e, kind, leaf = pe.group(1), int(pe.group(2)), pe.group(3), pe.group(4)
@@ -189,6 +208,29 @@ def _load_files(model, ckpt_dir, files, params, tracker, bar, inter, max_layers)
                 tracker.mark(pname, None, name)
 
 
+def _load_nvfp4(name, pname, t, params, tracker, inter, model) -> bool:
+    """Load tensor `name` (ours: `pname`) of an NVFP4 checkpoint if it is one of the
+    layout's own (nvfp4_tensors.plan); False when it is an ordinary tensor."""
+    try:
+        p = nvfp4_tensors.plan(pname, params, model.config.nvfp4.format, inter)
+    except nvfp4_tensors.TensorError as e:
+        raise LoadError(str(e)) from None
+    if p is None:
+        return False
+    if t.dtype != p.dtype:
+        raise LoadError(f"tensor {name} is {t.dtype}; the NVFP4 layout has {p.dtype} here")
+    if p.dst is None:  # an input or KV-cache scale: one value, dropped
+        if t.numel() != 1:
+            raise LoadError(f"tensor {name} has shape {tuple(t.shape)}; expected one value")
+        return True
+    if p.dtype == torch.float32 and t.numel() != 1:
+        raise LoadError(f"tensor {name} has shape {tuple(t.shape)}; a global or per-tensor "
+                        "scale is one value")
+    _copy(p.dst, p.convert(t), name)  # scalars: [] or [1] on disk
+    tracker.mark(p.target, p.piece, name)
+    return True
+
+
 def _open_shard(path: Path):
     """safe_open with a LoadError naming the shard when it is truncated or not safetensors."""
     try:
@@ -200,7 +242,11 @@ def _open_shard(path: Path):
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise LoadError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    fp8 = torch.float8_e4m3fn
+    fp8, u8 = torch.float8_e4m3fn, torch.uint8
+    if (src.dtype == u8) != (dst.dtype == u8):
+        raise LoadError(f"tensor {name} is {src.dtype} where the model holds {dst.dtype}: "
+                        "config.json's quantization_config does not match the tensors (packed "
+                        "uint8 NVFP4 weights go with an NVFP4 quantization_config entry)")
     if (src.dtype == fp8) != (dst.dtype == fp8):
         if src.dtype == fp8:
             raise LoadError(f"tensor {name} is FP8 but config.json's quantization_config does "

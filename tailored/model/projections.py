@@ -21,6 +21,18 @@ from tailored.kernels.fp8_linear import fp8_linear
 from tailored.kernels.fp8_splitk import fp8_dense_splitk
 from tailored.model import fp8
 from tailored.model.fp8 import Fp8Linear
+from tailored.model.nvfp4 import Nvfp4Linear
+
+QUANTIZED = (Fp8Linear, Nvfp4Linear)
+
+
+def held_dequantized(mods: list[nn.Module]) -> bool:
+    """Whether a GEMM group is held dequantized on the kernel path: one with an NVFP4 member
+    always (its dense linears have no GEMM of their own: issue 48's W4A16 GEMM is not built),
+    one with an FP8 member with the `fp8_dense_dequant` switch."""
+    if any(isinstance(m, Nvfp4Linear) for m in mods):
+        return True
+    return flags.current().fp8_dense_dequant and any(isinstance(m, Fp8Linear) for m in mods)
 
 
 def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Module]:
@@ -42,20 +54,19 @@ def layer_projections(layer: nn.Module) -> tuple[list, nn.Module, list, nn.Modul
 
 
 def dense_dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """GPU bytes the kernel path allocates for `fp8_dense_dequant`: every GEMM group with an
-    FP8 linear, all of its weights (its bf16 members are copied into the group's tensor too),
-    in `dtype`, and its FP8 members' fp32 row scales for the FP8 GEMV (kb/0039). 0 when the
-    switch is off or the checkpoint has no FP8 linears."""
-    if not flags.current().fp8_dense_dequant:
-        return 0
+    """GPU bytes the kernel path allocates for the GEMM groups it holds dequantized
+    (`held_dequantized`: `fp8_dense_dequant`, NVFP4): all of a group's weights (its bf16
+    members are copied into the group's tensor too), in `dtype`, and its FP8 members' fp32
+    row scales for the FP8 GEMV (kb/0039). 0 when no group is held so."""
     n = scales = 0
     for layer in model.model.layers:
         ins, out, moe, down = layer_projections(layer)
         for group in (ins, [out], moe, [down]):
-            if any(isinstance(m, Fp8Linear) for m in group):
-                n += sum(m.weight.numel() for m in group)
+            if held_dequantized(group):
+                n += sum(m.in_features * m.out_features if isinstance(m, Nvfp4Linear)
+                         else m.weight.numel() for m in group)
                 if len(group) > 1:  # the zero rows of proj_row_align
-                    n += pad_rows(sum(m.weight.shape[0] for m in group)) * group[0].weight.shape[1]
+                    n += pad_rows(sum(m.weight.shape[0] for m in group)) * group[0].in_features
                 # the FP8 GEMV's fp32 row scales (`fp8_gemv_parts`)
                 scales += sum(m.weight.shape[0] * -(-m.weight.shape[1] // fp8.BLOCK)
                               for m in group if isinstance(m, Fp8Linear))
@@ -70,7 +81,9 @@ def pad_rows(rows: int) -> int:
 
 
 def dense_weight(m: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A linear's weight in `dtype`: FP8 dequantized with the reference's rounding."""
+    """A linear's weight in `dtype`: FP8 and NVFP4 dequantized with the reference's rounding."""
+    if isinstance(m, Nvfp4Linear):
+        return m.dequantized(dtype)
     if isinstance(m, Fp8Linear):
         n = m.weight.shape[0]
         return dequantize_rows(m.weight.data, fp8.row_scales(m.weight_scale_inv, n), dtype=dtype)
@@ -178,8 +191,9 @@ class ProjGroup:
     returns the modules' outputs in the given order (views of the GEMM outputs)."""
 
     def __init__(self, mods: list[nn.Module], dequant: torch.dtype | None = None):
-        """dequant: a dtype to hold FP8 linears in (fp8_dense_dequant): then one GEMM for all."""
-        if dequant is not None and any(isinstance(m, Fp8Linear) for m in mods):
+        """dequant: a dtype to hold quantized linears in (`held_dequantized`): then one GEMM
+        for all."""
+        if dequant is not None and any(isinstance(m, QUANTIZED) for m in mods):
             self.parts = [(Proj.dequantized(mods, dequant), list(range(len(mods))))]
             self.n = len(mods)
             return

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailored.config import ModelConfig
-from tailored.model import fp8
+from tailored.model import fp8, nvfp4
 from tailored.model.batch import ForwardBatch
 from tailored.ops import reference as ref
 
@@ -218,6 +218,8 @@ class SparseMoe(nn.Module):
         if gate_up.dtype == fp8.FP8:  # block-FP8 experts: dequantized one hit expert at a time
             gate_up = fp8.DequantExperts(gate_up, self.experts.gate_up_proj_scale_inv, x.dtype, True)
             down = fp8.DequantExperts(down, self.experts.down_proj_scale_inv, x.dtype, False)
+        elif nvfp4.is_nvfp4_experts(self.experts):  # NVFP4: likewise, one hit expert at a time
+            gate_up, down = nvfp4.experts_view(self.experts, x.dtype)
         routed = ref.moe_experts(x, w, ids, gate_up, down)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 

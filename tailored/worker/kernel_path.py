@@ -31,7 +31,8 @@ def make_draft_head(model, ec: EngineConfig, device: torch.device) -> DraftHead 
     if (not ec.uses_mtp or not flags.current().mtp_fp8_head
             or device.type != "cuda" or getattr(model, "mtp", None) is None
             or not kernel_path_asked(ec, device)
-            or kernels.unavailable_reason("cuda", model.lm_head.weight.dtype)):
+            or kernels.unavailable_reason("cuda", model.model.embed_tokens.weight.dtype)
+            or not model.lm_head.weight.is_floating_point()):  # NVFP4 lm_head: drafts read it
         return None
     head = DraftHead(model.lm_head.weight)
     # the quantization's temporaries would stay in the allocator's cache, which the cache plan
@@ -50,7 +51,7 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
 
     want = kernel_path_asked(ec, device)
     if want:
-        why = kernels.unavailable_reason(device.type, model.lm_head.weight.dtype)
+        why = kernels.unavailable_reason(device.type, model.model.embed_tokens.weight.dtype)
         if why and ec.kernels == "on":
             raise RuntimeError(f"--kernels on: {why}")
         if why:

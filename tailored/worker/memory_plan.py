@@ -104,13 +104,13 @@ def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
     from tailored import kernels
 
     if device.type != "cuda" or not kernel_path_asked(ec, device) or \
-            kernels.unavailable_reason("cuda", model.lm_head.weight.dtype) is not None:
+            kernels.unavailable_reason("cuda", model.model.embed_tokens.weight.dtype) is not None:
         return 0
     from tailored.model.kernel_moe import moe_grouped_reserve_bytes
     from tailored.model.projections import dense_dequant_bytes
     from tailored.worker.spec_graphs import snapshot_bytes
 
-    dtype = model.lm_head.weight.dtype
+    dtype = model.model.embed_tokens.weight.dtype
     spec = (snapshot_bytes(model.config, ec.num_speculative_tokens, spec_max_batch(ec), dtype,
                            state_dtype(ec))
             if ec.num_speculative_tokens > 0 and not ec.enforce_eager else 0)

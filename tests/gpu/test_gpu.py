@@ -146,11 +146,12 @@ def _steps(T_a=130, T_b=77):
 
 
 @pytest.mark.parametrize("variant", ["default", "new"])
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_path_matches_plain_full_width(dtype, precision, variant, switches):
     """Published dims, 4 layers: prefill (FLA when installed), mixed steps, graph decode steps.
-    fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul).
+    fp8: block-FP8 weights (W8A16 kernels vs the plain path's dequantize-then-matmul); nvfp4:
+    ModelOpt's NVFP4 layout (W4A16 GEMVs at decode, the experts' bf16 scratch at prefill).
     switches "new": every kernel switch on — the shared expert inside the fused MoE
     (kb/0019); route_align up to 64 rows
     (kb/0021) and the MoE combine with the next norm (kb/0023), on by default; the GDN step
@@ -205,7 +206,7 @@ def test_fast_path_matches_plain_full_width(dtype, precision, variant, switches)
 
 
 @pytest.mark.contract("graph-replay-equals-eager")
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4"])
 def test_cuda_graph_replay_equals_eager_bitwise(precision):
     """The captured decode graph computes exactly what its body computes eagerly (bf16)."""
     model = _full4(torch.bfloat16, seed=2, precision=precision)

@@ -101,6 +101,44 @@ def test_fp8_gate_with_shared_weights_consumes_the_engine_and_still_passes(tmp_p
     assert r["vs_bf16_reference"]["overall"]["max_logit_err"] > 1e-2
 
 
+@pytest.mark.parametrize("preset", ["tiny-nvfp4", "tiny-nvfp4-ct"])
+def test_gate_tiny_nvfp4_against_dequantized_and_bf16_references(preset, tmp_path):
+    """The NVFP4 twins of the tiny preset (ModelOpt's and compressed-tensors' layouts): exact
+    (fp32) against their own dequantized weights, and within the committed bound of
+    thresholds.json's nvfp4-float32 section against the bf16 weights they came from."""
+    from tailored.gate.run import run
+
+    out = tmp_path / "gate-nvfp4.json"
+    assert run(gate_args("--preset", preset, "--only", "code,multi_turn",
+                         "--max-new-tokens", "16", "--report", str(out))) == 0
+    r = json.loads(out.read_text())
+    assert r["manifest"]["precision"] == "nvfp4" and r["thresholds"]["section"] == "nvfp4-float32"
+    assert r["overall"]["top1"] == 1.0 and r["overall"]["greedy_match"] == 2
+    vb = r["vs_bf16_reference"]
+    assert vb["source"].endswith("tiny-seed0") and not vb["breaches"]
+    assert vb["thresholds"]["max_kl_mean"] and vb["thresholds"]["min_top1"]  # enforced
+    assert vb["overall"]["kl_mean"] > 0.1  # 4-bit rounding shows against the bf16 weights
+
+
+def test_gate_nvfp4_bound_fails_a_wrong_layout(monkeypatch, tmp_path):
+    """Nibbles read in the wrong order (and the pre-run check of the bf16 source skipped):
+    the vs-bf16 bound of the nvfp4-float32 section breaches, exit code 1."""
+    import tailored.gate.sources
+    from tailored.gate.run import run
+    from tailored.model import nvfp4
+
+    real = nvfp4.unpack
+    monkeypatch.setattr(nvfp4, "unpack",
+                        lambda p: real(p).reshape(*p.shape, 2).flip(-1).flatten(-2))
+    monkeypatch.setattr(tailored.gate.sources, "check_quantized_from", lambda *a: None)
+    out = tmp_path / "gate.json"
+    assert run(gate_args("--preset", "tiny-nvfp4", "--only", "code", "--max-new-tokens", "8",
+                         "--report", str(out))) == 1
+    r = json.loads(out.read_text())
+    assert r["overall"]["top1"] == 1.0  # engine and dequantized reference agree, both wrong
+    assert any(b.startswith("vs bf16 reference") for b in r["breaches"]), r["breaches"]
+
+
 def test_gate_one_at_a_time_runs_each_prompt_alone(monkeypatch, tmp_path, capsys):
     """--one-at-a-time (kb/0042): each prompt goes through the engine alone, so every decode
     step has one row (the c=1 path); the gate still passes on the tiny preset and records the
@@ -149,9 +187,11 @@ def test_bf16_reference_is_checked_before_the_run(tmp_path, tiny_fp8_ckpt, monke
     fp8 = str(preset_checkpoint("tiny-fp8"))
     for argv, msg in [((fp8, "--bf16-reference", str(tmp_path / "nope")), "config.json"),
                       ((fp8, "--bf16-reference", str(tiny_fp8_ckpt)), "itself an FP8"),
+                      ((str(preset_checkpoint("tiny-nvfp4")), "--bf16-reference", str(other)),
+                       "not what the NVFP4 weights"),
                       ((fp8, "--bf16-reference", str(other)), "not what the FP8 weights"),
                       ((str(preset_checkpoint("tiny")), "--bf16-reference", str(other)),
-                       "FP8 checkpoints only")]:
+                       "FP8 and NVFP4 checkpoints only")]:
         with pytest.raises(ValueError, match=msg):
             run(gate_args(*argv))
 
