@@ -210,8 +210,8 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         p = Path(path) / "config.json"
         if not Path(path).is_dir():
-            raise ConfigError(f"no such checkpoint directory: {path} (a Hugging Face checkpoint "
-                              "directory; leave it out to serve the embedded nano model)")
+            raise ConfigError(f"no such checkpoint directory: {path} (a Hugging Face "
+                              "checkpoint directory: config.json, safetensors, tokenizer)")
         if not p.is_file():
             raise ConfigError(f"no config.json in {path}")
         try:

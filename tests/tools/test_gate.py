@@ -185,7 +185,7 @@ def test_bf16_reference_is_checked_before_the_run(tmp_path, tiny_fp8_ckpt, monke
     monkeypatch.setattr(tailored.stack, "build_stack", no_build)
     other = write_synthetic_checkpoint(tmp_path / "seed1", "tiny", seed=1, progress=False)
     fp8 = str(preset_checkpoint("tiny-fp8"))
-    for argv, msg in [((fp8, "--bf16-reference", str(tmp_path / "nope")), "config.json"),
+    for argv, msg in [((fp8, "--bf16-reference", str(tmp_path / "nope")), "no such checkpoint dir"),
                       ((fp8, "--bf16-reference", str(tiny_fp8_ckpt)), "itself an FP8"),
                       ((str(preset_checkpoint("tiny-nvfp4")), "--bf16-reference", str(other)),
                        "not what the NVFP4 weights"),
