@@ -12,9 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sammie.engine import postprocess
 from sammie.engine.batcher import Batcher
 from sammie.engine.images import MAX_JPEG_SCANS, CorruptImage, ImageTooLarge, TooManyScans, \
     decode, resize_normalise
+from sammie.engine.postprocess import MaskBudgetExceeded, Options, check_mask_budget, instances, \
+    kept
+from sammie.model.sam3 import Detections
 
 
 def test_a_failing_job_does_not_fail_its_batch_mates():
@@ -101,3 +105,28 @@ def test_resizing_one_channel_at_a_time_gives_the_joint_resize_numbers():
         m = s = torch.tensor(MEAN).view(1, 3, 1, 1)
         want = ((joint * (1 / 255) - m) / s)[0]  # the joint recipe, as it was written
         assert torch.equal(resize_normalise(img, 56, MEAN, STD), want)
+
+
+def _detections(q: int = 6, side: int = 12):
+    g = torch.Generator().manual_seed(0)
+    return Detections(logits=torch.full((1, q), 5.0), presence=torch.full((1,), 5.0),
+                      boxes=torch.rand(1, q, 4, generator=g),
+                      mask_embed=torch.randn(1, q, 8, generator=g),
+                      pixels=torch.randn(1, 8, side, side, generator=g))
+
+
+def test_masks_resized_in_chunks_are_the_masks_resized_at_once(monkeypatch):
+    det, opt = _detections(), Options(threshold=0.0)
+    whole = instances(det, 0, 50, 40, opt)
+    monkeypatch.setattr(postprocess, "MASK_CHUNK_ELEMENTS", 50 * 40 * 2)  # 2 masks a chunk
+    assert instances(det, 0, 50, 40, opt) == whole and len(whole) == 6
+
+
+def test_the_mask_budget_counts_every_kept_mask_before_any_is_made():
+    det = _detections()
+    opt = Options(threshold=0.0, max_instances=4, max_mask_pixels=4 * 50 * 40)
+    assert kept(det, 0, opt) == 4
+    check_mask_budget(4, 50, 40, opt)
+    with pytest.raises(MaskBudgetExceeded, match="--max-mask-pixels"):
+        check_mask_budget(5, 50, 40, opt)
+    check_mask_budget(5, 50, 40, Options(mask_format="none", max_mask_pixels=1))
