@@ -11,7 +11,9 @@
   value, and 32 MiB of `[],` or of keys took 3.7 / 6 s; a real body is one long base64 string
   (no comma in its alphabet) and a few prompts.
 - Multipart: starlette's parser (one file, 64 fields), its text read as Latin-1 and decoded
-  as the declared charset by requests.multipart_fields, which refuses bytes that are not.
+  as the declared charset by requests.multipart_fields, which refuses bytes that are not. The
+  charset is UTF-8 (the default), Latin-1 or ASCII: Python's codec registry also holds rot13,
+  zlib or unicode_escape, which failed as 500s or made text no client sent.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sammie.server.requests import multipart_fields
 
 MAX_JSON_VALUES = 100_000  # commas + colons of a JSON body
 MAX_FORM_FIELDS = 64
+CHARSETS = ("utf-8", "iso8859-1", "ascii")  # codecs' names
 
 
 async def read_fields(request, max_bytes: int, timeout_s: float) -> tuple[dict, bytes | None]:
@@ -78,10 +81,13 @@ async def _multipart(request, body: bytes, max_bytes: int) -> tuple[dict, bytes 
     ctype = request.headers.get("content-type", "")
     charset = parse_options_header(ctype)[1].get(b"charset", b"utf-8").decode("latin-1")
     try:
-        charset = codecs.lookup(charset).name
+        name = codecs.lookup(charset).name
     except LookupError:
-        raise OpenAIError(f"unknown charset {shown(charset)} in Content-Type: send UTF-8 "
-                          "text") from None
+        name = None
+    if name not in CHARSETS:
+        raise OpenAIError(f"charset {shown(charset)} of the Content-Type is not supported: send "
+                          "UTF-8 text", status=415, code="unsupported_media_type")
+    charset = name
     raw = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"content-type"]
     raw.append((b"content-type", ctype.encode("latin-1") + b"; charset=latin-1"))
 

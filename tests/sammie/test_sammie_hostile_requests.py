@@ -119,11 +119,15 @@ def test_hostile_multipart_bodies_are_400s_naming_the_fault(client, parts, needl
     assert needle in r.json()["error"]["message"]
 
 
-def test_a_declared_charset_is_honoured(client):
+def test_a_declared_charset_is_honoured_and_only_a_text_one(client):
     body, headers = multipart([IMAGE, field(b"prompt", b"caf\xe9")], "; charset=latin-1")
     r = client.post("/v1/segment", content=body, headers=headers)
     assert r.status_code == 200, r.text
     assert r.json()["results"][0]["prompt"]["text"] == "café"
+    for charset in ("rot13", "zlib", "undefined", "unicode_escape", "x-nothing"):
+        body, headers = multipart([IMAGE, field(b"prompt", b"car")], f"; charset={charset}")
+        r = client.post("/v1/segment", content=body, headers=headers)
+        assert r.status_code == 415, r.text  # "undefined" was a 500 in starlette's decode
 
 
 def test_a_body_that_stops_arriving_gets_408(ckpt):
