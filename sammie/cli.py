@@ -38,6 +38,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-image-pixels", type=int, default=40_000_000,
                    help="largest image (width x height, read from its header before "
                         "decoding), else 413 (default: %(default)s)")
+    p.add_argument("--max-mask-pixels", type=int, default=2**30,
+                   help="most mask pixels one answer may hold (masks x width x height), else "
+                        "400 before any mask is computed (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request body must arrive whole within this, else 408 "
+                        "(default: %(default)s)")
+    p.add_argument("--decode-workers", type=int, default=4,
+                   help="images decoded at once; each may hold ~0.3 GB at the pixel limit "
+                        "(default: %(default)s)")
     p.add_argument("--text-cache-size", type=int, default=4096,
                    help="prompt strings whose text features stay cached (default: %(default)s)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -75,7 +84,8 @@ def serve_settings(args):
     from sammie import flags
     from sammie.server.app import ServeSettings
 
-    for name in ("max_batch", "max_prompts", "max_image_pixels"):
+    for name in ("max_batch", "max_prompts", "max_image_pixels", "max_mask_pixels",
+                 "decode_workers"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -83,6 +93,8 @@ def serve_settings(args):
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if args.batch_wait_ms is not None and not 0 <= args.batch_wait_ms <= 1000:
         raise ValueError(f"--batch-wait-ms must be in [0, 1000], got {args.batch_wait_ms}")
+    if not 0 < args.body_timeout <= 3600:
+        raise ValueError(f"--body-timeout must be in (0, 3600], got {args.body_timeout}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.device == "auto":
@@ -103,6 +115,8 @@ def serve_settings(args):
     settings = ServeSettings(
         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
         max_image_pixels=args.max_image_pixels, max_prompts=args.max_prompts,
+        max_mask_pixels=args.max_mask_pixels, body_timeout_s=args.body_timeout,
+        decode_workers=args.decode_workers,
         max_batch=args.max_batch or (16 if gpu else 4),
         max_wait_ms=args.batch_wait_ms if args.batch_wait_ms is not None else (5 if gpu else 2))
     return device, dtype, settings, access

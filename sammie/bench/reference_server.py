@@ -15,7 +15,6 @@ reference's recipe (gate/reference.py) - enough to test the server, not to time 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 
@@ -23,7 +22,7 @@ import torch
 from fastapi import FastAPI, Request
 
 from tailored.server.errors import OpenAIError
-from tailored.server.http_io import error_response, read_body
+from tailored.server.http_io import error_response
 
 log = logging.getLogger("sammie.reference")
 
@@ -106,7 +105,8 @@ class ReferencePredictor:
 
 
 def build_reference_app(predictor: ReferencePredictor, model_name: str = "sam3-reference"):
-    from sammie.server.requests import multipart_fields, parse
+    from sammie.server.intake import read_fields
+    from sammie.server.requests import parse
 
     app = FastAPI(title="sam3 reference", docs_url=None, redoc_url=None)
 
@@ -128,12 +128,7 @@ def build_reference_app(predictor: ReferencePredictor, model_name: str = "sam3-r
     @app.post("/v1/segment")
     async def segment(request: Request):
         try:
-            if request.headers.get("content-type", "").startswith("multipart/form-data"):
-                form = await request.form(max_files=1, max_fields=64, max_part_size=64 * 2**20)
-                fields, upload, _ = multipart_fields(form)
-                image = await upload.read() if upload is not None else None
-            else:
-                fields, image = json.loads(await read_body(request, 64 * 2**20)), None
+            fields, image = await read_fields(request, 64 * 2**20, timeout_s=600)
             req = parse(fields, image, max_prompts=64, max_boxes=0, count_tokens=lambda t: 1)
             if any(p.boxes for p in req.prompts):
                 raise OpenAIError("the reference server takes text prompts only")

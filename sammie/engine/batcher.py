@@ -5,7 +5,12 @@ then keeps taking jobs until the batch holds `max_batch` images or `max_wait_ms`
 since that first job arrived, and runs the batch on the one model thread (the event loop stays
 free to read and decode the next requests meanwhile). While a batch runs, new jobs queue; the
 next batch starts when it ends, so under load batches fill without waiting at all.
-A failed batch fails each of its requests with that error; the collector goes on.
+
+One request's fault stays its own: `run` may answer an exception in a job's place (that job
+fails, the others get their results), and when a batch of several fails as a whole, each of its
+jobs runs again alone, so only the job that fails alone gets the error (one request with a
+pathological input once failed every request batched with it: a helper's attack, sammie-hard).
+The collector goes on.
 """
 
 from __future__ import annotations
@@ -72,11 +77,21 @@ class Batcher:
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
             try:
                 results = await loop.run_in_executor(self.pool, self.run, [j for j, _ in batch])
-            except Exception as e:  # noqa: BLE001 - each request gets the batch's error
-                for _, f in batch:
-                    if not f.done():
-                        f.set_exception(e)
-                continue
+            except Exception as e:  # noqa: BLE001 - alone, each job meets only its own fault
+                if len(batch) == 1:
+                    results = [e]
+                else:
+                    results = [await self._alone(loop, j) for j, _ in batch]
             for (_, f), r in zip(batch, results):
-                if not f.done():
+                if f.done():
+                    continue
+                if isinstance(r, BaseException):
+                    f.set_exception(r)
+                else:
                     f.set_result(r)
+
+    async def _alone(self, loop, job):
+        try:
+            return (await loop.run_in_executor(self.pool, self.run, [job]))[0]
+        except Exception as e:  # noqa: BLE001 - this job's own error
+            return e

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sammie.engine.postprocess import Options, instances
+from sammie.engine.postprocess import MaskBudgetExceeded, Options, check_mask_budget, instances, \
+    kept
 from sammie.model.sam3 import Sam3
 from sammie.tokenizer import PromptTokenizer
 
@@ -102,7 +103,9 @@ class Segmenter:
 
     @torch.inference_mode()
     def run(self, jobs: list[Job]) -> list[dict]:
-        """Each job's {"results": [{"instances": [...]}, ...] per prompt, "timing_ms"}."""
+        """Each job's {"results": [{"instances": [...]}, ...] per prompt, "timing_ms"}, or the
+        MaskBudgetExceeded of a job whose masks would pass its budget (the batcher fails that
+        job alone)."""
         t0 = time.perf_counter()
         levels = self._vision(torch.stack([j.pixels for j in jobs]))
         t1 = time.perf_counter()
@@ -126,16 +129,24 @@ class Segmenter:
         det = self.model.detect(levels, image_index, prompt.to(self.dtype), prompt_mask, boxes,
                                 labels, box_mask)
         t2 = time.perf_counter()
-        out = [{"results": []} for _ in jobs]
+        out: list = [{"results": []} for _ in jobs]
+        for i, j in enumerate(jobs):  # a job over its mask budget fails alone
+            try:
+                count = sum(kept(det, r, j.options) for r, (k, _) in enumerate(rows) if k == i)
+                check_mask_budget(count, j.width, j.height, j.options)
+            except MaskBudgetExceeded as e:
+                out[i] = e
         for r, (i, p) in enumerate(rows):
             j = jobs[i]
-            out[i]["results"].append(
-                {"instances": instances(det, r, j.width, j.height, j.options)})
+            if isinstance(out[i], dict):
+                out[i]["results"].append(
+                    {"instances": instances(det, r, j.width, j.height, j.options)})
         t3 = time.perf_counter()
         self.batches += 1
         timing = {"vision_ms": (t1 - t0) * 1e3, "detect_ms": (t2 - t1) * 1e3,
                   "postprocess_ms": (t3 - t2) * 1e3, "batch_images": len(jobs)}
         for o in out:
-            o["timing_ms"] = {k: round(v, 2) if isinstance(v, float) else v
-                              for k, v in timing.items()}
+            if isinstance(o, dict):
+                o["timing_ms"] = {k: round(v, 2) if isinstance(v, float) else v
+                                  for k, v in timing.items()}
         return out

@@ -7,36 +7,40 @@
     GET  /metrics      requests, images, batches, text-cache hits (Prometheus text)
 
 Errors are tailored's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 bad
-field, empty prompt, URL given as image, corrupt image; 401 key; 403 cross-site; 404 route;
-413 body over --max-body-bytes or image over --max-image-pixels; 415 content type or image
-format; 500 model failure; 503 batcher down. Request bodies: server/requests.py.
+field, empty prompt, URL given as image, corrupt image, box outside the image, masks over
+--max-mask-pixels; 401 key; 403 cross-site; 404 route; 408 body not in --body-timeout; 413 body
+over --max-body-bytes or image over --max-image-pixels; 415 content type or image format; 500
+model failure; 503 batcher down. Bodies: server/intake.py (bytes -> fields), server/requests.py
+(fields -> a validated request). Images decode on --decode-workers threads, no more at once
+(each may hold ~0.3 GB for a 40 MP image that was a 35 KB PNG).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.formparsers import MultiPartException, MultiPartParser
 
 from tailored.server.errors import OpenAIError
 from tailored.server.guard import AccessPolicy
-from tailored.server.http_io import error_response, internal_error, read_body
+from tailored.server.http_io import error_response, internal_error
 
 from sammie import flags
 from sammie.engine.batcher import Batcher
 from sammie.engine.images import DEFAULT_MAX_PIXELS, ImageError, decode
+from sammie.engine.postprocess import DEFAULT_MAX_MASK_PIXELS, MaskBudgetExceeded
 from sammie.engine.segmenter import Job, Segmenter
 from sammie.server.guard import SammieGuard
-from sammie.server.requests import multipart_fields, parse
+from sammie.server.intake import read_fields
+from sammie.server.requests import fit_boxes, parse
 
 logger = logging.getLogger("sammie")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
@@ -51,6 +55,9 @@ class ServeSettings:
     max_boxes: int = 16
     max_batch: int = 4
     max_wait_ms: float = 5.0
+    max_mask_pixels: int = DEFAULT_MAX_MASK_PIXELS
+    body_timeout_s: float = 60.0
+    decode_workers: int = 4
     info: dict = field(default_factory=dict)  # what /version says about the model
 
 
@@ -66,6 +73,8 @@ def build_app(segmenter: Segmenter, image_settings, settings: ServeSettings,
     batcher = Batcher(segmenter.run, max_batch=settings.max_batch,
                       max_wait_ms=settings.max_wait_ms)
     counters = Counters()
+    decoder = ThreadPoolExecutor(max_workers=settings.decode_workers,
+                                 thread_name_prefix="sammie-decode")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -74,6 +83,7 @@ def build_app(segmenter: Segmenter, image_settings, settings: ServeSettings,
             yield
         finally:
             await batcher.stop()
+            decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="sammie", lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False)
@@ -127,28 +137,8 @@ def build_app(segmenter: Segmenter, image_settings, settings: ServeSettings,
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def read_request(request: Request):
-        body = await read_body(request, settings.max_body_bytes)
-        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media == "multipart/form-data":
-            async def stream():
-                yield body
-
-            try:
-                form = await MultiPartParser(
-                    Headers(raw=request.scope["headers"]), stream(), max_files=1, max_fields=64,
-                    max_part_size=settings.max_body_bytes).parse()
-            except MultiPartException as e:
-                raise OpenAIError(f"malformed multipart body: {e.message}") from None
-            fields, upload, _ = multipart_fields(form)
-            image = await upload.read() if upload is not None else None
-        else:
-            try:
-                fields = json.loads(body or b"{}")
-            except (ValueError, RecursionError) as e:
-                raise OpenAIError(f"malformed JSON body: {e}") from None
-            if not isinstance(fields, dict):
-                raise OpenAIError("request body must be a JSON object")
-            image = None
+        fields, image = await read_fields(request, settings.max_body_bytes,
+                                          settings.body_timeout_s)
         return parse(fields, image, max_prompts=settings.max_prompts,
                      max_boxes=settings.max_boxes, count_tokens=segmenter.tokenizer.count)
 
@@ -159,18 +149,24 @@ def build_app(segmenter: Segmenter, image_settings, settings: ServeSettings,
         try:
             req = await read_request(request)
             try:
-                img = await asyncio.to_thread(
+                img = await asyncio.get_running_loop().run_in_executor(decoder, functools.partial(
                     decode, req.image, image_settings.size, image_settings.mean,
                     image_settings.std, max_pixels=settings.max_image_pixels,
-                    rescale=image_settings.rescale)
+                    rescale=image_settings.rescale))
             except ImageError as e:
                 raise OpenAIError(str(e), status=e.status, param="image", code=e.code) from None
+            req.prompts = fit_boxes(req.prompts, img.width, img.height)
             if not batcher.healthy:
                 raise OpenAIError("the model is not running", status=503,
                                   type="service_unavailable")
             t1 = time.perf_counter()
-            out = await batcher.submit(Job(img.pixels, img.width, img.height, req.prompts,
-                                           req.options))
+            options = replace(req.options, max_mask_pixels=settings.max_mask_pixels)
+            try:
+                out = await batcher.submit(Job(img.pixels, img.width, img.height, req.prompts,
+                                               options))
+            except MaskBudgetExceeded as e:
+                raise OpenAIError(str(e), status=e.status, param="max_instances",
+                                  code=e.code) from None
         except OpenAIError as e:
             counters.errors += 1
             return error_response(e)
