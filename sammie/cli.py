@@ -19,13 +19,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 to expose it (default: %(default)s, "
                         "loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8100,
+                   help="port to listen on (default: %(default)s, beside tailored serve's 8000)")
     p.add_argument("--device", default="auto",
                    help="auto (cuda when a checkpoint is given and a GPU is present), cpu, "
                         "cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--served-model-name", default="sam3", help="(default: %(default)s)")
+    p.add_argument("--served-model-name", default="sam3",
+                   help="the model name answers and /v1/models report (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="most images in one model batch (default: 16 on cuda, 4 on cpu)")
     p.add_argument("--batch-wait-ms", type=float, default=None,
@@ -152,6 +154,9 @@ def cmd_serve(args) -> int:
 
     flags.activate(flags.Flags.from_env())
     device, dtype, settings, access = serve_settings(args)
+    from tailored.server.serve_options import check_port
+
+    check_port(args.host, args.port)  # before the model loads, not after "serving on"
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.checkpoint is None:
         log.warning("no checkpoint given: serving the TINY SYNTHETIC model (random weights, "

@@ -272,14 +272,9 @@ def _check_serve_args(args) -> None:
         if why:
             raise ValueError(f"--kernels on: {why}")
     # a busy port would only show after the weights are loaded: check it first
-    import socket
+    from tailored.server.serve_options import check_port
 
-    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((args.host, args.port))
-        except OSError as e:
-            raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    check_port(args.host, args.port)
 
 
 def speculative_options(args) -> dict:

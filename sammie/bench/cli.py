@@ -22,7 +22,7 @@ def _ints(s: str) -> list[int]:
 def add_parser(sub):
     p = sub.add_parser("bench", help="images/s and latency p50/p99 at each concurrency against "
                                      "a sammie-compatible server")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="(default: %(default)s)")
+    p.add_argument("--url", default="http://127.0.0.1:8100", help="(default: %(default)s)")
     p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
                    help="comma-separated (default: 1,2,4,8,16,32,64)")
     p.add_argument("--num-requests", type=int, default=None,
@@ -42,7 +42,7 @@ def add_parser(sub):
                                          "behind sammie's API (bench baseline)")
     r.add_argument("checkpoint")
     r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8001)
+    r.add_argument("--port", type=int, default=8101)
     r.add_argument("--device", default="cpu")
     r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     r.set_defaults(run=run_reference)

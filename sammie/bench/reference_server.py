@@ -4,7 +4,7 @@ today: one request at a time, each through the processor, the model and the proc
 `post_process_instance_segmentation`, masks to COCO RLE. No batching across requests, no
 caching: what `sammie bench` measures sammie against, on the same GPU.
 
-    sammie reference CKPT --port 8001 [--device cuda] [--dtype bfloat16]
+    sammie reference CKPT --port 8101 [--device cuda] [--dtype bfloat16]
 
 Sam3Processor's image processor needs torchvision. Without it (this repository's CPU
 machines) the server says so at start and in /version ("processor": "fallback"): the image

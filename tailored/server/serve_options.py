@@ -109,3 +109,16 @@ def access_policy(args, env_keys: str) -> AccessPolicy:
     return AccessPolicy(api_keys=read_keys(args.api_key, args.api_key_file, env_keys),
                         exempt_paths=exempt_paths(args.api_key_exempt),
                         allowed_hosts=allowed_hosts(args.allowed_hosts, args.host))
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError when `host:port` cannot be listened on (taken, not ours): checked before
+    the weights load, where uvicorn would only say so after them."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None

@@ -26,7 +26,7 @@ def test_readme_sammie_example_runs(tmp_path, monkeypatch):
         (code,) = EXAMPLE.findall((REPO / "README.md").read_text())
         app = build_server(None, "cpu", "float32", ServeSettings(), AccessPolicy())
         with LiveServer(app, start_timeout=30) as srv:
-            code = code.replace("localhost:8000", srv.url.removeprefix("http://"))
+            code = code.replace("localhost:8100", srv.url.removeprefix("http://"))
             out = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True,
                                  text=True, timeout=60, cwd=REPO)
     finally:
