@@ -68,6 +68,21 @@ class Attention(nn.Module):
         return getattr(self, self._out)(out.transpose(1, 2).reshape(b, n, c))
 
 
+class CrossBlock(nn.Module):
+    """The checkpoint's pre-norm layer of self-attention, cross-attention and a ReLU MLP, each
+    after its own LayerNorm (the DETR encoder's and the geometry encoder's layers: the same
+    tensors, their own forward)."""
+
+    def __init__(self, b) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(b.hidden_size)
+        self.self_attn = Attention(b.hidden_size, b.num_heads)
+        self.cross_attn = Attention(b.hidden_size, b.num_heads)
+        self.layer_norm2 = nn.LayerNorm(b.hidden_size)
+        self.mlp = MLP(b.hidden_size, b.intermediate_size, "relu")
+        self.layer_norm3 = nn.LayerNorm(b.hidden_size)
+
+
 class DecoderMLP(nn.Module):
     """layer1 / layer2 [/ layer3] with ReLU between (box head, presence head, RPB embeds)."""
 

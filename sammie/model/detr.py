@@ -18,23 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from sammie.config import SamConfig
-from sammie.model.attention import MLP, Attention, DecoderMLP, cxcywh_to_xyxy, inverse_sigmoid
+from sammie.model.attention import (MLP, Attention, CrossBlock, DecoderMLP, cxcywh_to_xyxy,
+                                    inverse_sigmoid)
 from sammie.model.neck import sine_1d
 
 PRESENCE_CLAMP = 10.0
 SCORE_CLAMP = 12.0
 
 
-class EncoderLayer(nn.Module):
-    def __init__(self, b) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(b.hidden_size)
-        self.self_attn = Attention(b.hidden_size, b.num_heads)
-        self.cross_attn = Attention(b.hidden_size, b.num_heads)
-        self.layer_norm2 = nn.LayerNorm(b.hidden_size)
-        self.mlp = MLP(b.hidden_size, b.intermediate_size, "relu")
-        self.layer_norm3 = nn.LayerNorm(b.hidden_size)
-
+class EncoderLayer(CrossBlock):
     def forward(self, x, pos, prompt, prompt_mask):
         y = self.layer_norm1(x)
         qk = y + pos

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from sammie.config import SamConfig
-from sammie.model.attention import MLP, Attention, cxcywh_to_xyxy
+from sammie.model.attention import CrossBlock, cxcywh_to_xyxy
 from sammie.model.neck import sine_1d
 
 
@@ -60,16 +60,7 @@ def roi_align(features: torch.Tensor, boxes: torch.Tensor, out: int) -> torch.Te
     return torch.stack(rows).to(features.dtype)
 
 
-class GeometryLayer(nn.Module):
-    def __init__(self, b) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(b.hidden_size)
-        self.self_attn = Attention(b.hidden_size, b.num_heads)
-        self.cross_attn = Attention(b.hidden_size, b.num_heads)
-        self.layer_norm2 = nn.LayerNorm(b.hidden_size)
-        self.mlp = MLP(b.hidden_size, b.intermediate_size, "relu")
-        self.layer_norm3 = nn.LayerNorm(b.hidden_size)
-
+class GeometryLayer(CrossBlock):
     def forward(self, x, mask, vision, vision_pos):
         y = self.layer_norm1(x)
         x = x + self.self_attn(y, y, y, key_mask=mask)
