@@ -74,6 +74,7 @@ def test_prefill_and_decode_match_the_plain_path(tiny4_nvfp4_ckpt, gemv_up_to, s
     assert lm == ([2] * (decode + 1) if gemv_up_to else [])
 
 
+@pytest.mark.slow  # ~65 s in Triton's interpreter; the layer-level test above covers both paths
 def test_engine_greedy_same_with_kernels_on_and_off(tiny4_nvfp4_ckpt):
     """The engine (its memory plan with the NVFP4 reserve, warm-up, async scheduling) with the
     kernel path against the plain path: the same greedy tokens."""
