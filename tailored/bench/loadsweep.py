@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tailored.bench.results import load_runs, ratio, write_latest
+from tailored.bench.results import load_runs, put_section, ratio, read_section
 
 SCHEMA = "tailored-load/1"
 ENGINES = ("tailored", "vllm")
@@ -259,19 +259,12 @@ def assemble(results_dir: str | Path, *, precision: str = "fp8", card: str | Non
 
 def update_latest(path: str | Path, load: dict[str, Any]) -> Path:
     """Put `load` into the latest.json at `path`, keeping every other key it has."""
-    p = Path(path)
-    old = json.loads(p.read_text()) if p.is_file() else {}
-    return write_latest(p, {**old, "load": load}, keep=())
+    return put_section(path, "load", load)
 
 
 def load_section(path: str | Path) -> dict[str, Any]:
     """The load section of a latest.json (or a file that is one)."""
-    d = json.loads(Path(path).read_text())
-    if d.get("schema") == SCHEMA:
-        return d
-    if "load" not in d:
-        raise NoLoadResults(f"{path} has no `load` section (tailored bench load --latest ...)")
-    return d["load"]
+    return read_section(path, "load", SCHEMA, NoLoadResults, "tailored bench load")
 
 
 def format_load(load: dict[str, Any]) -> str:

@@ -23,14 +23,13 @@ they lack is null and gives no ratio.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 from tailored.bench.loadsweep import condensed_manifest
-from tailored.bench.results import load_runs, ratio, write_latest
+from tailored.bench.results import load_runs, put_section, ratio, read_section
 
 SCHEMA = "tailored-peers/1"
 ENGINES = ("tailored", "sglang", "vllm", "vllm026")
@@ -204,9 +203,7 @@ def targets(workloads: dict[str, Any]) -> list[dict[str, Any]]:
 
 def update_latest(path: str | Path, peers: dict[str, Any]) -> Path:
     """Put `peers` into the latest.json at `path`, keeping every other key it has."""
-    p = Path(path)
-    old = json.loads(p.read_text()) if p.is_file() else {}
-    return write_latest(p, {**old, "peers": peers}, keep=())
+    return put_section(path, "peers", peers)
 
 
 def format_peers(s: dict[str, Any]) -> str:
@@ -240,9 +237,5 @@ def format_peers(s: dict[str, Any]) -> str:
 
 
 def load_section(path: str | Path) -> dict[str, Any]:
-    d = json.loads(Path(path).read_text())
-    if d.get("schema") == SCHEMA:
-        return d
-    if "peers" not in d:
-        raise NoPeerResults(f"{path} has no `peers` section (tailored bench peers --latest ...)")
-    return d["peers"]
+    """The peers section of a latest.json (or a file that is one)."""
+    return read_section(path, "peers", SCHEMA, NoPeerResults, "tailored bench peers")

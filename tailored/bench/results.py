@@ -295,6 +295,26 @@ def write_latest(path: str | Path, data: dict,
     return p
 
 
+def put_section(path: str | Path, name: str, section: dict[str, Any]) -> Path:
+    """Put `section` under `name` into the latest.json at `path`, keeping every other key it
+    has (the load sweep's `load`, the peers run's `peers`)."""
+    p = Path(path)
+    old = json.loads(p.read_text()) if p.is_file() else {}
+    return write_latest(p, {**old, name: section}, keep=())
+
+
+def read_section(path: str | Path, name: str, schema: str, missing: type[Exception],
+                 command: str) -> dict[str, Any]:
+    """The `name` section of a latest.json at `path`, or the file itself when it is one (its
+    "schema" is `schema`); `missing` (naming `command`, which writes it) when it has none."""
+    d = json.loads(Path(path).read_text())
+    if d.get("schema") == schema:
+        return d
+    if name not in d:
+        raise missing(f"{path} has no `{name}` section ({command} --latest ...)")
+    return d[name]
+
+
 def load_runs(path: str | Path) -> tuple[dict, list[dict]]:
     """(header, runs) from a tailored result or a raw `vllm bench serve` JSON (one run)."""
     d = json.loads(Path(path).read_text())
