@@ -11,9 +11,10 @@ from tailored/gate/manifest.py, shared, so the commit that a copy without git re
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass, field
+
+from tailored.flags import refuse_unknown
 
 PREFIX = "SAMMIE_"
 
@@ -36,11 +37,7 @@ class Flags:
     def from_env(cls, environ=None) -> "Flags":
         env = os.environ if environ is None else environ
         known = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
-        for name in env:
-            if name.startswith(PREFIX) and name not in known:
-                near = difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {near[0]}?)" if near else ""
-                raise ValueError(f"{name}: not a sammie switch{hint}; docs/sammie.md lists them")
+        refuse_unknown(env, PREFIX, known, "sammie", "docs/sammie.md")
         return cls(**{f.name: env[n].strip() for n, f in known.items() if env.get(n, "").strip()})
 
     def snapshot(self) -> dict:

@@ -223,12 +223,7 @@ class Flags:
         or a bad value."""
         env = os.environ if environ is None else environ
         known = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
-        for name in env:
-            if name.startswith(PREFIX) and name not in known:
-                near = difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {near[0]}?)" if near else ""
-                raise ValueError(f"{name}: not a tailored switch{hint}; docs/switches.md "
-                                 "lists them")
+        refuse_unknown(env, PREFIX, known, "tailored", "docs/switches.md")
         values = {}
         for name, f in known.items():
             raw = env.get(name, "").strip()
@@ -253,6 +248,17 @@ class Flags:
     def _shown(self, f: dataclasses.Field):
         v = getattr(self, f.name)
         return ("(set)" if v else v) if f.metadata["secret"] else v
+
+
+def refuse_unknown(environ, prefix: str, known, table: str, docs: str) -> None:
+    """ValueError for the first variable of `environ` that starts with `prefix` and is not in
+    `known` (a typo must not be a silent default), with the closest known name as a hint; the
+    switch tables of tailored and of sammie share it."""
+    for name in environ:
+        if name.startswith(prefix) and name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ValueError(f"{name}: not a {table} switch{hint}; {docs} lists them")
 
 
 def _check(f: dataclasses.Field, v) -> None:
