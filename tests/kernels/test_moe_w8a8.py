@@ -98,8 +98,12 @@ def _rel(a, b):
                                    (130, 256, 128)])
 def test_w8a8_experts_match_reference(T, H, I):
     """E=8, k=2 (expert 1 gets no rows); (200, 96): partial activation groups and K blocks,
-    N tiles past the end. fp32 activations: the kernel differs from the reference by fp32
-    summation order only."""
+    N tiles past the end. fp32 activations. In the CPU interpreter the kernel differs from the
+    reference by fp32 summation order only (< 1e-5). On Hopper Triton's FP8 dot accumulates
+    each 128-wide K block in the tensor core's reduced-precision accumulator (Triton's default
+    `max_num_imprecise_acc` on sm_90; the DeepSeek-V3 report describes the hardware's limit); the
+    kernel adds each block's dot into fp32, so the error stays at the accumulator's, well
+    under the e4m3 rounding of the activations (~3e-2)."""
     E, k = 8, 2
     qgu, qdn, sgu, sdn = _experts(E, H, I, H + I)
     ids, w = _routing(T, E, k, T)
@@ -108,7 +112,9 @@ def test_w8a8_experts_match_reference(T, H, I):
         got = moe_w8a8.w8a8_experts(x, w, ids, qgu, qdn, sgu, sdn)
     want = moe_w8a8.w8a8_experts_ref(x, w, ids, qgu, qdn, sgu, sdn)
     assert got.shape == (T * k, H) and torch.isfinite(got).all()
-    assert _rel(got, want) < 1e-5, _rel(got, want)
+    bound = 1e-5 if DEV == "cpu" else 1e-3
+    print(f"T={T} H={H} I={I}: W8A8 vs reference {_rel(got, want):.2e} (bound {bound:.0e})")
+    assert _rel(got, want) < bound, _rel(got, want)
 
 
 def test_w8a8_sorted_outputs_compose_with_the_combine():
