@@ -101,9 +101,11 @@ def test_w8a8_experts_match_reference(T, H, I):
     N tiles past the end. fp32 activations. In the CPU interpreter the kernel differs from the
     reference by fp32 summation order only (< 1e-5). On Hopper Triton's FP8 dot accumulates
     each 128-wide K block in the tensor core's reduced-precision accumulator (Triton's default
-    `max_num_imprecise_acc` on sm_90; the DeepSeek-V3 report describes the hardware's limit); the
-    kernel adds each block's dot into fp32, so the error stays at the accumulator's, well
-    under the e4m3 rounding of the activations (~3e-2)."""
+    `max_num_imprecise_acc` on sm_90), and the epilogue's e4m3 rounding of silu(g)·u turns
+    those last-bit differences into whole-code flips wherever a value sits near a rounding
+    boundary: on an H100 the four shapes measured 1.8e-4, 1.7e-3, 8.7e-3 and 2.8e-3 (kb/0061);
+    the reference with act perturbed by 6e-5 to 2.4e-4 relative before its rounding moves
+    2e-3 to 1e-2. A wrong scale, expert or tile gives O(1)."""
     E, k = 8, 2
     qgu, qdn, sgu, sdn = _experts(E, H, I, H + I)
     ids, w = _routing(T, E, k, T)
@@ -112,7 +114,7 @@ def test_w8a8_experts_match_reference(T, H, I):
         got = moe_w8a8.w8a8_experts(x, w, ids, qgu, qdn, sgu, sdn)
     want = moe_w8a8.w8a8_experts_ref(x, w, ids, qgu, qdn, sgu, sdn)
     assert got.shape == (T * k, H) and torch.isfinite(got).all()
-    bound = 1e-5 if DEV == "cpu" else 1e-3
+    bound = 1e-5 if DEV == "cpu" else 1.5e-2
     print(f"T={T} H={H} I={I}: W8A8 vs reference {_rel(got, want):.2e} (bound {bound:.0e})")
     assert _rel(got, want) < bound, _rel(got, want)
 
