@@ -32,6 +32,8 @@
 #           of SBS_PRECS with SBS_ENV in front (FP8 only).
 #  gate     `tailored gate` for each of GATE_PRECS with GATE_ENV in front.
 #  onegate  The bf16 gate with the prompts one at a time (the one-row paths alone).
+# BORROW_TABLE=1: the shipped launch-config table stands in for this card's (no re-tuning in
+# every process on a card without its own table; tests, not reported timings; kb/0066).
 # STAMP_LINES=1: every line of a tests/bench log starts with the seconds since the call began,
 # so an entry cut by its limit still tells how long each test it reached took (with -v).
 # SBS_ENV / GATE_ENV are NAME=VALUE words split at spaces (no value may hold a space).
@@ -71,6 +73,15 @@ unset TAILORED_TUNING_DUMP
 if [ -s /tmp/tuned.json ]; then  # an earlier call's `tune` on this (warm) machine
     export TAILORED_TUNING=/tmp/tuned.json
     stamp "loading the tuning table of an earlier call: /tmp/tuned.json"
+elif [ "${BORROW_TABLE:-0}" = 1 ]; then
+    # a card without its own shipped table (the H100) would re-tune in every process (135 s
+    # an FP8 start): tests and A/B-free runs take the shipped table relabelled for this card
+    # (other tiles, the same arithmetic; kb/0066). Never for timings that are reported.
+    python3 -c "import json, torch; from tailored.kernels import tuning as t; \
+d = json.loads(t.DEFAULT_TABLE.read_text()); d['gpu'] = torch.cuda.get_device_name(); \
+open('/tmp/tuned-borrowed.json', 'w').write(json.dumps(d))" \
+        && export TAILORED_TUNING=/tmp/tuned-borrowed.json \
+        && stamp "BORROW_TABLE=1: the shipped table relabelled for this card"
 fi
 # a log's lines, each after the seconds since the call began with STAMP_LINES=1
 stamp_lines() {
