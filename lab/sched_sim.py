@@ -45,6 +45,20 @@ def linear_ms(theta=PRIOR):
 h100_fp8_ms = linear_ms(PRIOR)
 
 
+def folded_ms(fold: int, theta=PRIOR):
+    """`linear_ms` with TAILORED_MIXED_EAGER_FROM=fold (kb/0068): a step of decode rows and at
+    least `fold` prompt tokens runs as one eager forward, its decode rows costing what prompt
+    tokens do (no decode-graph read of the weights: neither the expert-cover nor the per-row
+    decode term). A model of the change, as the prior is of today's step."""
+    base = linear_ms(theta)
+
+    def cost(shape: StepShape) -> float:
+        if fold and shape.decode_tokens and shape.prefill_tokens >= fold:
+            return base(StepShape(0, shape.prefill_tokens + shape.decode_tokens, shape.pairs))
+        return base(shape)
+    return cost
+
+
 @dataclass
 class SimResult:
     ttft_ms: list[float] = field(default_factory=list)  # by request, in submission order
@@ -180,6 +194,8 @@ def main() -> None:
     ap.add_argument("--prompts", default="8,48,160,256,512")
     ap.add_argument("--factors", default="0,2.5", help="stall factors (0 = today's budget)")
     ap.add_argument("--min-chunks", default="256", help="TAILORED_MIN_PREFILL_CHUNK values")
+    ap.add_argument("--folds", default="0",
+                    help="TAILORED_MIXED_EAGER_FROM values (0 = off; kb/0068)")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--noise", type=float, default=0.05)
@@ -192,22 +208,23 @@ def main() -> None:
     cs = [int(x) for x in a.concurrency.split(",")]
     ns = [int(x) for x in a.prompts.split(",")]
     rates = [float(x) for x in a.rates.split(",")] if a.rates else []
-    print(f"{'c':>4} {'factor':>6} {'chunk':>5} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
+    print(f"{'c':>4} {'factor':>6} {'chunk':>5} {'fold':>5} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
           f"{'p99':>7} {'p99/p50':>7} {'tok/s':>7} {'held max':>8}  steps")
-    grid = [(float(f), int(mc)) for f in a.factors.split(",") for mc in a.min_chunks.split(",")]
+    grid = [(float(f), int(mc), int(fo)) for f in a.factors.split(",")
+            for mc in a.min_chunks.split(",") for fo in a.folds.split(",")]
     for k, (c, n) in enumerate(zip(cs, ns)):
         seen = set()
-        for f, mc in grid:
+        for f, mc, fo in grid:
             if f == 0:
                 mc = 0  # the minimum chunk does nothing with the budget off
-            if (f, mc) in seen:
+            if (f, mc, fo) in seen:
                 continue
-            seen.add((f, mc))
+            seen.add((f, mc, fo))
             r = simulate(c, n, prompt_len=a.input_len, output_len=a.output_len, stall_factor=f,
                          min_chunk=max(mc, 1), noise=a.noise, think_ms=a.think_ms,
-                         rate=rates[k] if rates else None)
+                         rate=rates[k] if rates else None, cost=folded_ms(fo))
             m = r.summary()
-            print(f"{c:>4} {f:>6g} {mc:>5} {m['ttft_p50']:>9.0f} {m['ttft_p99']:>7.0f} "
+            print(f"{c:>4} {f:>6g} {mc:>5} {fo:>5} {m['ttft_p50']:>9.0f} {m['ttft_p99']:>7.0f} "
                   f"{m['itl_p50']:>8.1f} {m['itl_p99']:>7.1f} "
                   f"{m['itl_p99'] / m['itl_p50']:>7.2f} {m['tok_s']:>7.0f} "
                   f"{m['max_held_ms']:>8.0f}  {m['steps']}", flush=True)

@@ -128,6 +128,12 @@ class Flags:
         "PROMPTS_IN_GRAPHS_CHUNKS", 2,
         "... and at most this many chunks: each replay reads the experts again", "kb/0056",
         "worker", lo=2, hi=256)
+    mixed_eager_from: int = _switch(
+        "MIXED_EAGER_FROM", 0,
+        "a mixed step whose prompt chunks run eagerly with at least this many tokens takes "
+        "its decode rows into the same eager forward (one read of the weights) instead of "
+        "replaying their decode graph first; 0 = off (GPU A/B owed)", "kb/0068", "worker",
+        lo=0, hi=1 << 20)
     ctx_graphs: bool = _switch(
         "CTX_GRAPHS", True,
         "a prompt chunk after a cached context (prefix-cache hit, long prompt's tail) "

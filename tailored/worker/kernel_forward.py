@@ -9,7 +9,10 @@
     their own graph within `prompts_in_graphs_up_to` / `_chunks` (kb/0056), else eagerly.
     Sequences are independent, so the split changes no result: the decode rows' pages and
     slots are disjoint from the prefills'. Verify chunks beside prompt chunks split the same
-    way, with the verify graph;
+    way, with the verify graph. With `mixed_eager_from` on, a mixed step whose prompt chunks
+    would run eagerly with at least that many tokens runs whole, decode rows included, in
+    one eager forward: the split reads every weight twice, once for the decode graph and
+    once for the chunks (kb/0063, kb/0068);
   * anything else (more decode rows than the largest graph) runs eagerly.
 """
 
@@ -63,6 +66,11 @@ class KernelForward:
             return self.km.forward_eager(batch)
         if len(dec) == len(batch.seqs):
             return self.decode.forward(batch)
+        fold = flags.current().mixed_eager_from
+        if fold and batch.input_ids.shape[0] - len(dec) >= fold:
+            rest = [j for j in range(len(batch.seqs)) if j not in set(dec)]
+            if self.prompt_graphs(sub_batch(batch, rest)) is None:
+                return self.km.forward_eager(batch)
         return self._split(batch, dec, sub_batch(batch, dec), self.decode.forward)
 
     def _split(self, batch: ForwardBatch, picked: list[int], sub: ForwardBatch,
@@ -93,27 +101,37 @@ class KernelForward:
             return self.ctx.forward
         return None
 
-    def prompts(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states of a step's prompt chunks (no decode rows): one chunk from its graph
-        when it has one; several, each from its own graph one after another, while the step
-        has at most `prompts_in_graphs_chunks` chunks and `prompts_in_graphs_up_to` tokens
-        and every chunk has a graph (each output is copied out before the next replay, which
-        may reuse the bucket); else eagerly, all together."""
+    def prompt_graphs(self, batch: ForwardBatch):
+        """How a step's prompt chunks (no decode rows) run: [(sub-batch, graph entry point)],
+        one chunk from its graph when it has one; several, each from its own graph one after
+        another, while the step has at most `prompts_in_graphs_chunks` chunks and
+        `prompts_in_graphs_up_to` tokens and every chunk has a graph. None: eagerly, all
+        together."""
         if len(batch.seqs) == 1:
             graph = self.one_graph(batch)
-            return graph(batch) if graph is not None else self.km.forward_eager(batch)
+            return None if graph is None else [(batch, graph)]
         f = flags.current()
-        total = batch.input_ids.shape[0]
-        if total <= f.prompts_in_graphs_up_to and len(batch.seqs) <= f.prompts_in_graphs_chunks:
+        if (batch.input_ids.shape[0] <= f.prompts_in_graphs_up_to
+                and len(batch.seqs) <= f.prompts_in_graphs_chunks):
             subs = [sub_batch(batch, [j]) for j in range(len(batch.seqs))]
             graphs = [self.one_graph(sub) for sub in subs]
             if all(g is not None for g in graphs):
-                out = torch.empty(total, self.km.cfg.hidden_size, dtype=self.km.dtype,
-                                  device=batch.input_ids.device)
-                for s, sub, graph in zip(batch.seqs, subs, graphs):
-                    out[s.q_start:s.q_start + s.num_tokens] = graph(sub)
-                return out
-        return self.km.forward_eager(batch)
+                return list(zip(subs, graphs))
+        return None
+
+    def prompts(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of a step's prompt chunks (no decode rows), as `prompt_graphs` plans
+        them (each output is copied out before the next replay, which may reuse the bucket)."""
+        plan = self.prompt_graphs(batch)
+        if plan is None:
+            return self.km.forward_eager(batch)
+        if len(plan) == 1:
+            return plan[0][1](batch)
+        out = torch.empty(batch.input_ids.shape[0], self.km.cfg.hidden_size,
+                          dtype=self.km.dtype, device=batch.input_ids.device)
+        for s, (sub, graph) in zip(batch.seqs, plan):
+            out[s.q_start:s.q_start + s.num_tokens] = graph(sub)
+        return out
 
     def drop_decode_graphs(self) -> None:
         """Forget the decode graphs, e.g. to capture again with other switches (A/B benches).

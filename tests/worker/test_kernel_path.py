@@ -564,6 +564,31 @@ def test_mixed_step_sends_a_lone_fresh_prompt_to_the_prefill_graph(bf16_pair, mo
         assert calls == [("decode", [(1, 18, 1)])] + want, calls
 
 
+def test_mixed_step_folds_its_decode_rows_into_an_eager_prompt_step(bf16_pair, monkeypatch,
+                                                                      switches):
+    """kb/0068: with `mixed_eager_from` on, a step of decode rows beside prompt chunks that
+    run eagerly with at least that many tokens runs whole in one eager forward (the split
+    reads the weights twice); fewer prompt tokens, or chunks that replay their own graphs,
+    keep the split; off (0), the split always. Dispatch only: every entry point stood in
+    for by zeros (the eager forward of a mixed batch is the plain path's, tested above)."""
+    _, kf, _ = bf16_pair
+    calls = graph_stand_ins(kf, monkeypatch, ("decode", "prefill", "eager"), compute=False)
+    p = _ids(12, 13)
+    layout = [([7], 18, 1, False, [1, 2]), (p[:5], 0, 2, True, [3]), (p[5:], 0, 3, True, [4])]
+    split_eager = [("decode", [(1, 18, 1)]), ("eager", [(5, 0, 2), (7, 0, 3)])]
+    for graphs_up_to, fold, want in (
+            (0, 12, [("eager", [(1, 18, 1), (5, 0, 2), (7, 0, 3)])]),
+            (0, 13, split_eager),
+            (0, 0, split_eager),
+            (1024, 1, [("decode", [(1, 18, 1)]), ("prefill", [(5, 0, 2)]),
+                       ("prefill", [(7, 0, 3)])])):
+        switches(prompts_in_graphs_up_to=graphs_up_to, mixed_eager_from=fold)
+        calls.clear()
+        out = kf.forward(ForwardBatch.build(layout, [0, 5, 12], "cpu"))
+        assert out.shape == (13, kf.km.cfg.hidden_size)
+        assert calls == want, (graphs_up_to, fold, calls)
+
+
 def test_warmup_prefill_touches_only_the_sinks(bf16_pair):
     """The startup warm-up (single prompts, then three sequences of an odd total: kb/0030)
     writes only slot 0 and page 0 of the cache: every other slot and page is bit-identical.
