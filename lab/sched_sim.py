@@ -33,6 +33,7 @@ from tailored.config import EngineConfig  # noqa: E402
 from tailored.engine.scheduler import Scheduler  # noqa: E402
 from tailored.engine.step_budget import PRIOR, StepShape  # noqa: E402
 from tailored.engine.types import ModelOutput, Request, SamplingParams  # noqa: E402
+from tailored.worker.mixed_graphs import MIXED_TOKENS  # noqa: E402
 
 
 def linear_ms(theta=PRIOR):
@@ -45,16 +46,30 @@ def linear_ms(theta=PRIOR):
 h100_fp8_ms = linear_ms(PRIOR)
 
 
-def folded_ms(fold: int, theta=PRIOR):
-    """`linear_ms` with TAILORED_MIXED_EAGER_FROM=fold (kb/0068): a step of decode rows and at
-    least `fold` prompt tokens runs as one eager forward, its decode rows costing what prompt
-    tokens do (no decode-graph read of the weights: neither the expert-cover nor the per-row
-    decode term). A model of the change, as the prior is of today's step."""
+# a decode row's own token-mixer work (its GDN state read and written, its attention over its
+# context: ~4 ms of 128 rows' decode step at ~1.5k-token contexts, estimated from bytes), which
+# a one-read step keeps; the rest of its cost becomes a prompt token's (the MoE and dense rows)
+MIXER_ROW_MS = 0.03
+
+
+def folded_ms(fold: int = 0, graph_tokens: int = 0, theta=PRIOR):
+    """`linear_ms` with a mixed step's weights read once (kb/0068): with
+    TAILORED_MIXED_EAGER_FROM=fold a step of decode rows and at least `fold` prompt tokens,
+    with TAILORED_MIXED_GRAPH_TOKENS=graph_tokens one of 32+ decode rows and at most that many
+    prompt tokens (taken as one chunk, padded to its MIXED_TOKENS bucket), costs what its
+    prompt tokens cost plus per decode row a prompt token's cost and MIXER_ROW_MS: neither the
+    expert-cover nor the per-row decode term of a separate decode read. A model of the change,
+    as the prior is of today's step."""
     base = linear_ms(theta)
 
     def cost(shape: StepShape) -> float:
-        if fold and shape.decode_tokens and shape.prefill_tokens >= fold:
-            return base(StepShape(0, shape.prefill_tokens + shape.decode_tokens, shape.pairs))
+        D, P = shape.decode_tokens, shape.prefill_tokens
+        if D and P:
+            if graph_tokens and D >= 32 and P <= graph_tokens:
+                P = min(t for t in MIXED_TOKENS if t >= P)
+            elif not (fold and P >= fold):
+                return base(shape)
+            return base(StepShape(0, P, shape.pairs)) + D * (theta[4] + MIXER_ROW_MS)
         return base(shape)
     return cost
 
@@ -196,6 +211,8 @@ def main() -> None:
     ap.add_argument("--min-chunks", default="256", help="TAILORED_MIN_PREFILL_CHUNK values")
     ap.add_argument("--folds", default="0",
                     help="TAILORED_MIXED_EAGER_FROM values (0 = off; kb/0068)")
+    ap.add_argument("--mixed-graphs", default="0",
+                    help="TAILORED_MIXED_GRAPH_TOKENS values (0 = off; kb/0068)")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--noise", type=float, default=0.05)
@@ -208,23 +225,25 @@ def main() -> None:
     cs = [int(x) for x in a.concurrency.split(",")]
     ns = [int(x) for x in a.prompts.split(",")]
     rates = [float(x) for x in a.rates.split(",")] if a.rates else []
-    print(f"{'c':>4} {'factor':>6} {'chunk':>5} {'fold':>5} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
+    print(f"{'c':>4} {'factor':>6} {'chunk':>5} {'fold':>5} {'graph':>5} {'TTFT p50':>9} {'p99':>7} "
+          f"{'ITL p50':>8} "
           f"{'p99':>7} {'p99/p50':>7} {'tok/s':>7} {'held max':>8}  steps")
-    grid = [(float(f), int(mc), int(fo)) for f in a.factors.split(",")
-            for mc in a.min_chunks.split(",") for fo in a.folds.split(",")]
+    grid = [(float(f), int(mc), int(fo), int(mg)) for f in a.factors.split(",")
+            for mc in a.min_chunks.split(",") for fo in a.folds.split(",")
+            for mg in a.mixed_graphs.split(",")]
     for k, (c, n) in enumerate(zip(cs, ns)):
         seen = set()
-        for f, mc, fo in grid:
+        for f, mc, fo, mg in grid:
             if f == 0:
                 mc = 0  # the minimum chunk does nothing with the budget off
-            if (f, mc, fo) in seen:
+            if (f, mc, fo, mg) in seen:
                 continue
-            seen.add((f, mc, fo))
+            seen.add((f, mc, fo, mg))
             r = simulate(c, n, prompt_len=a.input_len, output_len=a.output_len, stall_factor=f,
                          min_chunk=max(mc, 1), noise=a.noise, think_ms=a.think_ms,
-                         rate=rates[k] if rates else None, cost=folded_ms(fo))
+                         rate=rates[k] if rates else None, cost=folded_ms(fo, mg))
             m = r.summary()
-            print(f"{c:>4} {f:>6g} {mc:>5} {fo:>5} {m['ttft_p50']:>9.0f} {m['ttft_p99']:>7.0f} "
+            print(f"{c:>4} {f:>6g} {mc:>5} {fo:>5} {mg:>5} {m['ttft_p50']:>9.0f} {m['ttft_p99']:>7.0f} "
                   f"{m['itl_p50']:>8.1f} {m['itl_p99']:>7.1f} "
                   f"{m['itl_p99'] / m['itl_p50']:>7.2f} {m['tok_s']:>7.0f} "
                   f"{m['max_held_ms']:>8.0f}  {m['steps']}", flush=True)

@@ -94,6 +94,19 @@ class ContextGraphs:
         self.st["lens"] = torch.ones(n_max, dtype=torch.int32, device=dev)
         self.st["table"] = torch.zeros(1, self.max_pages, dtype=torch.int32, device=dev)
 
+    def to_sinks(self, n_max: int) -> None:
+        """Allocate the static buffers for up to n_max rows if needed, and make their content
+        the warm-up's and capture's: every row reads and writes the sinks (slot 0, page 0)."""
+        if self.st is None:
+            self.alloc(n_max)
+        st = self.st
+        st["valid"].fill_(True)
+        st["kv"].zero_()
+        st["slot"].zero_()
+        st["lens"].fill_(1)
+        st["table"].zero_()
+        st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
+
     def fill(self, batch: ForwardBatch, n: int) -> None:
         """The chunk's ids/positions (device-to-device) and one host-to-device copy of the
         rest: KV rows of its positions (pads → the sink page 0), the slot, the valid mask,
@@ -123,10 +136,10 @@ class ContextGraphs:
         st["table"][0, :P].copy_(m[3 * n + 5:])
 
     # -- body -------------------------------------------------------------------------------------
-    def body(self, n: int) -> torch.Tensor:
-        """Final-normed hidden states [n, H] of the static buffers' first n rows."""
+    def mixer(self, n: int, cos: torch.Tensor, sin: torch.Tensor):
+        """mixer(i, normed) of the static buffers' first n rows: each layer's token mixer over
+        the chunk (alone, or beside decode rows: worker/mixed_graphs.py)."""
         km, st = self.km, self.st
-        x, cos, sin = km.embed(st["ids"][:n], st["pos"][:n])
         valid, kv = st["valid"][:n], st["kv"][:n]
         table = st["table"].expand(n, -1)  # stride 0: every row reads the sequence's table
         lens = st["lens"][:n]
@@ -137,19 +150,30 @@ class ContextGraphs:
                 return km.gdn.chunk(i, hn, valid, st["slot"], st, carried=True)
             return km.attn.context_chunk(i, hn, cos, sin, kv, table, lens, splits)
 
-        return km.layers_forward(x, mixer)
+        return mixer
+
+    def body(self, n: int) -> torch.Tensor:
+        """Final-normed hidden states [n, H] of the static buffers' first n rows."""
+        x, cos, sin = self.km.embed(self.st["ids"][:n], self.st["pos"][:n])
+        return self.km.layers_forward(x, self.mixer(n, cos, sin))
 
     # -- dispatch ---------------------------------------------------------------------------------
+    def takes(self, s) -> bool:
+        """Whether sequence `s`'s chunk is one a context graph computes: 2 or more tokens
+        continuing its slot's state from position start_pos > 0 (not a verify chunk), within
+        `ctx_graph_max_pairs` and the page table."""
+        return (s.start_pos > 0 and not s.reset_state and not s.keep_states
+                and s.num_tokens > 1
+                and s.num_tokens * s.end_pos <= flags.current().ctx_graph_max_pairs
+                and len(s.page_ids) <= self.max_pages)
+
     def fits(self, batch: ForwardBatch) -> bool:
-        """One sequence, 2..largest-bucket tokens continuing its slot's state from position
-        start_pos > 0 (not a verify chunk), within `ctx_graph_max_pairs` and the page table."""
+        """One sequence whose chunk the graphs compute (`takes`), of at most the largest
+        bucket's tokens."""
         if not self.graphs or len(batch.seqs) != 1:
             return False
         s = batch.seqs[0]
-        return (s.start_pos > 0 and not s.reset_state and not s.keep_states
-                and 1 < s.num_tokens <= max(self.graphs)
-                and s.num_tokens * s.end_pos <= flags.current().ctx_graph_max_pairs
-                and len(s.page_ids) <= self.max_pages)
+        return self.takes(s) and s.num_tokens <= max(self.graphs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] of the chunk, replayed from the smallest bucket ≥ T."""
@@ -162,14 +186,6 @@ class ContextGraphs:
         sizes = sorted({b for b in (buckets or CTX_BUCKETS) if b <= max_tokens}, reverse=True)
         if not sizes:
             return
-        if self.st is None:
-            self.alloc(sizes[0])
-        st = self.st
-        st["valid"].fill_(True)
-        st["kv"].zero_()
-        st["slot"].zero_()
-        st["lens"].fill_(1)
-        st["table"].zero_()
-        st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
+        self.to_sinks(sizes[0])
         self.pool.capture_guarded(self.graphs, sizes, self.body, "context-chunk",
                                   "such chunks stay eager")

@@ -111,7 +111,7 @@ class GraphPool:
         finally:
             self.km.moe.fused_only = False
         if failed is None:
-            log.info("captured %s CUDA graphs for %d..%d tokens (%d buckets)", what, sizes[-1],
+            log.info("captured %s CUDA graphs for %s..%s tokens (%d buckets)", what, sizes[-1],
                      sizes[0], len(sizes))
             return
         # after the except block: inside it the exception being handled still holds the
@@ -146,10 +146,11 @@ class DecodeGraphs:
             "kv_rows": torch.zeros(B, dtype=torch.long, device=dev),
         }
 
-    def body(self, n: int) -> torch.Tensor:
-        """Final-normed hidden states [n, H] of the static buffers' first n rows."""
+    def mixer(self, n: int, cos: torch.Tensor, sin: torch.Tensor):
+        """mixer(i, normed) of the static buffers' first n rows (`layers_forward`'s): the
+        decode step of each layer's token mixer, alone or beside a prompt chunk
+        (worker/mixed_graphs.py)."""
         st, km = self.st, self.km
-        x, cos, sin = km.embed(st["ids"][:n], st["pos"][:n])
         slots, table, lens = st["slots"][:n], st["table"][:n], st["lens"][:n]
         kv_rows_ = st["kv_rows"][:n]
 
@@ -158,7 +159,12 @@ class DecodeGraphs:
                 return km.gdn.decode(i, hn, slots)
             return km.attn.decode(i, hn, cos, sin, kv_rows_, table, lens)
 
-        return km.layers_forward(x, mixer)
+        return mixer
+
+    def body(self, n: int) -> torch.Tensor:
+        """Final-normed hidden states [n, H] of the static buffers' first n rows."""
+        x, cos, sin = self.km.embed(self.st["ids"][:n], self.st["pos"][:n])
+        return self.km.layers_forward(x, self.mixer(n, cos, sin))
 
     def fill(self, batch: ForwardBatch, n: int) -> None:
         """Copy the step's layout into the static buffers; rows len(batch.seqs)..n are pad rows
@@ -187,18 +193,22 @@ class DecodeGraphs:
         st["slots"][:n].copy_(m[1])
         st["kv_rows"][:n].copy_(m[2])
 
-    @torch.no_grad()  # startup forwards: never keep autograd's saved activations
-    def capture(self, sizes=None) -> None:
-        """Capture one graph per padded batch size (largest first, in the pool)."""
+    def to_sinks(self) -> None:
+        """Point every row at the sinks (slot 0, page 0, length 1), allocating the buffers
+        first: warm-up and capture run real forwards over the static buffers, and after served
+        steps they hold live sequences' slots, pages and KV rows, so a re-capture would
+        advance those sequences."""
         if self.st is None:
             self.alloc()
-        # warm-up and capture run real forwards over the static buffers: after served steps
-        # they hold live sequences' slots, pages and KV rows, so point every row at the sinks
-        # (slot 0, page 0, length 1) first, or a re-capture would advance those sequences
         st = self.st
         for name in ("ids", "pos", "slots", "table", "kv_rows"):
             st[name].zero_()
         st["lens"].fill_(1)
+
+    @torch.no_grad()  # startup forwards: never keep autograd's saved activations
+    def capture(self, sizes=None) -> None:
+        """Capture one graph per padded batch size (largest first, in the pool)."""
+        self.to_sinks()
         sizes = sorted({b for b in (sizes or GRAPH_BATCH_SIZES) if b <= self.max_batch}
                        | {self.max_batch}, reverse=True)
         self.pool.capture(self.graphs, sizes, self.body)
@@ -218,13 +228,18 @@ class PrefillGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.st: dict | None = None
 
+    @staticmethod
+    def takes(s) -> bool:
+        """Whether sequence `s`'s chunk is one a prefill graph computes: a fresh prompt
+        (position 0, state reset) of 2 or more tokens."""
+        return s.start_pos == 0 and s.reset_state and s.num_tokens > 1
+
     def fits(self, batch: ForwardBatch) -> bool:
-        """One sequence, a fresh prompt (position 0, state reset) of 2..largest-bucket tokens."""
+        """One sequence, a fresh prompt (`takes`) of at most the largest bucket's tokens."""
         if not self.graphs or len(batch.seqs) != 1:
             return False
         s = batch.seqs[0]
-        return (s.start_pos == 0 and s.reset_state and s.num_tokens > 1
-                and s.num_tokens <= max(self.graphs))
+        return self.takes(s) and s.num_tokens <= max(self.graphs)
 
     def fill(self, batch: ForwardBatch, n: int) -> None:
         """The prompt's ids/positions (device-to-device) and one host-to-device copy of the
@@ -248,10 +263,10 @@ class PrefillGraphs:
         st["valid"][:n].copy_(m[n + 1:2 * n + 1] != 0)
         st["state_meta"].copy_(m[2 * n + 1:].view(4, 1))
 
-    def body(self, n: int) -> torch.Tensor:
-        """Final-normed hidden states [n, H] of the static buffers' first n rows."""
+    def mixer(self, n: int, cos: torch.Tensor, sin: torch.Tensor):
+        """mixer(i, normed) of the static buffers' first n rows: each layer's token mixer
+        over the fresh prompt (alone, or beside decode rows: worker/mixed_graphs.py)."""
         st, km = self.st, self.km
-        x, cos, sin = km.embed(st["ids"][:n], st["pos"][:n])
         valid, kv = st["valid"][:n], st["kv"][:n]
 
         def mixer(i, hn):
@@ -259,7 +274,23 @@ class PrefillGraphs:
                 return km.gdn.chunk(i, hn, valid, st["slot"], st)
             return km.attn.chunk(i, hn, cos, sin, kv)
 
-        return km.layers_forward(x, mixer)
+        return mixer
+
+    def body(self, n: int) -> torch.Tensor:
+        """Final-normed hidden states [n, H] of the static buffers' first n rows."""
+        x, cos, sin = self.km.embed(self.st["ids"][:n], self.st["pos"][:n])
+        return self.km.layers_forward(x, self.mixer(n, cos, sin))
+
+    def to_sinks(self, n_max: int) -> None:
+        """Allocate the static buffers for up to n_max rows if needed, and make their content
+        the warm-up's and capture's: all rows real, KV and state → the sinks."""
+        if self.st is None:
+            self.st = prefill_static(n_max, self.km.device, reset=True)
+        st = self.st
+        st["valid"].fill_(True)
+        st["kv"].zero_()
+        st["slot"].zero_()
+        st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
 
     @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def capture(self, max_tokens: int, buckets=None) -> None:
@@ -269,13 +300,7 @@ class PrefillGraphs:
         sizes = sorted({b for b in (buckets or PREFILL_BUCKETS) if b <= max_tokens}, reverse=True)
         if not sizes:
             return
-        if self.st is None:
-            self.st = prefill_static(sizes[0], self.km.device, reset=True)
-        st = self.st
-        st["valid"].fill_(True)  # warm-up/capture content: all rows real, KV and state → sinks
-        st["kv"].zero_()
-        st["slot"].zero_()
-        st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
+        self.to_sinks(sizes[0])
         self.pool.capture_guarded(self.graphs, sizes, self.body, "prefill",
                                   "prefill stays eager")
 

@@ -9,10 +9,11 @@
     their own graph within `prompts_in_graphs_up_to` / `_chunks` (kb/0056), else eagerly.
     Sequences are independent, so the split changes no result: the decode rows' pages and
     slots are disjoint from the prefills'. Verify chunks beside prompt chunks split the same
-    way, with the verify graph. With `mixed_eager_from` on, a mixed step whose prompt chunks
-    would run eagerly with at least that many tokens runs whole, decode rows included, in
-    one eager forward: the split reads every weight twice, once for the decode graph and
-    once for the chunks (kb/0063, kb/0068);
+    way, with the verify graph. The split reads every weight twice, once for the decode
+    graph and once for the chunks (kb/0063, kb/0068): with mixed graphs captured
+    (worker/mixed_graphs.py) decode rows beside one chunk replay one graph of both; with
+    `mixed_eager_from` on, a mixed step whose prompt chunks would run eagerly with at least
+    that many tokens runs whole, decode rows included, in one eager forward;
   * anything else (more decode rows than the largest graph) runs eagerly.
 """
 
@@ -43,6 +44,7 @@ class KernelForward:
         self.prefill = PrefillGraphs(km, self.pool)
         self.ctx = None  # ctx_graphs.ContextGraphs: a prompt chunk after a cached context
         self.spec = None  # spec_graphs.SpecGraphs: verify + MTP graphs (speculative decoding)
+        self.mixed = []  # mixed_graphs.MixedGraphs: decode rows beside one chunk, per kind
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states [T, H] of the batch (see the module docstring)."""
@@ -67,9 +69,15 @@ class KernelForward:
         if len(dec) == len(batch.seqs):
             return self.decode.forward(batch)
         fold = flags.current().mixed_eager_from
-        if fold and batch.input_ids.shape[0] - len(dec) >= fold:
+        if self.mixed or fold:
             rest = [j for j in range(len(batch.seqs)) if j not in set(dec)]
-            if self.prompt_graphs(sub_batch(batch, rest)) is None:
+            prompt = sub_batch(batch, rest)
+            for m in self.mixed:
+                key = m.bucket(len(dec), prompt)
+                if key is not None:
+                    return m.forward(batch, dec, prompt, key)
+            if (fold and prompt.input_ids.shape[0] >= fold
+                    and self.prompt_graphs(prompt) is None):
                 return self.km.forward_eager(batch)
         return self._split(batch, dec, sub_batch(batch, dec), self.decode.forward)
 

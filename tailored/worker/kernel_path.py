@@ -81,9 +81,10 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
     if device.type == "cuda":
         _warm_and_capture(kf, cfg, ec, device)
     log.info("kernel path on (CUDA graphs %s, prefill graphs %s, context-chunk graphs %s, "
-             "GDN prefill %s)", "on" if kf.use_graphs else "off",
+             "mixed-step graphs %s, GDN prefill %s)", "on" if kf.use_graphs else "off",
              f"{len(kf.prefill.graphs)} buckets" if kf.prefill.graphs else "off",
              f"{len(kf.ctx.graphs)} buckets" if kf.ctx and kf.ctx.graphs else "off",
+             f"{sum(len(m.graphs) for m in kf.mixed)}" if kf.mixed else "off",
              "fla-core" if km.gdn.fla else "reference")
     return kf
 
@@ -108,6 +109,11 @@ def _warm_and_capture(kf, cfg, ec: EngineConfig, device: torch.device) -> None:
 
                 kf.ctx = ContextGraphs(kf.km, kf.pool, kf.max_pages)
                 kf.ctx.capture(max_tokens)
+            # kb/0068: decode rows beside one chunk in one graph (the `mixed_graph_tokens`
+            # switch; after the graphs whose buffers and mixers they share)
+            from tailored.worker.mixed_graphs import mixed_families
+
+            kf.mixed = mixed_families(kf)
     # the `tuning_dump` switch: save the launch configs tuned at this warm-up, for the next
     # start to skip tuning (kernels/tuning.py)
     from tailored.kernels import tuning

@@ -10,7 +10,7 @@ import torch
 from helpers import new_cache, rel_err, run_seq
 
 from tailored.config import ModelConfig
-from tailored.model.batch import ForwardBatch
+from tailored.model.batch import ForwardBatch, sub_batch
 from tailored.synth import build_empty_model, init_dummy_weights, preset_config
 from tailored.worker.cache import HybridCache
 
@@ -226,6 +226,43 @@ def test_cuda_graph_replay_equals_eager_bitwise(precision):
     graph = kf.decode.forward(ForwardBatch.build(layout, [0, 1, 2], "cuda")).clone()
     assert torch.equal(graph, eager)
     for t, s in zip((cache.conv, cache.rec, cache.k, cache.v), after_eager):
+        assert torch.equal(t[:, 1:], s[:, 1:])  # slot/page 0 is the pad sink: skip it
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_mixed_graph_replay_equals_its_body_bitwise(precision):
+    """A mixed-step graph (worker/mixed_graphs.py, kb/0068): two decode rows and a fresh
+    20-token prompt replayed from one captured graph (4 rows, 128 tokens) through the
+    dispatch compute exactly what the graph's body computes eagerly, rows in batch order, and
+    leave the same cache."""
+    from tailored.worker.mixed_graphs import MixedGraphs
+
+    model = _full4(torch.bfloat16, seed=4, precision=precision)
+    cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
+    kf = _kernel_path(model, cache)
+    steps, state = _steps()
+    for layout in steps:
+        kf.forward(ForwardBatch.build(layout, [0], "cuda"))
+    m = MixedGraphs(kf.km, kf.pool, kf.decode, kf.prefill, "fresh prompt")
+    m.capture(max_rows=4, max_tokens=128)
+    assert list(m.graphs) == [(4, 128)]
+    prompt = torch.randint(0, 248044, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    layout = [([9 + s], state[s][0], s, False, state[s][1]) for s in (1, 2)]
+    layout.append((prompt, 0, 4, True, [22, 23]))
+    rows = [0, 1, 21]
+    tensors = (cache.conv, cache.rec, cache.k, cache.v)
+    snap = [t.clone() for t in tensors]
+    batch = ForwardBatch.build(layout, rows, "cuda")
+    m.fill(sub_batch(batch, [0, 1]), sub_batch(batch, [2]), (4, 128))
+    body = m.body((4, 128))
+    eager = torch.cat([body[:2], body[4:24]]).clone()
+    after_eager = [t.clone() for t in tensors]
+    for t, s in zip(tensors, snap):
+        t.copy_(s)
+    kf.mixed = [m]
+    graph = kf.forward(ForwardBatch.build(layout, rows, "cuda")).clone()
+    assert torch.equal(graph, eager)
+    for t, s in zip(tensors, after_eager):
         assert torch.equal(t[:, 1:], s[:, 1:])  # slot/page 0 is the pad sink: skip it
 
 

@@ -1,0 +1,162 @@
+"""Mixed-step graphs (worker/mixed_graphs.py, kb/0068): decode rows and one prompt chunk in one
+graph.
+
+On the CPU there are no CUDA graphs: the body a mixed graph captures runs eagerly (Triton
+interpreter, fp32, the tiny preset cut to 4 layers) against the eager forward of the same
+step, a replay is stood in for by the body writing the graph's output, and the dispatch
+(worker/kernel_forward.py) is pinned. tests/gpu/test_gpu.py replays captured graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_err
+from test_kernel_path import _ids, _make_pair, _tensors, graph_stand_ins
+
+from tailored import kernels
+from tailored.model.batch import ForwardBatch, sub_batch
+from tailored.worker.ctx_graphs import ContextGraphs
+from tailored.worker.graphs import PrefillGraphs
+from tailored.worker.mixed_graphs import MIXED_TOKENS, MixedGraphs, mixed_families
+
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton not installed"),
+              pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny4_ckpt):
+    """(plain model, kernel path, its cache), bf16 layout (fp32 on the CPU)."""
+    return _make_pair(tiny4_ckpt)
+
+
+def _family(kf, kind: str) -> MixedGraphs:
+    chunk = (PrefillGraphs(kf.km, kf.pool) if kind == "fresh"
+             else ContextGraphs(kf.km, kf.pool, kf.max_pages))
+    return MixedGraphs(kf.km, kf.pool, kf.decode, chunk, kind)
+
+
+def _step(kf, cache, kind: str, T: int):
+    """Two sequences prefilled eagerly (slots 1, 2) and, for a continuing chunk, a 20-token
+    context in slot 3, over stale random states; returns the mixed step's layout: their two
+    decode rows, then the chunk of T tokens into slot 3 (fresh at position 0, or after the
+    context)."""
+    g = torch.Generator().manual_seed(T + (kind == "fresh"))
+    for t in _tensors(cache):
+        t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    a, b, c = _ids(17, 21), _ids(9, 22), _ids(20 + T, 23)
+    warm = [(a, 0, 1, True, [1, 2]), (b, 0, 2, True, [3])]
+    if kind == "continuing":
+        warm.append((c[:20], 0, 3, True, [4, 5, 6]))
+    kf.km.forward_eager(ForwardBatch.build(warm, [0] * len(warm), "cpu"))
+    chunk = (c[20:], 20, 3, False, [4, 5, 6]) if kind == "continuing" else (c[:T], 0, 3, True,
+                                                                           [4, 5, 6])
+    return [([5], 17, 1, False, [1, 2]), ([6], 9, 2, False, [3]), chunk]
+
+
+@pytest.mark.parametrize("kind,T,key", [("fresh", 11, (4, 16)), ("continuing", 13, (4, 13)),
+                                        ("fresh", 2, (2, 8))])
+def test_mixed_body_equals_the_eager_step(pair, kind, T, key):
+    """The body of a mixed graph (key = (rows, tokens)), filled by the decode and chunk
+    graphs' own fills, computes what the eager forward of the whole step computes: the two
+    decode rows and the chunk's rows, every state of slots 1-3 and the step's KV rows; no
+    other slot or page changes but the sinks (slot 0, page 0), where the pads go. (2, 8): no
+    decode pads; (4, 13): no chunk pads."""
+    _, kf, cache = pair
+    layout = _step(kf, cache, kind, T)
+    rows = [0, 1, 2 + T - 1]
+    before = [t.clone() for t in _tensors(cache)]
+    want = kf.km.forward_eager(ForwardBatch.build(layout, rows, "cpu"))
+    eager = [t.clone() for t in _tensors(cache)]
+    for t, b in zip(_tensors(cache), before):
+        t.copy_(b)
+    m = _family(kf, kind)
+    m.decode.to_sinks()
+    m.chunk.to_sinks(32)
+    batch = ForwardBatch.build(layout, rows, "cpu")
+    m.fill(sub_batch(batch, [0, 1]), sub_batch(batch, [2]), key)
+    got = m.body(key)
+    b = key[0]
+    assert got.shape[0] == key[0] + key[1]
+    assert rel_err(got[:2], want[:2]) < 1e-5
+    assert rel_err(got[b:b + T], want[2:]) < 1e-5
+    conv, rec, k, v = _tensors(cache)
+    for s in (1, 2, 3):
+        assert rel_err(conv[:, s], eager[0][:, s]) < 1e-5
+        assert rel_err(rec[:, s], eager[1][:, s]) < 1e-5
+    for p in (1, 2, 3, 4, 5, 6):
+        assert rel_err(k[:, p], eager[2][:, p]) < 1e-5 and rel_err(v[:, p], eager[3][:, p]) < 1e-5
+    others = [s for s in range(conv.shape[1]) if s not in (0, 1, 2, 3)]
+    assert torch.equal(conv[:, others], before[0][:, others])
+    assert torch.equal(rec[:, others], before[1][:, others])
+    free = [p for p in range(k.shape[1]) if p not in (0, 1, 2, 3, 4, 5, 6)]
+    assert torch.equal(k[:, free], before[2][:, free])
+    assert torch.equal(v[:, free], before[3][:, free])
+
+
+def test_forward_scatters_a_replay_into_batch_order(pair, monkeypatch):
+    """`MixedGraphs.forward` through the dispatch (`KernelForward.forward`): a step of two
+    decode rows and a fresh prompt replays the mixed graph (the replay stood in for by the
+    body writing the graph's output), the rows land in batch order and equal the eager step;
+    the decode and prefill graphs are not called."""
+    _, kf, cache = pair
+    calls = graph_stand_ins(kf, monkeypatch, ("decode", "prefill"), compute=False)
+    layout = _step(kf, cache, "fresh", 11)
+    rows = [0, 1, 12]
+    before = [t.clone() for t in _tensors(cache)]
+    want = kf.km.forward_eager(ForwardBatch.build(layout, rows, "cpu"))
+    for t, b in zip(_tensors(cache), before):
+        t.copy_(b)
+    m = _family(kf, "fresh")
+    m.decode.to_sinks()
+    m.chunk.to_sinks(32)
+    key = (4, 16)
+    out = torch.zeros(20, kf.km.cfg.hidden_size)
+
+    class Replay:
+        def replay(self):
+            out.copy_(m.body(key))
+
+    m.graphs = {key: (Replay(), out), (4, 32): (None, None)}
+    monkeypatch.setattr(kf, "mixed", [m])
+    got = kf.forward(ForwardBatch.build(layout, rows, "cpu"))
+    assert calls == []
+    assert got.shape == want.shape and rel_err(got, want) < 1e-5
+
+
+def test_bucket_takes_one_chunk_of_its_kind(pair, switches):
+    """Which steps a family replays: one chunk of its kind (fresh prompt / continuing chunk)
+    beside at most the largest rows bucket, in the smallest (tokens, rows) key that holds
+    them; not two chunks, a chunk past the largest tokens bucket, or too many rows."""
+    _, kf, _ = pair
+    fresh, cont = _family(kf, "fresh"), _family(kf, "continuing")
+    assert fresh.bucket(2, ForwardBatch.build([(_ids(5, 1), 0, 3, True, [4])], [0], "cpu")) is None
+    keys = {(4, 8): None, (2, 8): None, (4, 16): None, (2, 16): None}
+    fresh.graphs, cont.graphs = dict(keys), dict(keys)
+
+    def one(*seqs):
+        return ForwardBatch.build(list(seqs), [0], "cpu")
+
+    new, more = (_ids(5, 1), 0, 3, True, [4]), (_ids(9, 1), 30, 3, False, [4, 5])
+    assert fresh.bucket(2, one(new)) == (2, 8) and fresh.bucket(3, one(new)) == (4, 8)
+    assert fresh.bucket(1, one((_ids(16, 1), 0, 3, True, [4]))) == (2, 16)
+    assert fresh.bucket(5, one(new)) is None  # more rows than the largest bucket
+    assert fresh.bucket(2, one((_ids(17, 1), 0, 3, True, [4, 5]))) is None  # too long
+    assert fresh.bucket(2, one(more)) is None and cont.bucket(2, one(new)) is None  # other kind
+    assert cont.bucket(2, one(more)) == (2, 16)
+    assert fresh.bucket(2, one(new, (_ids(3, 2), 0, 4, True, [6]))) is None  # two chunks
+
+
+def test_keys_and_families(pair, switches):
+    """The captured keys: the MIXED_ROWS below the decode graphs' largest batch and that
+    batch, by the MIXED_TOKENS up to the limit, largest first. No family without the switch,
+    or without CUDA graphs (the CPU)."""
+    _, kf, _ = pair
+    m = _family(kf, "fresh")
+    assert m.keys(48, 256) == [(48, 256), (32, 256), (48, 128), (32, 128)]
+    assert m.keys(128, 2048)[0] == (128, 2048) and len(m.keys(128, 2048)) == 3 * len(MIXED_TOKENS)
+    assert m.keys(16, 100) == []
+    switches(mixed_graph_tokens=1024)
+    assert mixed_families(kf) == []  # use_graphs is off on the CPU
+    switches(mixed_graph_tokens=0)
+    assert mixed_families(kf) == []
