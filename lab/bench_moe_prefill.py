@@ -17,11 +17,19 @@ Variants, each timed alone (CUDA events, median of --reps calls after a warm-up)
                kb/0061), its launch configs by `moe_w8a8.block_ms` and the autotuner.
   w8a8:G×D     the same with gate_up / down BLOCK_M forced (64×64, 64×128), to revisit
                `moe_w8a8.DOWN_BM128_ABOVE`; "quant" is the x quantisation alone.
+  NVFP4 (--nvfp4; kb/0067): the experts quantized by the reference quantizer; "tuned",
+  "fixed" and "grouped" run over their bf16 dequantization, and "grouped" and "scratch+fused"
+  include refilling the bf16 scratch from the packed weights as the served path does each
+  layer (`nvfp4_gemv.dequantize_into`, alone as "dequant"):
+  scratch+fused `dequantize_into` + `fused_moe` (served below `moe_grouped_from`).
+  w4a16        `nvfp4_grouped.nvfp4_grouped_experts_sorted` as the model calls it (the packed
+               weights decoded in registers, no scratch), autotuned launch configs.
+  w4a16:G×D    the same with gate_up / down BLOCK_M forced.
 (A first run stacked the shared expert as expert 256, whose 8192 rows one program per N block
 walked alone: a tail that no prefill step has; kb/0031.)
 Prints µs per layer, TFLOP/s over 6·pairs·H·I and the relative difference to `tuned` (for
 w8a8: the error the e4m3 activations add to the W8A16 result).
-Usage: python lab/bench_moe_prefill.py [--tokens 1024,8192] [--fp8] [--json F]
+Usage: python lab/bench_moe_prefill.py [--tokens 1024,8192] [--fp8 | --nvfp4] [--json F]
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ import statistics
 
 import torch
 
-from tailored.kernels import fp8_quant, moe, moe_grouped, moe_w8a8
+from tailored.kernels import fp8_quant, moe, moe_grouped, moe_w8a8, nvfp4_grouped
+from tailored.kernels.nvfp4_gemv import dequantize_into
 from tailored.model import fp8 as fp8mod
+from tailored.model import nvfp4 as nvfp4mod
 
 E, K, H, I = 256, 8, 2048, 512  # routed experts only: prefill runs the shared one apart
 FIXED = [(64, 64, 64, 4), (128, 64, 64, 8), (128, 64, 128, 8)]
@@ -60,6 +70,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1024,2048,4096,8192")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--nvfp4", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
@@ -78,6 +89,16 @@ def main() -> None:
         def dequant():
             return (moe_grouped.dequantize_experts(qgu, scales[0], True, out=scratch[0]),
                     moe_grouped.dequantize_experts(qdn, scales[1], False, out=scratch[1]))
+    elif a.nvfp4:
+        w4 = (nvfp4mod.quantize_experts(gu, 2), nvfp4mod.quantize_experts(dn, 1))
+        scratch = (torch.empty_like(gu), torch.empty_like(dn))
+        del gu, dn
+
+        def dequant():
+            return (dequantize_into(*w4[0], out=scratch[0]),
+                    dequantize_into(*w4[1], out=scratch[1]))
+
+        wgu, wdn = (t.clone() for t in dequant())  # fused_moe's operands: the served weights
     else:
         wgu, wdn = gu, dn
 
@@ -122,6 +143,21 @@ def main() -> None:
                 res["dequant"] = timed(dequant, a.reps)
         except Exception as e:
             print(f"T={T} grouped: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        if a.nvfp4:
+            res["dequant"] = timed(dequant, a.reps)
+            res["scratch+fused"] = timed(lambda: (dequant(), moe.fused_moe(
+                x, w, ids, *scratch, None, reduce=False)), a.reps)
+            try:
+                out = nvfp4_grouped.nvfp4_grouped_experts(x, w, ids, *w4)
+                res["w4a16"] = timed(lambda: nvfp4_grouped.nvfp4_grouped_experts_sorted(
+                    x, w, ids, *w4), a.reps)
+                res["w4a16:rel"] = ((out - ref_out).norm() / ref_out.norm()).item()
+                for bm in W8A8_BM:
+                    name = "w4a16:" + "x".join(map(str, bm))
+                    res[name] = timed(lambda bm=bm: nvfp4_grouped.nvfp4_grouped_sorted(
+                        x, w, ids, *w4, block_m=bm), a.reps)
+            except Exception as e:
+                print(f"T={T} w4a16: {type(e).__name__}: {str(e)[:200]}", flush=True)
         if a.fp8:
             try:
                 out = moe_w8a8.w8a8_experts(x, w, ids, wgu, wdn, *scales)
@@ -135,14 +171,16 @@ def main() -> None:
                 res["quant"] = timed(lambda: fp8_quant.quantize_groups(x), a.reps)
             except Exception as e:
                 print(f"T={T} w8a8: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        row = {"tokens": T, "pairs": T * K, "gflop": flop / 1e9, "fp8": a.fp8, **res}
+        row = {"tokens": T, "pairs": T * K, "gflop": flop / 1e9, "fp8": a.fp8,
+               "nvfp4": a.nvfp4, **res}
         rows.append(row)
         for name, ms in res.items():
             if name.endswith(":rel"):
                 continue
             tf = flop / (ms * 1e-3) / 1e12
             rel = res.get(name + ":rel")
-            print(f"T={T} {'fp8' if a.fp8 else 'bf16'} {name:24s} {ms * 1e3:8.0f} µs  "
+            prec = "fp8" if a.fp8 else "nvfp4" if a.nvfp4 else "bf16"
+            print(f"T={T} {prec} {name:24s} {ms * 1e3:8.0f} µs  "
                   f"{tf:6.1f} TFLOP/s"
                   + (f"  rel {rel:.1e}" if rel is not None else ""), flush=True)
     if a.json:

@@ -118,6 +118,12 @@ class Flags:
         "activations per 128-wide group, FP8 tensor-core dots) instead of the grouped "
         "dequant path or fused_moe W8A16; 0 = off (GPU A/B and FP8 gate owed)", "kb/0061",
         lo=0, hi=1 << 20)
+    nvfp4_grouped_from: int = _switch(
+        "NVFP4_GROUPED_FROM", 0,
+        "eager steps of at least this many tokens (above the GEMV rows) run NVFP4 routed "
+        "experts as the W4A16 grouped GEMM on the packed weights instead of dequantizing them "
+        "into the bf16 scratch each layer; 0 = off (GPU timing owed)", "kb/0067",
+        lo=0, hi=1 << 20)
 
     # --- the worker: graphs, dispatch, speculative decoding (worker/) ---
     prompts_in_graphs_up_to: int = _switch(

@@ -94,7 +94,7 @@ def grid_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _block_rows(offsets_ptr, blocks_ptr, pid_m, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+def block_rows(offsets_ptr, blocks_ptr, pid_m, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
     """(expert, first row, one past the expert's last row) of block pid_m; expert E (and an
     empty row range) past the last block."""
     j = tl.arange(0, BLOCK_E)
@@ -121,7 +121,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, offsets_ptr, block
     NB_I: tl.constexpr = (I + 127) // 128  # the up half's block rows start here
     pid = tl.program_id(0)
     pid_n = pid % NT
-    e, start, end = _block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
+    e, start, end = block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
     if start < end:
         r = start + tl.arange(0, BLOCK_M)
         r_ok = r < end
@@ -163,7 +163,7 @@ def _down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, offsets_ptr, blocks_ptr, y_ptr, 
     NT: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     pid_n = pid % NT
-    e, start, end = _block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
+    e, start, end = block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
     if start < end:
         r = start + tl.arange(0, BLOCK_M)
         r_ok = r < end

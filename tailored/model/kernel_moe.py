@@ -11,6 +11,8 @@ Same computation as `SparseMoeBlock` of the plain path, by step size:
   * with `moe_w8a8_from` > 0, eager prefill steps of at least that many tokens run FP8 experts
     W8A8 instead (`kernels.moe_w8a8`: e4m3 activations per 128-wide group, FP8 dots, no bf16
     scratch; kb/0061), before either of the above;
+  * NVFP4 experts: `kernel_moe_w4.W4Experts` (GEMVs, the W4A16 grouped GEMM from
+    `nvfp4_grouped_from` in eager steps, else the bf16 scratch);
   * then one launch for the routed sum, the gated shared expert and, with
     `combine_next_norm`, the residual add and the next RMSNorm (kb/0023).
 Checked against the plain path in tests/worker/test_kernel_path.py.
@@ -30,7 +32,7 @@ from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_m
 from tailored.kernels.moe_gemv import route_gemv_moe
 from tailored.kernels.moe_route import route_align
 from tailored.model import fp8, nvfp4
-from tailored.model.kernel_moe_w4 import scratch_bytes
+from tailored.model.kernel_moe_w4 import scratch_bytes, w4_grouped_applies
 from tailored.model.moe_stack import ExpertStack
 from tailored.ops import reference as ref
 
@@ -63,7 +65,9 @@ def moe_grouped_reserve_bytes(model: nn.Module, dtype: torch.dtype, step_tokens:
     FP8 experts with `moe_w8a8_from` reached by the largest step: also the W8A8 path's own
     buffers (x's codes and scales, each pair's act codes and scales and `dtype` output), which
     are below the grouped path's per-pair terms; the scratch stays reserved while the grouped
-    path can still apply below `moe_w8a8_from` (conservative)."""
+    path can still apply below `moe_w8a8_from` (conservative). The NVFP4 grouped GEMM
+    (`nvfp4_grouped_from`) allocates act [P, I] and y [P, H] in `dtype` a step: below the
+    estimate's fp32 pair terms (I <= H), so nothing more."""
     cfg = model.config
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     ex = model.model.layers[0].mlp.experts
@@ -181,6 +185,13 @@ class MoEBlocks:
         """Whether layer i's MoE input x [T, H] takes the W8A8 experts: FP8 routed experts,
         eager, `w8a8_applies`, not a prefill graph body or its warm-up (as `use_grouped`)."""
         return (i in self.experts and w8a8_applies(x.shape[0]) and not self.fused_only
+                and (x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()))
+
+    def use_w4_grouped(self, x: torch.Tensor) -> bool:
+        """Whether this MoE input x [T, H] over NVFP4 experts takes the W4A16 grouped GEMM:
+        eager, `w4_grouped_applies`, not a prefill graph body or its warm-up (as
+        `use_w8a8`)."""
+        return (w4_grouped_applies(x.shape[0]) and not self.fused_only
                 and (x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()))
 
     def _grouped_experts(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):

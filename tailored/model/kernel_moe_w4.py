@@ -3,11 +3,14 @@
 Same computation as `SparseMoe` of the plain path over `nvfp4.DequantExperts`, by step size:
   * up to `nvfp4_gemv_up_to` rows (decode, 64): the experts as W4A16 GEMVs on the packed weights,
     one (token, expert) pair a program (`kernels.nvfp4_moe`);
-  * above (prefill, large decode batches): the layer's experts dequantized into a bf16
-    scratch that every layer reuses (one launch each for gate_up and down,
+  * with `nvfp4_grouped_from` > 0, eager steps of at least that many rows (above the GEMVs):
+    the W4A16 grouped GEMM on the packed weights over expert-sorted rows
+    (`kernels.nvfp4_grouped`, kb/0067), no scratch; never in a CUDA-graph capture or a prefill
+    graph body (`MoEBlocks.use_w4_grouped`), which keep the scratch;
+  * otherwise above (prefill, large decode batches): the layer's experts dequantized into a
+    bf16 scratch that every layer reuses (one launch each for gate_up and down,
     `nvfp4_gemv.dequantize_into`), then the bf16 expert GEMMs the engine runs for bf16
-    checkpoints (the grouped GEMM where it applies, else `fused_moe`). Issue 48's W4A16 grouped
-    GEMM, which would not write the scratch, is not built yet (kb/0065).
+    checkpoints (the grouped GEMM where it applies, else `fused_moe`).
 Routing is `ref.route_topk` (torch ops, no host sync); the shared expert stays a dense
 projection (NVFP4 linears held dequantized, `projections.held_dequantized`) and is added by
 `moe_combine` with the routed pairs, as for the other precisions.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from tailored import flags
-from tailored.kernels import moe_grouped
+from tailored.kernels import moe_grouped, nvfp4_grouped
 from tailored.kernels.moe import fused_moe
 from tailored.kernels.moe_combine import moe_combine, silu_mul
 from tailored.kernels.nvfp4_gemv import dequantize_into
@@ -38,6 +41,14 @@ class Scratch:
     def fill(self, gate_up: tuple, down: tuple):
         return (dequantize_into(*gate_up, out=self.gate_up),
                 dequantize_into(*down, out=self.down))
+
+
+def w4_grouped_applies(tokens: int) -> bool:
+    """Whether an eager MoE input of `tokens` rows above the GEMV sizes over NVFP4 experts
+    may take the W4A16 grouped GEMM (`nvfp4_grouped_from` > 0 and reached). One rule for the
+    forward and the warm-up."""
+    f = flags.current()
+    return 0 < f.nvfp4_grouped_from <= tokens and tokens > f.nvfp4_gemv_up_to
 
 
 def scratch_bytes(experts, dtype) -> int:
@@ -61,6 +72,10 @@ class W4Experts:
         if 1 <= x.shape[0] <= flags.current().nvfp4_gemv_up_to:
             pairs = nvfp4_moe_pairs(x, w, ids, self.gate_up, self.down)
             return moe_combine(pairs, self.k, seg, shared, norm)
+        if blocks.use_w4_grouped(x):  # the packed weights, sorted outputs (kb/0067)
+            y, rows = nvfp4_grouped.nvfp4_grouped_experts_sorted(x, w, ids, self.gate_up,
+                                                                 self.down)
+            return moe_combine(y, self.k, seg, shared, norm, rows=rows, weights=w.contiguous())
         gu, dn = self.scratch.fill(self.gate_up, self.down)
         if blocks.use_grouped(x):  # expert-sorted outputs, summed by the combine (kb/0031)
             y, rows = moe_grouped.grouped_experts_sorted(x, w, ids, gu, dn)

@@ -14,6 +14,7 @@ from tailored.kernels import moe as moe_kernels
 from tailored.kernels import moe_w8a8
 from tailored.model.batch import ForwardBatch, SeqInfo
 from tailored.model.kernel_moe import grouped_applies, w8a8_applies
+from tailored.model.kernel_moe_w4 import w4_grouped_applies
 from tailored.model.kernel_mtp import mtp_eager
 
 
@@ -23,7 +24,8 @@ def warmup_lengths(km, batch_tokens: int) -> list[int]:
     chunk), each prefill M tile (`moe._blocks`: tuned per tile when first seen; `warmup_prefill`
     runs every length through fused_moe, as a prefill graph of that size would), the grouped
     path, the W8A8 experts' launch classes (FP8 experts, from `moe_w8a8_from`: each down
-    BLOCK_M), 1024 and batch_tokens itself."""
+    BLOCK_M), the NVFP4 grouped GEMM's (NVFP4 experts, from `nvfp4_grouped_from`: the same
+    BLOCK_M rule), 1024 and batch_tokens itself."""
     from tailored import flags
 
     E, k = km.cfg.num_experts, km.cfg.num_experts_per_tok
@@ -40,12 +42,20 @@ def warmup_lengths(km, batch_tokens: int) -> list[int]:
     w8a8_from = flags.current().moe_w8a8_from
     if w8a8_applies(w8a8_from) and _fp8_experts(km):
         want |= {w8a8_from, max(w8a8_from, fewest(moe_w8a8.DOWN_BM128_ABOVE))}
+    w4_from = max(flags.current().nvfp4_grouped_from, flags.current().nvfp4_gemv_up_to + 1)
+    if w4_grouped_applies(w4_from) and _nvfp4_experts(km):
+        want |= {w4_from, max(w4_from, fewest(moe_w8a8.DOWN_BM128_ABOVE))}
     return sorted(n for n in want if 1 < n <= batch_tokens)
 
 
 def _fp8_experts(km) -> bool:
     """Whether km's MoE holds FP8 routed experts (their block scales: `MoEBlocks.experts`)."""
     return bool(getattr(getattr(km, "moe", None), "experts", None))
+
+
+def _nvfp4_experts(km) -> bool:
+    """Whether km's MoE holds NVFP4 routed experts (`MoEBlocks.w4`)."""
+    return bool(getattr(getattr(km, "moe", None), "w4", None))
 
 
 def sink_prefill(km, lengths: list[int]) -> ForwardBatch:
@@ -62,11 +72,11 @@ def sink_prefill(km, lengths: list[int]) -> ForwardBatch:
 @torch.no_grad()  # startup forwards: never keep autograd's saved activations
 def warmup_prefill(km, lengths, batch_tokens: int = 0) -> None:
     """Run prefills of these lengths into the pad sinks so that Triton compiles and FLA/MoE
-    autotuning happen at start-up (lengths an eager step sends to the grouped or the W8A8
-    experts run a second time, eagerly: the first holds the MoE to fused_moe). batch_tokens
-    > 4: also one prefill of three sequences with an odd token total up to that many, the
-    shape of a mixed step (single prompts of even lengths reach only the 1 and
-    multiple-of-16 argument classes, kb/0030). With the MTP
+    autotuning happen at start-up (lengths an eager step sends to the grouped, the W8A8 or
+    the NVFP4 grouped experts run a second time, eagerly: the first holds the MoE to
+    fused_moe, or the NVFP4 scratch). batch_tokens > 4: also one prefill of three sequences
+    with an odd token total up to that many, the shape of a mixed step (single prompts of
+    even lengths reach only the 1 and multiple-of-16 argument classes, kb/0030). With the MTP
     layer in the cache, each length through it too (`warm_mtp`)."""
     for n in sorted(set(int(x) for x in lengths if x > 1)):
         # every length through fused_moe (a prefill graph of that size would launch it),
@@ -76,7 +86,8 @@ def warmup_prefill(km, lengths, batch_tokens: int = 0) -> None:
             km.forward_eager(sink_prefill(km, [n]))
         finally:
             km.moe.fused_only = False
-        if grouped_applies(n, km.dtype, km.device) or (w8a8_applies(n) and _fp8_experts(km)):
+        if (grouped_applies(n, km.dtype, km.device) or (w8a8_applies(n) and _fp8_experts(km))
+                or (w4_grouped_applies(n) and _nvfp4_experts(km))):
             km.forward_eager(sink_prefill(km, [n]))
         if km.mtp_layer is not None:
             warm_mtp(km, n)
