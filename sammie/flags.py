@@ -14,7 +14,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from tailored.flags import refuse_unknown
+from tailored.flags import Active, refuse_unknown, shown
 
 PREFIX = "SAMMIE_"
 
@@ -41,9 +41,7 @@ class Flags:
         return cls(**{f.name: env[n].strip() for n, f in known.items() if env.get(n, "").strip()})
 
     def snapshot(self) -> dict:
-        return {f.metadata["env"]: ("(set)" if getattr(self, f.name) else "")
-                if f.metadata["secret"] else getattr(self, f.name)
-                for f in dataclasses.fields(self)}
+        return shown(self)
 
 
 def markdown_rows() -> list[str]:
@@ -51,17 +49,7 @@ def markdown_rows() -> list[str]:
     return [f"| `{f.metadata['env']}` | {f.metadata['why']} |" for f in dataclasses.fields(Flags)]
 
 
-_active: Flags | None = None
-
-
-def current() -> Flags:
-    global _active
-    if _active is None:
-        _active = Flags.from_env()
-    return _active
-
-
-def activate(flags: Flags) -> Flags:
-    global _active
-    _active = flags
-    return flags
+# the record `sammie serve` parses at start (tailored/flags.py's Active, as tailored's table)
+_active: Active[Flags] = Active(Flags)
+current = _active.current
+activate = _active.activate

@@ -15,160 +15,164 @@ DEFAULT_MODEL_NAME = "qwen36-35b-a3b"
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API")
+    from tailored.server import serve_rules
+
+    def arg(flag, **kw):  # an option with its type or words from serve_rules.py
+        p.add_argument(flag, **serve_rules.parser_kwargs(flag[2:].replace("-", "_")), **kw)
+
     p.add_argument("checkpoint_dir", nargs="?", default=None,
                    help="Hugging Face checkpoint directory: config.json, safetensors shards, "
                         "tokenizer files (default: the embedded nano model, on the CPU)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 to expose the server (default: "
                         "%(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    arg("--port", default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help=f"model name in the API (default: {DEFAULT_MODEL_NAME})")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="auto: read the weights from the checkpoint; dummy: read only "
-                        "config.json and the tokenizer files, draw random weights on the device "
-                        "(default: %(default)s)")
-    p.add_argument("--num-layers", type=int, default=None,
-                   help="run only the first N decoder layers, full width (default: all)")
-    p.add_argument("--device", default="auto",
-                   help="auto (cuda if present; the embedded model runs on the CPU), cuda or "
-                        "cpu (default: %(default)s)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
-                   help="the model's compute dtype; an FP8 checkpoint keeps its FP8 weights "
-                        "(default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + completion limit in tokens (default: 16384 on cuda, 4096 on "
-                        "cpu)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most concurrent running requests (default: 64 on cuda, 16 on cpu)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step (default: 8192 on cuda, as the vLLM "
-                        "baseline; 2048 on cpu)")
-    p.add_argument("--prefill-stall-factor", type=float, default=None, metavar="F",
-                   help="while requests decode, a step that also carries prompt tokens is cut "
-                        "to take at most F x the measured decode-only step, its first chunk at "
-                        "least TAILORED_MIN_PREFILL_CHUNK tokens (docs/scheduling.md); 0 = "
-                        "off, the token budget alone (default: 0 until a GPU A/B decides; the simulator's choice is 2.5, kb/0063)")
-    p.add_argument("--page-size", type=int, default=16,
-                   help="tokens per KV cache page (default: %(default)s)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
-                   help="share of GPU memory for weights, KV pages and GDN state slots "
-                        "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of --load-format dummy weights (default: %(default)s)")
-    p.add_argument("--dummy-init", choices=["default", "stable"], default="default",
-                   help="statistics of --load-format dummy weights; stable: the scaled "
-                        "residual init of `tailored gate`'s full-size fixture (kb/0008), whose "
-                        "40 layers stay well-conditioned (docs/evaluation.md serves it) "
-                        "(default: %(default)s)")
-    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="Triton kernel path with decode CUDA graphs. auto: on CUDA only; off: "
-                        "the plain PyTorch path everywhere; on: also on the CPU, in Triton's "
-                        "interpreter (tests only: needs TRITON_INTERPRET=1 and --dtype "
-                        "float32, very slow) (default: %(default)s)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="kernel path without decode CUDA graphs; no effect on the plain path "
-                        "(default: off, graphs are used)")
-    p.add_argument("--prefill-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
-                        "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kernel "
-                        "path with graphs only). auto: on where the kernel path runs CUDA "
-                        "graphs, bf16 and FP8, else off (default: %(default)s)")
-    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
-                   help="launch each pure decode step before the previous step's tokens are "
-                        "read, feeding them on the device, so host work overlaps the GPU. "
-                        "auto: on on CUDA, off on the CPU (there the forward runs at launch, so "
-                        "nothing overlaps and each token would arrive a step later) (default: "
-                        "%(default)s)")
-    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="N",
-                   help="speculative decoding, N in 0..8 (0 = off): up to N tokens are drafted "
-                        "per decode step of each greedy request without penalties (by the "
-                        "checkpoint's MTP head, or prompt lookup: --speculative-method), and "
-                        "the model verifies them in the same step, so the output stays the "
-                        "greedy output. Drafting pauses while more than --spec-max-running "
-                        "requests run. On CUDA the verify and drafting steps replay CUDA "
-                        "graphs. Every 10 s the log reports the share of drafts kept since "
-                        "start (default: %(default)s)")
-    p.add_argument("--speculative-method", choices=["mtp", "ngram", "ngram+mtp"], default=None,
-                   help="with --num-speculative-tokens, where drafts come from. mtp: the "
-                        "checkpoint's MTP head; ngram: prompt lookup (vLLM's method of that "
-                        "name), the tokens that followed the last earlier occurrence of the "
-                        "request's last n tokens in its own prompt and output, for repetitive "
-                        "text (code edits, JSON, quoting); no MTP head is loaded; ngram+mtp: "
-                        "prompt lookup where it finds a match, else the MTP head "
-                        "(default: mtp)")
-    p.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
-                   help="with --speculative-method ngram or ngram+mtp: the longest n-gram "
-                        "looked up; the longest that matches wins (default: 4)")
-    p.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
-                   help="with --speculative-method ngram or ngram+mtp: the shortest n-gram "
-                        "that may match (default: 2, at most --prompt-lookup-max)")
-    p.add_argument("--spec-min-acceptance", type=float, default=None, metavar="RATE",
-                   help="with --num-speculative-tokens: adaptive draft length. A request's "
-                        "next step verifies the largest k <= N drafts with a_1 x ... x a_k >= RATE, "
-                        "a_j being its recent share of drafts kept at position j; below RATE "
-                        "for one draft it pauses drafting (4, then 8, ... up to 64 steps) and "
-                        "probes again. 0 = always N drafts (default: 0.5)")
-    p.add_argument("--spec-max-running", type=int, default=None, metavar="B",
-                   help="with --num-speculative-tokens: requests draft only while at most B "
-                        "run; verify steps replay CUDA graphs up to B sequences. Each sequence "
-                        "of such a graph keeps N GDN state snapshots of ~33 MB each at full "
-                        "size (~64 MB with --gdn-state-dtype float32). On an H100 two drafts "
-                        "made c=1 faster and c=8 27%% slower (kb/0062) (default: 2, at most "
-                        "--max-num-seqs)")
-    p.add_argument("--spec-synthetic-acceptance", type=float, default=None, metavar="RATE",
-                   help="benchmarks on random weights only, needs --num-speculative-tokens: "
-                        "keep each draft with probability RATE in [0, 1] instead of verifying "
-                        "it (as vLLM's synthetic rejection sampler in the baseline kit's "
-                        "`serve mtp`); the text is then not the model's (default: none, drafts "
-                        "are verified)")
-    p.add_argument("--gdn-state-dtype", choices=["auto", "float32", "bfloat16"], default=None,
-                   help="storage of the GDN layers' recurrent states (the kernels compute in "
-                        "float32 either way). auto: bfloat16 for a bfloat16 model, as vLLM "
-                        "stores them, else float32. bfloat16 halves the state bytes every "
-                        "decode step reads and writes (c=32 step 3-4%% faster on the H200) and "
-                        "each request's state memory; float32 keeps the states unrounded "
-                        "between steps (default: auto, or TAILORED_GDN_STATE_DTYPE when set)")
-    p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
-                   help="prefix caching (0 = off): keep the KV pages and GDN state of the last "
-                        "N prompts (least recently used dropped first), so a prompt that "
-                        "extends one of them (the next turn of a chat or agent loop) computes "
-                        "only its new tokens. Each entry costs one GDN state (~33 MB at full "
-                        "size, ~64 MB with float32 states, taken from the KV cache's memory) "
-                        "plus its pages while kept; size N above the conversations in flight "
-                        "(~2x). Prompts are saved up to their last chat message, and up to a "
-                        "leading system message of 64+ tokens, so a new chat with the same "
-                        "system prompt hits there too. On CUDA with prefill graphs, the rest "
-                        "of a prompt after a cached prefix (up to 2048 tokens) replays CUDA "
-                        "graphs (docs/serving.md) (default: %(default)s)")
-    p.add_argument("--gil-switch-interval-ms", type=float, default=None,
-                   help="sys.setswitchinterval in the server and engine processes: how long "
-                        "the engine loop may wait for the GIL held by the HTTP side after each "
-                        "GPU sync; an experiment knob (default: Python's 5 ms)")
-    p.add_argument("--engine-process", choices=["on", "off"], default="on",
-                   help="on: the engine loop runs in its own process, so the HTTP server's "
-                        "Python and the engine's do not share one GIL; off: a thread of the "
-                        "server process (default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds that SIGTERM or a first Ctrl-C lets in-flight requests run "
-                        "before they end with an error event; a second Ctrl-C exits at once "
-                        "(default: %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="largest request body in bytes, else 413. Bodies are parsed on the "
-                        "event loop, so a larger cap lets one huge body stall every stream "
-                        "longer (default: 256 a token of --max-model-len, within 2 to 32 MiB: "
-                        "4 MiB at 16k)")
-    p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
-                   help="qwen3: chat answers split into reasoning / reasoning_content (the "
-                        "thinking, up to </think>, under both names) and content (the answer "
-                        "after it), streamed too, as vLLM's parser of that name (default: none, "
-                        "content is the raw text)")
-    p.add_argument("--access-log", choices=["on", "off"], default="on",
-                   help="one log line per request: method, path, status, prompt and "
-                        "completion tokens, latency (default: %(default)s)")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"],
-                   help="Python log level (default: %(default)s)")
+    arg("--load-format", default="auto",
+        help="auto: read the weights from the checkpoint; dummy: read only "
+             "config.json and the tokenizer files, draw random weights on the device "
+             "(default: %(default)s)")
+    arg("--num-layers", default=None,
+        help="run only the first N decoder layers, full width (default: all)")
+    arg("--device", default="auto",
+        help="auto (cuda if present; the embedded model runs on the CPU), cuda or "
+             "cpu (default: %(default)s)")
+    arg("--dtype", default=None,
+        help="the model's compute dtype; an FP8 checkpoint keeps its FP8 weights "
+             "(default: bfloat16 on cuda, float32 on cpu)")
+    arg("--max-model-len", default=None,
+        help="prompt + completion limit in tokens (default: 16384 on cuda, 4096 on "
+             "cpu)")
+    arg("--max-num-seqs", default=None,
+        help="most concurrent running requests (default: 64 on cuda, 16 on cpu)")
+    arg("--max-num-batched-tokens", default=None,
+        help="token budget of one engine step (default: 8192 on cuda, as the vLLM "
+             "baseline; 2048 on cpu)")
+    arg("--prefill-stall-factor", default=None, metavar="F",
+        help="while requests decode, a step that also carries prompt tokens is cut "
+             "to take at most F x the measured decode-only step, its first chunk at "
+             "least TAILORED_MIN_PREFILL_CHUNK tokens (docs/scheduling.md); 0 = "
+             "off, the token budget alone (default: 0 until a GPU A/B decides; the simulator's choice is 2.5, kb/0063)")
+    arg("--page-size", default=16,
+        help="tokens per KV cache page (default: %(default)s)")
+    arg("--gpu-memory-utilization", default=0.90,
+        help="share of GPU memory for weights, KV pages and GDN state slots "
+             "(default: %(default)s)")
+    arg("--seed", default=0,
+        help="seed of --load-format dummy weights (default: %(default)s)")
+    arg("--dummy-init", default="default",
+        help="statistics of --load-format dummy weights; stable: the scaled "
+             "residual init of `tailored gate`'s full-size fixture (kb/0008), whose "
+             "40 layers stay well-conditioned (docs/evaluation.md serves it) "
+             "(default: %(default)s)")
+    arg("--kernels", default="auto",
+        help="Triton kernel path with decode CUDA graphs. auto: on CUDA only; off: "
+             "the plain PyTorch path everywhere; on: also on the CPU, in Triton's "
+             "interpreter (tests only: needs TRITON_INTERPRET=1 and --dtype "
+             "float32, very slow) (default: %(default)s)")
+    arg("--enforce-eager",
+        help="kernel path without decode CUDA graphs; no effect on the plain path "
+             "(default: off, graphs are used)")
+    arg("--prefill-graphs", default="auto",
+        help="replay CUDA graphs for a fresh prompt alone in its step, padded to a "
+             "bucket of 128..2048 (step 128), 3072, 4096, 6144, 8192 tokens (kernel "
+             "path with graphs only). auto: on where the kernel path runs CUDA "
+             "graphs, bf16 and FP8, else off (default: %(default)s)")
+    arg("--async-scheduling", default="auto",
+        help="launch each pure decode step before the previous step's tokens are "
+             "read, feeding them on the device, so host work overlaps the GPU. "
+             "auto: on on CUDA, off on the CPU (there the forward runs at launch, so "
+             "nothing overlaps and each token would arrive a step later) (default: "
+             "%(default)s)")
+    arg("--num-speculative-tokens", default=0, metavar="N",
+        help="speculative decoding, N in 0..8 (0 = off): up to N tokens are drafted "
+             "per decode step of each greedy request without penalties (by the "
+             "checkpoint's MTP head, or prompt lookup: --speculative-method), and "
+             "the model verifies them in the same step, so the output stays the "
+             "greedy output. Drafting pauses while more than --spec-max-running "
+             "requests run. On CUDA the verify and drafting steps replay CUDA "
+             "graphs. Every 10 s the log reports the share of drafts kept since "
+             "start (default: %(default)s)")
+    arg("--speculative-method", default=None,
+        help="with --num-speculative-tokens, where drafts come from. mtp: the "
+             "checkpoint's MTP head; ngram: prompt lookup (vLLM's method of that "
+             "name), the tokens that followed the last earlier occurrence of the "
+             "request's last n tokens in its own prompt and output, for repetitive "
+             "text (code edits, JSON, quoting); no MTP head is loaded; ngram+mtp: "
+             "prompt lookup where it finds a match, else the MTP head "
+             "(default: mtp)")
+    arg("--prompt-lookup-max", default=None, metavar="N",
+        help="with --speculative-method ngram or ngram+mtp: the longest n-gram "
+             "looked up; the longest that matches wins (default: 4)")
+    arg("--prompt-lookup-min", default=None, metavar="N",
+        help="with --speculative-method ngram or ngram+mtp: the shortest n-gram "
+             "that may match (default: 2, at most --prompt-lookup-max)")
+    arg("--spec-min-acceptance", default=None, metavar="RATE",
+        help="with --num-speculative-tokens: adaptive draft length. A request's "
+             "next step verifies the largest k <= N drafts with a_1 x ... x a_k >= RATE, "
+             "a_j being its recent share of drafts kept at position j; below RATE "
+             "for one draft it pauses drafting (4, then 8, ... up to 64 steps) and "
+             "probes again. 0 = always N drafts (default: 0.5)")
+    arg("--spec-max-running", default=None, metavar="B",
+        help="with --num-speculative-tokens: requests draft only while at most B "
+             "run; verify steps replay CUDA graphs up to B sequences. Each sequence "
+             "of such a graph keeps N GDN state snapshots of ~33 MB each at full "
+             "size (~64 MB with --gdn-state-dtype float32). On an H100 two drafts "
+             "made c=1 faster and c=8 27%% slower (kb/0062) (default: 2, at most "
+             "--max-num-seqs)")
+    arg("--spec-synthetic-acceptance", default=None, metavar="RATE",
+        help="benchmarks on random weights only, needs --num-speculative-tokens: "
+             "keep each draft with probability RATE in [0, 1] instead of verifying "
+             "it (as vLLM's synthetic rejection sampler in the baseline kit's "
+             "`serve mtp`); the text is then not the model's (default: none, drafts "
+             "are verified)")
+    arg("--gdn-state-dtype", default=None,
+        help="storage of the GDN layers' recurrent states (the kernels compute in "
+             "float32 either way). auto: bfloat16 for a bfloat16 model, as vLLM "
+             "stores them, else float32. bfloat16 halves the state bytes every "
+             "decode step reads and writes (c=32 step 3-4%% faster on the H200) and "
+             "each request's state memory; float32 keeps the states unrounded "
+             "between steps (default: auto, or TAILORED_GDN_STATE_DTYPE when set)")
+    arg("--prefix-cache-entries", default=0, metavar="N",
+        help="prefix caching (0 = off): keep the KV pages and GDN state of the last "
+             "N prompts (least recently used dropped first), so a prompt that "
+             "extends one of them (the next turn of a chat or agent loop) computes "
+             "only its new tokens. Each entry costs one GDN state (~33 MB at full "
+             "size, ~64 MB with float32 states, taken from the KV cache's memory) "
+             "plus its pages while kept; size N above the conversations in flight "
+             "(~2x). Prompts are saved up to their last chat message, and up to a "
+             "leading system message of 64+ tokens, so a new chat with the same "
+             "system prompt hits there too. On CUDA with prefill graphs, the rest "
+             "of a prompt after a cached prefix (up to 2048 tokens) replays CUDA "
+             "graphs (docs/serving.md) (default: %(default)s)")
+    arg("--gil-switch-interval-ms", default=None,
+        help="sys.setswitchinterval in the server and engine processes: how long "
+             "the engine loop may wait for the GIL held by the HTTP side after each "
+             "GPU sync; an experiment knob (default: Python's 5 ms)")
+    arg("--engine-process", default="on",
+        help="on: the engine loop runs in its own process, so the HTTP server's "
+             "Python and the engine's do not share one GIL; off: a thread of the "
+             "server process (default: %(default)s)")
+    arg("--shutdown-timeout", default=30.0,
+        help="seconds that SIGTERM or a first Ctrl-C lets in-flight requests run "
+             "before they end with an error event; a second Ctrl-C exits at once "
+             "(default: %(default)s)")
+    arg("--max-body-bytes", default=None,
+        help="largest request body in bytes, else 413. Bodies are parsed on the "
+             "event loop, so a larger cap lets one huge body stall every stream "
+             "longer (default: 256 a token of --max-model-len, within 2 to 32 MiB: "
+             "4 MiB at 16k)")
+    arg("--reasoning-parser", default=None,
+        help="qwen3: chat answers split into reasoning / reasoning_content (the "
+             "thinking, up to </think>, under both names) and content (the answer "
+             "after it), streamed too, as vLLM's parser of that name (default: none, "
+             "content is the raw text)")
+    arg("--access-log", default="on",
+        help="one log line per request: method, path, status, prompt and "
+             "completion tokens, latency (default: %(default)s)")
+    arg("--log-level", default="info",
+        help="Python log level (default: %(default)s)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="apply a profile written by `tailored tune` (docs/tune.md): its engine "
                         "options and TAILORED_* switches; options given on this command line "
@@ -202,65 +206,14 @@ def _synth_parser(sub) -> None:
                         "or compressed-tensors (llm-compressor's nvfp4-pack-quantized)")
 
 
-MAX_STEP_TOKENS = 65536  # largest --max-num-batched-tokens (16 GiB of activation reserve)
-
-
 def _check_serve_args(args) -> None:
-    """Reject bad flag values in one line before anything slow (weights) happens."""
-    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_layers"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    if args.max_body_bytes is not None and args.max_body_bytes < 1024:
-        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
-    if args.prefill_stall_factor is not None and not 0 <= args.prefill_stall_factor < 100:
-        raise ValueError(f"--prefill-stall-factor must be 0 (off) or in (0, 100), got "
-                         f"{args.prefill_stall_factor}")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens > MAX_STEP_TOKENS:
-        # the activation reserve grows 256 KiB per budget token (memory_plan.plan_cache): a
-        # typo here would only fail after the weights load, naming other flags
-        raise ValueError(f"--max-num-batched-tokens must be <= {MAX_STEP_TOKENS}, "
-                         f"got {args.max_num_batched_tokens}")
-    from tailored.config import MAX_SPECULATIVE_TOKENS
+    """Reject bad flag values in one line before anything slow (weights) happens: each option
+    on its own (server/serve_rules.py, which tune's preflight shares), then the options
+    together, then what this machine offers."""
+    from tailored.server import serve_rules
 
-    if not 0 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"--num-speculative-tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
-                         f"got {args.num_speculative_tokens}")
-    if args.prefix_cache_entries < 0:
-        raise ValueError(f"--prefix-cache-entries must be >= 0, got {args.prefix_cache_entries}")
-    if args.spec_max_running is not None and args.spec_max_running < 1:
-        raise ValueError(f"--spec-max-running must be >= 1, got {args.spec_max_running}")
-    for flag in ("spec_max_running", "speculative_method", "prompt_lookup_max",
-                 "prompt_lookup_min", "spec_min_acceptance"):
-        if getattr(args, flag) is not None and args.num_speculative_tokens == 0:
-            raise ValueError(f"--{flag.replace('_', '-')} needs --num-speculative-tokens >= 1")
-    lo = 2 if args.prompt_lookup_min is None else args.prompt_lookup_min
-    hi = 4 if args.prompt_lookup_max is None else args.prompt_lookup_max
-    if (args.prompt_lookup_min is not None or args.prompt_lookup_max is not None) and (
-            args.speculative_method or "mtp") == "mtp":
-        raise ValueError("--prompt-lookup-max/min need --speculative-method ngram or ngram+mtp")
-    if not 1 <= lo <= hi:
-        raise ValueError(f"--prompt-lookup-min must be in 1..--prompt-lookup-max, got {lo} "
-                         f"and {hi} (defaults 2 and 4)")
-    ma = args.spec_min_acceptance
-    if ma is not None and not 0 <= ma <= 1:  # also NaN
-        raise ValueError(f"--spec-min-acceptance must be in [0, 1], got {ma}")
-    rate = args.spec_synthetic_acceptance
-    if rate is not None and not 0 <= rate <= 1:  # also NaN
-        raise ValueError(f"--spec-synthetic-acceptance must be in [0, 1], got {rate}")
-    if rate is not None and args.num_speculative_tokens == 0:
-        raise ValueError("--spec-synthetic-acceptance needs --num-speculative-tokens >= 1")
-    if args.gil_switch_interval_ms is not None and not 0 < args.gil_switch_interval_ms <= 1000:
-        raise ValueError(f"--gil-switch-interval-ms must be in (0, 1000], got {args.gil_switch_interval_ms}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
+    serve_rules.check_all(args)
+    _check_combinations(args)
     _require_cuda_if_asked(args.device)
     if args.kernels == "on":  # the runner checks too; here it fails before the weights load
         from tailored import kernels
@@ -275,6 +228,23 @@ def _check_serve_args(args) -> None:
     from tailored.server.serve_options import check_port
 
     check_port(args.host, args.port)
+
+
+def _check_combinations(args) -> None:
+    """The rules between options: drafting's options need drafting on, prompt lookup's
+    need its method, and its n-gram bounds are ordered."""
+    for flag in ("spec_max_running", "speculative_method", "prompt_lookup_max",
+                 "prompt_lookup_min", "spec_min_acceptance", "spec_synthetic_acceptance"):
+        if getattr(args, flag) is not None and args.num_speculative_tokens == 0:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --num-speculative-tokens >= 1")
+    lo = 2 if args.prompt_lookup_min is None else args.prompt_lookup_min
+    hi = 4 if args.prompt_lookup_max is None else args.prompt_lookup_max
+    if (args.prompt_lookup_min is not None or args.prompt_lookup_max is not None) and (
+            args.speculative_method or "mtp") == "mtp":
+        raise ValueError("--prompt-lookup-max/min need --speculative-method ngram or ngram+mtp")
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--prompt-lookup-min must be in 1..--prompt-lookup-max, got {lo} "
+                         f"and {hi} (defaults 2 and 4)")
 
 
 def speculative_options(args) -> dict:

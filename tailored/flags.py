@@ -24,6 +24,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 PREFIX = "TAILORED_"
 
@@ -255,16 +256,22 @@ class Flags:
     def snapshot(self) -> dict:
         """{variable name: value} of every switch: what manifests record (a secret one's
         value is "(set)" or empty)."""
-        return {f.metadata["env"]: self._shown(f) for f in dataclasses.fields(self)}
+        return shown(self)
 
     def changed(self) -> dict:
         """{variable name: value} of the switches away from their defaults."""
-        return {f.metadata["env"]: self._shown(f) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != f.default}
+        return shown(self, changed_only=True)
 
-    def _shown(self, f: dataclasses.Field):
-        v = getattr(self, f.name)
-        return ("(set)" if v else v) if f.metadata["secret"] else v
+
+def shown(record, changed_only: bool = False) -> dict:
+    """{variable name: value} of a switch table's record (this one's, sammie's), a secret
+    switch's value as "(set)" or empty; changed_only: the switches away from their defaults."""
+    out = {}
+    for f in dataclasses.fields(record):
+        v = getattr(record, f.name)
+        if not changed_only or v != f.default:
+            out[f.metadata["env"]] = ("(set)" if v else v) if f.metadata["secret"] else v
+    return out
 
 
 def refuse_unknown(environ, prefix: str, known, table: str, docs: str) -> None:
@@ -314,36 +321,47 @@ def set_in_env(environ=None) -> frozenset[str]:
                      if env.get(f.metadata["env"], "").strip())
 
 
-_active: Flags | None = None
+R = TypeVar("R")  # a switch table's record class
 
 
-def current() -> Flags:
-    """The active record; the first call without an `activate` parses the environment."""
-    global _active
-    if _active is None:
-        _active = Flags.from_env()
-    return _active
+class Active(Generic[R]):
+    """The active record of a switch table (this one, sammie's): parsed from the environment
+    at the first `current()` unless a start-up `activate`d one, which is how the engine
+    process takes its parent's. One per table; the table's module exposes its methods."""
+
+    def __init__(self, kind: type[R]) -> None:
+        self.kind = kind
+        self.record: R | None = None
+
+    def current(self) -> R:
+        """The active record; the first call without an `activate` parses the environment."""
+        if self.record is None:
+            self.record = self.kind.from_env()
+        return self.record
+
+    def activate(self, record: R) -> R:
+        """Make `record` the active one (start-up: the CLI, build_stack, the engine process)."""
+        if not isinstance(record, self.kind):
+            raise TypeError(f"activate: a {self.kind.__module__}.{self.kind.__name__} record, "
+                            f"got {type(record).__module__}.{type(record).__name__}")
+        self.record = record
+        return record
+
+    @contextmanager
+    def override(self, **changes):
+        """The active record with `changes` for the duration of a `with` block (tests, A/Bs)."""
+        before = self.current()
+        self.record = dataclasses.replace(before, **changes)
+        try:
+            yield self.record
+        finally:
+            self.record = before
 
 
-def activate(flags: Flags) -> Flags:
-    """Make `flags` the active record (start-up: the CLI, build_stack, the engine process)."""
-    global _active
-    if not isinstance(flags, Flags):
-        raise TypeError(f"activate: a Flags record, got {type(flags).__name__}")
-    _active = flags
-    return flags
-
-
-@contextmanager
-def override(**changes):
-    """The active record with `changes` for the duration of a `with` block (tests, A/Bs)."""
-    global _active
-    before = current()
-    _active = before.replace(**changes)
-    try:
-        yield _active
-    finally:
-        _active = before
+_active: Active[Flags] = Active(Flags)
+current = _active.current
+activate = _active.activate
+override = _active.override
 
 
 def markdown() -> str:

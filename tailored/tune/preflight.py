@@ -10,11 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-# the values `tailored serve` takes for the options whose values are words or flags
-WORD_OPTIONS = {"prefill_graphs": ("auto", "on", "off"), "enforce_eager": (True, False),
-                "gdn_state_dtype": ("auto", "bfloat16", "float32")}
-INT_OPTIONS = {"max_num_batched_tokens": 16, "max_num_seqs": 1, "num_speculative_tokens": 0,
-               "spec_max_running": 1, "prefix_cache_entries": 0}  # name: least value
+from tailored.server import serve_rules
 
 
 def check_prompt_file(path: str) -> int:
@@ -38,13 +34,13 @@ def check_fixed(fixed: dict[str, Any], switches: dict[str, dataclasses.Field]) -
     TAILORED_* switch) accepts."""
     for k, v in fixed.items():
         where = f"search.fixed.{k}"
-        if k in WORD_OPTIONS:
-            if v not in WORD_OPTIONS[k] or isinstance(v, bool) != isinstance(WORD_OPTIONS[k][0], bool):
-                raise ValueError(f"{where}: {v!r} is not one of "
-                                 f"{', '.join(map(repr, WORD_OPTIONS[k]))}")
-        elif k in INT_OPTIONS:
-            if isinstance(v, bool) or not isinstance(v, int) or v < INT_OPTIONS[k]:
-                raise ValueError(f"{where}: {v!r} is not a whole number >= {INT_OPTIONS[k]}")
+        if k in serve_rules.RULES:
+            # serve's own rule for this option alone: rules between options are not checked,
+            # as the others involved may be searched
+            try:
+                serve_rules.check(k, v)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
         elif k in switches:
             _check_switch(where, v, switches[k])
 

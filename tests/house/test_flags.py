@@ -102,3 +102,19 @@ def test_build_stack_keeps_the_active_record_and_activates_a_given_one(tiny_ckpt
 def test_set_in_env_names_only_switches_given_a_value():
     env = {"TAILORED_PDL": "0", "TAILORED_GDN_DV_SPLIT": "  ", "PATH": "/bin"}
     assert flags.set_in_env(env) == frozenset({"TAILORED_PDL"})
+
+
+def test_sammie_table_keeps_its_own_active_record_with_the_same_machinery():
+    """sammie/flags.py's current / activate are tailored's Active over sammie's table: the two
+    records are apart, a record of the other table is refused, a secret shows as "(set)"."""
+    from sammie import flags as sammie_flags
+
+    before, ours = sammie_flags.current(), flags.current()
+    try:
+        got = sammie_flags.activate(sammie_flags.Flags(cache="/x", api_key="k"))
+        assert sammie_flags.current() is got and flags.current() is ours
+        assert got.snapshot() == {"SAMMIE_API_KEY": "(set)", "SAMMIE_CACHE": "/x"}
+        with pytest.raises(TypeError, match="sammie.flags.Flags"):
+            sammie_flags.activate(Flags())
+    finally:
+        sammie_flags.activate(before)

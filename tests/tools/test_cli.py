@@ -21,7 +21,7 @@ from tailored.stack import build_stack
     (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization must be in"),
     (["--device", "tpu"], "--device must be"),
     (["--gil-switch-interval-ms", "0"], "--gil-switch-interval-ms must be in"),
-    (["--max-num-batched-tokens", "99999999999"], "--max-num-batched-tokens must be <= 65536"),
+    (["--max-num-batched-tokens", "99999999999"], "--max-num-batched-tokens must be in 1..65536"),
     (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be in 0..8"),
     (["--num-speculative-tokens", "9"], "--num-speculative-tokens must be in 0..8"),
     (["--num-speculative-tokens", "1", "--spec-synthetic-acceptance", "1.5"],

@@ -47,7 +47,10 @@ def test_contract_errors_name_the_field_and_the_fix(data, field, fix):
     ({"traffic": {"concurrency": 2, "prompts": "no/such/file.jsonl"}},
      "traffic.prompts: no such prompt file"),
     ({"traffic": {"concurrency": 2, "prompts": "BAD"}}, "traffic.prompts: "),
-    ({"search": {"fixed": {"max_num_seqs": 0}}}, "search.fixed.max_num_seqs: 0 is not"),
+    ({"search": {"fixed": {"max_num_seqs": 0}}},
+     "search.fixed.max_num_seqs: --max-num-seqs must be >= 1, got 0"),
+    ({"search": {"fixed": {"num_speculative_tokens": 9}}},  # serve's bound (cli's message)
+     "search.fixed.num_speculative_tokens: --num-speculative-tokens must be in 0..8, got 9"),
     ({"search": {"fixed": {"prefill_graphs": "sometimes"}}}, "search.fixed.prefill_graphs"),
     ({"search": {"fixed": {"enforce_eager": "yes"}}}, "search.fixed.enforce_eager"),
     ({"search": {"fixed": {"TAILORED_MOE_W8A8_FROM": -3}}}, "search.fixed.TAILORED_MOE_W8A8"),
@@ -67,6 +70,18 @@ def test_tune_refuses_a_contract_whose_trials_would_all_fail_before_starting_any
     err = capsys.readouterr().err
     assert rc == 2 and needle in err, err
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_a_pinned_value_is_judged_alone_with_serves_rule():
+    """tune checks a pinned option by serve's rule for it alone (server/serve_rules.py):
+    spec_max_running without num_speculative_tokens is fine (that one may be searched),
+    though serve refuses it alone on its command line (tests/tools/test_cli.py)."""
+    from tailored.tune.preflight import check_fixed
+
+    check_fixed({"spec_max_running": 4, "gdn_state_dtype": "bfloat16"}, {})
+    with pytest.raises(ValueError, match="search.fixed.spec_max_running: --spec-max-running "
+                                         "must be an integer, got 2.5"):
+        check_fixed({"spec_max_running": 2.5}, {})
 
 
 def test_the_docs_example_contracts_load(tmp_path):
