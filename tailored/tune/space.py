@@ -32,10 +32,12 @@ COVERED = {
     "prefix_cache_entries": "prefix-cache-hit-equals-cold",
     "prefill_graphs": "graph-replay-equals-eager",
     "enforce_eager": "graph-replay-equals-eager",
+    # the step budget only sizes prompt chunks (kb/0063)
+    "prefill_stall_factor": "chunked-prefill-equals-single-pass",
 }
 OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "num_speculative_tokens",
            "spec_max_running", "prefix_cache_entries", "prefill_graphs", "enforce_eager",
-           "gdn_state_dtype")
+           "gdn_state_dtype", "prefill_stall_factor")
 
 
 def _pow2(lo: int, hi: int) -> list[int]:
@@ -97,7 +99,7 @@ def serve_defaults(target: Target) -> dict[str, Any]:
     return {"max_num_batched_tokens": 8192 if target.on_gpu else 2048,
             "max_num_seqs": 64 if target.on_gpu else 16, "num_speculative_tokens": 0,
             "spec_max_running": None, "prefix_cache_entries": 0, "prefill_graphs": "auto",
-            "enforce_eager": False, "gdn_state_dtype": "auto"}
+            "enforce_eager": False, "gdn_state_dtype": "auto", "prefill_stall_factor": 0.0}
 
 
 def tunable_switches() -> dict[str, dataclasses.Field]:
@@ -136,6 +138,10 @@ def build_space(contract, target: Target) -> Space:
     if target.on_gpu:
         choices["prefill_graphs"] = ["auto", "off"]
         choices["enforce_eager"] = [False, True]
+        # the step budget acts where requests decode while prompts arrive (kb/0063: c >= ~32
+        # on an H100); 0 = off, today's default
+        if conc >= 16:
+            choices["prefill_stall_factor"] = [0.0, 2.0, 2.5, 3.0]
     s = contract.search
     if s.options is not None:
         unknown = sorted(set(s.options) - set(OPTIONS))
