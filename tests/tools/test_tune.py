@@ -126,6 +126,13 @@ def test_a_contract_that_forbids_numerics_changes_searches_none():
     changing = [k for k, f in sp.tunable_switches().items() if f.metadata["numerics"]]
     assert "gdn_state_dtype" not in s.choices and not set(changing) & set(s.choices)
     assert "TAILORED_PDL" in s.choices and "max_num_seqs" in s.choices
+    # the step budget: searched on the GPU under load, with numerics held (a covered option)
+    assert "prefill_stall_factor" not in s.choices  # concurrency 2: nothing decodes beside
+    busy = sp.build_space(parse_contract({"name": "x", "traffic": {"concurrency": 64}}),
+                          _target(on_gpu=True))
+    assert busy.choices["prefill_stall_factor"] == [0.0, 2.0, 2.5, 3.0]
+    assert sp.serve_args(dict(busy.defaults, prefill_stall_factor=2.5))[-2:] == \
+        ["--prefill-stall-factor", "2.5"]
     c2 = parse_contract({"name": "x", "traffic": TRAFFIC, "numerics": {"may_change": True},
                          "search": {"switches": "all"}})
     assert set(changing) <= set(sp.build_space(c2, _target(on_gpu=True)).choices)
