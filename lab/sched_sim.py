@@ -108,7 +108,7 @@ def simulate(concurrency: int, num_prompts: int, *, prompt_len: int = 1024,
              cost=h100_fp8_ms, noise: float = 0.05,
              max_num_seqs: int = 128, max_batched: int = 8192, prompt_lens=None,
              think_ms: float = 0.0, rate: float | None = None, seed: int = 0,
-             max_steps: int = 1_000_000) -> SimResult:
+             max_steps: int = 1_000_000, mixed_graph_tokens: int = 0) -> SimResult:
     """One closed-loop run (module docstring). prompt_lens: a length per prompt (default
     prompt_len each). think_ms: a client's next prompt reaches the scheduler a uniform random
     0..think_ms after its previous answer ended (HTTP, the client's loop). rate: open loop
@@ -122,7 +122,9 @@ def simulate(concurrency: int, num_prompts: int, *, prompt_len: int = 1024,
                        max_num_batched_tokens=max_batched, max_model_len=longest,
                        prefill_stall_factor=stall_factor)
     pages = max_num_seqs * -(-longest // page) + 1
-    with flags.override(min_prefill_chunk=min_chunk):
+    # mixed_graph_tokens: the scheduler cuts chunks on the mixed graphs' grid (kb/0068); the
+    # cost of such steps is `cost`'s (folded_ms)
+    with flags.override(min_prefill_chunk=min_chunk, mixed_graph_tokens=mixed_graph_tokens):
         s = Scheduler(cfg, num_pages=pages, num_slots=max_num_seqs + 1)
     res = SimResult()
     now = 0.0
@@ -241,7 +243,8 @@ def main() -> None:
             seen.add((f, mc, fo, mg))
             r = simulate(c, n, prompt_len=a.input_len, output_len=a.output_len, stall_factor=f,
                          min_chunk=max(mc, 1), noise=a.noise, think_ms=a.think_ms,
-                         rate=rates[k] if rates else None, cost=folded_ms(fo, mg))
+                         rate=rates[k] if rates else None, cost=folded_ms(fo, mg),
+                         mixed_graph_tokens=mg)
             m = r.summary()
             print(f"{c:>4} {f:>6g} {mc:>5} {fo:>5} {mg:>5} {m['ttft_p50']:>9.0f} {m['ttft_p99']:>7.0f} "
                   f"{m['itl_p50']:>8.1f} {m['itl_p99']:>7.1f} "

@@ -107,8 +107,11 @@ class Scheduler:
                                    self.pages) if n_snap > 0 else None)
         # how many prompt tokens a step may carry while requests decode, from the measured
         # step cost (engine/step_budget.py; the engine reports each step's time)
+        # with mixed-step graphs (worker/mixed_graphs.py) a cut chunk ends on their 128-token
+        # bucket grid: their pads cost what tokens do (kb/0068)
         sw = flags.current()
-        self.budget = StepBudget(engine_config.prefill_stall_factor, sw.min_prefill_chunk)
+        self.budget = StepBudget(engine_config.prefill_stall_factor, sw.min_prefill_chunk,
+                                 granule=128 if sw.mixed_graph_tokens else 1)
 
     # ---- requests in / out -------------------------------------------------------------------
     def max_pages_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:

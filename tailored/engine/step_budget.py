@@ -200,11 +200,16 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 class PrefillPlan:
     """One step's prompt-token allowance, spent chunk by chunk in the scheduler's order."""
 
-    def __init__(self, limit_ms: float | None, theta: list[float] | None, min_chunk: int):
+    def __init__(self, limit_ms: float | None, theta: list[float] | None, min_chunk: int,
+                 granule: int = 1):
         self.limit_ms = limit_ms  # prompt chunks' share of the step (ms); None: no time limit
         self.left = limit_ms
         self.theta = theta
         self.min_chunk = min_chunk
+        # a chunk the limit cuts ends on a multiple of this many tokens: mixed-step graphs
+        # pad a chunk to their next bucket (multiples of 128), and a pad costs what a token
+        # does (kb/0068); a chunk the limit leaves whole (the rest of a prompt) is not cut
+        self.granule = granule
         self.chunks = 0
         self.forced = False  # the first chunk got min_chunk beyond the limit
 
@@ -232,6 +237,8 @@ class PrefillPlan:
         else:
             n = int(left / lin)
         n = min(n, want)
+        if n < want and n >= self.granule:
+            n -= n % self.granule
         if self.chunks == 0 and n < min(want, self.min_chunk):
             n = min(want, self.min_chunk)  # the oldest prompt always progresses
             self.forced = True
@@ -245,9 +252,11 @@ class PrefillPlan:
 class StepBudget:
     """The policy (module docstring). stall_factor 0: off, every plan is unlimited."""
 
-    def __init__(self, stall_factor: float, min_chunk: int, cost: StepCost | None = None):
+    def __init__(self, stall_factor: float, min_chunk: int, cost: StepCost | None = None,
+                 granule: int = 1):
         self.stall_factor = stall_factor
         self.min_chunk = min_chunk
+        self.granule = granule  # PrefillPlan's: cut chunks end on multiples of it
         self.cost = cost if cost is not None else StepCost()
 
     @property
@@ -295,4 +304,4 @@ class StepBudget:
             return PrefillPlan(None, None, self.min_chunk)
         return PrefillPlan(self.target_ms(decode_tokens)
                            - self.cost.predict(StepShape(decode_tokens)), self.cost.theta(),
-                           self.min_chunk)
+                           self.min_chunk, self.granule)

@@ -154,6 +154,27 @@ def test_plan_always_gives_the_oldest_prompt_a_minimum_chunk():
     assert plan.take(0, 10_000) == 0 and first > 256
 
 
+def test_cut_chunks_end_on_the_granule_and_whole_ones_stay_whole(switches):
+    """With a granule (mixed-step graphs' 128-token buckets, kb/0068), a chunk the limit cuts
+    ends on a multiple of it, below the cut without the granule; a prompt's whole rest and the
+    forced minimum chunk are not cut; the scheduler asks for 128 only with mixed graphs on."""
+    from tailored.config import EngineConfig
+    from tailored.engine.scheduler import Scheduler
+
+    b, g = ready_budget(), ready_budget()
+    g.granule = 128
+    free, cut = b.plan(128, 8).take(0, 4096), g.plan(128, 8).take(0, 4096)
+    assert free % 128 and cut == free - free % 128
+    assert g.plan(128, 8).take(0, 300) == 300  # the whole rest of a prompt fits: kept
+    assert g.plan(8, 120).take(0, 5000) == 256  # the forced minimum
+    ec = EngineConfig(prefill_stall_factor=2.5)
+    assert Scheduler(ec, num_pages=64, num_slots=9).budget.granule == 1
+    switches(mixed_graph_tokens=1024)
+    assert Scheduler(ec, num_pages=64, num_slots=9).budget.granule == 128
+    from tailored.worker.mixed_graphs import MIXED_TOKENS
+    assert all(t % 128 == 0 for t in MIXED_TOKENS)  # the grid the granule aims at
+
+
 @pytest.mark.parametrize("c,n", [(64, 128), (128, 256)])
 def test_closed_loop_bounds_steps_fifo_and_everyone_finishes(c, n):
     """c clients, 1024-token prompts, 256 tokens out, the H100 FP8 cost with 5 % noise: with
