@@ -138,8 +138,9 @@ class Flags:
     mixed_graph_tokens: int = _switch(
         "MIXED_GRAPH_TOKENS", 0,
         "capture CUDA graphs of decode rows (32+) beside one prompt chunk of up to this many "
-        "tokens, so such a step reads the weights once, not twice (beside its decode graph); "
-        "0 = off (GPU A/B and capture time owed)", "kb/0068", "worker", lo=0, hi=2048)
+        "tokens, so such a step reads the weights once, not twice (beside its decode graph), "
+        "and the step budget cuts chunks on their 128-token grid; 0 = off (GPU A/B and "
+        "capture time owed)", "kb/0068", "worker", lo=0, hi=2048)
     mixed_eager_from: int = _switch(
         "MIXED_EAGER_FROM", 0,
         "a mixed step whose prompt chunks run eagerly with at least this many tokens takes "
