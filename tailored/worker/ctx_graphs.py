@@ -51,7 +51,7 @@ import torch
 
 from tailored import flags
 from tailored.model.batch import ForwardBatch, h2d, kv_rows
-from tailored.worker.graphs import GraphPool, prefill_static, replay_bucket
+from tailored.worker.graphs import GraphPool, check_rows, prefill_static, replay_bucket
 
 # fine small buckets: a pad row routes to experts of its own, so a 5-token generation prompt
 # padded to 64 rows would read ~3x the expert weights of its own 5 rows
@@ -100,6 +100,7 @@ class ContextGraphs:
         if self.st is None:
             self.alloc(n_max)
         st = self.st
+        check_rows(st, n_max, "context-chunk")
         st["valid"].fill_(True)
         st["kv"].zero_()
         st["slot"].zero_()

@@ -65,6 +65,16 @@ def prefill_static(n_max: int, device, reset: bool) -> dict:
     }
 
 
+def check_rows(st: dict, n_max: int, what: str) -> None:
+    """Raise ValueError when static buffers `st` (`prefill_static`'s) hold fewer than n_max
+    rows: they are allocated once, by the first capture (or a mixed-step capture,
+    worker/mixed_graphs.py), and captured graphs point at them, so a larger capture cannot
+    re-allocate them; over fewer rows its bodies would run on truncated slices."""
+    if st["ids"].shape[0] < n_max:
+        raise ValueError(f"{what} graphs' static buffers hold {st['ids'].shape[0]} rows, "
+                         f"{n_max} asked: capture the largest bucket first")
+
+
 class GraphPool:
     """The one memory pool of a worker's CUDA graphs (decode, prefill, context-chunk,
     speculative): they never replay at once, and each keeps its output alive."""
@@ -287,6 +297,7 @@ class PrefillGraphs:
         if self.st is None:
             self.st = prefill_static(n_max, self.km.device, reset=True)
         st = self.st
+        check_rows(st, n_max, "prefill")
         st["valid"].fill_(True)
         st["kv"].zero_()
         st["slot"].zero_()

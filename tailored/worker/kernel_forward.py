@@ -142,11 +142,14 @@ class KernelForward:
         return out
 
     def drop_decode_graphs(self) -> None:
-        """Forget the decode graphs, e.g. to capture again with other switches (A/B benches).
-        Their memory pool goes too unless prefill or context-chunk graphs still use it:
-        capturing into a pool whose graphs are all gone trips an allocator assert in torch
-        2.11 ("use_count > 0")."""
+        """Forget the decode graphs, e.g. to capture again with other switches (A/B benches),
+        and the mixed-step graphs with them: those hold decode steps captured under the same
+        switches, so after a re-capture with others a mixed step would still run the old ones
+        (`mixed_graphs.mixed_families` captures them again). The memory pool goes too unless
+        prefill or context-chunk graphs still use it: capturing into a pool whose graphs are
+        all gone trips an allocator assert in torch 2.11 ("use_count > 0")."""
         self.decode.graphs.clear()
+        self.mixed = []
         if not self.prefill.graphs and not (self.ctx is not None and self.ctx.graphs):
             self.pool.pool = None
             gc.collect()

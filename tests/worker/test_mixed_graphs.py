@@ -160,3 +160,53 @@ def test_keys_and_families(pair, switches):
     assert mixed_families(kf) == []  # use_graphs is off on the CPU
     switches(mixed_graph_tokens=0)
     assert mixed_families(kf) == []
+
+
+def test_forward_rows_in_any_order_beside_a_continuing_chunk(pair, monkeypatch):
+    """The scatter of `MixedGraphs.forward` with the chunk first and the decode rows after
+    it (batch order is the scheduler's, not the graph's: decode rows first there), for a
+    chunk continuing its cached context: every row equals the eager step's."""
+    _, kf, cache = pair
+    graph_stand_ins(kf, monkeypatch, ("decode", "prefill"), compute=False)
+    dec_a, dec_b, chunk = _step(kf, cache, "continuing", 13)
+    layout, rows = [chunk, dec_a, dec_b], [12, 13, 14]
+    before = [t.clone() for t in _tensors(cache)]
+    want = kf.km.forward_eager(ForwardBatch.build(layout, rows, "cpu"))
+    for t, b in zip(_tensors(cache), before):
+        t.copy_(b)
+    m = _family(kf, "continuing")
+    m.decode.to_sinks()
+    m.chunk.to_sinks(16)
+    key = (4, 16)
+    out = torch.zeros(20, kf.km.cfg.hidden_size)
+
+    class Replay:
+        def replay(self):
+            out.copy_(m.body(key))
+
+    m.graphs = {key: (Replay(), out)}
+    monkeypatch.setattr(kf, "mixed", [m])
+    got = kf.forward(ForwardBatch.build(layout, rows, "cpu"))
+    assert got.shape == want.shape and rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["fresh", "continuing"])
+def test_to_sinks_never_outgrows_buffers_graphs_point_at(pair, kind):
+    """The chunk graphs' static buffers are allocated once (captured graphs point at them): a
+    later `to_sinks` for more rows (a capture of a larger bucket after a mixed-step capture
+    allocated them) raises instead of running bodies over truncated slices."""
+    _, kf, _ = pair
+    chunk = _family(kf, kind).chunk
+    chunk.to_sinks(16)
+    chunk.to_sinks(8)  # fewer rows: the buffers serve every smaller bucket
+    with pytest.raises(ValueError, match="16 rows, 32 asked"):
+        chunk.to_sinks(32)
+
+
+def test_drop_decode_graphs_drops_the_mixed_graphs(pair, monkeypatch):
+    """A decode re-capture with other switches (A/B benches) must not leave mixed steps
+    replaying graphs captured under the old ones: `drop_decode_graphs` forgets them too."""
+    _, kf, _ = pair
+    monkeypatch.setattr(kf, "mixed", [_family(kf, "fresh")])
+    kf.drop_decode_graphs()
+    assert kf.mixed == []
