@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from tailored import flags
 from tailored.config import EngineConfig, ModelConfig
 from tailored.worker.cache import HybridCache
 
@@ -99,7 +100,7 @@ def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
     """GPU bytes the kernel path will allocate after the cache (FP8 dense projections held
     dequantized, `projections.dense_dequant_bytes`, kb/0026; the grouped prefill experts'
     scratch and activations, `kernel_moe.moe_grouped_reserve_bytes`; the verify graphs' GDN
-    snapshots): 0 where it will not run on a GPU (the CPU, --kernels off, no Triton: the
+    snapshots; the mixed-step graphs' outputs, `mixed_graphs.output_bytes`): 0 where it will not run on a GPU (the CPU, --kernels off, no Triton: the
     plain-path fallback must still start)."""
     from tailored import kernels
 
@@ -114,8 +115,15 @@ def kernel_path_reserve(model, ec: EngineConfig, device: torch.device) -> int:
     spec = (snapshot_bytes(model.config, ec.num_speculative_tokens, spec_max_batch(ec), dtype,
                            state_dtype(ec))
             if ec.num_speculative_tokens > 0 and not ec.enforce_eager else 0)
+    mixed = 0
+    limit = flags.current().mixed_graph_tokens
+    if limit and ec.prefill_graphs and not ec.enforce_eager:  # worker/mixed_graphs.py
+        from tailored.worker.mixed_graphs import output_bytes
+
+        mixed = output_bytes(ec.max_num_seqs, min(limit, ec.max_num_batched_tokens),
+                             model.config.hidden_size, dtype.itemsize)
     return (dense_dequant_bytes(model, dtype)
-            + moe_grouped_reserve_bytes(model, dtype, ec.max_num_batched_tokens) + spec)
+            + moe_grouped_reserve_bytes(model, dtype, ec.max_num_batched_tokens) + spec + mixed)
 
 
 def spec_max_batch(ec: EngineConfig) -> int:

@@ -50,6 +50,7 @@ class MixedGraphs:
     def __init__(self, km, pool, decode, chunk, kind: str) -> None:
         self.km, self.pool, self.decode, self.chunk, self.kind = km, pool, decode, chunk, kind
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.min_rows = MIXED_ROWS[0]  # fewer decode rows keep the split (`bucket`)
 
     # -- body -------------------------------------------------------------------------------------
     def body(self, key: tuple[int, int]) -> torch.Tensor:
@@ -75,8 +76,11 @@ class MixedGraphs:
     # -- dispatch ---------------------------------------------------------------------------------
     def bucket(self, rows: int, prompt: ForwardBatch):
         """The smallest captured (rows, tokens) key that holds `rows` decode rows and the
-        prompt part `prompt`, when that part is one chunk of this kind; else None."""
-        if not self.graphs or len(prompt.seqs) != 1 or not self.chunk.takes(prompt.seqs[0]):
+        prompt part `prompt`, when that part is one chunk of this kind; else None. Below
+        `min_rows` (MIXED_ROWS[0]) rows the two-part split stays: its decode part is small, and padding
+        a few rows (a c=1 arrival) to 32, or a few-token chunk to 128, would cost more."""
+        if (rows < self.min_rows or not self.graphs or len(prompt.seqs) != 1
+                or not self.chunk.takes(prompt.seqs[0])):
             return None
         t = prompt.seqs[0].num_tokens
         keys = [k for k in self.graphs if k[0] >= rows and k[1] >= t]
@@ -100,9 +104,13 @@ class MixedGraphs:
         return out
 
     # -- capture ----------------------------------------------------------------------------------
-    def keys(self, max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+    @staticmethod
+    def keys(max_rows: int, max_tokens: int,
+             min_rows: int = MIXED_ROWS[0]) -> list[tuple[int, int]]:
         """The (rows, tokens) pairs to capture, largest first: MIXED_ROWS up to `max_rows`
-        and `max_rows` itself, by MIXED_TOKENS up to `max_tokens`."""
+        and `max_rows` itself, by MIXED_TOKENS up to `max_tokens`; none below `min_rows`."""
+        if max_rows < min_rows:
+            return []
         rows = sorted({r for r in MIXED_ROWS if r < max_rows} | {max_rows}, reverse=True)
         tokens = sorted((t for t in MIXED_TOKENS if t <= max_tokens), reverse=True)
         return [(b, t) for t in tokens for b in rows]
@@ -111,13 +119,21 @@ class MixedGraphs:
     def capture(self, max_rows: int, max_tokens: int) -> None:
         """Capture every `keys` pair in the pool, with both parts' buffers at the sinks
         first; a failure logs a warning and leaves mixed steps to the two-part split."""
-        keys = self.keys(max_rows, max_tokens)
+        keys = self.keys(max_rows, max_tokens, self.min_rows)
         if not keys:
             return
         self.decode.to_sinks()
         self.chunk.to_sinks(max(t for _, t in keys))
         self.pool.capture_guarded(self.graphs, keys, self.body, f"mixed ({self.kind})",
                                   "such steps replay their decode and chunk graphs apart")
+
+
+def output_bytes(max_rows: int, max_tokens: int, hidden: int, itemsize: int) -> int:
+    """GPU bytes the mixed graphs' outputs keep (each graph's [rows + tokens, hidden] result
+    stays alive in the pool), both families: what the memory plan reserves for them. Their
+    activations reuse the pool the largest prefill graph sized (memory_plan.plan_cache)."""
+    keys = MixedGraphs.keys(max_rows, max_tokens)
+    return 2 * sum(b + t for b, t in keys) * hidden * itemsize
 
 
 def mixed_families(kf) -> list[MixedGraphs]:

@@ -33,7 +33,9 @@ def pair(tiny4_ckpt):
 def _family(kf, kind: str) -> MixedGraphs:
     chunk = (PrefillGraphs(kf.km, kf.pool) if kind == "fresh"
              else ContextGraphs(kf.km, kf.pool, kf.max_pages))
-    return MixedGraphs(kf.km, kf.pool, kf.decode, chunk, kind)
+    m = MixedGraphs(kf.km, kf.pool, kf.decode, chunk, kind)
+    m.min_rows = 1  # the tiny model's steps have a few decode rows (the rule: test_bucket_*)
+    return m
 
 
 def _step(kf, cache, kind: str, T: int):
@@ -130,21 +132,23 @@ def test_bucket_takes_one_chunk_of_its_kind(pair, switches):
     them; not two chunks, a chunk past the largest tokens bucket, or too many rows."""
     _, kf, _ = pair
     fresh, cont = _family(kf, "fresh"), _family(kf, "continuing")
+    fresh.min_rows = cont.min_rows = 32  # the shipped minimum (MIXED_ROWS[0])
     assert fresh.bucket(2, ForwardBatch.build([(_ids(5, 1), 0, 3, True, [4])], [0], "cpu")) is None
-    keys = {(4, 8): None, (2, 8): None, (4, 16): None, (2, 16): None}
+    keys = {(64, 8): None, (32, 8): None, (64, 16): None, (32, 16): None}
     fresh.graphs, cont.graphs = dict(keys), dict(keys)
 
     def one(*seqs):
         return ForwardBatch.build(list(seqs), [0], "cpu")
 
     new, more = (_ids(5, 1), 0, 3, True, [4]), (_ids(9, 1), 30, 3, False, [4, 5])
-    assert fresh.bucket(2, one(new)) == (2, 8) and fresh.bucket(3, one(new)) == (4, 8)
-    assert fresh.bucket(1, one((_ids(16, 1), 0, 3, True, [4]))) == (2, 16)
-    assert fresh.bucket(5, one(new)) is None  # more rows than the largest bucket
-    assert fresh.bucket(2, one((_ids(17, 1), 0, 3, True, [4, 5]))) is None  # too long
-    assert fresh.bucket(2, one(more)) is None and cont.bucket(2, one(new)) is None  # other kind
-    assert cont.bucket(2, one(more)) == (2, 16)
-    assert fresh.bucket(2, one(new, (_ids(3, 2), 0, 4, True, [6]))) is None  # two chunks
+    assert fresh.bucket(32, one(new)) == (32, 8) and fresh.bucket(33, one(new)) == (64, 8)
+    assert fresh.bucket(40, one((_ids(16, 1), 0, 3, True, [4]))) == (64, 16)
+    assert fresh.bucket(31, one(new)) is None  # fewer rows than MIXED_ROWS[0]: the split
+    assert fresh.bucket(65, one(new)) is None  # more rows than the largest bucket
+    assert fresh.bucket(32, one((_ids(17, 1), 0, 3, True, [4, 5]))) is None  # too long
+    assert fresh.bucket(32, one(more)) is None and cont.bucket(32, one(new)) is None
+    assert cont.bucket(32, one(more)) == (32, 16)
+    assert fresh.bucket(32, one(new, (_ids(3, 2), 0, 4, True, [6]))) is None  # two chunks
 
 
 def test_keys_and_families(pair, switches):
@@ -155,7 +159,10 @@ def test_keys_and_families(pair, switches):
     m = _family(kf, "fresh")
     assert m.keys(48, 256) == [(48, 256), (32, 256), (48, 128), (32, 128)]
     assert m.keys(128, 2048)[0] == (128, 2048) and len(m.keys(128, 2048)) == 3 * len(MIXED_TOKENS)
-    assert m.keys(16, 100) == []
+    assert m.keys(16, 100) == [] and m.keys(16, 2048) == []  # below 32 rows: none
+    from tailored.worker.mixed_graphs import output_bytes
+    assert output_bytes(48, 256, 8, 2) == 2 * (304 + 288 + 176 + 160) * 8 * 2
+    assert output_bytes(16, 2048, 8, 2) == 0
     switches(mixed_graph_tokens=1024)
     assert mixed_families(kf) == []  # use_graphs is off on the CPU
     switches(mixed_graph_tokens=0)
