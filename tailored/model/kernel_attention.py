@@ -85,14 +85,27 @@ class AttentionBlocks:
         return self.out(i, o, gate)
 
     def eager(self, i, x, cos, sin, batch: ForwardBatch, plan: StepPlan):
-        """Every sequence of an eager step: its new KV stored at the plan's rows, causal
-        attention over its chunk (a first chunk) or its whole context gathered."""
+        """Every sequence of an eager step: its new KV stored at the plan's rows, then the
+        decode rows together in one paged-decode launch over their pages (as a decode
+        step's; one by one each cost ~30 ops a layer of host time and a gather of its whole
+        context, kb/0068), and each prompt chunk's causal attention over its chunk (a first
+        chunk) or its whole context gathered."""
         li = self.cache.attn_index[i]
         q, k, v, gate = self.qkv(i, x, cos, sin)
-        kf = self.cache.k[li].view(-1, *self.cache.k.shape[-2:])
-        vf = self.cache.v[li].view(-1, *self.cache.v.shape[-2:])
+        kc, vc = self.cache.k[li], self.cache.v[li]
+        kf = kc.view(-1, *kc.shape[-2:])
+        vf = vc.view(-1, *vc.shape[-2:])
         out = torch.empty_like(q)
+        if plan.dec_rows is not None:
+            r = plan.dec_rows
+            kf[plan.dec_kv] = k[r]
+            vf[plan.dec_kv] = v[r]
+            out[r] = paged_decode_attention(q[r].contiguous(), kc, vc, plan.dec_table,
+                                            plan.dec_lens)
+        dec = set(plan.dec_index)
         for j, s in enumerate(batch.seqs):
+            if j in dec:
+                continue
             r = slice(s.q_start, s.q_start + s.num_tokens)
             kf[plan.kv_new[j]] = k[r]
             vf[plan.kv_new[j]] = v[r]

@@ -26,6 +26,9 @@ class StepPlan:
       kv_new[j], kv_ctx[j]: flat KV rows (page·page_size + offset) of seqs[j]'s new tokens and of
         its whole context 0..end_pos (None when the chunk is the whole context);
       dec_rows, dec_slots: the decode rows (None when there are none);
+      dec_kv, dec_table, dec_lens, dec_index: their new tokens' flat KV rows, page tables
+        [n, max pages] and key counts (int32: `paged_decode_attention`'s), and which of
+        `seqs` they are (host list), so the eager attention runs them in one launch;
       ver_rows[j], ver_slots[j]: the rows and slots of token j of the verify chunks longer
         than j (speculative decoding, `SeqInfo.keep_states`), and ver_seqs[j] those chunks.
     """
@@ -41,6 +44,10 @@ class StepPlan:
     ver_rows: list = None
     ver_slots: list = None
     ver_seqs: list = None
+    dec_kv: torch.Tensor | None = None
+    dec_table: torch.Tensor | None = None
+    dec_lens: torch.Tensor | None = None
+    dec_index: tuple = ()
 
 
 def build_plan(seqs, pre, dec, page_size: int, device, ver=()) -> StepPlan:
@@ -72,6 +79,15 @@ def build_plan(seqs, pre, dec, page_size: int, device, ver=()) -> StepPlan:
     r_ctx = [add(rows(q.page_ids, 0, q.end_pos, page_size)) if q.start_pos else None for q in seqs]
     r_dec = add([q.q_start for q in dec])
     r_dslot = add([q.slot for q in dec])
+    r_dkv = add([q.page_ids[q.start_pos // page_size] * page_size + q.start_pos % page_size
+                 for q in dec])
+    width = max((len(q.page_ids) for q in dec), default=0)
+    table = np.zeros((len(dec), width), dtype=np.int64)
+    for n, q in enumerate(dec):
+        table[n, :len(q.page_ids)] = q.page_ids
+    r_dtable = add(table)
+    r_dlens = add([q.end_pos for q in dec])
+    mine = {id(q) for q in dec}
     ver_seqs = [[q for q in ver if q.num_tokens > j]
                 for j in range(max((q.num_tokens for q in ver), default=0))]
     r_ver = [(add([q.q_start + j for q in sel]), add([q.slot for q in sel]))
@@ -87,4 +103,8 @@ def build_plan(seqs, pre, dec, page_size: int, device, ver=()) -> StepPlan:
                     view(r_dec) if dec else None,
                     view(r_dslot).to(torch.int32) if dec else None,
                     [view(r) for r, _ in r_ver], [view(r).to(torch.int32) for _, r in r_ver],
-                    ver_seqs)
+                    ver_seqs,
+                    view(r_dkv) if dec else None,
+                    view(r_dtable).view(len(dec), width).to(torch.int32) if dec else None,
+                    view(r_dlens).to(torch.int32) if dec else None,
+                    tuple(j for j, q in enumerate(seqs) if id(q) in mine))
