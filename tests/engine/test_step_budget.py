@@ -322,3 +322,20 @@ def test_random_load_small_pools_with_the_budget_on(seed):
     assert s.pages.num_free == s.pages.capacity
     assert s.slots.num_free == s.slots.capacity
     assert all(r.finish_reason is not None for r in reqs)
+
+
+@pytest.mark.parametrize("granule", [1, 128])
+def test_granule_never_drops_a_chunk_the_limit_let_through(granule):
+    """Rounding a cut chunk down to the granule must not take it under the sliver floor
+    (min_chunk // 4) or the first chunk's minimum, where the unrounded chunk passed: with
+    MIN_PREFILL_CHUNK 768 (floor 192) a second chunk of 200 tokens that fits the limit is
+    scheduled without the granule, and was dropped (rounded to 128 < 192, then 0) with it;
+    with min_chunk 300 a first chunk of 310 was cut to 256 and then forced back to 300."""
+    from tailored.engine.step_budget import PrefillPlan
+
+    theta = [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # 1 ms a prompt token, nothing else
+    p = PrefillPlan(1200.0, theta, min_chunk=768, granule=granule)
+    assert p.take(0, 1000) == 1000  # whole: never cut
+    assert p.take(0, 5000) == 200  # 200 fit, 200 >= 192
+    p = PrefillPlan(310.0, theta, min_chunk=300, granule=granule)
+    assert p.take(0, 5000) == 310 and not p.forced
