@@ -238,7 +238,11 @@ class PrefillPlan:
             n = int(left / lin)
         n = min(n, want)
         if n < want and n >= self.granule:
-            n -= n % self.granule
+            # not below what the chunk would pass unrounded (the first chunk's minimum, the
+            # sliver floor): rounding there dropped or forced a chunk the limit let through
+            floor = self.min_chunk if self.chunks == 0 else max(1, self.min_chunk // 4)
+            if n - n % self.granule >= min(want, floor):
+                n -= n % self.granule
         if self.chunks == 0 and n < min(want, self.min_chunk):
             n = min(want, self.min_chunk)  # the oldest prompt always progresses
             self.forced = True
