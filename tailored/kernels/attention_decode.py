@@ -22,7 +22,10 @@ from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
 
-@triton.jit
+# the page table's row stride is the step's widest page list in an eager step (decode
+# graphs: max_pages): unspecialised, so a width of 1 or a multiple of 16 compiles no variant
+# of its own inside a served step (kb/0068)
+@triton.jit(do_not_specialize=["stride_tb"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
                        stride_qb, stride_qh, stride_kp, stride_ko, stride_kh,
                        stride_tb, scale,

@@ -58,14 +58,19 @@ def _nvfp4_experts(km) -> bool:
     return bool(getattr(getattr(km, "moe", None), "w4", None))
 
 
-def sink_prefill(km, lengths: list[int]) -> ForwardBatch:
-    """Fresh prompts of zero tokens, all in the pad sinks (slot 0, page 0)."""
+def sink_prefill(km, lengths: list[int], decode_rows: int = 0) -> ForwardBatch:
+    """Fresh prompts of zero tokens, all in the pad sinks (slot 0, page 0), then
+    `decode_rows` decode rows there (position 1)."""
     seqs, q = [], 0
     for n in lengths:
         seqs.append(SeqInfo(q, n, 0, 0, True, [0] * (n // km.cache.page_size + 1)))
         q += n
+    for _ in range(decode_rows):
+        seqs.append(SeqInfo(q, 1, 1, 0, False, [0]))
+        q += 1
     ids = torch.zeros(q, dtype=torch.long, device=km.device)
-    pos = torch.cat([torch.arange(n, device=km.device) for n in lengths])
+    pos = torch.cat([torch.arange(n, device=km.device) for n in lengths]
+                    + [torch.ones(decode_rows, dtype=torch.long, device=km.device)])
     return ForwardBatch(ids, pos, seqs, [])
 
 
@@ -96,6 +101,10 @@ def warmup_prefill(km, lengths, batch_tokens: int = 0) -> None:
         a, b = m // 2, m // 4
         c = (m if m % 2 else m - 1) - a - b  # an odd total, at most m (c ≥ 1 for m ≥ 5)
         km.forward_eager(sink_prefill(km, [a, b, c]))
+    # an eager step with a decode row (the eager fold, --enforce-eager, more decode rows
+    # than the largest graph) runs the rows' paged attention without the merge's gate: its
+    # kernel variants compile here, not inside the first such step (kb/0068)
+    km.forward_eager(sink_prefill(km, [3], decode_rows=1))
     if km.device.type == "cuda":
         torch.cuda.synchronize()
 
