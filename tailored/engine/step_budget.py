@@ -56,6 +56,12 @@ NAMES = ("base", "cover", "decode_tok", "prefill", "prefill_tok", "mpairs")
 # prompt ~46 ms; ~8k prompt tokens beside 128 rows 230-370 ms; the 120k prompt's 9.3 s
 # (7.2e9 pairs) gives e
 PRIOR = (2.07, 7.67, 0.0953, 8.0, 0.035, 0.7)
+# the granule (PrefillPlan) aims at the mixed-step graphs' buckets (worker/mixed_graphs.py,
+# kb/0068): multiples of 128 up to 1024 tokens (above, 1536 and 2048: rounding to 128 would
+# give progress up for no smaller pad), in steps of at least 32 decode rows (fewer keep the
+# two-part split); tests/engine/test_step_budget.py pins them against the worker's
+GRANULE_UP_TO = 1024
+GRANULE_FROM_ROWS = 32
 # the prior counts as this share of one sample of typical feature size (SCALES) and step time
 # (TYPICAL_MS): where data identify a coefficient they decide it; elsewhere the prior does
 PRIOR_WEIGHT = 0.1
@@ -237,7 +243,7 @@ class PrefillPlan:
         else:
             n = int(left / lin)
         n = min(n, want)
-        if n < want and n >= self.granule:
+        if n < want and self.granule <= n <= GRANULE_UP_TO:
             # not below what the chunk would pass unrounded (the first chunk's minimum, the
             # sliver floor): rounding there dropped or forced a chunk the limit let through
             floor = self.min_chunk if self.chunks == 0 else max(1, self.min_chunk // 4)
@@ -306,6 +312,8 @@ class StepBudget:
         if (not self.on or decode_tokens == 0 or not self.cost.ready
                 or not self.chunked(decode_tokens + waiting)):
             return PrefillPlan(None, None, self.min_chunk)
+        # a mixed graph takes 32 or more decode rows (worker/mixed_graphs.py MIXED_ROWS)
+        granule = self.granule if decode_tokens >= GRANULE_FROM_ROWS else 1
         return PrefillPlan(self.target_ms(decode_tokens)
                            - self.cost.predict(StepShape(decode_tokens)), self.cost.theta(),
-                           self.min_chunk, self.granule)
+                           self.min_chunk, granule)

@@ -171,8 +171,17 @@ def test_cut_chunks_end_on_the_granule_and_whole_ones_stay_whole(switches):
     assert Scheduler(ec, num_pages=64, num_slots=9).budget.granule == 1
     switches(mixed_graph_tokens=1024)
     assert Scheduler(ec, num_pages=64, num_slots=9).budget.granule == 128
-    from tailored.worker.mixed_graphs import MIXED_TOKENS
-    assert all(t % 128 == 0 for t in MIXED_TOKENS)  # the grid the granule aims at
+    from tailored.engine.step_budget import GRANULE_FROM_ROWS, GRANULE_UP_TO
+    from tailored.worker.mixed_graphs import MIXED_ROWS, MIXED_TOKENS
+    # the grid the granule aims at: every bucket up to GRANULE_UP_TO, and only those
+    assert [t for t in MIXED_TOKENS if t <= GRANULE_UP_TO] == list(range(128, 1025, 128))
+    assert GRANULE_FROM_ROWS == MIXED_ROWS[0]
+    # steps no mixed graph takes are not rounded: fewer decode rows, or a chunk past the grid
+    wide, plain = ready_budget(4, 64), ready_budget(4, 64)
+    wide.granule = 128
+    assert wide.plan(16, 120).take(0, 4096) == plain.plan(16, 120).take(0, 4096) == 340
+    assert wide.plan(64, 120).take(0, 4096) == plain.plan(64, 120).take(0, 4096) == 1032
+    assert wide.plan(32, 120).take(0, 4096) % 128 == 0  # 32 rows, within the grid: cut
 
 
 @pytest.mark.parametrize("c,n", [(64, 128), (128, 256)])
