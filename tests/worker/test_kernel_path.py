@@ -669,11 +669,14 @@ def test_grouped_experts_only_in_eager_steps_past_the_threshold(switches, monkey
     assert not use(me, x(8192))  # inside a capture
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
-    # the warm-up: a CUDA bf16 model runs 7000 tokens twice, an fp32 one once (no grouped path)
+    # the warm-up: a CUDA bf16 model runs 7000 tokens twice, an fp32 one once (no grouped
+    # path); then an eager step with a decode row (kb/0068)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(warmup, "sink_prefill", lambda km, lengths: lengths)
-    for dtype, want in ((torch.bfloat16, [([100], True), ([7000], True), ([7000], False)]),
-                        (torch.float32, [([100], True), ([7000], True)])):
+    monkeypatch.setattr(warmup, "sink_prefill",
+                        lambda km, lengths, decode_rows=0: lengths + ["dec"] * decode_rows)
+    dec = ([3, "dec"], False)
+    for dtype, want in ((torch.bfloat16, [([100], True), ([7000], True), ([7000], False), dec]),
+                        (torch.float32, [([100], True), ([7000], True), dec])):
         runs = []
         moe = SimpleNamespace(fused_only=False)
         fake = SimpleNamespace(moe=moe, device=torch.device("cuda"), dtype=dtype,

@@ -96,22 +96,17 @@ def test_mixed_body_equals_the_eager_step(pair, kind, T, key):
     assert torch.equal(v[:, free], before[3][:, free])
 
 
-def test_forward_scatters_a_replay_into_batch_order(pair, monkeypatch):
-    """`MixedGraphs.forward` through the dispatch (`KernelForward.forward`): a step of two
-    decode rows and a fresh prompt replays the mixed graph (the replay stood in for by the
-    body writing the graph's output), the rows land in batch order and equal the eager step;
-    the decode and prefill graphs are not called."""
-    _, kf, cache = pair
-    calls = graph_stand_ins(kf, monkeypatch, ("decode", "prefill"), compute=False)
-    layout = _step(kf, cache, "fresh", 11)
-    rows = [0, 1, 12]
+def _through_the_dispatch(kf, cache, monkeypatch, kind, layout, rows, n_max, keys=()):
+    """(the eager step's rows, the rows `KernelForward.forward` returns with the mixed family
+    of `kind` holding one graph (4 rows, 16 tokens) whose replay is stood in for by its body
+    writing the graph's output, from the same cache state; `keys`: more (unused) graphs)."""
     before = [t.clone() for t in _tensors(cache)]
     want = kf.km.forward_eager(ForwardBatch.build(layout, rows, "cpu"))
     for t, b in zip(_tensors(cache), before):
         t.copy_(b)
-    m = _family(kf, "fresh")
+    m = _family(kf, kind)
     m.decode.to_sinks()
-    m.chunk.to_sinks(32)
+    m.chunk.to_sinks(n_max)
     key = (4, 16)
     out = torch.zeros(20, kf.km.cfg.hidden_size)
 
@@ -119,9 +114,20 @@ def test_forward_scatters_a_replay_into_batch_order(pair, monkeypatch):
         def replay(self):
             out.copy_(m.body(key))
 
-    m.graphs = {key: (Replay(), out), (4, 32): (None, None)}
+    m.graphs = {key: (Replay(), out), **{k: (None, None) for k in keys}}
     monkeypatch.setattr(kf, "mixed", [m])
-    got = kf.forward(ForwardBatch.build(layout, rows, "cpu"))
+    return want, kf.forward(ForwardBatch.build(layout, rows, "cpu"))
+
+
+def test_forward_scatters_a_replay_into_batch_order(pair, monkeypatch):
+    """`MixedGraphs.forward` through the dispatch (`KernelForward.forward`): a step of two
+    decode rows and a fresh prompt replays the mixed graph, the rows land in batch order and
+    equal the eager step; the decode and prefill graphs are not called."""
+    _, kf, cache = pair
+    calls = graph_stand_ins(kf, monkeypatch, ("decode", "prefill"), compute=False)
+    layout = _step(kf, cache, "fresh", 11)
+    want, got = _through_the_dispatch(kf, cache, monkeypatch, "fresh", layout, [0, 1, 12], 32,
+                                      keys=[(4, 32)])
     assert calls == []
     assert got.shape == want.shape and rel_err(got, want) < 1e-5
 
@@ -176,24 +182,8 @@ def test_forward_rows_in_any_order_beside_a_continuing_chunk(pair, monkeypatch):
     _, kf, cache = pair
     graph_stand_ins(kf, monkeypatch, ("decode", "prefill"), compute=False)
     dec_a, dec_b, chunk = _step(kf, cache, "continuing", 13)
-    layout, rows = [chunk, dec_a, dec_b], [12, 13, 14]
-    before = [t.clone() for t in _tensors(cache)]
-    want = kf.km.forward_eager(ForwardBatch.build(layout, rows, "cpu"))
-    for t, b in zip(_tensors(cache), before):
-        t.copy_(b)
-    m = _family(kf, "continuing")
-    m.decode.to_sinks()
-    m.chunk.to_sinks(16)
-    key = (4, 16)
-    out = torch.zeros(20, kf.km.cfg.hidden_size)
-
-    class Replay:
-        def replay(self):
-            out.copy_(m.body(key))
-
-    m.graphs = {key: (Replay(), out)}
-    monkeypatch.setattr(kf, "mixed", [m])
-    got = kf.forward(ForwardBatch.build(layout, rows, "cpu"))
+    want, got = _through_the_dispatch(kf, cache, monkeypatch, "continuing",
+                                      [chunk, dec_a, dec_b], [12, 13, 14], 16)
     assert got.shape == want.shape and rel_err(got, want) < 1e-5
 
 
