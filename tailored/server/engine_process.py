@@ -288,13 +288,16 @@ class EngineProcess:
             logger.exception("engine reader thread died")
             reason = f"engine reader died: {type(exc).__name__}: {exc}"
         # we stopped it: a clean exit, one still under way (None), or shutdown()'s kill after
-        # its join timeout; any other exit code during shutdown is a crash worth logging
-        ours = (self._stopping and reason.startswith("engine process exited")
-                and self._proc is not None and self._proc.exitcode in (0, None, -signal.SIGKILL))
-        if ours:  # the same words as the engine in a thread
+        # its join timeout. Any other exit code during shutdown is a crash worth logging, but
+        # the requests it cut were cut by the shutdown asked for: they end with its words (a
+        # child that aborted in its own teardown, -6 under load, told clients of a crash)
+        stopping = self._stopping and reason.startswith("engine process exited")
+        ours = (stopping and self._proc is not None
+                and self._proc.exitcode in (0, None, -signal.SIGKILL))
+        if not ours:
+            logger.error("%s%s", reason, " during shutdown" if stopping else "")
+        if stopping:  # the same words as the engine in a thread
             reason = "engine is shutting down"
-        else:
-            logger.error("%s", reason)
         self._fail_everything(reason)
 
     def _added(self, rid: str, err) -> None:

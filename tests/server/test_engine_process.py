@@ -163,6 +163,36 @@ async def _killed_child():
         ep.shutdown()
 
 
+def aborting_at_exit_engine() -> FakeEngine:
+    """A child that aborts in its own teardown (SIGABRT, exit code -6), as one did under load
+    after a shutdown was asked for."""
+    import atexit
+
+    atexit.register(os.abort)
+    return FakeEngine(0.005)
+
+
+def test_a_child_aborting_in_its_teardown_ends_streams_as_the_shutdown():
+    asyncio.run(_aborting_child())
+
+
+async def _aborting_child():
+    """Requests cut by a shutdown end with its words ("shutting down"), whatever code the
+    child then exits with; the health says the engine is gone."""
+    ep = EngineProcess(aborting_at_exit_engine, ready_timeout_s=120)
+    ep.start()
+    try:
+        stream = await ep.generate("s", list(b"SAY:xyz"), SamplingParams(max_tokens=100_000,
+                                                                         ignore_eos=True))
+        await anext(stream)
+        await asyncio.get_running_loop().run_in_executor(None, ep.shutdown, 10.0)
+        last = [o async for o in stream][-1]
+        assert last.finish_reason == FinishReason.ERROR and "shutting down" in last.error
+        assert not ep.healthy
+    finally:
+        ep.shutdown()
+
+
 def dying_build() -> FakeEngine:
     os._exit(3)  # a crash (segfault, OOM kill) before the child can report anything
 
