@@ -102,9 +102,8 @@ class AttentionBlocks:
             vf[plan.dec_kv] = v[r]
             out[r] = paged_decode_attention(q[r].contiguous(), kc, vc, plan.dec_table,
                                             plan.dec_lens)
-        dec = set(plan.dec_index)
         for j, s in enumerate(batch.seqs):
-            if j in dec:
+            if j in plan.dec_index:
                 continue
             r = slice(s.q_start, s.q_start + s.num_tokens)
             kf[plan.kv_new[j]] = k[r]

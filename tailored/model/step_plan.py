@@ -28,7 +28,7 @@ class StepPlan:
       dec_rows, dec_slots: the decode rows (None when there are none);
       dec_kv, dec_table, dec_lens, dec_index: their new tokens' flat KV rows, page tables
         [n, max pages] and key counts (int32: `paged_decode_attention`'s), and which of
-        `seqs` they are (host list), so the eager attention runs them in one launch;
+        `seqs` they are (a host set), so the eager attention runs them in one launch;
       ver_rows[j], ver_slots[j]: the rows and slots of token j of the verify chunks longer
         than j (speculative decoding, `SeqInfo.keep_states`), and ver_seqs[j] those chunks.
     """
@@ -47,7 +47,7 @@ class StepPlan:
     dec_kv: torch.Tensor | None = None
     dec_table: torch.Tensor | None = None
     dec_lens: torch.Tensor | None = None
-    dec_index: tuple = ()
+    dec_index: frozenset = frozenset()
 
 
 def build_plan(seqs, pre, dec, page_size: int, device, ver=()) -> StepPlan:
@@ -107,4 +107,4 @@ def build_plan(seqs, pre, dec, page_size: int, device, ver=()) -> StepPlan:
                     view(r_dkv) if dec else None,
                     view(r_dtable).view(len(dec), width).to(torch.int32) if dec else None,
                     view(r_dlens).to(torch.int32) if dec else None,
-                    tuple(j for j, q in enumerate(seqs) if id(q) in mine))
+                    frozenset(j for j, q in enumerate(seqs) if id(q) in mine))

@@ -28,6 +28,12 @@ from tailored.model.batch import ForwardBatch, h2d, sub_batch, token_rows
 from tailored.worker.graphs import DecodeGraphs, GraphPool, PrefillGraphs
 
 
+def others(batch: ForwardBatch, picked: list[int]) -> list[int]:
+    """The indices of batch's sequences not in `picked`, in batch order."""
+    skip = set(picked)
+    return [j for j in range(len(batch.seqs)) if j not in skip]
+
+
 class KernelForward:
     """The kernel path `km` (model/kernel_model.py) with the worker's CUDA graphs.
 
@@ -70,12 +76,12 @@ class KernelForward:
             return self.decode.forward(batch)
         fold = flags.current().mixed_eager_from
         if self.mixed or fold:
-            rest = [j for j in range(len(batch.seqs)) if j not in set(dec)]
+            rest = others(batch, dec)
             prompt = sub_batch(batch, rest)
             for m in self.mixed:
                 key = m.bucket(len(dec), prompt)
                 if key is not None:
-                    return m.forward(batch, dec, prompt, key)
+                    return m.forward(batch, dec, rest, prompt, key)
             if (fold and prompt.input_ids.shape[0] >= fold
                     and self.prompt_graphs(prompt) is None):
                 return self.km.forward_eager(batch)
@@ -87,7 +93,7 @@ class KernelForward:
         (`graph_forward`: decode or verify) and whose other sequences (prompt chunks, or
         verify chunks beside decode rows) run after it through `prompts`."""
         dev = batch.input_ids.device
-        rest = [j for j in range(len(batch.seqs)) if j not in set(picked)]
+        rest = others(batch, picked)
         sub_p = sub_batch(batch, rest)
         out = torch.empty(batch.input_ids.shape[0], self.km.cfg.hidden_size,
                           dtype=self.km.dtype, device=dev)

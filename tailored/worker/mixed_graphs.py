@@ -77,8 +77,9 @@ class MixedGraphs:
     def bucket(self, rows: int, prompt: ForwardBatch):
         """The smallest captured (rows, tokens) key that holds `rows` decode rows and the
         prompt part `prompt`, when that part is one chunk of this kind; else None. Below
-        `min_rows` (MIXED_ROWS[0]) rows the two-part split stays: its decode part is small, and padding
-        a few rows (a c=1 arrival) to 32, or a few-token chunk to 128, would cost more."""
+        `min_rows` (MIXED_ROWS[0]) rows the two-part split stays: its decode part is small,
+        and padding a few rows (a c=1 arrival) to 32, or a few-token chunk to 128, would
+        cost more."""
         if (rows < self.min_rows or not self.graphs or len(prompt.seqs) != 1
                 or not self.chunk.takes(prompt.seqs[0])):
             return None
@@ -86,12 +87,11 @@ class MixedGraphs:
         keys = [k for k in self.graphs if k[0] >= rows and k[1] >= t]
         return min(keys, key=lambda k: (k[1], k[0])) if keys else None
 
-    def forward(self, batch: ForwardBatch, dec_rows: list[int], prompt: ForwardBatch,
-                key) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, dec_rows: list[int], rest: list[int],
+                prompt: ForwardBatch, key) -> torch.Tensor:
         """Hidden states [T, H] of a mixed step whose sequences `dec_rows` are decode rows and
-        whose other sequence, the chunk, is the sub-batch `prompt`, replayed from graph `key`
-        (`bucket`)."""
-        rest = [j for j in range(len(batch.seqs)) if j not in set(dec_rows)]
+        whose other sequence `rest` (one index), the chunk, is the sub-batch `prompt`,
+        replayed from graph `key` (`bucket`)."""
         self.fill(sub_batch(batch, dec_rows), prompt, key)
         g, res = self.graphs[key]
         g.replay()
