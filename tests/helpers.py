@@ -35,6 +35,18 @@ def copy_checkpoint(src, dst, edit):
     return dst
 
 
+def load_cpu_fp32(ckpt):
+    """The checkpoint at `ckpt` loaded into a model on the CPU in fp32 (the kernel-path tests'
+    models: Triton's interpreter runs fp32)."""
+    from tailored.config import ModelConfig
+    from tailored.model.loader import load_checkpoint
+    from tailored.synth import build_empty_model
+
+    m = build_empty_model(ModelConfig.from_dir(ckpt), "cpu", torch.float32)
+    load_checkpoint(m, ckpt, progress=False)
+    return m
+
+
 def new_cache(cfg, num_pages=256, page_size=16, num_slots=8, dtype=torch.float32,
               state_dtype=torch.float32):
     return HybridCache(cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots,

@@ -18,14 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import new_cache, rel_err
+from helpers import load_cpu_fp32, new_cache, rel_err
 
 from tailored import flags, kernels
-from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch, SeqInfo
 from tailored.model.kernel_model import KernelModel
-from tailored.model.loader import load_checkpoint
-from tailored.synth import build_empty_model
 from tailored.worker.cache import HybridCache
 from tailored.worker.kernel_forward import KernelForward
 
@@ -41,16 +38,10 @@ def _tensors(cache):
     return (cache.conv, cache.rec, cache.k, cache.v)
 
 
-def _load(ckpt):
-    m = build_empty_model(ModelConfig.from_dir(ckpt), "cpu", torch.float32)
-    load_checkpoint(m, ckpt, progress=False)
-    return m
-
-
 def _make_pair(ckpt, state_dtype=torch.float32):
     """(plain model, the kernel path of a second copy over its cache (eager: no graphs on the
     CPU), that cache). Two copies: the kernel path fuses its model's weights into views."""
-    plain, m = _load(ckpt), _load(ckpt)
+    plain, m = load_cpu_fp32(ckpt), load_cpu_fp32(ckpt)
     cache = new_cache(m.config, state_dtype=state_dtype)
     kf = KernelForward(KernelModel(m, cache), max_batch=4, max_pages=12, use_graphs=False)
     return plain, kf, cache
@@ -747,7 +738,7 @@ def test_verify_chunk_matches_plain_path(bf16_pair):
 @pytest.fixture(scope="module")
 def spec_path(tiny4_ckpt):
     """(model, its MTP cache (16 pages of 16, 4 slots), the eager kernel path over it)."""
-    m = _load(tiny4_ckpt)
+    m = load_cpu_fp32(tiny4_ckpt)
     cache = HybridCache(m.config, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
     kf = KernelForward(KernelModel(m, cache), max_batch=4, max_pages=6, use_graphs=False)
     return m, cache, kf
@@ -792,7 +783,7 @@ def test_mtp_layer_matches_plain_path(spec_path, tiny4_ckpt):
     m, c, kf, _ = _spec(spec_path, 1)
     cfg = m.config
     assert kf.km.mtp_layer == cfg.num_hidden_layers
-    plain = _load(tiny4_ckpt)
+    plain = load_cpu_fp32(tiny4_ckpt)
     pc = HybridCache(cfg, 16, 16, 4, torch.float32, "cpu", mtp_layers=1)
     runs = ((lambda b: plain(b, pc), MTPDrafter(plain, pc), pc),
             (kf.forward, MTPDrafter(m, c, km=kf.km), c))

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import new_cache, rel_err
+from helpers import load_cpu_fp32, new_cache, rel_err
 
 from tailored import flags, kernels
-from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch
-from tailored.model.loader import load_checkpoint
 from tailored.model.nvfp4 import Nvfp4Linear
-from tailored.synth import build_empty_model
 
 pytest.importorskip("triton")  # the kernel modules import it (the CPU suite runs without)
 from tailored.kernels import nvfp4_gemv, nvfp4_moe  # noqa: E402
@@ -30,12 +27,6 @@ def _ids(T, seed):
     return torch.randint(0, 248044, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _load(ckpt):
-    m = build_empty_model(ModelConfig.from_dir(ckpt), "cpu", torch.float32)
-    load_checkpoint(m, ckpt, progress=False)
-    return m
-
-
 def _counting(monkeypatch, module, name, calls):
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda x, *a, **kw: calls.append(x.shape[0]) or
@@ -45,7 +36,7 @@ def _counting(monkeypatch, module, name, calls):
 @pytest.mark.parametrize("gemv_up_to", [16, 0])
 def test_prefill_and_decode_match_the_plain_path(tiny4_nvfp4_ckpt, gemv_up_to, switches,
                                                  monkeypatch):
-    plain, m = _load(tiny4_nvfp4_ckpt), _load(tiny4_nvfp4_ckpt)
+    plain, m = load_cpu_fp32(tiny4_nvfp4_ckpt), load_cpu_fp32(tiny4_nvfp4_ckpt)
     fcache, pcache = new_cache(m.config), new_cache(plain.config)
     kf = KernelForward(KernelModel(m, fcache), max_batch=4, max_pages=12, use_graphs=False)
     assert isinstance(m.lm_head, Nvfp4Linear) and m.lm_head.fast is not None
@@ -98,7 +89,7 @@ def test_nvfp4_reserve_counts_the_scratch_and_the_dense_copies(tiny4_nvfp4_ckpt)
     from tailored.model.kernel_moe import moe_grouped_reserve_bytes
     from tailored.model.projections import dense_dequant_bytes
 
-    m = _load(tiny4_nvfp4_ckpt)
+    m = load_cpu_fp32(tiny4_nvfp4_ckpt)
     cfg = m.config
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     assert moe_grouped_reserve_bytes(m, torch.float32, 16) == E * 3 * inter * H * 4

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import new_cache, rel_err
+from helpers import load_cpu_fp32, new_cache, rel_err
 
 from tailored import kernels
-from tailored.config import ModelConfig
 from tailored.model.batch import ForwardBatch
-from tailored.model.loader import load_checkpoint
-from tailored.synth import build_empty_model
 
 pytest.importorskip("triton")  # the kernel modules import it (the CPU suite runs without)
 from tailored.kernels import moe_w8a8, nvfp4_grouped  # noqa: E402
@@ -27,18 +24,12 @@ pytestmark = [pytest.mark.skipif(not kernels.available(), reason="no GPU or inte
               pytest.mark.usefixtures("one_thread")]
 
 
-def _load(ckpt):
-    m = build_empty_model(ModelConfig.from_dir(ckpt), "cpu", torch.float32)
-    load_checkpoint(m, ckpt, progress=False)
-    return m
-
-
 @pytest.mark.skipif(not kernels.interpreted(),
                     reason="CPU tensors through Triton's interpreter; on the GPU the kernel's "
                            "full-size tests (tests/kernels/test_nvfp4_grouped.py) cover it")
 def test_prefill_with_the_grouped_gemm_matches_the_plain_path(tiny4_nvfp4_ckpt, switches,
                                                                monkeypatch):
-    plain, m = _load(tiny4_nvfp4_ckpt), _load(tiny4_nvfp4_ckpt)
+    plain, m = load_cpu_fp32(tiny4_nvfp4_ckpt), load_cpu_fp32(tiny4_nvfp4_ckpt)
     fcache, pcache = new_cache(m.config), new_cache(plain.config)
     kf = KernelForward(KernelModel(m, fcache), max_batch=4, max_pages=12, use_graphs=False)
     calls, fills = [], []

@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import new_cache, rel_err
+from helpers import load_cpu_fp32, new_cache, rel_err
 
 from tailored import flags, kernels
-from tailored.config import ModelConfig
 from tailored.kernels import moe_w8a8
 from tailored.model.batch import ForwardBatch
 from tailored.model.kernel_model import KernelModel
-from tailored.model.loader import load_checkpoint
-from tailored.synth import build_empty_model
 from tailored.worker.kernel_forward import KernelForward
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton not installed"),
               pytest.mark.usefixtures("one_thread")]
-
-
-def _load(ckpt):
-    m = build_empty_model(ModelConfig.from_dir(ckpt), "cpu", torch.float32)
-    load_checkpoint(m, ckpt, progress=False)
-    return m
 
 
 @pytest.mark.skipif(not kernels.interpreted(),
@@ -36,7 +27,7 @@ def _load(ckpt):
                            "with TAILORED_MOE_W8A8_FROM cover it")
 def test_prefill_with_w8a8_experts_matches_plain_path(tiny4_fp8_ckpt, switches, monkeypatch):
     with flags.override(fp8_dense_dequant=False):
-        plain, m = _load(tiny4_fp8_ckpt), _load(tiny4_fp8_ckpt)
+        plain, m = load_cpu_fp32(tiny4_fp8_ckpt), load_cpu_fp32(tiny4_fp8_ckpt)
         fcache = new_cache(m.config)
         kf = KernelForward(KernelModel(m, fcache), max_batch=4, max_pages=12, use_graphs=False)
     pcache = new_cache(plain.config)
