@@ -74,27 +74,28 @@ class KernelForward:
             return self.km.forward_eager(batch)
         if len(dec) == len(batch.seqs):
             return self.decode.forward(batch)
+        rest = others(batch, dec)
+        prompt = sub_batch(batch, rest)
+        for m in self.mixed:
+            key = m.bucket(len(dec), prompt)
+            if key is not None:
+                return m.forward(batch, dec, rest, prompt, key)
         fold = flags.current().mixed_eager_from
-        if self.mixed or fold:
-            rest = others(batch, dec)
-            prompt = sub_batch(batch, rest)
-            for m in self.mixed:
-                key = m.bucket(len(dec), prompt)
-                if key is not None:
-                    return m.forward(batch, dec, rest, prompt, key)
-            if (fold and prompt.input_ids.shape[0] >= fold
-                    and self.prompt_graphs(prompt) is None):
-                return self.km.forward_eager(batch)
-        return self._split(batch, dec, sub_batch(batch, dec), self.decode.forward)
+        if fold and prompt.input_ids.shape[0] >= fold and self.prompt_graphs(prompt) is None:
+            return self.km.forward_eager(batch)
+        return self._split(batch, dec, sub_batch(batch, dec), self.decode.forward, rest, prompt)
 
     def _split(self, batch: ForwardBatch, picked: list[int], sub: ForwardBatch,
-               graph_forward) -> torch.Tensor:
+               graph_forward, rest: list[int] | None = None,
+               sub_p: ForwardBatch | None = None) -> torch.Tensor:
         """Hidden states of a step whose sequences `picked` (sub-batch `sub`) replay a graph
-        (`graph_forward`: decode or verify) and whose other sequences (prompt chunks, or
-        verify chunks beside decode rows) run after it through `prompts`."""
+        (`graph_forward`: decode or verify) and whose other sequences `rest` (sub-batch
+        `sub_p`; computed when not given) — prompt chunks, or verify chunks beside decode
+        rows — run after it through `prompts`."""
         dev = batch.input_ids.device
-        rest = others(batch, picked)
-        sub_p = sub_batch(batch, rest)
+        if rest is None:
+            rest = others(batch, picked)
+            sub_p = sub_batch(batch, rest)
         out = torch.empty(batch.input_ids.shape[0], self.km.cfg.hidden_size,
                           dtype=self.km.dtype, device=dev)
         out[h2d(token_rows([batch.seqs[j] for j in picked]), dev)] = graph_forward(sub)
