@@ -126,6 +126,17 @@ class Flags:
         "into the bf16 scratch each layer; 0 = off (GPU timing owed)", "kb/0067",
         lo=0, hi=1 << 20)
 
+    prefill_attention: str = _switch(
+        "PREFILL_ATTENTION", "sdpa",
+        "a prompt chunk's causal attention: sdpa (key/value heads repeated; a chunk after a "
+        "cached context passes a mask, so no flash kernel), flash (grouped heads and the "
+        "bottom-right mask in SDPA's flash kernel) or fa3 (FlashAttention-3, lab/build_fa3.sh); "
+        "GPU A/B owed", "kb/0069", choices=("sdpa", "flash", "fa3"))
+    fa3_lib: str = _switch(
+        "FA3_LIB", "",
+        "FlashAttention-3 library for prefill_attention=fa3; empty = .fa3/libtailored_fa3.so "
+        "beside the package", "kb/0069", numerics=False, tune=False)
+
     # --- the worker: graphs, dispatch, speculative decoding (worker/) ---
     prompts_in_graphs_up_to: int = _switch(
         "PROMPTS_IN_GRAPHS_UP_TO", 1024,

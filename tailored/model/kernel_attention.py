@@ -6,39 +6,22 @@ per tensor (`kernels.qk_norm_rope`; at decode the keys and values go straight in
 cache in the k norm's launch), then
   * decode: paged split-K attention over the cache (`kernels.attention_decode`), the output
     gate's sigmoid and product in its merge launch with `attn_gate_in_merge` (kb/0037);
-  * eager prefill chunks: causal SDPA per sequence over its chunk, or over the cached context
-    gathered from its pages;
+  * eager prefill chunks: causal attention per sequence over its chunk, or over the cached
+    context gathered from its pages (`kernels.prefill_attention`: SDPA or FlashAttention-3);
   * one sequence's chunk in a prefill graph body (`chunk`): KV stored by device rows (pads
-    into the sink page), causal SDPA over the chunk itself.
+    into the sink page), causal attention over the chunk itself.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tailored import flags
 from tailored.kernels.attention_decode import paged_decode_attention
+from tailored.kernels.prefill_attention import causal_attention
 from tailored.kernels.qk_norm_rope import qk_norm_rope
 from tailored.model.batch import ForwardBatch
 from tailored.model.step_plan import StepPlan
-
-
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of one sequence's L new queries over its S ≥ L context (the queries
-    are the context's last L positions: bottom-right mask). q [L, Hq, D]; k, v [S, Hkv, D]
-    with Hq a multiple of Hkv (GQA). Returns [L, Hq, D]. SDPA takes [1, heads, len, D], the
-    layout of its flash/efficient kernels on the GPU."""
-    L, S, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    qt = q.transpose(0, 1).unsqueeze(0)
-    kt = k.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-    vt = v.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-    if L == S:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-    else:
-        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
-    return o[0].transpose(0, 1)
 
 
 class AttentionBlocks:
@@ -113,7 +96,7 @@ class AttentionBlocks:
             else:
                 idx = plan.kv_ctx[j]
                 kk, vv = kf[idx], vf[idx]
-            out[r] = causal_sdpa(q[r], kk, vv)
+            out[r] = causal_attention(q[r], kk, vv)
         return self.out(i, out, gate)
 
     def store_kv(self, i, kv_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -134,11 +117,11 @@ class AttentionBlocks:
 
     def chunk(self, i: int, x: torch.Tensor, cos, sin, kv_rows):
         """A prefill graph bucket of one fresh sequence: KV written by device rows (pads into
-        the sink), causal SDPA over the chunk itself (pads come last: real rows never see
+        the sink), causal attention over the chunk itself (pads come last: real rows never see
         them)."""
         q, k, v, gate = self.qkv(i, x, cos, sin)
         self.store_kv(i, kv_rows, k, v)
-        return self.out(i, causal_sdpa(q, k, v), gate)
+        return self.out(i, causal_attention(q, k, v), gate)
 
     def context_chunk(self, i: int, x, cos, sin, kv_rows, table, lens, num_splits: int):
         """A chunk continuing a cached context in a graph bucket: K/V stored by device rows

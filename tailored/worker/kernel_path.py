@@ -15,6 +15,7 @@ import time
 import torch
 
 from tailored import flags, kernels
+from tailored.kernels import prefill_attention
 from tailored.config import EngineConfig
 from tailored.model.kernel_model import KernelModel
 from tailored.worker.draft_head import DraftHead
@@ -49,6 +50,7 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
     RuntimeError for `--kernels on` where the kernels cannot run."""
     from tailored.worker.kernel_forward import KernelForward
 
+    prefill_attention.check_choice(device)  # fa3 without its library: refused here, at start
     want = kernel_path_asked(ec, device)
     if want:
         why = kernels.unavailable_reason(device.type, model.model.embed_tokens.weight.dtype)
@@ -81,11 +83,11 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
     if device.type == "cuda":
         _warm_and_capture(kf, cfg, ec, device)
     log.info("kernel path on (CUDA graphs %s, prefill graphs %s, context-chunk graphs %s, "
-             "mixed-step graphs %s, GDN prefill %s)", "on" if kf.use_graphs else "off",
+             "mixed-step graphs %s, GDN prefill %s, prefill attention %s)", "on" if kf.use_graphs else "off",
              f"{len(kf.prefill.graphs)} buckets" if kf.prefill.graphs else "off",
              f"{len(kf.ctx.graphs)} buckets" if kf.ctx and kf.ctx.graphs else "off",
              f"{sum(len(m.graphs) for m in kf.mixed)}" if kf.mixed else "off",
-             "fla-core" if km.gdn.fla else "reference")
+             "fla-core" if km.gdn.fla else "reference", flags.current().prefill_attention)
     return kf
 
 

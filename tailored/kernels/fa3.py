@@ -1,0 +1,117 @@
+"""FlashAttention-3's Hopper forward kernel for a prompt chunk's causal attention, through ctypes.
+
+The library is flash-attention's `hopper/` kernel for this model's one shape (bf16, head dim
+256, grouped-query heads, causal, one sequence a call) with tailored's C entry point
+(`fa3_entry.cu`), built by `lab/build_fa3.sh` into `.fa3/libtailored_fa3.so`
+(docs/prefill-attention.md). It holds no torch code, so one build serves any torch; the CPU
+suite never needs it. Chosen by `TAILORED_PREFILL_ATTENTION=fa3`; `TAILORED_FA3_LIB` names
+another build.
+
+`attention(q, k, v)`: q [L, Hq, 256], k/v [S, Hkv, 256] (S >= L; the queries are the last L
+positions of the keys' sequence: bottom-right causal, as `causal_attention_reference`), a unit
+stride on the last dim (strided rows and heads are read in place: the q|k|v projection's views
+need no copy). Returns [L, Hq, 256] bf16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tailored import flags
+
+HEAD_DIM = 256
+DEFAULT_LIB = Path(__file__).resolve().parents[2] / ".fa3" / "libtailored_fa3.so"
+
+
+class FA3Unavailable(RuntimeError):
+    """The FA3 library cannot be used here (not built, not loadable, no Hopper GPU)."""
+
+
+def library_path() -> Path:
+    return Path(flags.current().fa3_lib or DEFAULT_LIB)
+
+
+@functools.cache
+def _load(path: str) -> ctypes.CDLL:
+    if not Path(path).is_file():
+        raise FA3Unavailable(
+            f"TAILORED_PREFILL_ATTENTION=fa3 needs FlashAttention-3's library at {path}: build "
+            "it with `bash lab/build_fa3.sh` (nvcc >= 12.3; docs/prefill-attention.md) or point "
+            "TAILORED_FA3_LIB at a build")
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise FA3Unavailable(f"FlashAttention-3's library at {path} does not load: {e}") from e
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.tailored_fa3_fwd.argtypes = [p, p, p, p, p, p, i, i, i, i, i, ll, ll, ll, ll, ll, ll, ll, ll,
+                                     ctypes.c_float, i, i, i, p]
+    lib.tailored_fa3_fwd.restype = i
+    lib.tailored_fa3_error.argtypes = []
+    lib.tailored_fa3_error.restype = ctypes.c_char_p
+    return lib
+
+
+def load() -> ctypes.CDLL:
+    """The library at `library_path()`, loaded once; raises FA3Unavailable with what to do."""
+    if not torch.cuda.is_available():
+        raise FA3Unavailable("TAILORED_PREFILL_ATTENTION=fa3 needs a CUDA device (Hopper)")
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        raise FA3Unavailable(f"FlashAttention-3's kernel is built for sm_90 (Hopper); this GPU is "
+                             f"sm_{major}{minor}")
+    return _load(str(library_path()))
+
+
+@functools.cache
+def _device_state(index: int) -> tuple[int, torch.Tensor]:
+    """(multiprocessor count, the scheduler's tile counter) of one device. The counter is made
+    on the first call, which the warm-up makes eagerly, not under a graph capture."""
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms, torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    L, Hq, D = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    if D != HEAD_DIM or k.shape[2] != D or v.shape != k.shape:
+        raise ValueError(f"fa3: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         f"head dim {HEAD_DIM} and k, v of one shape expected")
+    if Hq % Hkv or not 0 < L <= S:
+        raise ValueError(f"fa3: {Hq} query heads over {Hkv} key heads, {L} queries over {S} "
+                         "keys: heads must divide and 0 < L <= S")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16 or not t.is_cuda or t.stride(-1) != 1:
+            raise ValueError(f"fa3: {name} must be bf16 on CUDA with a unit last stride")
+    if out is None:
+        out = torch.empty(L, Hq, D, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(Hq, L, dtype=torch.float32, device=q.device)
+    lib = load()
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    sms, semaphore = _device_state(index)
+    rc = lib.tailored_fa3_fwd(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        semaphore.data_ptr(), L, S, Hq, Hkv, D,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), 1.0 / math.sqrt(D), int(causal), sms, index,
+        torch.cuda.current_stream(q.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"fa3: {lib.tailored_fa3_error().decode()}")
+    return out
+
+
+def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain fp32 reference: q [L, Hq, D] over k, v [S, Hkv, D], the queries the last L
+    positions (bottom-right causal mask), grouped heads repeated. Returns [L, Hq, D] fp32."""
+    L, S, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)
+    kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+    return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask).transpose(0, 1)

@@ -1,0 +1,175 @@
+"""kernels/prefill_attention.py (a prompt chunk's causal attention, three ways) and kernels/fa3.py
+(FlashAttention-3 through ctypes) against the fp32 reference: fresh prompts (L == S) and chunks
+after a cached context (L < S, bottom-right mask), grouped heads, odd lengths, strided views of
+one q|k|v projection output as the model passes them, a NaN-poisoned output buffer.
+
+CPU: sdpa and flash in fp32 (SDPA's math kernels); fa3's refusals (no library, no CUDA, bad
+shapes). GPU: all three in bf16 at head dim 256 (fa3 where lab/build_fa3.sh's library loads:
+the device calls carry .fa3/), and fa3 inside a CUDA graph replayed on new inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailored import flags
+from tailored.kernels import fa3, prefill_attention
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+D = 256 if CUDA else 32
+# (L, S, query heads, key heads): fresh prompts, chunks after a context, one-token chunks,
+# the model's 16/2 heads and 4/2
+CASES = [(1, 1, 16, 2), (7, 7, 16, 2), (129, 129, 4, 2), (200, 200, 16, 2), (5, 300, 16, 2),
+         (1, 77, 16, 2), (129, 1000, 4, 2), (333, 334, 16, 2)]
+
+
+def _qkv(L, S, Hq, Hkv, seed):
+    """q [L, Hq, D] (the last L positions), k, v [S, Hkv, D]: strided views of one projection
+    output of S rows, as the model's q|k|v GEMM gives them."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(S, (Hq + 2 * Hkv) * D, generator=g).to(DEV, DTYPE)
+    q = w[S - L:, :Hq * D].view(L, Hq, D)
+    k = w[:, Hq * D:(Hq + Hkv) * D].view(S, Hkv, D)
+    v = w[:, (Hq + Hkv) * D:].view(S, Hkv, D)
+    return q, k, v
+
+
+def _fa3_loads() -> bool:
+    try:
+        fa3.load()
+        return True
+    except fa3.FA3Unavailable:
+        return False
+
+
+WAYS = ["sdpa", "flash"] + (["fa3"] if CUDA and _fa3_loads() else [])
+
+
+@pytest.mark.parametrize("L,S,Hq,Hkv", CASES)
+def test_each_way_matches_the_fp32_reference(L, S, Hq, Hkv, switches):
+    q, k, v = _qkv(L, S, Hq, Hkv, seed=L * 1000 + S)
+    ref = fa3.causal_attention_reference(q, k, v)
+    errs = {}
+    for way in WAYS:
+        switches(prefill_attention=way)
+        out = prefill_attention.causal_attention(q, k, v)
+        assert out.shape == (L, Hq, D) and out.dtype == DTYPE
+        errs[way] = (out.float() - ref).abs().max().item()
+    if not CUDA:  # fp32 math kernels: the same sums
+        assert max(errs.values()) < 1e-5, errs
+    else:  # bf16: no way may be worse than twice today's SDPA, nor past bf16's resolution
+        for way, e in errs.items():
+            assert e <= 2 * errs["sdpa"] + 2e-3 and e < 3e-2, errs
+
+
+def test_a_chunk_sees_exactly_its_causal_past(switches):
+    """Bottom-right mask: changing a key after the last query's position changes nothing;
+    changing the first key changes every query's output."""
+    q, k, v = _qkv(5, 40, 4, 2, seed=3)
+    k, v = k.clone(), v.clone()
+    for way in WAYS:
+        switches(prefill_attention=way)
+        base = prefill_attention.causal_attention(q, k, v)
+        # a 41st key (a later position) must not be seen: drop it in, compare on the first 40
+        k2, v2 = torch.cat([k, k[:1] * 5]), torch.cat([v, v[:1] * 5])
+        later = prefill_attention.causal_attention(
+            torch.cat([q, q[:1]]), k2, v2)[:5]  # queries at positions 35..39 of 41 keys
+        assert (later.float() - base.float()).abs().max() < (1e-2 if CUDA else 1e-6), way
+        v3 = v.clone()
+        v3[0] += 3
+        moved = prefill_attention.causal_attention(q, k, v3)
+        assert (moved - base).abs().amax(dim=(1, 2)).min() > 0, way
+
+
+def test_fa3_is_refused_clearly_where_it_cannot_run(tmp_path, switches):
+    switches(prefill_attention="fa3")
+    if not CUDA:
+        with pytest.raises(fa3.FA3Unavailable, match="CUDA device"):
+            prefill_attention.check_choice(torch.device("cpu"))
+    missing = tmp_path / "none.so"
+    with pytest.raises(fa3.FA3Unavailable, match="lab/build_fa3.sh"):
+        fa3._load(str(missing))
+    junk = tmp_path / "junk.so"
+    junk.write_text("not a library")
+    with pytest.raises(fa3.FA3Unavailable, match="does not load"):
+        fa3._load(str(junk))
+    switches(fa3_lib=str(missing))
+    assert fa3.library_path() == missing
+
+
+def test_fa3_refuses_shapes_it_was_not_built_for():
+    q = torch.zeros(4, 16, 128)
+    with pytest.raises(ValueError, match="head dim 256"):
+        fa3.attention(q, torch.zeros(4, 2, 128), torch.zeros(4, 2, 128))
+    q = torch.zeros(4, 15, 256)
+    with pytest.raises(ValueError, match="heads must divide"):
+        fa3.attention(q, torch.zeros(4, 2, 256), torch.zeros(4, 2, 256))
+    with pytest.raises(ValueError, match="0 < L <= S"):
+        fa3.attention(torch.zeros(5, 16, 256), torch.zeros(4, 2, 256), torch.zeros(4, 2, 256))
+    with pytest.raises(ValueError, match="bf16 on CUDA"):
+        fa3.attention(torch.zeros(4, 16, 256), torch.zeros(4, 2, 256), torch.zeros(4, 2, 256))
+
+
+def test_the_switch_is_declared_with_its_ways():
+    f = [f for f in flags.Flags.__dataclass_fields__.values() if f.name == "prefill_attention"]
+    assert f[0].metadata["choices"] == ("sdpa", "flash", "fa3")
+    assert flags.Flags().prefill_attention == "sdpa"  # the default until the GPU A/B
+
+
+needs_fa3 = pytest.mark.skipif("fa3" not in WAYS, reason="CUDA and lab/build_fa3.sh's library")
+
+
+@needs_fa3
+def test_fa3_writes_every_output_row_over_a_nan_buffer():
+    q, k, v = _qkv(333, 1000, 16, 2, seed=5)
+    out = torch.full((333, 16, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fa3.attention(q, k, v, out=out)
+    assert torch.isfinite(out).all()
+    ref = fa3.causal_attention_reference(q, k, v)
+    assert (out.float() - ref).abs().max().item() < 3e-2
+
+
+@needs_fa3
+def test_fa3_replays_in_a_cuda_graph_on_new_inputs():
+    """The prefill graphs capture the chunk's attention: the tile counter is reset inside the
+    graph, so a replay over new inputs equals an eager call."""
+    q, k, v = _qkv(200, 200, 16, 2, seed=6)
+    fa3.attention(q, k, v)  # first call outside the capture (state, library)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        out = fa3.attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(s)
+    for seed in (7, 8):
+        q2, k2, v2 = _qkv(200, 200, 16, 2, seed=seed)
+        q.copy_(q2)
+        k.copy_(k2)
+        v.copy_(v2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fa3.attention(q, k, v))
+
+
+@pytest.mark.skipif(not fa3.DEFAULT_LIB.is_file(), reason="lab/build_fa3.sh not run here")
+def test_the_built_library_checks_its_arguments_before_any_cuda_call():
+    """The C entry's own refusals, through the same ctypes signature `attention` uses: its
+    argument list and the error text agree with kernels/fa3.py (runs without a GPU)."""
+    lib = fa3._load(str(fa3.DEFAULT_LIB))
+    zeros = [0] * 8
+
+    def call(L, S, Hq, Hkv, D):
+        return lib.tailored_fa3_fwd(None, None, None, None, None, None, L, S, Hq, Hkv, D,
+                                    *zeros, 0.0625, 1, 132, 0, None)
+
+    assert call(4, 4, 16, 2, 128) == 1
+    assert b"head dim 256" in lib.tailored_fa3_error()
+    assert call(5, 4, 16, 2, 256) == 1
+    assert b"seqlen_q <= seqlen_k" in lib.tailored_fa3_error()
+    assert call(4, 4, 15, 2, 256) == 1
+    assert b"multiple of key heads" in lib.tailored_fa3_error()
+    assert call(4, 4, 16, 2, 256) == 1  # null pointers
+    assert b"null pointer" in lib.tailored_fa3_error()
