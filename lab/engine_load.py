@@ -8,8 +8,12 @@ The real engine, scheduler and runner, no HTTP: c clients, each sending its next
 ids, ignore_eos, greedy) as soon as its answer ended, as `tailored bench` runs them. Per
 (variant, c): output tok/s, TTFT and ITL p50/p99 (ITL pooled over every gap, as
 bench/loadgen.py), steps by kind from the engine's stats. A variant is NAME:FACTOR:GRAPH:FOLD,
-e.g. `budget+mixed:2.5:1024:0`; its mixed graphs are captured when it first runs (the capture
-time is printed) and kept for later variants that name the same limit. Ratios between variants
+e.g. `budget+mixed:2.5:1024:0`, with an optional fifth field of switches for its runs,
+`TAILORED_NAME=VALUE` joined by `+` (per-step switches only: a layout read at start stays), e.g.
+`w8a8:0:0:0:TAILORED_MOE_W8A8_FROM=1024+TAILORED_PREFILL_ATTENTION=fa3`; its mixed graphs
+are captured when it first runs (the capture time is printed) and kept for later variants
+that name the same limit. Each variant first runs a short round of its own (kernels its
+switches reach compile and tune there, outside its timed runs). Ratios between variants
 on one card are the result; the served sweep (lab/side_by_side.sh load) stays the record
 beside vLLM.
 
@@ -23,6 +27,7 @@ CPU dry run: python lab/engine_load.py --nano --concurrency 4 --prompts 8 --inpu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -75,6 +80,16 @@ def closed_loop(engine, tag: str, c: int, prompts: list[list[int]], out_len: int
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
 
 
+def switch_overrides(spec: str) -> dict:
+    """{field: value} of `TAILORED_A=x+TAILORED_B=y`, parsed and checked by the switch table."""
+    if not spec:
+        return {}
+    env = dict(p.split("=", 1) for p in spec.split("+"))
+    parsed = flags.Flags.from_env(env)
+    return {f.name: getattr(parsed, f.name) for f in dataclasses.fields(flags.Flags)
+            if f.metadata["env"] in env}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("ckpt", nargs="?", help="config-only checkpoint dir (dummy weights)")
@@ -94,8 +109,9 @@ def main() -> None:
     ns = [int(x) for x in a.prompts.split(",")]
     variants = []
     for v in a.variants.split(","):
-        name, factor, graph, fold = v.split(":")
-        variants.append((name, float(factor), int(graph), int(fold)))
+        name, factor, graph, fold, *more = v.split(":")
+        variants.append((name, float(factor), int(graph), int(fold),
+                         switch_overrides(more[0] if more else "")))
     st = engine_stack(a.ckpt, a.nano, progress=False, max_num_seqs=a.max_num_seqs,
                       max_model_len=a.input_len + a.output_len + 64)
     engine, vocab = st.engine, st.model_config.vocab_size
@@ -107,7 +123,7 @@ def main() -> None:
     # one short round first: compiles and first-use costs stay out of every variant
     closed_loop(engine, "warm", min(cs), [[rng.randrange(vocab) for _ in range(a.input_len)]
                                          for _ in range(min(cs))], 8)
-    for name, factor, graph, fold in variants:
+    for name, factor, graph, fold, switches in variants:
         if kf is not None and graph not in families:
             from tailored.worker.mixed_graphs import mixed_families
 
@@ -121,13 +137,16 @@ def main() -> None:
             kf.mixed = families.get(graph, [])
         engine.scheduler.budget = StepBudget(factor, flags.current().min_prefill_chunk)
         engine.timer.notes = engine.scheduler.budget.describe  # the summary's fit line
-        with flags.override(mixed_eager_from=fold):
+        with flags.override(mixed_eager_from=fold, **switches):
+            closed_loop(engine, f"warm-{name}", min(cs),
+                        [[rng.randrange(vocab) for _ in range(a.input_len)]
+                         for _ in range(min(cs))], 8)
             for c, n in zip(cs, ns):
                 prompts = [[rng.randrange(vocab) for _ in range(a.input_len)] for _ in range(n)]
                 engine.timer.reset()
                 row = closed_loop(engine, f"{name}-{c}", c, prompts, a.output_len)
                 row.update(variant=name, stall_factor=factor, mixed_graph_tokens=graph,
-                           mixed_eager_from=fold,
+                           mixed_eager_from=fold, switches=switches,
                            steps={k: v.steps for k, v in engine.timer.kinds.items()},
                            timing=engine.timer.summary())
                 rows.append(row)
