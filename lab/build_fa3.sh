@@ -43,12 +43,13 @@ FEATURES="-DFLASHATTENTION_DISABLE_BACKWARD -DFLASHATTENTION_DISABLE_FP16 -DFLAS
  -DFLASHATTENTION_DISABLE_LOCAL -DFLASHATTENTION_DISABLE_SOFTCAP -DFLASHATTENTION_DISABLE_PACKGQA
  -DFLASHATTENTION_DISABLE_APPENDKV -DFLASHATTENTION_DISABLE_CLUSTER -DFLASHATTENTION_DISABLE_SM8x"
 # flash-attention's own release flags (hopper/setup.py) and the ones torch's extension builder
-# adds to every CUDA file (torch.utils.cpp_extension.COMMON_NVCC_FLAGS), for sm_90a only
+# adds to every CUDA file (torch.utils.cpp_extension.COMMON_NVCC_FLAGS), for sm_90a only; every
+# symbol hidden but the two entry points (another FlashAttention build in the process keeps its own)
 FLAGS="-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -diag-suppress 20013
  -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
  -D__CUDA_NO_HALF2_OPERATORS__ -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
  -DCUTLASS_ENABLE_GDC_FOR_SM90 -DCUTLASS_DEBUG_TRACE_LEVEL=0 -DNDEBUG
- -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC
+ -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Xcompiler -fvisibility=hidden
  -I$H -I$CUTLASS_SRC/include -I$CUDA_HOME/include/cccl"
 SOURCES="$H/instantiations/flash_fwd_hdim256_bf16_sm90.cu $H/flash_prepare_scheduler.cu
  tailored/kernels/fa3_entry.cu"

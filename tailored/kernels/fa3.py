@@ -10,7 +10,7 @@ another build.
 `attention(q, k, v)`: q [L, Hq, 256], k/v [S, Hkv, 256] (S >= L; the queries are the last L
 positions of the keys' sequence: bottom-right causal, as `causal_attention_reference`), a unit
 stride on the last dim (strided rows and heads are read in place: the q|k|v projection's views
-need no copy). Returns [L, Hq, 256] bf16.
+need no copy; 16-byte aligned, as the C entry checks). Returns [L, Hq, 256] bf16.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ def _load(path: str) -> ctypes.CDLL:
     return lib
 
 
-def load() -> ctypes.CDLL:
-    """The library at `library_path()`, loaded once; raises FA3Unavailable with what to do."""
+def load(device: torch.device | None = None) -> ctypes.CDLL:
+    """The library at `library_path()`, loaded once; raises FA3Unavailable with what to do
+    where it cannot run on `device` (default: the current CUDA device)."""
     if not torch.cuda.is_available():
         raise FA3Unavailable("TAILORED_PREFILL_ATTENTION=fa3 needs a CUDA device (Hopper)")
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         raise FA3Unavailable(f"FlashAttention-3's kernel is built for sm_90 (Hopper); this GPU is "
                              f"sm_{major}{minor}")
@@ -69,11 +70,22 @@ def load() -> ctypes.CDLL:
 
 
 @functools.cache
-def _device_state(index: int) -> tuple[int, torch.Tensor]:
-    """(multiprocessor count, the scheduler's tile counter) of one device. The counter is made
-    on the first call, which the warm-up makes eagerly, not under a graph capture."""
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms, torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def check(device: torch.device) -> None:
+    """One tiny call on `device` at start: a library that loads but cannot run there (a driver
+    older than its CUDA runtime, another GPU) is refused before serving, not at a prompt."""
+    load(device)
+    x = torch.zeros(1, 16, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    y = torch.zeros(1, 2, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    try:
+        attention(x, y, y)
+        torch.cuda.synchronize(device)
+    except RuntimeError as e:
+        raise FA3Unavailable(f"FlashAttention-3's library at {library_path()} does not run "
+                             f"on {device}: {e}") from e
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -86,15 +98,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if Hq % Hkv or not 0 < L <= S:
         raise ValueError(f"fa3: {Hq} query heads over {Hkv} key heads, {L} queries over {S} "
                          "keys: heads must divide and 0 < L <= S")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.bfloat16 or not t.is_cuda or t.stride(-1) != 1:
-            raise ValueError(f"fa3: {name} must be bf16 on CUDA with a unit last stride")
     if out is None:
         out = torch.empty(L, Hq, D, dtype=torch.bfloat16, device=q.device)
+    elif out.shape != q.shape:
+        raise ValueError(f"fa3: out {tuple(out.shape)} for q {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.dtype != torch.bfloat16 or t.device != q.device or not t.is_cuda \
+                or t.stride(-1) != 1:
+            raise ValueError(f"fa3: {name} must be bf16 on q's CUDA device with a unit last "
+                             "stride")
     lse = torch.empty(Hq, L, dtype=torch.float32, device=q.device)
-    lib = load()
+    # the causal kernel's tile counter, one a call (zeroed by the call, inside a graph too):
+    # launches in flight together must not hand each other's tiles out
+    semaphore = torch.empty(1, dtype=torch.int32, device=q.device)
+    lib = load(q.device)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    sms, semaphore = _device_state(index)
+    sms = _multiprocessors(index)
     rc = lib.tailored_fa3_fwd(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         semaphore.data_ptr(), L, S, Hq, Hkv, D,

@@ -5,12 +5,14 @@
 //
 // Shapes, all bf16 with a unit stride on the last dim (strides in elements):
 //   q [seqlen_q, h, 256], k/v [seqlen_k, h_k, 256], out [seqlen_q, h, 256] (written),
-//   lse [h, seqlen_q] float32 (written), semaphore: one int32 on the device (zeroed here).
+//   lse [h, seqlen_q] float32 (written), semaphore: one int32 on the device (zeroed here; the
+//   causal kernel's tile counter: one per call, two launches in flight must not share it).
 // seqlen_q <= seqlen_k: the queries are the last seqlen_q positions of the keys' sequence
 // (bottom-right causal mask, FlashAttention's convention). Returns 0, or a nonzero code that
 // fa3_error() describes; the kernel's own launch errors end the process (FlashAttention's
 // CHECK_CUDA), which only a broken device does.
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
@@ -26,9 +28,11 @@ int refuse(const char* why) {
 }
 }  // namespace
 
-extern "C" const char* tailored_fa3_error() { return error_text; }
+#define EXPORT extern "C" __attribute__((visibility("default")))
 
-extern "C" int tailored_fa3_fwd(void* q, void* k, void* v, void* out, float* lse, int* semaphore,
+EXPORT const char* tailored_fa3_error() { return error_text; }
+
+EXPORT int tailored_fa3_fwd(void* q, void* k, void* v, void* out, float* lse, int* semaphore,
                                 int seqlen_q, int seqlen_k, int h, int h_k, int head_dim,
                                 long long q_row_stride, long long q_head_stride,
                                 long long k_row_stride, long long k_head_stride,
@@ -40,9 +44,20 @@ extern "C" int tailored_fa3_fwd(void* q, void* k, void* v, void* out, float* lse
     if (h <= 0 || h_k <= 0 || h % h_k != 0) return refuse("query heads must be a multiple of key heads");
     if (seqlen_q <= 0 || seqlen_k < seqlen_q) return refuse("need 0 < seqlen_q <= seqlen_k");
     if (!q || !k || !v || !out || !lse || !semaphore) return refuse("null pointer");
+    // TMA reads and writes: 16-byte aligned bases, row and head strides of 8 bf16 elements
+    // (a misaligned descriptor is not refused by CUTLASS in a release build: it faults)
+    for (void* ptr : {q, k, v, out})
+        if (reinterpret_cast<uintptr_t>(ptr) % 16) return refuse("a base pointer is not 16-byte aligned");
+    for (long long st : {q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride,
+                         v_head_stride, o_row_stride, o_head_stride})
+        if (st <= 0 || st % 8) return refuse("a row or head stride is not a positive multiple of 8 elements");
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-    // this library's CUDA runtime is its own (static): make torch's device its current one
-    cudaError_t e = cudaSetDevice(device);
+    // this library's CUDA runtime is its own (static): make torch's device its current one for
+    // the call, and give the caller's back after it
+    int before = 0;
+    cudaError_t e = cudaGetDevice(&before);
+    if (e != cudaSuccess) return refuse(cudaGetErrorString(e));
+    e = cudaSetDevice(device);
     if (e != cudaSuccess) return refuse(cudaGetErrorString(e));
 
     Flash_fwd_params p;
@@ -78,10 +93,12 @@ extern "C" int tailored_fa3_fwd(void* q, void* k, void* v, void* out, float* lse
     p.num_sm = num_sm;
     // the causal kernel's persistent scheduler hands out tiles through this counter
     e = cudaMemsetAsync(semaphore, 0, sizeof(int), stream);
-    if (e != cudaSuccess) return refuse(cudaGetErrorString(e));
-    p.tile_count_semaphore = semaphore;
-    run_mha_fwd_<90, cutlass::bfloat16_t, 256, 256, false, false, false, false>(p, stream);
-    e = cudaGetLastError();
+    if (e == cudaSuccess) {
+        p.tile_count_semaphore = semaphore;
+        run_mha_fwd_<90, cutlass::bfloat16_t, 256, 256, false, false, false, false>(p, stream);
+        e = cudaGetLastError();
+    }
+    cudaSetDevice(before);
     if (e != cudaSuccess) return refuse(cudaGetErrorString(e));
     return 0;
 }

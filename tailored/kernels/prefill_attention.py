@@ -70,9 +70,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def check_choice(device: torch.device) -> None:
-    """Raise at start, not at the first long prompt, where the chosen way cannot run here."""
+    """Raise at start, not at the first long prompt, where the chosen way cannot run here (fa3:
+    one tiny call on the device)."""
     if flags.current().prefill_attention == "fa3":
         if device.type != "cuda":
             raise fa3.FA3Unavailable("TAILORED_PREFILL_ATTENTION=fa3 needs a CUDA device; "
                                      f"this model is on {device.type}")
-        fa3.load()
+        fa3.check(device)

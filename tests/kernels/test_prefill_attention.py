@@ -101,6 +101,8 @@ def test_fa3_is_refused_clearly_where_it_cannot_run(tmp_path, switches):
 
 
 def test_fa3_refuses_shapes_it_was_not_built_for():
+    """Refused in Python before the library is asked (no GPU needed); an `out` of the wrong
+    shape too."""
     q = torch.zeros(4, 16, 128)
     with pytest.raises(ValueError, match="head dim 256"):
         fa3.attention(q, torch.zeros(4, 2, 128), torch.zeros(4, 2, 128))
@@ -109,8 +111,11 @@ def test_fa3_refuses_shapes_it_was_not_built_for():
         fa3.attention(q, torch.zeros(4, 2, 256), torch.zeros(4, 2, 256))
     with pytest.raises(ValueError, match="0 < L <= S"):
         fa3.attention(torch.zeros(5, 16, 256), torch.zeros(4, 2, 256), torch.zeros(4, 2, 256))
-    with pytest.raises(ValueError, match="bf16 on CUDA"):
+    with pytest.raises(ValueError, match="bf16 on q's CUDA device"):
         fa3.attention(torch.zeros(4, 16, 256), torch.zeros(4, 2, 256), torch.zeros(4, 2, 256))
+    with pytest.raises(ValueError, match="out"):
+        fa3.attention(torch.zeros(4, 16, 256), torch.zeros(4, 2, 256), torch.zeros(4, 2, 256),
+                      out=torch.zeros(3, 16, 256))
 
 
 def test_the_switch_is_declared_with_its_ways():
@@ -161,9 +166,9 @@ def test_the_built_library_checks_its_arguments_before_any_cuda_call():
     lib = fa3._load(str(fa3.DEFAULT_LIB))
     zeros = [0] * 8
 
-    def call(L, S, Hq, Hkv, D):
-        return lib.tailored_fa3_fwd(None, None, None, None, None, None, L, S, Hq, Hkv, D,
-                                    *zeros, 0.0625, 1, 132, 0, None)
+    def call(L, S, Hq, Hkv, D, ptr=None, strides=zeros):
+        return lib.tailored_fa3_fwd(ptr, ptr, ptr, ptr, ptr, ptr, L, S, Hq, Hkv, D,
+                                    *strides, 0.0625, 1, 132, 0, None)
 
     assert call(4, 4, 16, 2, 128) == 1
     assert b"head dim 256" in lib.tailored_fa3_error()
@@ -173,3 +178,7 @@ def test_the_built_library_checks_its_arguments_before_any_cuda_call():
     assert b"multiple of key heads" in lib.tailored_fa3_error()
     assert call(4, 4, 16, 2, 256) == 1  # null pointers
     assert b"null pointer" in lib.tailored_fa3_error()
+    assert call(4, 4, 16, 2, 256, ptr=4096 + 8, strides=[4096, 256] * 4) == 1
+    assert b"16-byte aligned" in lib.tailored_fa3_error()
+    assert call(4, 4, 16, 2, 256, ptr=4096, strides=[4096, 252] * 4) == 1
+    assert b"multiple of 8" in lib.tailored_fa3_error()
