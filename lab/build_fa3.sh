@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build FlashAttention-3's Hopper forward kernel for this model's shape (bf16, head dim 256,
-# causal or not, one sequence a call) into .fa3/libtailored_fa3.so, with tailored's C entry
+# causal or not, one sequence a call; keys strided or in the KV cache's pages) into .fa3/libtailored_fa3.so, with tailored's C entry
 # point (tailored/kernels/fa3_entry.cu) and no torch headers: the library loads through ctypes
 # under any torch (tailored/kernels/fa3.py; docs/prefill-attention.md). .fa3/ is git-ignored:
 # carry it to the GPU machine (`carry: [".fa3"]`) and point TAILORED_FA3_LIB at the .so.
@@ -35,12 +35,12 @@ fi
 H=$FA_SRC/hopper
 CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 # Everything this model never asks for is compiled out: backward, fp16/fp8, the other head
-# dims, split-KV, paged KV, varlen, local windows, softcap, packed GQA, clusters, sm8x.
+# dims, split-KV, local windows, softcap, appended KV, clusters, sm8x. Kept: paged keys with
+# device lengths and packed GQA (a chunk over its cached context inside a CUDA graph).
 FEATURES="-DFLASHATTENTION_DISABLE_BACKWARD -DFLASHATTENTION_DISABLE_FP16 -DFLASHATTENTION_DISABLE_FP8
  -DFLASHATTENTION_DISABLE_HDIM64 -DFLASHATTENTION_DISABLE_HDIM96 -DFLASHATTENTION_DISABLE_HDIM128
  -DFLASHATTENTION_DISABLE_HDIM192 -DFLASHATTENTION_DISABLE_HDIMDIFF64 -DFLASHATTENTION_DISABLE_HDIMDIFF192
- -DFLASHATTENTION_DISABLE_SPLIT -DFLASHATTENTION_DISABLE_PAGEDKV -DFLASHATTENTION_DISABLE_VARLEN
- -DFLASHATTENTION_DISABLE_LOCAL -DFLASHATTENTION_DISABLE_SOFTCAP -DFLASHATTENTION_DISABLE_PACKGQA
+ -DFLASHATTENTION_DISABLE_SPLIT -DFLASHATTENTION_DISABLE_LOCAL -DFLASHATTENTION_DISABLE_SOFTCAP
  -DFLASHATTENTION_DISABLE_APPENDKV -DFLASHATTENTION_DISABLE_CLUSTER -DFLASHATTENTION_DISABLE_SM8x"
 # flash-attention's own release flags (hopper/setup.py) and the ones torch's extension builder
 # adds to every CUDA file (torch.utils.cpp_extension.COMMON_NVCC_FLAGS), for sm_90a only; every
@@ -51,7 +51,8 @@ FLAGS="-O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -diag-suppress 20
  -DCUTLASS_ENABLE_GDC_FOR_SM90 -DCUTLASS_DEBUG_TRACE_LEVEL=0 -DNDEBUG
  -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Xcompiler -fvisibility=hidden
  -I$H -I$CUTLASS_SRC/include -I$CUDA_HOME/include/cccl"
-SOURCES="$H/instantiations/flash_fwd_hdim256_bf16_sm90.cu $H/flash_prepare_scheduler.cu
+SOURCES="$H/instantiations/flash_fwd_hdim256_bf16_sm90.cu
+ $H/instantiations/flash_fwd_hdim256_bf16_paged_sm90.cu $H/flash_prepare_scheduler.cu
  tailored/kernels/fa3_entry.cu"
 pids=()
 for s in $SOURCES; do

@@ -52,6 +52,10 @@ def _load(path: str) -> ctypes.CDLL:
     lib.tailored_fa3_fwd.argtypes = [p, p, p, p, p, p, i, i, i, i, i, ll, ll, ll, ll, ll, ll, ll, ll,
                                      ctypes.c_float, i, i, i, p]
     lib.tailored_fa3_fwd.restype = i
+    lib.tailored_fa3_fwd_paged.argtypes = [p] * 9 + [i] * 7 + [ll] * 10 + [ctypes.c_float, i, i, p]
+    lib.tailored_fa3_fwd_paged.restype = i
+    lib.tailored_fa3_meta_ints.argtypes = []
+    lib.tailored_fa3_meta_ints.restype = i
     lib.tailored_fa3_error.argtypes = []
     lib.tailored_fa3_error.restype = ctypes.c_char_p
     return lib
@@ -119,6 +123,49 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         semaphore.data_ptr(), L, S, Hq, Hkv, D,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), 1.0 / math.sqrt(D), int(causal), sms, index,
+        torch.cuda.current_stream(q.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"fa3: {lib.tailored_fa3_error().decode()}")
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, used_q: torch.Tensor, used_k: torch.Tensor
+                    ) -> torch.Tensor:
+    """A chunk's causal attention over its sequence's pages, with its lengths on the device (a
+    CUDA graph replays it for any context): q [n, Hq, 256] whose first used_q[0] rows are the
+    chunk (the rest pads), over the first used_k[0] keys of the sequence (its cached context and
+    the chunk, stored already) through page_table int32 [max_pages]; k_cache, v_cache
+    [num_pages, page_size, Hkv, 256]. Returns [n, Hq, 256] bf16; rows past used_q[0] are NOT
+    written (the caller masks them)."""
+    n, Hq, D = q.shape
+    num_pages, page_size, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if D != HEAD_DIM or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"fa3: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}: head dim "
+                         f"{HEAD_DIM} and k, v caches of one shape expected")
+    if Hq % Hkv:
+        raise ValueError(f"fa3: {Hq} query heads over {Hkv} key heads: heads must divide")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.bfloat16 or t.device != q.device or not t.is_cuda \
+                or t.stride(-1) != 1:
+            raise ValueError(f"fa3: {name} must be bf16 on q's CUDA device with a unit last "
+                             "stride")
+    table = page_table.reshape(-1)
+    for name, t in (("page_table", table), ("used_q", used_q), ("used_k", used_k)):
+        if t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"fa3: {name} must be contiguous int32 on q's device")
+    lib = load(q.device)
+    out = torch.empty(n, Hq, D, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(Hq, n, dtype=torch.float32, device=q.device)
+    meta = torch.empty(lib.tailored_fa3_meta_ints(), dtype=torch.int32, device=q.device)
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    rc = lib.tailored_fa3_fwd_paged(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        meta.data_ptr(), table.data_ptr(), used_q.data_ptr(), used_k.data_ptr(),
+        n, table.numel(), page_size, num_pages, Hq, Hkv, D,
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), k_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), v_cache.stride(0), out.stride(0), out.stride(1),
+        1.0 / math.sqrt(D), _multiprocessors(index), index,
         torch.cuda.current_stream(q.device).cuda_stream)
     if rc:
         raise RuntimeError(f"fa3: {lib.tailored_fa3_error().decode()}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tailored import flags
+from tailored.kernels import fa3
 from tailored.kernels.attention_decode import paged_decode_attention
 from tailored.kernels.prefill_attention import causal_attention
 from tailored.kernels.qk_norm_rope import qk_norm_rope
@@ -123,11 +124,20 @@ class AttentionBlocks:
         self.store_kv(i, kv_rows, k, v)
         return self.out(i, causal_attention(q, k, v), gate)
 
-    def context_chunk(self, i: int, x, cos, sin, kv_rows, table, lens, num_splits: int):
-        """A chunk continuing a cached context in a graph bucket: K/V stored by device rows
-        (pads into the sink), then one paged-decode query a row over keys 0..its position
-        (table: the sequence's page table broadcast to every row; lens: per-row key counts)."""
+    def context_chunk(self, i: int, x, cos, sin, kv_rows, table, lens, num_splits: int,
+                      fa3_lens=None):
+        """A chunk continuing a cached context in a graph bucket: K/V stored by device rows (pads
+        into the sink), then one paged-decode query a row over keys 0..its position (table: the
+        sequence's page table broadcast to every row; lens: per-row key counts). fa3_lens
+        (used_q, used_k, row_index: device int32, the chunk's rows, its keys, 0..n-1): the
+        chunk's rows in one FlashAttention-3 launch over the pages instead (tensor cores, each
+        key tile read once for many rows), pad rows zeroed (it does not write them)."""
         q, k, v, gate = self.qkv(i, x, cos, sin)
         kc, vc = self.store_kv(i, kv_rows, k, v)
+        if fa3_lens is not None:
+            used_q, used_k, row_index = fa3_lens
+            o = fa3.paged_attention(q.contiguous(), kc, vc, table[0], used_q, used_k)
+            o = torch.where((row_index < used_q).view(-1, 1, 1), o, 0)
+            return self.out(i, o, gate)
         o = paged_decode_attention(q.contiguous(), kc, vc, table, lens, num_splits=num_splits)
         return self.out(i, o, gate)

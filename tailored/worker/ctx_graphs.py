@@ -35,7 +35,11 @@ Each row re-reads the context's keys (from L2 while they fit: 2 KB a key a layer
 keys; beyond, only as far as the rows running together share them), so the attention costs
 ~T·(start_pos + T) key reads a layer: the graph is taken while that product is at most
 `ctx_graph_max_pairs`, else the chunk stays eager (where SDPA shares the reads). Timed up to
-8k-token contexts only (kb/0055); the bound itself is an estimate.
+8k-token contexts only (kb/0055); the bound itself is an estimate. With
+`TAILORED_PREFILL_ATTENTION=fa3` when the graphs are captured, the attention layers run the
+chunk's rows in one FlashAttention-3 launch over the pages instead (`fa3.paged_attention`: the
+chunk's rows and keys as device lengths, so one graph still serves every start_pos; pad rows
+zeroed), each key tile read once for many rows: no pairs bound (kb/0069).
 
 Numerics: the attention sums in another order than the eager path's SDPA over gathered keys
 (H100: fp32 per-token rel. error ≤ 2.3e-7 against the eager chunk; bf16 rounding, within the
@@ -84,6 +88,9 @@ class ContextGraphs:
         self.km, self.pool, self.max_pages = km, pool, max_pages
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.st: dict | None = None
+        # the attention way the bodies were built with: FlashAttention-3 over the pages
+        # (`prefill_attention` = fa3 when the statics were made) or the paged decode kernel
+        self.fa3 = False
 
     # -- static buffers ---------------------------------------------------------------------------
     def alloc(self, n_max: int) -> None:
@@ -93,6 +100,11 @@ class ContextGraphs:
         self.st = prefill_static(n_max, dev, reset=False)
         self.st["lens"] = torch.ones(n_max, dtype=torch.int32, device=dev)
         self.st["table"] = torch.zeros(1, self.max_pages, dtype=torch.int32, device=dev)
+        # FlashAttention-3's device lengths: the chunk's rows and its keys; row numbers
+        self.st["used_q"] = torch.ones(1, dtype=torch.int32, device=dev)
+        self.st["used_k"] = torch.ones(1, dtype=torch.int32, device=dev)
+        self.st["row_index"] = torch.arange(n_max, dtype=torch.int32, device=dev)
+        self.fa3 = flags.current().prefill_attention == "fa3"
 
     def to_sinks(self, n_max: int) -> None:
         """Allocate the static buffers for up to n_max rows if needed, and make their content
@@ -106,6 +118,8 @@ class ContextGraphs:
         st["slot"].zero_()
         st["lens"].fill_(1)
         st["table"].zero_()
+        st["used_q"].fill_(1)  # FlashAttention-3: row 0 over key 0 of the sink page
+        st["used_k"].fill_(1)
         st["state_meta"][1].fill_(1)  # a fill's T may exceed a smaller bucket's rows
 
     def fill(self, batch: ForwardBatch, n: int) -> None:
@@ -119,7 +133,7 @@ class ContextGraphs:
         st["pos"][:T].copy_(batch.positions)
         st["ids"][T:n].zero_()
         st["pos"][T:n].zero_()
-        meta = np.zeros(3 * n + 5 + P, dtype=np.int64)
+        meta = np.zeros(3 * n + 7 + P, dtype=np.int64)
         meta[:T] = kv_rows(s.page_ids, s.start_pos, s.end_pos, ps)
         meta[n] = s.slot
         meta[n + 1:n + 1 + T] = 1
@@ -127,14 +141,17 @@ class ContextGraphs:
         lens = meta[2 * n + 5:3 * n + 5]
         lens[:] = 1
         lens[:T] = np.arange(s.start_pos + 1, s.end_pos + 1)
-        meta[3 * n + 5:] = s.page_ids
+        meta[3 * n + 5:3 * n + 5 + P] = s.page_ids
+        meta[3 * n + 5 + P:] = [T, s.end_pos]  # FlashAttention-3's rows and keys
         m = h2d(meta, self.km.device)
         st["kv"][:n].copy_(m[:n])
         st["slot"].copy_(m[n:n + 1])
         st["valid"][:n].copy_(m[n + 1:2 * n + 1] != 0)
         st["state_meta"].copy_(m[2 * n + 1:2 * n + 5].view(4, 1))
         st["lens"][:n].copy_(m[2 * n + 5:3 * n + 5])
-        st["table"][0, :P].copy_(m[3 * n + 5:])
+        st["table"][0, :P].copy_(m[3 * n + 5:3 * n + 5 + P])
+        st["used_q"].copy_(m[3 * n + 5 + P:3 * n + 6 + P])
+        st["used_k"].copy_(m[3 * n + 6 + P:])
 
     # -- body -------------------------------------------------------------------------------------
     def mixer(self, n: int, cos: torch.Tensor, sin: torch.Tensor):
@@ -145,11 +162,12 @@ class ContextGraphs:
         table = st["table"].expand(n, -1)  # stride 0: every row reads the sequence's table
         lens = st["lens"][:n]
         splits = ctx_splits(n, km.cache.k.shape[3])
+        fa3_lens = (st["used_q"], st["used_k"], st["row_index"][:n]) if self.fa3 else None
 
         def mixer(i, hn):
             if km.is_gdn(i):
                 return km.gdn.chunk(i, hn, valid, st["slot"], st, carried=True)
-            return km.attn.context_chunk(i, hn, cos, sin, kv, table, lens, splits)
+            return km.attn.context_chunk(i, hn, cos, sin, kv, table, lens, splits, fa3_lens)
 
         return mixer
 
@@ -162,10 +180,11 @@ class ContextGraphs:
     def takes(self, s) -> bool:
         """Whether sequence `s`'s chunk is one a context graph computes: 2 or more tokens
         continuing its slot's state from position start_pos > 0 (not a verify chunk), within
-        `ctx_graph_max_pairs` and the page table."""
+        the page table and, with the paged decode kernel (each row reads its keys),
+        `ctx_graph_max_pairs` (FlashAttention-3 reads each key tile once for many rows)."""
         return (s.start_pos > 0 and not s.reset_state and not s.keep_states
                 and s.num_tokens > 1
-                and s.num_tokens * s.end_pos <= flags.current().ctx_graph_max_pairs
+                and (self.fa3 or s.num_tokens * s.end_pos <= flags.current().ctx_graph_max_pairs)
                 and len(s.page_ids) <= self.max_pages)
 
     def fits(self, batch: ForwardBatch) -> bool:

@@ -182,3 +182,85 @@ def test_the_built_library_checks_its_arguments_before_any_cuda_call():
     assert b"16-byte aligned" in lib.tailored_fa3_error()
     assert call(4, 4, 16, 2, 256, ptr=4096, strides=[4096, 252] * 4) == 1
     assert b"multiple of 8" in lib.tailored_fa3_error()
+
+
+def _paged_case(C, T, n, seed, pages_total=48, ps=16):
+    """A KV cache of `pages_total` pages with random content, one sequence of C + T keys on
+    scattered pages, q of n rows (the chunk's T, then pads), the sequence's page table and its
+    keys gathered in order (for the reference)."""
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(pages_total, ps, 2, 256, generator=g).to("cuda", torch.bfloat16)
+    vc = torch.randn(pages_total, ps, 2, 256, generator=g).to("cuda", torch.bfloat16)
+    npages = (C + T + ps - 1) // ps
+    pages = (torch.randperm(pages_total - 1, generator=g)[:npages] + 1).tolist()
+    table = torch.zeros(12, dtype=torch.int32)
+    table[:npages] = torch.tensor(pages)
+    q = torch.randn(n, 16, 256, generator=g).to("cuda", torch.bfloat16)
+    rows = torch.arange(C + T)
+    idx = (table.long()[rows // ps] * ps + rows % ps).cuda()
+    kk = kc.view(-1, 2, 256)[idx]
+    vv = vc.view(-1, 2, 256)[idx]
+    return q, kc, vc, table.cuda(), kk, vv
+
+
+@needs_fa3
+@pytest.mark.parametrize("C,T,n", [(1, 1, 4), (31, 17, 32), (100, 64, 64), (150, 5, 8)])
+def test_fa3_paged_chunk_matches_the_reference_over_its_pages(C, T, n):
+    q, kc, vc, table, kk, vv = _paged_case(C, T, n, seed=C + T)
+    used_q = torch.tensor([T], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([C + T], dtype=torch.int32, device="cuda")
+    out = fa3.paged_attention(q, kc, vc, table, used_q, used_k)
+    ref = fa3.causal_attention_reference(q[:T], kk, vv)
+    sdpa = prefill_attention.causal_sdpa(q[:T], kk, vv)
+    err, base = (out[:T].float() - ref).abs().max().item(), (sdpa.float() - ref).abs().max().item()
+    assert err <= 2 * base + 2e-3 and err < 3e-2, (err, base)
+
+
+@needs_fa3
+def test_fa3_paged_replays_in_a_graph_for_any_context():
+    """One captured call serves chunks of different lengths and contexts: only the device
+    lengths and the page table change between replays."""
+    n = 32
+    q, kc, vc, table, _, _ = _paged_case(40, 20, n, seed=1)
+    used_q = torch.tensor([20], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([60], dtype=torch.int32, device="cuda")
+    fa3.paged_attention(q, kc, vc, table, used_q, used_k)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        out = fa3.paged_attention(q, kc, vc, table, used_q, used_k)
+    torch.cuda.current_stream().wait_stream(s)
+    for C, T, seed in ((100, 7, 2), (3, 32, 3)):
+        q2, kc2, vc2, table2, kk, vv = _paged_case(C, T, n, seed=seed)
+        q.copy_(q2)
+        kc.copy_(kc2)
+        vc.copy_(vc2)
+        table.copy_(table2)
+        used_q.fill_(T)
+        used_k.fill_(C + T)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = fa3.causal_attention_reference(q[:T], kk, vv)
+        assert (out[:T].float() - ref).abs().max().item() < 3e-2
+
+
+@pytest.mark.skipif(not fa3.DEFAULT_LIB.is_file(), reason="lab/build_fa3.sh not run here")
+def test_the_built_library_checks_the_paged_call_before_any_cuda_call():
+    lib = fa3._load(str(fa3.DEFAULT_LIB))
+    assert lib.tailored_fa3_meta_ints() == 17
+
+    def call(ptr, ints, strides):
+        return lib.tailored_fa3_fwd_paged(*([ptr] * 9), *ints, *strides, 0.0625, 132, 0, None)
+
+    good = [4096, 256, 512, 256, 8192, 512, 256, 8192, 4096, 256]
+    assert call(4096, [32, 12, 16, 48, 16, 2, 128], good) == 1
+    assert b"head dim 256" in lib.tailored_fa3_error()
+    assert call(4096, [32, 0, 16, 48, 16, 2, 256], good) == 1
+    assert b"positive seqlen_q, max_pages" in lib.tailored_fa3_error()
+    assert call(None, [32, 12, 16, 48, 16, 2, 256], good) == 1
+    assert b"null pointer" in lib.tailored_fa3_error()
+    assert call(4104, [32, 12, 16, 48, 16, 2, 256], good) == 1
+    assert b"16-byte aligned" in lib.tailored_fa3_error()
+    assert call(4096, [32, 12, 16, 48, 16, 2, 256], good[:-1] + [250]) == 1
+    assert b"multiple of 8" in lib.tailored_fa3_error()

@@ -99,6 +99,10 @@ def test_fill_after_a_longer_chunk_leaves_no_stale_rows(pair):
     assert st["valid"][:8].tolist() == [True] * 3 + [False] * 5
     assert st["table"][0, :2].tolist() == [6, 7] and st["slot"].item() == 4
     assert st["state_meta"].flatten().tolist() == [0, 3, 0, 0]
+    # FlashAttention-3's device lengths: the chunk's 3 rows over its 20 keys
+    assert st["used_q"].item() == 3 and st["used_k"].item() == 20
+    ctx.to_sinks(8)
+    assert st["used_q"].item() == 1 and st["used_k"].item() == 1
 
 
 def test_fits_takes_one_continuing_chunk_only(pair, switches):
@@ -123,8 +127,55 @@ def test_fits_takes_one_continuing_chunk_only(pair, switches):
     assert not fits((_ids(5, 1), 8, 1, False, [1]), (_ids(5, 2), 8, 2, False, [2]))
     switches(ctx_graph_max_pairs=5 * 13 - 1)
     assert not fits((_ids(5, 1), 8, 1, False, [1]))
+    ctx.fa3 = True  # bodies built over FlashAttention-3: no pairs bound
+    assert fits((_ids(5, 1), 8, 1, False, [1]))
+    ctx.fa3 = False
     switches(ctx_graph_max_pairs=5 * 13)
     assert fits((_ids(5, 1), 8, 1, False, [1]))
+
+
+def test_the_fa3_body_passes_the_chunk_and_its_keys_and_zeroes_the_pads(pair, monkeypatch,
+                                                                        switches):
+    """With prefill_attention = fa3 when the statics are made, the body's attention layers
+    call `fa3.paged_attention` with the sequence's page table and the device lengths (the
+    chunk's T rows, its end_pos keys), and zero the pad rows it does not write. FA3 is stood
+    in for by the fp32 reference over the gathered pages, NaN in the rows it leaves: the body
+    equals the eager continuation (as with the paged decode kernel), no NaN reaches a state."""
+    from tailored.kernels import fa3
+
+    _, kf, cache = pair
+    km, ps, slot, C, T, n = kf.km, cache.page_size, 3, 31, 17, 32
+    seen = []
+
+    def stand_in(q, kc, vc, table, used_q, used_k):
+        Tq, keys = int(used_q), int(used_k)
+        seen.append((Tq, keys, table[:(keys + ps - 1) // ps].tolist()))
+        rows = torch.arange(keys)
+        flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731
+        idx = table.long()[rows // ps] * ps + rows % ps
+        out = torch.full_like(q, float("nan"))
+        out[:Tq] = fa3.causal_attention_reference(q[:Tq], flat(kc)[idx], flat(vc)[idx])
+        return out
+
+    monkeypatch.setattr(fa3, "paged_attention", stand_in)
+    ids = _ids(C + T, 200 + C + T)
+    pages = [5 + j for j in range((C + T - 1) // ps + 1)]
+    km.forward_eager(ForwardBatch.build([(ids[:C], 0, slot, True, pages)], [C - 1], "cpu"))
+    layout = [(ids[C:], C, slot, False, pages)]
+    before = [t.clone() for t in _tensors(cache)]
+    want = km.forward_eager(ForwardBatch.build(layout, [T - 1], "cpu"))
+    for t, b in zip(_tensors(cache), before):
+        t.copy_(b)
+    switches(prefill_attention="fa3")
+    ctx = _ctx(kf)
+    ctx.alloc(64)
+    assert ctx.fa3
+    ctx.fill(ForwardBatch.build(layout, [T - 1], "cpu"), n)
+    got = ctx.body(n)
+    assert rel_err(got[:T], want) < 1e-5
+    assert torch.isfinite(got).all()
+    assert all(torch.isfinite(t).all() for t in _tensors(cache))
+    assert seen and all(s == (T, C + T, pages) for s in seen)
 
 
 def test_steps_send_a_continuing_chunk_to_its_graph(pair, monkeypatch):
