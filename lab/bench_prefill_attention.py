@@ -11,6 +11,10 @@ Part 1, the kernels alone, one attention layer's shape (16 query heads, 2 key he
           gathered as the eager path does);
   prompt  a long prompt as the engine runs it: 8192-token chunks, each over everything before
           it; the sum is one layer's attention time of that prompt (x 10 layers in the model).
+  context a context-chunk graph's attention (an agent's next turn, a prefix-cache hit): T new
+          rows (in a bucket of as many) over C cached keys in the KV cache's pages, by
+          `decode` (today: one paged-decode query a row, kernels/attention_decode.py) and
+          `fa3-paged` (FlashAttention-3 over the pages, device lengths).
 Each: ms (CUDA events, median), TFLOP/s over the causal pairs (4 * heads * 256 flops a pair),
 and the largest error against an fp32 reference on shapes small enough for it.
 
@@ -38,6 +42,8 @@ HQ, HKV, D, CHUNK = 16, 2, 256, 8192
 WHOLE = [1024, 4096, 8192, 16384, 32768]
 CHUNK_CONTEXT = [16384, 32768, 65536, 131072]
 PROMPTS = [65536, 120000]
+CONTEXT = [(64, 8192), (512, 8192), (2048, 8192), (64, 25000), (512, 25000), (2048, 25000)]
+PAGE = 16
 CHECK_UP_TO = 8192  # fp32 reference only up to this many keys (its L x S scores)
 
 
@@ -113,6 +119,44 @@ def kernel_rows(ways, reps, record) -> None:
         torch.cuda.empty_cache()
 
 
+def context_rows(ways, reps, record) -> None:
+    """`context` rows: T rows over C + T keys on scattered pages of a KV cache."""
+    from tailored.kernels.attention_decode import paged_decode_attention
+    from tailored.worker.ctx_graphs import ctx_splits
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for T, C in CONTEXT:
+        keys = C + T
+        npages = -(-keys // PAGE)
+        kc = torch.randn(npages + 1, PAGE, HKV, D, generator=gen, device="cuda").to(torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = (torch.randperm(npages, device="cuda", generator=gen) + 1).to(torch.int32)
+        q = torch.randn(T, HQ, D, generator=gen, device="cuda").to(torch.bfloat16)
+        lens = torch.arange(C + 1, keys + 1, dtype=torch.int32, device="cuda")
+        used_q = torch.tensor([T], dtype=torch.int32, device="cuda")
+        used_k = torch.tensor([keys], dtype=torch.int32, device="cuda")
+        calls = {"decode": lambda: paged_decode_attention(
+                     q, kc, vc, table.expand(T, -1), lens, num_splits=ctx_splits(T, HKV))}
+        if "fa3" in ways:
+            calls["fa3-paged"] = lambda: fa3.paged_attention(q, kc, vc, table, used_q, used_k)
+        rows = torch.arange(keys, device="cuda")
+        idx = table.long()[rows // PAGE] * PAGE + rows % PAGE
+        ref = fa3.causal_attention_reference(q, kc.view(-1, HKV, D)[idx],
+                                             vc.view(-1, HKV, D)[idx])
+        for name, fn in calls.items():
+            try:
+                ms = timed(fn, reps)
+                err = (fn()[:T].float() - ref).abs().max().item()
+            except Exception as e:
+                record({"kind": "context", "way": name, "L": T, "S": keys, "error": repr(e)[:300]})
+                continue
+            record({"kind": "context", "way": name, "L": T, "S": keys, "ms": round(ms, 3),
+                    "tflops": round(4 * HQ * D * pairs(T, keys) / ms / 1e9, 1),
+                    "model_ms_10_layers": round(10 * ms, 2), "max_abs_err_vs_fp32": err})
+        del kc, vc
+        torch.cuda.empty_cache()
+
+
 def ttft_rows(args, ways, record) -> None:
     from kernel_bench import engine_stack
 
@@ -159,15 +203,16 @@ def main() -> None:
 
     def line(r: dict) -> str:
         if "error" in r:
-            return f"{r['kind']:6} {r['way']:5} L={r['L']:>6} FAILED {r['error']}"
+            return f"{r['kind']:7} {r['way']:9} L={r['L']:>6} FAILED {r['error']}"
         if r["kind"] == "ttft":
             return f"ttft   {r['way']:5} L={r['L']:>6} {r['ttft_s']:.3f} s"
-        return (f"{r['kind']:6} {r['way']:5} L={r['L']:>6} S={r['S']:>6} {r['ms']:9.3f} ms "
+        return (f"{r['kind']:7} {r['way']:9} L={r['L']:>6} S={r['S']:>6} {r['ms']:9.3f} ms "
                 f"{r['tflops']:6.1f} TFLOP/s err={r.get('max_abs_err_vs_fp32')}")
 
     record, _ = row_log(man, args.json or None, line)
     if not args.skip_kernels:
         kernel_rows(ways, args.reps, record)
+        context_rows(ways, args.reps, record)
     if args.model:
         ttft_rows(args, ways, record)
 
