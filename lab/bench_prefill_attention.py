@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from bench_moe_prefill import timed  # median ms of reps CUDA-event-timed calls
 from kernel_bench import manifest, row_log
 
 from tailored import flags
@@ -54,20 +55,6 @@ def qkv(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch
     k = w[:, HQ * D:(HQ + HKV) * D].view(n, HKV, D)
     v = w[:, (HQ + HKV) * D:].view(n, HKV, D)
     return q, k, v
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def pairs(L: int, S: int) -> int:
