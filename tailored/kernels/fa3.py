@@ -79,13 +79,19 @@ def _multiprocessors(index: int) -> int:
 
 
 def check(device: torch.device) -> None:
-    """One tiny call on `device` at start: a library that loads but cannot run there (a driver
-    older than its CUDA runtime, another GPU) is refused before serving, not at a prompt."""
+    """Tiny calls of both kernels on `device` at start, outside any graph capture: a library
+    that loads but cannot run there (a driver older than its CUDA runtime, another GPU) is
+    refused before serving, not at a prompt or inside a capture (FlashAttention ends the
+    process on a failed launch)."""
     load(device)
     x = torch.zeros(1, 16, HEAD_DIM, dtype=torch.bfloat16, device=device)
     y = torch.zeros(1, 2, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(1, 16, 2, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
     try:
         attention(x, y, y)
+        paged_attention(x, cache, cache, torch.zeros(1, dtype=torch.int32, device=device),
+                        one, one)
         torch.cuda.synchronize(device)
     except RuntimeError as e:
         raise FA3Unavailable(f"FlashAttention-3's library at {library_path()} does not run "
@@ -135,9 +141,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """A chunk's causal attention over its sequence's pages, with its lengths on the device (a
     CUDA graph replays it for any context): q [n, Hq, 256] whose first used_q[0] rows are the
     chunk (the rest pads), over the first used_k[0] keys of the sequence (its cached context and
-    the chunk, stored already) through page_table int32 [max_pages]; k_cache, v_cache
-    [num_pages, page_size, Hkv, 256]. Returns [n, Hq, 256] bf16; rows past used_q[0] are NOT
-    written (the caller masks them)."""
+    the chunk, stored already) through page_table int32 [max_pages] (or [1, max_pages]);
+    k_cache, v_cache [num_pages, page_size, Hkv, 256]. Returns [n, Hq, 256] bf16; rows past
+    used_q[0] are NOT written (the caller masks them). The caller keeps used_q[0] <= n and
+    used_k[0] <= max_pages * page_size on the device: nothing on the host can see them."""
     n, Hq, D = q.shape
     num_pages, page_size, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     if D != HEAD_DIM or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
@@ -145,12 +152,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"{HEAD_DIM} and k, v caches of one shape expected")
     if Hq % Hkv:
         raise ValueError(f"fa3: {Hq} query heads over {Hkv} key heads: heads must divide")
+    if page_table.dim() == 2 and page_table.shape[0] == 1:
+        page_table = page_table[0]
+    if page_table.dim() != 1 or used_q.numel() != 1 or used_k.numel() != 1:
+        raise ValueError(f"fa3: one sequence's page table [max_pages] and one-element lengths "
+                         f"expected, got {tuple(page_table.shape)}, {tuple(used_q.shape)}, "
+                         f"{tuple(used_k.shape)}")
+    table = page_table
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.bfloat16 or t.device != q.device or not t.is_cuda \
                 or t.stride(-1) != 1:
             raise ValueError(f"fa3: {name} must be bf16 on q's CUDA device with a unit last "
                              "stride")
-    table = page_table.reshape(-1)
     for name, t in (("page_table", table), ("used_q", used_q), ("used_k", used_k)):
         if t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
             raise ValueError(f"fa3: {name} must be contiguous int32 on q's device")

@@ -184,16 +184,18 @@ def test_the_built_library_checks_its_arguments_before_any_cuda_call():
     assert b"multiple of 8" in lib.tailored_fa3_error()
 
 
-def _paged_case(C, T, n, seed, pages_total=48, ps=16):
+def _paged_case(C, T, n, seed, pages_total=48, ps=16, width=12):
     """A KV cache of `pages_total` pages with random content, one sequence of C + T keys on
-    scattered pages, q of n rows (the chunk's T, then pads), the sequence's page table and its
-    keys gathered in order (for the reference)."""
+    scattered pages, q of n rows (the chunk's T, then pads), the sequence's page table of
+    `width` entries and its keys gathered in order (for the reference). The table past the
+    sequence's pages holds out-of-range page numbers (a longer sequence's leftovers): a read
+    there would fault."""
     g = torch.Generator().manual_seed(seed)
     kc = torch.randn(pages_total, ps, 2, 256, generator=g).to("cuda", torch.bfloat16)
     vc = torch.randn(pages_total, ps, 2, 256, generator=g).to("cuda", torch.bfloat16)
     npages = (C + T + ps - 1) // ps
     pages = (torch.randperm(pages_total - 1, generator=g)[:npages] + 1).tolist()
-    table = torch.zeros(12, dtype=torch.int32)
+    table = torch.full((width,), 1 << 30, dtype=torch.int32)
     table[:npages] = torch.tensor(pages)
     q = torch.randn(n, 16, 256, generator=g).to("cuda", torch.bfloat16)
     rows = torch.arange(C + T)
@@ -204,9 +206,11 @@ def _paged_case(C, T, n, seed, pages_total=48, ps=16):
 
 
 @needs_fa3
-@pytest.mark.parametrize("C,T,n", [(1, 1, 4), (31, 17, 32), (100, 64, 64), (150, 5, 8)])
-def test_fa3_paged_chunk_matches_the_reference_over_its_pages(C, T, n):
-    q, kc, vc, table, kk, vv = _paged_case(C, T, n, seed=C + T)
+@pytest.mark.parametrize("C,T,n,pages,width", [(1, 1, 4, 48, 12), (31, 17, 32, 48, 12),
+                                               (100, 64, 64, 48, 12), (150, 5, 8, 48, 12),
+                                               (8192, 2048, 2048, 700, 1100)])
+def test_fa3_paged_chunk_matches_the_reference_over_its_pages(C, T, n, pages, width):
+    q, kc, vc, table, kk, vv = _paged_case(C, T, n, seed=C + T, pages_total=pages, width=width)
     used_q = torch.tensor([T], dtype=torch.int32, device="cuda")
     used_k = torch.tensor([C + T], dtype=torch.int32, device="cuda")
     out = fa3.paged_attention(q, kc, vc, table, used_q, used_k)
@@ -218,8 +222,8 @@ def test_fa3_paged_chunk_matches_the_reference_over_its_pages(C, T, n):
 
 @needs_fa3
 def test_fa3_paged_replays_in_a_graph_for_any_context():
-    """One captured call serves chunks of different lengths and contexts: only the device
-    lengths and the page table change between replays."""
+    """One captured graph of two calls (two layers) serves chunks of different lengths and
+    contexts: only the device lengths and the page table change between replays."""
     n = 32
     q, kc, vc, table, _, _ = _paged_case(40, 20, n, seed=1)
     used_q = torch.tensor([20], dtype=torch.int32, device="cuda")
@@ -229,6 +233,7 @@ def test_fa3_paged_replays_in_a_graph_for_any_context():
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        first = fa3.paged_attention(q, kc, vc, table, used_q, used_k)
         out = fa3.paged_attention(q, kc, vc, table, used_q, used_k)
     torch.cuda.current_stream().wait_stream(s)
     for C, T, seed in ((100, 7, 2), (3, 32, 3)):
@@ -243,6 +248,22 @@ def test_fa3_paged_replays_in_a_graph_for_any_context():
         torch.cuda.synchronize()
         ref = fa3.causal_attention_reference(q[:T], kk, vv)
         assert (out[:T].float() - ref).abs().max().item() < 3e-2
+        assert torch.equal(first[:T], out[:T])
+
+
+def test_fa3_paged_refuses_a_batch_of_tables_or_lengths():
+    """One sequence a call: a [B, P] table or lengths of B > 1 are refused before the library
+    is asked (a reshape would have read B tables as one)."""
+    q = torch.zeros(4, 16, 256)
+    cache = torch.zeros(3, 16, 2, 256)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one sequence's page table"):
+        fa3.paged_attention(q, cache, cache, torch.zeros(2, 5, dtype=torch.int32), one, one)
+    with pytest.raises(ValueError, match="one-element lengths"):
+        fa3.paged_attention(q, cache, cache, torch.zeros(5, dtype=torch.int32),
+                            torch.ones(2, dtype=torch.int32), one)
+    with pytest.raises(ValueError, match="bf16 on q's CUDA device"):
+        fa3.paged_attention(q, cache, cache, torch.zeros(1, 5, dtype=torch.int32), one, one)
 
 
 @pytest.mark.skipif(not fa3.DEFAULT_LIB.is_file(), reason="lab/build_fa3.sh not run here")
