@@ -18,20 +18,26 @@ OUT=.fa3
 mkdir -p "$OUT/obj"
 # a source tree already under .fa3/src (a git checkout, or the files copied there to travel
 # with .fa3 to a machine without network) is used as it is
+fetch() {  # fetch DIR URL COMMIT NAME
+    [ -d "$1" ] && return 0
+    if ! git clone -q "$2" "$1" || ! git -C "$1" checkout -q "$3"; then
+        rm -rf "$1"
+        echo "build_fa3.sh: could not clone $4 at $3 from $2; give a checkout of it as" \
+             "${4^^}_SRC=<dir> (or put one at $1)" >&2
+        exit 1
+    fi
+}
 if [ -z "${FA_SRC:-}" ]; then
     FA_SRC=$OUT/src/flash-attention
-    if [ ! -d "$FA_SRC" ]; then
-        git clone -q https://github.com/Dao-AILab/flash-attention "$FA_SRC"
-        git -C "$FA_SRC" checkout -q "$FA_COMMIT"
-    fi
+    fetch "$FA_SRC" https://github.com/Dao-AILab/flash-attention "$FA_COMMIT" fa
 fi
 if [ -z "${CUTLASS_SRC:-}" ]; then
     CUTLASS_SRC=$OUT/src/cutlass
-    if [ ! -d "$CUTLASS_SRC" ]; then
-        git clone -q https://github.com/NVIDIA/cutlass "$CUTLASS_SRC"
-        git -C "$CUTLASS_SRC" checkout -q "$CUTLASS_COMMIT"
-    fi
+    fetch "$CUTLASS_SRC" https://github.com/NVIDIA/cutlass "$CUTLASS_COMMIT" cutlass
 fi
+[ -f "$FA_SRC/hopper/flash.h" ] || { echo "build_fa3.sh: no hopper/flash.h under FA_SRC=$FA_SRC" >&2; exit 1; }
+[ -d "$CUTLASS_SRC/include/cute" ] || { echo "build_fa3.sh: no include/cute under CUTLASS_SRC=$CUTLASS_SRC" >&2; exit 1; }
+command -v nvcc > /dev/null || { echo "build_fa3.sh: nvcc not found (CUDA >= 12.3)" >&2; exit 1; }
 H=$FA_SRC/hopper
 CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 # Everything this model never asks for is compiled out: backward, fp16/fp8, the other head
