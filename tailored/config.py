@@ -248,7 +248,7 @@ class ModelConfig:
         return replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n])
 
 
-GDN_STATE_DTYPES = ("auto", "float32", "bfloat16")  # EngineConfig.gdn_state_dtype's names
+GDN_STATE_DTYPES = flags.GDN_STATE_DTYPES  # EngineConfig.gdn_state_dtype's names
 MAX_SPECULATIVE_TOKENS = 8  # drafts a step at most (vLLM's recipe uses 1-3 with this head)
 # EngineConfig.speculative_method's names: the MTP head's drafts, prompt lookup's (n-gram,
 # engine/prompt_lookup.py), or prompt lookup's where it finds a match, else the MTP's

@@ -46,6 +46,9 @@ def _switch(env: str, default, why: str, kb: str = "", layer: str = "kernel path
     return field(default=default, metadata=meta, repr=not secret)
 
 
+# the GDN recurrent states' storage names: this switch's values and EngineConfig's
+# (--gdn-state-dtype); config.py takes them from here (it imports this module)
+GDN_STATE_DTYPES = ("auto", "float32", "bfloat16")
 # upper bounds shared with the kernels (kernels/moe.py asserts them at import)
 ROUTE_ONE_PROGRAM_UP_TO = 4  # MoE inputs routed and aligned by one program (kb/0024)
 ROUTE_ALIGN_MAX_TOKENS = 64  # one align program per step (a [T, E] tile or T·k sort keys)
@@ -227,7 +230,7 @@ class Flags:
     gdn_state_dtype: str = _switch(
         "GDN_STATE_DTYPE", "auto",
         "default of --gdn-state-dtype: the GDN recurrent states' storage (auto = bf16 for a "
-        "bf16 model)", "kb/0056", "settings", choices=("auto", "float32", "bfloat16"))
+        "bf16 model)", "kb/0056", "settings", choices=GDN_STATE_DTYPES)
     cache: str = _switch(
         "CACHE", "",
         "directory for generated files (the embedded tiny checkpoint); empty = "
