@@ -17,8 +17,11 @@ docs/prefill-attention.md has the A/B):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
@@ -43,18 +46,35 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return o[0].transpose(0, 1)
 
 
+@functools.cache
+def _flash_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch's flash kernel takes grouped heads (`enable_gqa`) here: where it does
+    not, SDPA would fall to its math kernel, whose [heads, L, S] scores at a long context are
+    tens of GB. (Not on CUDA: SDPA's CPU kernels take them.)"""
+    if device.type != "cuda":
+        return True
+    q = torch.zeros(1, 16, 128, 256, dtype=dtype, device=device)
+    k = torch.zeros(1, 2, 128, 256, dtype=dtype, device=device)
+    return can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, True, True), False)
+
+
 def causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The `flash` way: grouped heads and the bottom-right mask inside SDPA's kernel."""
+    """The `flash` way: grouped heads and the bottom-right mask inside SDPA's kernel (heads
+    repeated first where this torch's flash kernel does not group them)."""
     L, S = q.shape[0], k.shape[0]
+    gqa = _flash_takes_grouped_heads(q.device, q.dtype)
+    if not gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qt = q.transpose(0, 1).unsqueeze(0)
     kt = k.transpose(0, 1).unsqueeze(0)
     vt = v.transpose(0, 1).unsqueeze(0)
     with sdpa_kernel(_FLASH_OR_MATH):
         if L == S:
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(L, S),
-                                               enable_gqa=True)
+                                               enable_gqa=gqa)
     return o[0].transpose(0, 1)
 
 

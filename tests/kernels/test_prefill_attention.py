@@ -65,6 +65,17 @@ def test_each_way_matches_the_fp32_reference(L, S, Hq, Hkv, switches):
             assert e <= 2 * errs["sdpa"] + 2e-3 and e < 3e-2, errs
 
 
+def test_flash_repeats_the_heads_where_its_kernel_does_not_group_them(switches, monkeypatch):
+    """Where this torch's flash kernel takes no grouped heads, the flash way repeats them
+    (else SDPA would fall to its math kernel's [heads, L, S] scores): the same result."""
+    q, k, v = _qkv(129, 1000, 16, 2, seed=9)
+    switches(prefill_attention="flash")
+    grouped = prefill_attention.causal_attention(q, k, v)
+    monkeypatch.setattr(prefill_attention, "_flash_takes_grouped_heads", lambda d, t: False)
+    repeated = prefill_attention.causal_attention(q, k, v)
+    assert (repeated.float() - grouped.float()).abs().max() < (2e-2 if CUDA else 1e-6)
+
+
 def test_a_chunk_sees_exactly_its_causal_past(switches):
     """Bottom-right mask: changing a key after the last query's position changes nothing;
     changing the first key changes every query's output."""
