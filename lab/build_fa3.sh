@@ -3,7 +3,8 @@
 # causal or not, one sequence a call; keys strided or in the KV cache's pages) into .fa3/libtailored_fa3.so, with tailored's C entry
 # point (tailored/kernels/fa3_entry.cu) and no torch headers: the library loads through ctypes
 # under any torch (tailored/kernels/fa3.py; docs/prefill-attention.md). .fa3/ is git-ignored:
-# carry it to the GPU machine (`carry: [".fa3"]`) and point TAILORED_FA3_LIB at the .so.
+# carry it to the GPU machine (`carry: [".fa3"]`); the server finds it there (TAILORED_FA3_LIB
+# only for a build elsewhere).
 #
 # Needs nvcc >= 12.3 (13.0 here and on the GPU machines), flash-attention's sources at FA_COMMIT
 # and CUTLASS at the commit flash-attention pins (csrc/cutlass). Either give their checkouts

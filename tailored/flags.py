@@ -131,10 +131,12 @@ class Flags:
 
     prefill_attention: str = _switch(
         "PREFILL_ATTENTION", "sdpa",
-        "a prompt chunk's causal attention: sdpa (key/value heads repeated; a chunk after a "
-        "cached context passes a mask, so no flash kernel), flash (grouped heads and the "
-        "bottom-right mask in SDPA's flash kernel) or fa3 (FlashAttention-3, lab/build_fa3.sh); "
-        "GPU A/B owed", "kb/0069", choices=("sdpa", "flash", "fa3"))
+        "a prompt chunk's causal attention on the kernel path: sdpa (key/value heads repeated; "
+        "a chunk after a cached context passes a mask, so no flash kernel), flash (SDPA's flash "
+        "kernel with the bottom-right mask, grouped heads where it takes them) or fa3 "
+        "(FlashAttention-3, lab/build_fa3.sh; also the context-chunk graphs'); GPU A/B and "
+        "gates owed; not searched by tune (fa3 needs its library)", "kb/0069",
+        choices=("sdpa", "flash", "fa3"), tune=False)
     fa3_lib: str = _switch(
         "FA3_LIB", "",
         "FlashAttention-3 library for prefill_attention=fa3; empty = .fa3/libtailored_fa3.so "
@@ -168,7 +170,8 @@ class Flags:
     ctx_graph_max_pairs: int = _switch(
         "CTX_GRAPH_MAX_PAIRS", 16 * 1024 * 1024,
         "such a chunk takes its graph while new tokens x context keys stay at most this "
-        "(each row re-reads the keys)", "kb/0055", "worker", lo=0, hi=1 << 40)
+        "(each row re-reads the keys); not applied with TAILORED_PREFILL_ATTENTION=fa3", "kb/0055",
+        "worker", lo=0, hi=1 << 40)
     gdn_verify_kernels: bool = _switch(
         "GDN_VERIFY_KERNELS", True,
         "a verify step's GDN layers run all its tokens in one launch each instead of token "

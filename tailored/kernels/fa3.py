@@ -47,10 +47,11 @@ def _load(path: str) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
-        raise FA3Unavailable(f"FlashAttention-3's library at {path} does not load: {e}") from e
+        raise FA3Unavailable(f"FlashAttention-3's library at {path} does not load: {e}; "
+                             "rebuild it here with `bash lab/build_fa3.sh`, or run "
+                             "TAILORED_PREFILL_ATTENTION=sdpa") from e
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.tailored_fa3_fwd.argtypes = [p, p, p, p, p, p, i, i, i, i, i, ll, ll, ll, ll, ll, ll, ll, ll,
-                                     ctypes.c_float, i, i, i, p]
+    lib.tailored_fa3_fwd.argtypes = [p] * 6 + [i] * 5 + [ll] * 8 + [ctypes.c_float, i, i, i, p]
     lib.tailored_fa3_fwd.restype = i
     lib.tailored_fa3_fwd_paged.argtypes = [p] * 9 + [i] * 7 + [ll] * 10 + [ctypes.c_float, i, i, p]
     lib.tailored_fa3_fwd_paged.restype = i
@@ -69,7 +70,7 @@ def load(device: torch.device | None = None) -> ctypes.CDLL:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         raise FA3Unavailable(f"FlashAttention-3's kernel is built for sm_90 (Hopper); this GPU is "
-                             f"sm_{major}{minor}")
+                             f"sm_{major}{minor}: run TAILORED_PREFILL_ATTENTION=sdpa or flash")
     return _load(str(library_path()))
 
 
@@ -95,7 +96,9 @@ def check(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     except RuntimeError as e:
         raise FA3Unavailable(f"FlashAttention-3's library at {library_path()} does not run "
-                             f"on {device}: {e}") from e
+                             f"on {device}: {e}; rebuild it here with `bash lab/build_fa3.sh` "
+                             "(a driver older than its CUDA runtime needs a build with an "
+                             "older nvcc), or run TAILORED_PREFILL_ATTENTION=sdpa") from e
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -185,6 +188,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def main() -> int:
+    """`python -m tailored.kernels.fa3`: exit 0 when the library loads and runs on this GPU (the
+    start-up check), else say why and exit 1: a device call's "build it if it does not"."""
+    try:
+        check(torch.device("cuda"))
+    except FA3Unavailable as e:
+        print(e)
+        return 1
+    print(f"FlashAttention-3 runs here: {library_path()}")
+    return 0
+
+
 def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain fp32 reference: q [L, Hq, D] over k, v [S, Hkv, D], the queries the last L
     positions (bottom-right causal mask), grouped heads repeated. Returns [L, Hq, D] fp32."""
@@ -194,3 +209,7 @@ def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
     mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
     return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask).transpose(0, 1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

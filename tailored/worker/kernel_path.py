@@ -50,7 +50,6 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
     RuntimeError for `--kernels on` where the kernels cannot run."""
     from tailored.worker.kernel_forward import KernelForward
 
-    prefill_attention.check_choice(device)  # fa3 without its library: refused here, at start
     want = kernel_path_asked(ec, device)
     if want:
         why = kernels.unavailable_reason(device.type, model.model.embed_tokens.weight.dtype)
@@ -59,12 +58,16 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
         if why:
             log.warning("kernel path unavailable (%s): running the plain PyTorch path", why)
             want = False
+    way = flags.current().prefill_attention
     if not want:
-        log.info("plain PyTorch path (kernels=%s on %s)%s%s", ec.kernels, device.type,
+        log.info("plain PyTorch path (kernels=%s on %s)%s%s%s", ec.kernels, device.type,
                  "; --enforce-eager has no effect" if ec.enforce_eager else "",
                  "; --prefill-graphs has no effect (kernel path on CUDA only)"
-                 if ec.prefill_graphs else "")
+                 if ec.prefill_graphs else "",
+                 f"; TAILORED_PREFILL_ATTENTION={way} has no effect (kernel path only)"
+                 if way != "sdpa" else "")
         return None
+    prefill_attention.check_choice(device)  # fa3 that cannot run here: refused at start
     km = KernelModel(model, cache)
     kf = KernelForward(km, max_batch=ec.max_num_seqs,
                        max_pages=math.ceil(ec.max_model_len / ec.page_size) + 1,
@@ -83,7 +86,8 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
     if device.type == "cuda":
         _warm_and_capture(kf, cfg, ec, device)
     log.info("kernel path on (CUDA graphs %s, prefill graphs %s, context-chunk graphs %s, "
-             "mixed-step graphs %s, GDN prefill %s, prefill attention %s)", "on" if kf.use_graphs else "off",
+             "mixed-step graphs %s, GDN prefill %s, prefill attention %s)",
+             "on" if kf.use_graphs else "off",
              f"{len(kf.prefill.graphs)} buckets" if kf.prefill.graphs else "off",
              f"{len(kf.ctx.graphs)} buckets" if kf.ctx and kf.ctx.graphs else "off",
              f"{sum(len(m.graphs) for m in kf.mixed)}" if kf.mixed else "off",
