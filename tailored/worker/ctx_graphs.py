@@ -60,6 +60,10 @@ from tailored.worker.graphs import GraphPool, check_rows, prefill_static, replay
 # fine small buckets: a pad row routes to experts of its own, so a 5-token generation prompt
 # padded to 64 rows would read ~3x the expert weights of its own 5 rows
 CTX_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# with FlashAttention-3 (no pairs bound) also these: an eager chunk of 2-4k rows is host-bound
+# (~100-150 ms of host time for ~60-90 ms of GPU work, kb/0055); from 6144 rows the eager MoE
+# takes the grouped GEMM that the graphs' fused_moe does not (kb/0031), so those stay eager
+CTX_BUCKETS_FA3 = (3072, 4096)
 # `ctx_graph_max_pairs` (T·(start_pos + T) key reads a layer at most, see the module
 # docstring): its default 16M is 2048 new tokens after 6k, or 38 after 420k. At the bound,
 # 32 GB of key reads a layer (320 GB a step): ~30 ms from L2, ~80-100 ms from HBM if the rows
@@ -199,11 +203,19 @@ class ContextGraphs:
         """Hidden states [T, H] of the chunk, replayed from the smallest bucket ≥ T."""
         return replay_bucket(self.graphs, batch.seqs[0].num_tokens, self.fill, batch)
 
+    @staticmethod
+    def buckets() -> tuple[int, ...]:
+        """The buckets a capture takes by default: CTX_BUCKETS, and CTX_BUCKETS_FA3 where the
+        bodies run FlashAttention-3 (`prefill_attention` = fa3)."""
+        fa3 = flags.current().prefill_attention == "fa3"
+        return CTX_BUCKETS + (CTX_BUCKETS_FA3 if fa3 else ())
+
     @torch.no_grad()  # startup forwards: never keep autograd's saved activations
     def capture(self, max_tokens: int, buckets=None) -> None:
         """Capture one graph per bucket ≤ max_tokens (largest first) in the pool. The warm-up
         and capture content reads and writes the sinks only (slot 0, page 0)."""
-        sizes = sorted({b for b in (buckets or CTX_BUCKETS) if b <= max_tokens}, reverse=True)
+        sizes = sorted({b for b in (buckets or self.buckets()) if b <= max_tokens},
+                       reverse=True)
         if not sizes:
             return
         self.to_sinks(sizes[0])

@@ -211,6 +211,18 @@ def test_steps_send_a_continuing_chunk_to_its_graph(pair, monkeypatch):
     assert rel_err(hf, hp) < 1e-4
 
 
+def test_fa3_bodies_take_larger_buckets(switches):
+    """With FlashAttention-3 over the pages (no pairs bound) the graphs also take 3072 and
+    4096 rows (eager steps of that size are host-bound), never past 4096 (the eager MoE's
+    grouped GEMM from 6144)."""
+    from tailored.worker.ctx_graphs import CTX_BUCKETS
+
+    assert ContextGraphs.buckets() == CTX_BUCKETS and max(CTX_BUCKETS) == 2048
+    switches(prefill_attention="fa3")
+    assert ContextGraphs.buckets() == CTX_BUCKETS + (3072, 4096)
+    assert max(ContextGraphs.buckets()) < flags.current().moe_grouped_from
+
+
 def test_ctx_splits_fill_the_gpu_and_bound_the_partials():
     assert [ctx_splits(n, 2) for n in (4, 8, 64, 128, 256, 512, 2048)] == [8, 8, 8, 4, 2, 1, 1]
 
