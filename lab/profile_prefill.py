@@ -54,13 +54,11 @@ def kernel_class(name: str) -> str:
 
 
 def flops(cfg, tokens: int, attn_pairs: float) -> dict:
-    """Multiply-add flops x2 of one step's routed experts, dense projections and attention."""
+    """Flops (2 a multiply-add) of one step's routed experts and attention (the dense
+    projections': 2 x `dense_params` a token)."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    L = cfg.num_hidden_layers
     n_attn = sum(1 for t in cfg.layer_types if t == "full_attention")
-    moe = 2 * tokens * cfg.num_experts_per_tok * 3 * H * I * L
-    # dense: every projection's weight elements per token (shared expert, router, GDN and
-    # attention projections), from the model's own parameter count of those modules
+    moe = 2 * tokens * cfg.num_experts_per_tok * 3 * H * I * cfg.num_hidden_layers
     attn = 4 * cfg.num_attention_heads * cfg.head_dim * attn_pairs * n_attn
     return {"moe": moe, "attention": attn}
 
