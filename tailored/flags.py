@@ -124,9 +124,10 @@ class Flags:
         lo=0, hi=1 << 20)
     nvfp4_grouped_from: int = _switch(
         "NVFP4_GROUPED_FROM", 0,
-        "eager steps of at least this many tokens (above the GEMV rows) run NVFP4 routed "
-        "experts as the W4A16 grouped GEMM on the packed weights instead of dequantizing them "
-        "into the bf16 scratch each layer; 0 = off (GPU timing owed)", "kb/0067",
+        "steps of at least this many tokens (above the GEMV rows; eager ones and decode "
+        "graphs, not prefill graphs) run NVFP4 routed experts as the W4A16 grouped GEMM on the "
+        "packed weights instead of dequantizing them into the bf16 scratch each layer (65 = "
+        "every such step); 0 = off (GPU timing owed)", "kb/0067",
         lo=0, hi=1 << 20)
 
     prefill_attention: str = _switch(

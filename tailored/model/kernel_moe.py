@@ -189,10 +189,10 @@ class MoEBlocks:
 
     def use_w4_grouped(self, x: torch.Tensor) -> bool:
         """Whether this MoE input x [T, H] over NVFP4 experts takes the W4A16 grouped GEMM:
-        eager, `w4_grouped_applies`, not a prefill graph body or its warm-up (as
-        `use_w8a8`)."""
-        return (w4_grouped_applies(x.shape[0]) and not self.fused_only
-                and (x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()))
+        `w4_grouped_applies`, eager or in a decode graph (its upper-bound grid and device-side
+        blocks need no host sync; there the alternative refills the 1.6 GB bf16 scratch every
+        layer of every step), not a prefill graph body or its warm-up (`fused_only`)."""
+        return w4_grouped_applies(x.shape[0]) and not self.fused_only
 
     def _grouped_experts(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
         """Layer i's routed experts through `moe_grouped.grouped_experts_sorted`: (outputs in

@@ -3,10 +3,10 @@
 Same computation as `SparseMoe` of the plain path over `nvfp4.DequantExperts`, by step size:
   * up to `nvfp4_gemv_up_to` rows (decode, 64): the experts as W4A16 GEMVs on the packed weights,
     one (token, expert) pair a program (`kernels.nvfp4_moe`);
-  * with `nvfp4_grouped_from` > 0, eager steps of at least that many rows (above the GEMVs):
-    the W4A16 grouped GEMM on the packed weights over expert-sorted rows
-    (`kernels.nvfp4_grouped`, kb/0067), no scratch; never in a CUDA-graph capture or a prefill
-    graph body (`MoEBlocks.use_w4_grouped`), which keep the scratch;
+  * with `nvfp4_grouped_from` > 0, steps of at least that many rows (above the GEMVs), eager
+    or in a decode graph (65-128 rows): the W4A16 grouped GEMM on the packed weights over
+    expert-sorted rows (`kernels.nvfp4_grouped`, kb/0067), no scratch; never in a prefill
+    graph body (`MoEBlocks.use_w4_grouped`), which keeps the scratch;
   * otherwise above (prefill, large decode batches): the layer's experts dequantized into a
     bf16 scratch that every layer reuses (one launch each for gate_up and down,
     `nvfp4_gemv.dequantize_into`), then the bf16 expert GEMMs the engine runs for bf16

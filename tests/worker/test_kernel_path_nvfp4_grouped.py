@@ -62,9 +62,10 @@ def test_prefill_with_the_grouped_gemm_matches_the_plain_path(tiny4_nvfp4_ckpt, 
     assert rel_err(hf2, hp) < 1e-4
 
 
-def test_the_switch_stays_off_in_graph_bodies_and_at_gemv_rows(switches):
+def test_the_switch_stays_off_in_graph_bodies_and_at_gemv_rows(switches, monkeypatch):
     """`use_w4_grouped`: the threshold, above the GEMV rows only, never in a prefill graph
-    body or its warm-up (`fused_only`)."""
+    body or its warm-up (`fused_only`); in a decode graph's capture it applies (no host
+    sync in the grouped GEMM; the scratch would be refilled every layer of every step)."""
     from types import SimpleNamespace
 
     from tailored.model.kernel_moe import MoEBlocks
@@ -78,6 +79,8 @@ def test_the_switch_stays_off_in_graph_bodies_and_at_gemv_rows(switches):
     blocks.fused_only = True
     assert not blocks.use_w4_grouped(x)
     blocks.fused_only = False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert blocks.use_w4_grouped(SimpleNamespace(shape=(100, 8), device=torch.device("cuda")))
     switches(nvfp4_grouped_from=1, nvfp4_gemv_up_to=128)
     assert not blocks.use_w4_grouped(x)  # the GEMVs take these rows
 
