@@ -79,6 +79,26 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _need_bf16(q: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """ValueError naming the first of q and `tensors` that is not bf16 on q's CUDA device with
+    a unit last stride (the kernels' operands)."""
+    for name, t in (("q", q), *tensors.items()):
+        if t.dtype != torch.bfloat16 or t.device != q.device or not t.is_cuda \
+                or t.stride(-1) != 1:
+            raise ValueError(f"fa3: {name} must be bf16 on q's CUDA device with a unit last "
+                             "stride")
+
+
+def _run(lib: ctypes.CDLL, entry, q: torch.Tensor, *args) -> None:
+    """Call C entry `entry` with `args` and the launch's multiprocessor count, device index and
+    stream (q's), the entries' last three arguments; RuntimeError with its reason if it
+    refuses."""
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if entry(*args, _multiprocessors(index), index,
+             torch.cuda.current_stream(q.device).cuda_stream):
+        raise RuntimeError(f"fa3: {lib.tailored_fa3_error().decode()}")
+
+
 def check(device: torch.device) -> None:
     """Tiny calls of both kernels on `device` at start, outside any graph capture: a library
     that loads but cannot run there (a driver older than its CUDA runtime, another GPU) is
@@ -115,26 +135,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         out = torch.empty(L, Hq, D, dtype=torch.bfloat16, device=q.device)
     elif out.shape != q.shape:
         raise ValueError(f"fa3: out {tuple(out.shape)} for q {tuple(q.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t.dtype != torch.bfloat16 or t.device != q.device or not t.is_cuda \
-                or t.stride(-1) != 1:
-            raise ValueError(f"fa3: {name} must be bf16 on q's CUDA device with a unit last "
-                             "stride")
+    _need_bf16(q, k=k, v=v, out=out)
     lse = torch.empty(Hq, L, dtype=torch.float32, device=q.device)
     # the causal kernel's tile counter, one a call (zeroed by the call, inside a graph too):
     # launches in flight together must not hand each other's tiles out
     semaphore = torch.empty(1, dtype=torch.int32, device=q.device)
     lib = load(q.device)
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    sms = _multiprocessors(index)
-    rc = lib.tailored_fa3_fwd(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        semaphore.data_ptr(), L, S, Hq, Hkv, D,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), 1.0 / math.sqrt(D), int(causal), sms, index,
-        torch.cuda.current_stream(q.device).cuda_stream)
-    if rc:
-        raise RuntimeError(f"fa3: {lib.tailored_fa3_error().decode()}")
+    _run(lib, lib.tailored_fa3_fwd, q,
+         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+         semaphore.data_ptr(), L, S, Hq, Hkv, D,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         out.stride(0), out.stride(1), 1.0 / math.sqrt(D), int(causal))
     return out
 
 
@@ -161,30 +172,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"fa3: one sequence's page table [max_pages] and one-element lengths "
                          f"expected, got {tuple(page_table.shape)}, {tuple(used_q.shape)}, "
                          f"{tuple(used_k.shape)}")
-    table = page_table
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.bfloat16 or t.device != q.device or not t.is_cuda \
-                or t.stride(-1) != 1:
-            raise ValueError(f"fa3: {name} must be bf16 on q's CUDA device with a unit last "
-                             "stride")
-    for name, t in (("page_table", table), ("used_q", used_q), ("used_k", used_k)):
+    _need_bf16(q, k_cache=k_cache, v_cache=v_cache)
+    for name, t in (("page_table", page_table), ("used_q", used_q), ("used_k", used_k)):
         if t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
             raise ValueError(f"fa3: {name} must be contiguous int32 on q's device")
     lib = load(q.device)
     out = torch.empty(n, Hq, D, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(Hq, n, dtype=torch.float32, device=q.device)
     meta = torch.empty(lib.tailored_fa3_meta_ints(), dtype=torch.int32, device=q.device)
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    rc = lib.tailored_fa3_fwd_paged(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        meta.data_ptr(), table.data_ptr(), used_q.data_ptr(), used_k.data_ptr(),
-        n, table.numel(), page_size, num_pages, Hq, Hkv, D,
-        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), k_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), v_cache.stride(0), out.stride(0), out.stride(1),
-        1.0 / math.sqrt(D), _multiprocessors(index), index,
-        torch.cuda.current_stream(q.device).cuda_stream)
-    if rc:
-        raise RuntimeError(f"fa3: {lib.tailored_fa3_error().decode()}")
+    _run(lib, lib.tailored_fa3_fwd_paged, q,
+         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(),
+         meta.data_ptr(), page_table.data_ptr(), used_q.data_ptr(), used_k.data_ptr(),
+         n, page_table.numel(), page_size, num_pages, Hq, Hkv, D,
+         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), k_cache.stride(0),
+         v_cache.stride(1), v_cache.stride(2), v_cache.stride(0), out.stride(0), out.stride(1),
+         1.0 / math.sqrt(D))
     return out
 
 

@@ -8,8 +8,9 @@ docs/prefill-attention.md has the A/B):
   sdpa   torch SDPA over key/value heads repeated to the query heads; a chunk after a cached
          context passes a materialised [L, S] mask, which rules out the flash kernels (the
          memory-efficient kernel then computes all L x S scores).
-  flash  torch SDPA with grouped heads in the kernel (no repeated copies) and the bottom-right
-         causal bias (`causal_lower_right`), which its flash kernels take without a mask.
+  flash  torch SDPA's flash kernel with the bottom-right causal bias (`causal_lower_right`),
+         which it takes without a mask, and grouped heads in the kernel where this torch's
+         flash kernel takes them (else the key/value heads are repeated first).
   fa3    FlashAttention-3's Hopper kernel (kernels/fa3.py, built by lab/build_fa3.sh).
 
 `kernels.fa3.causal_attention_reference` is the fp32 reference all three are tested against.

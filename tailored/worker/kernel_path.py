@@ -15,8 +15,8 @@ import time
 import torch
 
 from tailored import flags, kernels
-from tailored.kernels import prefill_attention
 from tailored.config import EngineConfig
+from tailored.kernels import prefill_attention
 from tailored.model.kernel_model import KernelModel
 from tailored.worker.draft_head import DraftHead
 from tailored.worker.memory_plan import kernel_path_asked, spec_max_batch
@@ -91,7 +91,7 @@ def start_kernel_path(model, cache, cfg, ec: EngineConfig, device: torch.device,
              f"{len(kf.prefill.graphs)} buckets" if kf.prefill.graphs else "off",
              f"{len(kf.ctx.graphs)} buckets" if kf.ctx and kf.ctx.graphs else "off",
              f"{sum(len(m.graphs) for m in kf.mixed)}" if kf.mixed else "off",
-             "fla-core" if km.gdn.fla else "reference", flags.current().prefill_attention)
+             "fla-core" if km.gdn.fla else "reference", way)
     return kf
 
 
