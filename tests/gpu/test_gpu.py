@@ -134,6 +134,18 @@ def _kernel_path(model, cache, max_batch=4, max_pages=16, use_graphs=True):
                          use_graphs=use_graphs)
 
 
+def _after_steps(seed: int, precision: str):
+    """(cache, kernel path, `_steps`' state) of a 4-layer full-width bf16 model whose kernel
+    path has run every `_steps` layout eagerly: the sequences the graph tests replay."""
+    model = _full4(torch.bfloat16, seed=seed, precision=precision)
+    cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
+    kf = _kernel_path(model, cache)
+    steps, state = _steps()
+    for layout in steps:
+        kf.forward(ForwardBatch.build(layout, [0], "cuda"))
+    return cache, kf, state
+
+
 def _steps(T_a=130, T_b=77):
     g = torch.Generator().manual_seed(5)
     a = torch.randint(0, 248044, (T_a,), generator=g).tolist()
@@ -209,12 +221,7 @@ def test_fast_path_matches_plain_full_width(dtype, precision, variant, switches)
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4"])
 def test_cuda_graph_replay_equals_eager_bitwise(precision):
     """The captured decode graph computes exactly what its body computes eagerly (bf16)."""
-    model = _full4(torch.bfloat16, seed=2, precision=precision)
-    cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
-    kf = _kernel_path(model, cache)
-    steps, state = _steps()
-    for layout in steps:
-        kf.forward(ForwardBatch.build(layout, [0], "cuda"))
+    cache, kf, state = _after_steps(2, precision)
     kf.decode.capture(sizes=[4])
     layout = [([9 + s], state[s][0], s, False, state[s][1]) for s in (1, 2, 3)]
     snap = [t.clone() for t in (cache.conv, cache.rec, cache.k, cache.v)]
@@ -237,12 +244,7 @@ def test_mixed_graph_replay_equals_its_body_bitwise(precision):
     leave the same cache."""
     from tailored.worker.mixed_graphs import MixedGraphs
 
-    model = _full4(torch.bfloat16, seed=4, precision=precision)
-    cache = HybridCache(model.config, 32, 16, 5, torch.bfloat16, "cuda")
-    kf = _kernel_path(model, cache)
-    steps, state = _steps()
-    for layout in steps:
-        kf.forward(ForwardBatch.build(layout, [0], "cuda"))
+    cache, kf, state = _after_steps(4, precision)
     m = MixedGraphs(kf.km, kf.pool, kf.decode, kf.prefill, "fresh prompt")
     m.min_rows = 1  # 2 decode rows: below the served minimum (32), the same code
     m.capture(max_rows=4, max_tokens=128)
