@@ -94,16 +94,20 @@ def grid_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def block_rows(offsets_ptr, blocks_ptr, pid_m, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, first row, one past the expert's last row) of block pid_m; expert E (and an
-    empty row range) past the last block."""
+def block_rows(offsets_ptr, blocks_ptr, E, NT: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """(N tile, expert, first row, one past the expert's last row) of this program of a grid of
+    (row blocks x NT N tiles), N tiles fastest; expert E (and an empty row range) past the
+    last block."""
+    pid = tl.program_id(0)
+    pid_m = pid // NT
     j = tl.arange(0, BLOCK_E)
     cum = tl.load(blocks_ptr + 1 + j, mask=j < E, other=2147483647)
     e = tl.sum((cum <= pid_m).to(tl.int32), 0)
     ec = tl.minimum(e, E - 1)
     start = tl.load(offsets_ptr + ec) + (pid_m - tl.load(blocks_ptr + ec)) * BLOCK_M
     end = tl.where(e < E, tl.load(offsets_ptr + ec + 1), 0)
-    return e, start, end
+    return pid % NT, e, start, end
 
 
 @triton.jit
@@ -119,9 +123,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, offsets_ptr, block
         pdl_enter()
     NT: tl.constexpr = (I + 127) // 128
     NB_I: tl.constexpr = (I + 127) // 128  # the up half's block rows start here
-    pid = tl.program_id(0)
-    pid_n = pid % NT
-    e, start, end = block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
+    pid_n, e, start, end = block_rows(offsets_ptr, blocks_ptr, E, NT, BLOCK_E, BLOCK_M)
     if start < end:
         r = start + tl.arange(0, BLOCK_M)
         r_ok = r < end
@@ -161,9 +163,7 @@ def _down_kernel(aq_ptr, as_ptr, w_ptr, ws_ptr, offsets_ptr, blocks_ptr, y_ptr, 
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     NT: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    pid_n = pid % NT
-    e, start, end = block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
+    pid_n, e, start, end = block_rows(offsets_ptr, blocks_ptr, E, NT, BLOCK_E, BLOCK_M)
     if start < end:
         r = start + tl.arange(0, BLOCK_M)
         r_ok = r < end

@@ -91,9 +91,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, order_ptr, offsets_ptr, blocks_
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     NT: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    pid_n = pid % NT
-    e, start, end = block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
+    pid_n, e, start, end = block_rows(offsets_ptr, blocks_ptr, E, NT, BLOCK_E, BLOCK_M)
     if start < end:
         r = start + tl.arange(0, BLOCK_M)
         r_ok = r < end
@@ -131,9 +129,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, s2_ptr, offsets_ptr, blocks_ptr, y_ptr, 
     if PDL:  # kernels/pdl.py: wait for the previous kernel first
         pdl_enter()
     NT: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    pid_n = pid % NT
-    e, start, end = block_rows(offsets_ptr, blocks_ptr, pid // NT, E, BLOCK_E, BLOCK_M)
+    pid_n, e, start, end = block_rows(offsets_ptr, blocks_ptr, E, NT, BLOCK_E, BLOCK_M)
     if start < end:
         r = start + tl.arange(0, BLOCK_M)
         r_ok = r < end
