@@ -52,6 +52,9 @@ from tailored.kernels.pdl import enter as pdl_enter
 from tailored.kernels.pdl import launch as pdl_launch
 
 PACKED = torch.uint8  # two E2M1 codes a byte (`model/nvfp4.py`, which kernels/ do not import)
+# GROUP as the jit functions may read it: Triton's compiler refuses a plain int global (its
+# interpreter does not, so only the sm_90 compile test sees it)
+GROUP_C = tl.constexpr(GROUP)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and of down where nothing tunes: small
 # enough tiles that the tests' H/I (208/96) cross N tiles and K steps with partial ones
@@ -67,7 +70,7 @@ def weight_tile(w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn, BLOCK_N: t
     lo, hi, s = packed_tile(w_base, s_base, n, n_ok, stride_wn, stride_sn, k0 // 2, K // 2,
                             BLOCK_K // 2)
     # element 2j is byte j's low nibble, 2j+1 its high one: join restores column order
-    v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // GROUP, GROUP]) * s[:, :, None]
+    v = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K // GROUP_C, GROUP_C]) * s[:, :, None]
     return tl.reshape(v, [BLOCK_N, BLOCK_K])
 
 

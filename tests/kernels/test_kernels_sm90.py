@@ -33,7 +33,8 @@ pytestmark = [
 ]
 
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32",
-         torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.bool: "*i1"}
+         torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv", torch.bool: "*i1",
+         torch.uint8: "*u8"}
 # kernels that read what no kernel of the step writes (weights, the GDN state) before their
 # PDL wait (kb/0040): their PTX loads before the wait; every other kernel's first global load
 # and store come after it
@@ -128,7 +129,7 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
     from tailored.kernels.gdn_decode import conv_step, recurrent_step
     from tailored.kernels.gdn_verify import conv_verify, recurrent_verify
     from tailored.kernels.state_commit import commit_snapshots
-    from tailored.kernels import moe_grouped
+    from tailored.kernels import moe_grouped, moe_w8a8, nvfp4_grouped
     from tailored.kernels.moe import fused_moe, route_fused_moe
     from tailored.kernels.moe_route import route_align
     from tailored.kernels.moe_combine import moe_combine, moe_combine_folded, silu_mul
@@ -216,7 +217,29 @@ def _calls(dtypes=(torch.float32, torch.bfloat16)):
             calls.append(lambda gate_up=gate_up, n=n, kk=kk, dt=dt: moe_grouped.dequantize_experts(
                 torch.zeros(2, n, kk, dtype=f8), torch.ones(2, n // 128, kk // 128), gate_up,
                 dtype=dt))
-        if dt == torch.bfloat16:
+        if dt == torch.bfloat16:  # the prefill experts over FP8 (W8A8, kb/0061) and NVFP4
+            # (W4A16, kb/0067) weights; NVFP4's also with the bf16 dots its CUDA launcher takes
+            # (the interpreter's branch dots in fp32: `interpreted()` stood in for as False)
+            ids40 = torch.randint(0, E, (40, K))
+            calls.append(lambda dt=dt, w40=w40, ids40=ids40: moe_w8a8.w8a8_experts_sorted(
+                torch.randn(40, H, dtype=dt), w40, ids40,
+                torch.zeros(E, 2 * I, H, dtype=f8), torch.zeros(E, H, I, dtype=f8),
+                torch.ones(E, 2 * I // 128, H // 128), torch.ones(E, H // 128, I // 128)))
+
+            def w4a16(served: bool, dt=dt, w40=w40, ids40=ids40):
+                real = nvfp4_grouped.interpreted
+                nvfp4_grouped.interpreted = (lambda: False) if served else real
+                try:
+                    return nvfp4_grouped.nvfp4_grouped_sorted(
+                        torch.randn(40, H, dtype=dt), w40, ids40,
+                        (torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8),
+                         torch.ones(E, 2 * I, H // 16).to(f8), torch.ones(E, 2)),
+                        (torch.zeros(E, H, I // 2, dtype=torch.uint8),
+                         torch.ones(E, H, I // 16).to(f8), torch.ones(E, 1)))
+                finally:
+                    nvfp4_grouped.interpreted = real
+
+            calls += [lambda: w4a16(False), lambda: w4a16(True)]
             calls.append(lambda dt=dt: fused_moe(
                 torch.randn(1600, H, dtype=dt), torch.rand(1600, K, dtype=dt),
                 torch.randint(0, E, (1600, K)), torch.zeros(E, 2 * I, H, dtype=dt),
@@ -323,7 +346,7 @@ KERNELS = {"_qk_norm_rope_kernel", "_moe_combine_kernel", "_silu_mul_kernel", "_
            "_conv_verify_kernel", "_recurrent_verify_kernel", "_commit_kernel",
            "_dequant_experts_kernel", "_route_gate_up_kernel",
            "_gemv_gate_up_kernel", "_gemv_down_kernel", "_fp8_gemv_kernel", "_splitk_kernel",
-           "_reduce_kernel"}
+           "_reduce_kernel", "_blocks_kernel", "_quant_groups_kernel"}
 
 
 def _compile(recs) -> list[dict]:
